@@ -1,0 +1,60 @@
+"""Command line: ``python -m fxpipe demo | plan | show`` (also installed as ``fxpipe``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+EPILOG = """examples:
+  python -m fxpipe demo                                  # ResNet-50 on two CPU workers, checked against the model
+  python -m fxpipe demo --model vit_b_16 --chunks 2 --batch 4
+  python -m fxpipe plan resnet101 --devices cpu,cpu,cpu,cpu --batch 16 --save r101.plan.json
+  python -m fxpipe show r101.plan.json
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fxpipe", description="fxpipe: a pipeline-parallel compiler for PyTorch.",
+                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--devices", default="cpu,cpu", help="comma-separated torch devices (default: cpu,cpu)")
+    common.add_argument("--batch", type=int, default=32, help="batch size (default: 32)")
+    common.add_argument("--chunks", type=int, default=4, help="micro-batches per batch (default: 4)")
+    common.add_argument("--image-size", type=int, default=224, help="input height and width (default: 224)")
+    common.add_argument("--profile", choices=("measure", "estimate"), default="measure",
+                        help="time every node, or estimate from FLOPs (default: measure)")
+    p_demo = sub.add_parser("demo", parents=[common], help="compile a torchvision model, run a training step, compare with the model")
+    p_demo.add_argument("--model", default="resnet50", help="torchvision model name (default: resnet50)")
+    p_plan = sub.add_parser("plan", parents=[common], help="plan a torchvision model and print (and save) the plan")
+    p_plan.add_argument("model", help="torchvision model name, e.g. resnet101")
+    p_plan.add_argument("--save", help="write the plan JSON here")
+    p_show = sub.add_parser("show", help="print the summary of a saved plan")
+    p_show.add_argument("plan")
+    args = parser.parse_args(argv)
+
+    import torch  # imported late so that --help is instant
+
+    import fxpipe
+    if args.command == "show":
+        print(fxpipe.load_plan(args.plan).summary())
+        return 0
+    devices = tuple(d.strip() for d in args.devices.split(",") if d.strip())
+    if args.command == "demo":
+        from fxpipe.demo import run_demo
+        ok = run_demo(args.model, devices, args.batch, args.chunks, args.image_size, args.profile)
+        return 0 if ok else 1
+    import torchvision
+    model = torchvision.models.get_model(args.model).eval()
+    x = torch.randn(args.batch, 3, args.image_size, args.image_size)
+    pipe = fxpipe.compile(model, list(devices), example_inputs=(x,), chunks=args.chunks,
+                          profile=args.profile, progress=True)
+    print(pipe.plan.summary())
+    if args.save:
+        pipe.plan.save(args.save)
+        print(f"saved {args.save}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

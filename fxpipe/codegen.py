@@ -1,0 +1,125 @@
+"""One ``torch.fx.GraphModule`` per stage, with explicit inputs and outputs.
+
+Written instead of ``torch.fx.passes.split_module`` because the pipeline needs
+two things that pass does not give: a value produced in stage ``a`` and read in
+stage ``b > a + 1`` (a skip connection) goes straight to ``b``, not through the
+stages between; and a ``get_attr`` of a shared parameter belongs to exactly one
+stage and reaches the others as a value (so it lives on one device and its
+gradient flows back through autograd). The stage graphs are built with
+``Graph.node_copy``; the stage modules reference the model's own submodules and
+parameters (no copies).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+__all__ = ["StageSpec", "split_graph", "is_inplace", "move_stage"]
+
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+                      operator.ilshift, operator.irshift, operator.imatmul}
+# Ops whose output may share memory with their first argument.
+_VIEW_METHODS = {"view", "view_as", "reshape", "flatten", "transpose", "permute", "t", "unsqueeze", "squeeze",
+                 "expand", "expand_as", "narrow", "select", "chunk", "split", "unbind", "contiguous",
+                 "as_strided", "detach", "unflatten", "movedim", "swapaxes", "diagonal", "unfold", "__getitem__"}
+
+
+@dataclass
+class StageSpec:
+    index: int
+    module: fx.GraphModule
+    inputs: list[str]    # names of values this stage reads (graph inputs or earlier stages' outputs)
+    outputs: list[str]   # names of values later stages or the model output read
+
+
+def is_inplace(node: fx.Node, root: torch.nn.Module) -> bool:
+    """Whether ``node`` writes into its first argument."""
+    if node.op == "call_module":
+        return bool(getattr(root.get_submodule(node.target), "inplace", False))
+    if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
+        return True
+    if node.op in ("call_function", "call_method"):
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        return bool(node.kwargs.get("inplace", False)) or (name.endswith("_") and not name.endswith("__"))
+    return False
+
+
+def _may_alias(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _VIEW_METHODS
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        return node.target is operator.getitem or name in _VIEW_METHODS
+    return False
+
+
+def _protect_mutated_inputs(graph: fx.Graph, root: torch.nn.Module) -> None:
+    """Clone every stage input that the stage writes into, before anything reads it.
+
+    The input belongs to the previous stage (autograd may have saved it) and is
+    re-read when a checkpointed stage recomputes; writing into it in place would
+    corrupt both, so the stage works on its own copy.
+    """
+    for ph in [n for n in graph.nodes if n.op == "placeholder"]:
+        aliases, frontier = {ph}, [ph]
+        while frontier:
+            n = frontier.pop()
+            for u in n.users:
+                if u not in aliases and _may_alias(u) and u.args and u.args[0] is n:
+                    aliases.add(u)
+                    frontier.append(u)
+        mutated = any(is_inplace(u, root) and u.args and u.args[0] in aliases
+                      for a in aliases for u in a.users)
+        if mutated:
+            last_ph = [n for n in graph.nodes if n.op == "placeholder"][-1]
+            with graph.inserting_after(last_ph):
+                copy = graph.call_function(torch.clone, (ph,))
+            ph.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy)
+
+
+def split_graph(gm: fx.GraphModule, stage_of: dict[str, int], num_stages: int) -> list[StageSpec]:
+    """Split ``gm`` by ``stage_of`` (node name -> stage); placeholders are the pipeline's inputs."""
+    nodes = list(gm.graph.nodes)
+    compute = [n for n in nodes if n.op not in ("placeholder", "output")]
+    missing = [n.name for n in compute if n.name not in stage_of]
+    if missing:
+        raise ValueError(f"{len(missing)} graph nodes have no stage, e.g. {missing[:3]}")
+    for n in compute:
+        for u in n.users:
+            if u.op != "output" and stage_of[u.name] < stage_of[n.name]:
+                raise ValueError(
+                    f"node {u.name!r} (stage {stage_of[u.name]}) reads {n.name!r} from a later stage "
+                    f"{stage_of[n.name]}: stages must follow the data flow"
+                )
+    specs = []
+    for k in range(num_stages):
+        own = [n for n in compute if stage_of[n.name] == k]
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        inputs: list[fx.Node] = []
+        for n in own:
+            for a in n.all_input_nodes:
+                if a not in env and (a.op == "placeholder" or stage_of[a.name] != k) and a not in inputs:
+                    inputs.append(a)
+        for a in inputs:
+            env[a] = graph.placeholder(a.name)
+        for n in own:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+        outputs = [n for n in own
+                   if any(u.op == "output" or stage_of[u.name] > k for u in n.users)]
+        graph.output(tuple(env[n] for n in outputs))
+        _protect_mutated_inputs(graph, gm)
+        graph.lint()
+        module = fx.GraphModule(gm, graph, f"Stage{k}")
+        specs.append(StageSpec(k, module, [a.name for a in inputs], [n.name for n in outputs]))
+    return specs
+
+
+def move_stage(spec: StageSpec, device: torch.device) -> None:
+    """Put a stage's parameters and buffers on ``device`` (in place, like torchgpipe)."""
+    spec.module.to(device)

@@ -1,0 +1,207 @@
+"""``fxpipe.compile``: trace, profile, plan, split and wrap a model as a :class:`Pipeline`."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import nn
+
+import solvers
+from fxpipe import __version__
+from fxpipe.codegen import move_stage, split_graph
+from fxpipe.errors import InfeasiblePlanError, PlanMismatchError
+from fxpipe.fingerprint import graph_fingerprint
+from fxpipe.lowering import build_problem, device_memory_bytes, problem_device_ids
+from fxpipe.microbatch import batch_size_of, scatter
+from fxpipe.pipeline import CHECKPOINT_MODES, Pipeline
+from fxpipe.plan import Plan, PlanStage
+from fxpipe.profile import PROFILE_MODES, profile_graph
+from fxpipe.topology import links_for_devices
+from fxpipe.trace import trace
+
+__all__ = ["compile", "parse_devices"]
+
+log = logging.getLogger("fxpipe")
+SCHEDULES = ("gpipe",)
+
+
+def parse_devices(devices: Sequence[str | torch.device]) -> list[torch.device]:
+    """Validate device strings; ``["cpu", "cpu"]`` means two CPU workers."""
+    if isinstance(devices, (str, torch.device)) or not devices:
+        raise ValueError(f"devices must be a non-empty list such as ['cpu', 'cpu'] or ['cuda:0', 'cuda:1'], got {devices!r}")
+    out = []
+    for d in devices:
+        try:
+            dev = torch.device(d)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"{d!r} is not a torch device string ('cpu', 'cuda:0', ...): {exc}") from exc
+        if dev.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            index = dev.index if dev.index is not None else 0
+            if index >= count:
+                raise ValueError(f"device {str(d)!r} does not exist: this machine has {count} CUDA device(s)")
+            dev = torch.device("cuda", index)
+        elif dev.type != "cpu":
+            raise ValueError(f"device {str(d)!r}: fxpipe runs stages on 'cpu' and 'cuda' devices")
+        out.append(dev)
+    return out
+
+
+def _mode_dependent(model: nn.Module, leaf_modules: Iterable[Any], concrete_args: Any, fingerprint: str) -> bool:
+    """Whether tracing in the other train/eval mode gives another graph."""
+    was = model.training
+    try:
+        model.train(not was)
+        other = trace(model, leaf_modules, concrete_args)
+    finally:
+        model.train(was)
+    return graph_fingerprint(other) != fingerprint
+
+
+def _progress(enabled: bool):
+    if not enabled:
+        return None
+    start = time.perf_counter()
+
+    tty = sys.stderr.isatty()
+
+    def report(done: int, total: int) -> None:
+        if done == total or (tty and done % max(1, total // 20) == 0):
+            width = 30
+            bar = "#" * (width * done // total)
+            sys.stderr.write(f"\rprofiling [{bar:<{width}}] {done}/{total} nodes "
+                             f"{time.perf_counter() - start:5.1f}s")
+            if done == total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+    return report
+
+
+def compile(
+    model: nn.Module,
+    devices: Sequence[str | torch.device],
+    example_inputs: tuple | None = None,
+    *,
+    chunks: int | None = None,
+    plan: Plan | None = None,
+    checkpoint: str = "except_last",
+    schedule: str = "gpipe",
+    stages: int | None = None,
+    profile: str = "measure",
+    warmup: int = 1,
+    repeats: int = 3,
+    leaf_modules: Iterable[type | str] = (),
+    concrete_args: dict[str, Any] | None = None,
+    optimizer_state_factor: float = 0.0,
+    memory_bytes: Sequence[float] | None = None,
+    progress: bool = False,
+) -> Pipeline:
+    """Compile ``model`` into a pipeline over ``devices``.
+
+    Args:
+        model: any ``nn.Module`` that torch.fx can trace (see ``leaf_modules``).
+            Its parameters are used in place (moved to the stage devices, like torchgpipe).
+        devices: torch device strings, one per pipeline stage at most; ``["cpu", "cpu"]``
+            is two CPU workers.
+        example_inputs: a tuple of inputs of one full batch; needed unless ``plan`` is given.
+        chunks: micro-batches per batch (default: ``plan.chunks`` or ``min(batch, 4 x devices)``).
+        plan: a plan from :func:`fxpipe.load_plan`; skips profiling and solving.
+        checkpoint: ``"always"``, ``"except_last"`` (default, as torchgpipe) or ``"never"``.
+        schedule: ``"gpipe"``.
+        stages: a fixed number of stages; default lets the solver choose up to ``len(devices)``.
+        profile: ``"measure"`` (time every node) or ``"estimate"`` (FLOP count, fast).
+        leaf_modules, concrete_args: tracing options (see :func:`fxpipe.trace.trace`).
+        optimizer_state_factor: optimizer state per parameter byte (Adam: 2) for the memory limit.
+        memory_bytes: per-device memory override for the memory limit.
+        progress: print a profiling progress bar on stderr.
+    """
+    devs = parse_devices(devices)
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r} is not supported by the embedded executor; use one of {SCHEDULES}")
+    if profile not in PROFILE_MODES:
+        raise ValueError(f"profile must be one of {', '.join(PROFILE_MODES)}, got {profile!r}")
+    gm = trace(model, leaf_modules, concrete_args)
+    fingerprint = graph_fingerprint(gm)
+    mode_dependent = _mode_dependent(model, leaf_modules, concrete_args, fingerprint)
+
+    if plan is not None:
+        if plan.fingerprint != fingerprint:
+            raise PlanMismatchError(
+                f"the plan was made for another model ({plan.model}, fingerprint {plan.fingerprint[:12]}) "
+                f"but this {type(model).__name__} traces to fingerprint {fingerprint[:12]}; "
+                "compile without plan= to make a new one"
+            )
+        if [str(d) for d in devs] != [str(torch.device(d)) for d in plan.devices]:
+            raise PlanMismatchError(f"the plan was made for devices {plan.devices}, got {[str(d) for d in devs]}")
+        if chunks is not None and chunks != plan.chunks:
+            raise PlanMismatchError(f"the plan was made for chunks={plan.chunks}, got chunks={chunks}")
+        if plan.traced_training != model.training and mode_dependent:
+            raise PlanMismatchError("the plan was made in the other train/eval mode of this mode-dependent model")
+        the_plan = plan
+    else:
+        if example_inputs is None:
+            raise ValueError("example_inputs is required to profile the model (or pass plan=fxpipe.load_plan(...))")
+        if not isinstance(example_inputs, tuple):
+            example_inputs = (example_inputs,)
+        batch = batch_size_of(list(example_inputs))
+        chunks = chunks if chunks is not None else min(batch, 4 * len(devs))
+        first = [x.to(devs[0]) if isinstance(x, torch.Tensor) else x for x in scatter(list(example_inputs), chunks)[0]]
+        gm.to(devs[0])
+        try:
+            costs = profile_graph(gm, tuple(first), devs[0], mode=profile, warmup=warmup, repeats=repeats,
+                                  progress=_progress(progress))
+        except Exception as exc:
+            raise ValueError(
+                f"running the model on example_inputs failed while profiling: {type(exc).__name__}: {exc}; "
+                "check that example_inputs match the model's forward()"
+            ) from exc
+        links = links_for_devices(devs)
+        mem = list(memory_bytes) if memory_bytes is not None else device_memory_bytes(devs)
+        if len(mem) != len(devs):
+            raise ValueError(f"memory_bytes has {len(mem)} entries for {len(devs)} devices")
+        problem = build_problem(gm, costs, devs, links, chunks, mem, stages=stages,
+                                optimizer_state_factor=optimizer_state_factor, name=type(model).__name__)
+        try:
+            solution = solvers.solve(problem)
+        except solvers.InfeasibleError as exc:
+            raise InfeasiblePlanError(str(exc), exc.min_peak_bytes) from exc
+        the_plan = _plan_from_solution(problem, solution, devices, fingerprint, type(model).__name__,
+                                       chunks, checkpoint, batch, profile, str(devs[0]), model.training)
+    stage_of = the_plan.stage_of()
+    specs = split_graph(gm, stage_of, len(the_plan.stages))
+    stage_devices = [torch.device(s.device) for s in the_plan.stages]
+    for spec, dev in zip(specs, stage_devices):
+        move_stage(spec, dev)
+    return Pipeline(gm, specs, stage_devices, the_plan, checkpoint=checkpoint, mode_dependent=mode_dependent)
+
+
+def _plan_from_solution(problem: solvers.Problem, solution: solvers.Solution, devices: Sequence[Any],
+                        fingerprint: str, model_name: str, chunks: int, checkpoint: str, batch: int,
+                        profile: str, profile_device: str, training: bool) -> Plan:
+    ids = problem_device_ids([torch.device(d) for d in devices])
+    nodes = problem.node_map()
+    pred = solution.predicted
+    stages = []
+    for k, st in enumerate(solution.stages):
+        dev = str(torch.device(devices[ids.index(st.devices[0])]))
+        members = [nodes[n] for n in st.nodes]
+        stages.append(PlanStage(
+            index=k, device=dev, nodes=list(st.nodes),
+            param_bytes=sum(n.param_bytes for n in members), act_bytes=sum(n.act_bytes for n in members),
+            fwd_s=sum(n.fwd_s for n in members), bwd_s=sum(n.bwd_s for n in members),
+            comm_s=pred["comm_s"][k], stage_s=pred["stage_s"][k], peak_bytes=pred["peak_bytes"][k],
+        ))
+    predicted = {"iteration_s": pred["iteration_s"], "bottleneck_stage": pred["bottleneck"],
+                 "throughput_samples_per_s": batch / pred["iteration_s"] if pred["iteration_s"] > 0 else float("inf")}
+    return Plan(
+        fingerprint=fingerprint, model=model_name, devices=[str(torch.device(d)) for d in devices],
+        chunks=chunks, schedule=problem.schedule, checkpoint=checkpoint, batch_size=batch, stages=stages,
+        predicted=predicted, solver=dict(solution.solver), traced_training=training,
+        profile={"mode": profile, "device": profile_device}, problem=problem.to_dict(), fxpipe_version=__version__,
+    )

@@ -1,0 +1,84 @@
+"""From a profiled fx graph and a device list to a ``solvers.Problem``, and back.
+
+The node order handed to the solver is the graph's order with every
+``get_attr`` moved to just before its first user, so that a parameter read by
+a node lands in that node's stage rather than wherever tracing met it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.fx as fx
+
+import solvers
+from fxpipe.profile import NodeCost
+from fxpipe.topology import Links
+
+__all__ = ["solver_order", "build_problem", "device_memory_bytes", "problem_device_ids"]
+
+
+def solver_order(gm: fx.GraphModule) -> list[fx.Node]:
+    """Graph order, ``output`` dropped, ``get_attr`` nodes sunk to their first user."""
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    attrs = {n for n in nodes if n.op == "get_attr" and n.users}
+    order: list[fx.Node] = []
+    placed: set[fx.Node] = set()
+    for n in nodes:
+        if n in attrs:
+            continue
+        for a in n.all_input_nodes:
+            if a in attrs and a not in placed:
+                order.append(a)
+                placed.add(a)
+        order.append(n)
+        placed.add(n)
+    order += [n for n in nodes if n not in placed]  # unused attributes
+    return order
+
+
+def device_memory_bytes(devices: list[torch.device]) -> list[float]:
+    """Memory each pipeline device may use: a GPU's total, or host RAM shared by CPU workers."""
+    cpu_workers = sum(1 for d in devices if d.type == "cpu")
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    out = []
+    for d in devices:
+        if d.type == "cuda":
+            out.append(float(torch.cuda.get_device_properties(d).total_memory))
+        else:
+            out.append(float(host) / max(cpu_workers, 1))
+    return out
+
+
+def problem_device_ids(devices: list[torch.device]) -> list[str]:
+    """Unique ids for the solver: ``"0:cpu"``, ``"1:cpu"``, ``"2:cuda:0"``..."""
+    return [f"{i}:{d}" for i, d in enumerate(devices)]
+
+
+def build_problem(
+    gm: fx.GraphModule,
+    costs: dict[str, NodeCost],
+    devices: list[torch.device],
+    links: Links,
+    micro_batches: int,
+    memory_bytes: list[float],
+    stages: int | None = None,
+    optimizer_state_factor: float = 0.0,
+    schedule: str = "gpipe",
+    name: str = "model",
+) -> solvers.Problem:
+    order = solver_order(gm)
+    in_problem = set(order)
+    nodes = [solvers.Node(n.name, costs[n.name].fwd_s, costs[n.name].bwd_s,
+                          float(costs[n.name].param_bytes), float(costs[n.name].act_bytes)) for n in order]
+    edges = [solvers.Edge(n.name, u.name, float(costs[n.name].output_bytes))
+             for n in order for u in n.users if u in in_problem]
+    ids = problem_device_ids(devices)
+    return solvers.Problem(
+        nodes=nodes, edges=edges,
+        devices=[solvers.Device(i, m, 1.0) for i, m in zip(ids, memory_bytes)],
+        bandwidth_Bps=links.bandwidth_Bps, latency_s=links.latency_s,
+        micro_batches=micro_batches, schedule=schedule, stages=stages,
+        optimizer_state_factor=optimizer_state_factor, name=name,
+    )

@@ -1,0 +1,136 @@
+"""``fxpipe.Plan``: the pipeline decision and its predicted costs, as versioned JSON.
+
+A plan names, for every stage, its device and the traced nodes it runs, and
+carries the graph fingerprint of the model it was made for, the profiled
+problem it was solved from and the solver's certificate. Loading parses JSON
+and checks fields; it never executes code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fxpipe.errors import PlanFormatError
+
+__all__ = ["Plan", "PlanStage", "load_plan", "PLAN_FORMAT"]
+
+PLAN_FORMAT = "fxpipe-plan/1"
+
+
+@dataclass
+class PlanStage:
+    index: int
+    device: str
+    nodes: list[str]
+    param_bytes: float = 0.0
+    act_bytes: float = 0.0
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    comm_s: float = 0.0
+    stage_s: float = 0.0
+    peak_bytes: float = 0.0
+
+
+@dataclass
+class Plan:
+    """Stages, devices, micro-batching and predictions of one compiled pipeline."""
+
+    fingerprint: str
+    model: str
+    devices: list[str]
+    chunks: int
+    schedule: str
+    checkpoint: str
+    batch_size: int
+    stages: list[PlanStage]
+    predicted: dict[str, Any] = field(default_factory=dict)
+    solver: dict[str, Any] = field(default_factory=dict)
+    profile: dict[str, Any] = field(default_factory=dict)
+    traced_training: bool = False
+    problem: dict[str, Any] | None = None
+    fxpipe_version: str = ""
+
+    # ------------------------------------------------------------------ views
+    def stage_of(self) -> dict[str, int]:
+        return {n: s.index for s in self.stages for n in s.nodes}
+
+    def summary(self) -> str:
+        """A table of stages with predicted times and memory, then the pipeline totals."""
+        head = ["stage", "device", "nodes", "param MiB", "fwd ms", "bwd ms", "comm ms", "act MiB", "peak MiB", "stage ms"]
+        rows = []
+        worst = self.predicted.get("bottleneck_stage")
+        for s in self.stages:
+            rows.append([
+                f"{s.index}{'*' if s.index == worst else ''}", s.device, str(len(s.nodes)),
+                f"{s.param_bytes / 2**20:.1f}", f"{s.fwd_s * 1e3:.2f}", f"{s.bwd_s * 1e3:.2f}",
+                f"{s.comm_s * 1e3:.3f}", f"{s.act_bytes / 2**20:.1f}", f"{s.peak_bytes / 2**20:.1f}",
+                f"{s.stage_s * 1e3:.2f}",
+            ])
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+        line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+        out = [f"fxpipe plan for {self.model}: {len(self.stages)} stages, batch {self.batch_size} in "
+               f"{self.chunks} micro-batches, schedule {self.schedule}, checkpoint {self.checkpoint}",
+               line(head), line(["-" * w for w in widths])]
+        out += [line(r) for r in rows]
+        p = self.predicted
+        if p:
+            out.append(
+                f"bottleneck: stage {worst} (*)  predicted iteration {p['iteration_s'] * 1e3:.2f} ms  "
+                f"throughput {p['throughput_samples_per_s']:.1f} samples/s  "
+                f"(profile: {self.profile.get('mode', '?')} on {self.profile.get('device', '?')}; "
+                f"solver: {self.solver.get('method', '?')}, optimal={self.solver.get('optimal', '?')})"
+            )
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc = {"format": PLAN_FORMAT, **doc}
+        return doc
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan as JSON to ``path``."""
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> "Plan":
+        if not isinstance(doc, dict):
+            raise PlanFormatError("a plan must be a JSON object")
+        if doc.get("format") != PLAN_FORMAT:
+            raise PlanFormatError(
+                f"plan format is {doc.get('format')!r}; this fxpipe reads {PLAN_FORMAT!r}. "
+                "Re-create the plan with fxpipe.compile(..., example_inputs=...) and save it again"
+            )
+        required = {"fingerprint": str, "model": str, "devices": list, "chunks": int, "schedule": str,
+                    "checkpoint": str, "batch_size": int, "stages": list}
+        for key, typ in required.items():
+            if not isinstance(doc.get(key), typ):
+                raise PlanFormatError(f"plan field {key!r} must be a {typ.__name__}, got {doc.get(key)!r}")
+        stages = []
+        for i, s in enumerate(doc["stages"]):
+            if not isinstance(s, dict) or not isinstance(s.get("nodes"), list) or not isinstance(s.get("device"), str):
+                raise PlanFormatError(f"plan stages[{i}] needs 'device' (str) and 'nodes' (list)")
+            known = {k: s[k] for k in PlanStage.__dataclass_fields__ if k in s}
+            known.setdefault("index", i)
+            stages.append(PlanStage(**known))
+        kwargs = {k: doc[k] for k in cls.__dataclass_fields__ if k in doc and k != "stages"}
+        return cls(stages=stages, **kwargs)
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan saved by :meth:`Plan.save`. Parses JSON only; never executes code."""
+    try:
+        doc = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PlanFormatError(f"{path} is not JSON: {exc}") from exc
+    return Plan.from_dict(doc)
+

@@ -1,0 +1,212 @@
+"""Per-node costs of a traced graph at the micro-batch size.
+
+Two modes:
+
+* ``"measure"``: each node's forward and backward is timed on the target
+  device (warm-up, repeats, median; CUDA is synchronised around each timing).
+  Backward is ``torch.autograd.grad`` of the node's outputs with respect to its
+  inputs and parameters, which does not touch ``.grad``.
+* ``"estimate"``: no timing; a node costs ``max(FLOPs / peak, bytes / bandwidth)``
+  with FLOPs from ``torch.utils.flop_counter.FlopCounterMode``, and backward
+  twice forward. Fast, for sweeps and tests; the ranking is what it is good for.
+
+Both modes record, from one real run of the graph: bytes that autograd saves for
+backward (``saved_tensors_hooks``; each storage counted once, at the first node
+that saves it; parameters excluded), parameter bytes (each parameter counted
+once, at its first user) and output bytes. Buffers, parameters and the RNG are
+restored afterwards, so profiling leaves the model as it found it.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode
+
+__all__ = ["NodeCost", "profile_graph", "PROFILE_MODES", "run_node"]
+
+log = logging.getLogger(__name__)
+
+PROFILE_MODES = ("measure", "estimate")
+# Nominal rates of the "estimate" mode: only ratios between nodes matter there.
+_ESTIMATE_FLOPS = {"cpu": 5e10, "cuda": 1e13}
+_ESTIMATE_BANDWIDTH = {"cpu": 1e10, "cuda": 1e12}
+_ESTIMATE_OVERHEAD_S = 2e-6
+
+
+@dataclass
+class NodeCost:
+    fwd_s: float = 0.0
+    bwd_s: float = 0.0
+    param_bytes: int = 0
+    act_bytes: int = 0
+    output_bytes: int = 0
+    flops: int = 0
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _unique_bytes(tensors: list[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def run_node(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict) -> Any:
+    """Execute one fx node on concrete arguments."""
+    if node.op == "call_module":
+        return gm.get_submodule(node.target)(*args, **kwargs)
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    raise ValueError(f"run_node cannot execute {node.op} node {node.name}")
+
+
+def _is_inplace(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if node.op == "call_module":
+        return bool(getattr(gm.get_submodule(node.target), "inplace", False))
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return bool(node.kwargs.get("inplace", False)) or (name.endswith("_") and not name.endswith("__"))
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the graph once, keeping every value and attributing saved tensors to nodes."""
+
+    def __init__(self, gm: fx.GraphModule, count_flops: bool) -> None:
+        super().__init__(gm, garbage_collect_values=False)
+        self.current: str | None = None
+        self.act_bytes: dict[str, int] = {}
+        self.flops: dict[str, int] = {}
+        self.count_flops = count_flops
+        self._seen: set[int] = {t.untyped_storage().data_ptr()
+                                for t in list(gm.parameters()) + list(gm.buffers())}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if self.current is not None and st.data_ptr() not in self._seen and st.nbytes() > 0:
+            self._seen.add(st.data_ptr())
+            self.act_bytes[self.current] = self.act_bytes.get(self.current, 0) + st.nbytes()
+        return t
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.current = n.name
+        if not self.count_flops or n.op not in ("call_module", "call_function", "call_method"):
+            return super().run_node(n)
+        with FlopCounterMode(display=False) as counter:
+            out = super().run_node(n)
+        self.flops[n.name] = counter.get_total_flops()
+        return out
+
+
+def _time_node(gm: fx.GraphModule, node: fx.Node, env: dict[str, Any], device: torch.device,
+               warmup: int, repeats: int) -> tuple[float, float]:
+    """Median forward and backward seconds of one node on its recorded inputs."""
+    sync: Callable[[], None] = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    clone = _is_inplace(gm, node)
+    params = [p for p in gm.get_submodule(node.target).parameters() if p.requires_grad] \
+        if node.op == "call_module" else []
+    fwd, bwd = [], []
+    for i in range(warmup + repeats):
+        leaves: list[torch.Tensor] = []
+
+        def prepare(v: Any) -> Any:
+            if isinstance(v, torch.Tensor):
+                leaf = v.detach().requires_grad_(v.requires_grad)
+                if leaf.requires_grad:
+                    leaves.append(leaf)
+                return leaf.clone() if clone else leaf
+            return v
+
+        args = fx.node.map_aggregate(fx.node.map_arg(node.args, lambda n: env[n.name]), prepare)
+        kwargs = fx.node.map_aggregate(fx.node.map_arg(node.kwargs, lambda n: env[n.name]), prepare)
+        sync()
+        t0 = time.perf_counter()
+        out = run_node(gm, node, args, kwargs)
+        sync()
+        t1 = time.perf_counter()
+        outs = [t for t in _tensors(out) if t.requires_grad]
+        wrt = leaves + params
+        t2 = t3 = 0.0
+        if outs and wrt:
+            grads = [torch.ones_like(t) for t in outs]
+            sync()
+            t2 = time.perf_counter()
+            torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+            sync()
+            t3 = time.perf_counter()
+        if i >= warmup:
+            fwd.append(t1 - t0)
+            bwd.append(t3 - t2)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def profile_graph(
+    gm: fx.GraphModule,
+    micro_inputs: tuple,
+    device: torch.device,
+    mode: str = "measure",
+    warmup: int = 1,
+    repeats: int = 3,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, NodeCost]:
+    """Costs of every node of ``gm`` for one micro-batch ``micro_inputs`` on ``device``."""
+    if mode not in PROFILE_MODES:
+        raise ValueError(f"unknown profile mode {mode!r}; expected one of {', '.join(PROFILE_MODES)}")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"profiling needs repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    saved_buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
+    rng = torch.random.get_rng_state()
+    try:
+        recorder = _Recorder(gm, count_flops=(mode == "estimate"))
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+            recorder.run(*micro_inputs)
+        env = {n.name: v for n, v in recorder.env.items()}
+        costs: dict[str, NodeCost] = {}
+        counted: set[int] = set()
+        nodes = list(gm.graph.nodes)
+        for i, node in enumerate(nodes):
+            cost = costs[node.name] = NodeCost()
+            if node.op == "call_module":
+                owned = list(gm.get_submodule(node.target).parameters())
+            elif node.op == "get_attr" and isinstance(env.get(node.name), torch.nn.Parameter):
+                owned = [env[node.name]]
+            else:
+                owned = []
+            for p in owned:
+                if id(p) not in counted:
+                    counted.add(id(p))
+                    cost.param_bytes += p.numel() * p.element_size()
+            if node.op != "output":
+                cost.output_bytes = _unique_bytes(_tensors(env.get(node.name)))
+            cost.act_bytes = recorder.act_bytes.get(node.name, 0)
+            if node.op in ("call_module", "call_function", "call_method"):
+                if mode == "measure":
+                    cost.fwd_s, cost.bwd_s = _time_node(gm, node, env, device, warmup, repeats)
+                else:
+                    cost.flops = recorder.flops.get(node.name, 0)
+                    moved = cost.output_bytes + sum(_unique_bytes(_tensors(env[a.name]))
+                                                    for a in node.all_input_nodes)
+                    kind = "cuda" if device.type == "cuda" else "cpu"
+                    cost.fwd_s = max(cost.flops / _ESTIMATE_FLOPS[kind],
+                                     moved / _ESTIMATE_BANDWIDTH[kind]) + _ESTIMATE_OVERHEAD_S
+                    cost.bwd_s = 2.0 * cost.fwd_s
+            if progress is not None:
+                progress(i + 1, len(nodes))
+    finally:
+        with torch.no_grad():
+            for name, b in gm.named_buffers():
+                b.copy_(saved_buffers[name])
+        torch.random.set_rng_state(rng)
+    return costs

@@ -1,0 +1,108 @@
+"""Interconnect between devices: ``nvidia-smi topo -m`` classes to bandwidth and latency.
+
+The classes are those of ``nvidia-smi topo -m`` (``X``, ``NV#``, ``PIX``,
+``PXB``, ``PHB``, ``NODE``, ``SYS``) plus ``NET`` between hosts and ``HOST``
+for CPU workers, which share memory. Defaults are typical one-way figures;
+users override them with ``bandwidth_Bps=``/``latency_s=`` tables.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LINK_CLASSES", "parse_nvidia_smi_topo", "link_class_bandwidth", "Links", "links_for_devices"]
+
+# class -> (bandwidth in bytes/s, latency in s)
+LINK_CLASSES: dict[str, tuple[float, float]] = {
+    "X": (1e12, 0.0),
+    "NV": (25e9, 5e-6),      # per bonded NVLink; NV4 = 4 x this
+    "PIX": (12e9, 8e-6),
+    "PXB": (11e9, 1e-5),
+    "PHB": (10e9, 1.2e-5),
+    "NODE": (9e9, 1.5e-5),
+    "SYS": (6e9, 2e-5),
+    "NET": (12.5e9, 5e-5),   # 100 Gb/s between hosts
+    "HOST": (2e10, 2e-5),    # two CPU workers of one process: a hand-off, no copy
+}
+
+
+def link_class_bandwidth(cls: str) -> tuple[float, float]:
+    """(bandwidth_Bps, latency_s) of a link class such as ``"PIX"`` or ``"NV4"``."""
+    m = re.fullmatch(r"NV(\d+)", cls)
+    if m:
+        bw, lat = LINK_CLASSES["NV"]
+        return bw * int(m.group(1)), lat
+    if cls not in LINK_CLASSES:
+        raise ValueError(f"unknown link class {cls!r}; expected one of {', '.join(LINK_CLASSES)} or NV<n>")
+    return LINK_CLASSES[cls]
+
+
+def parse_nvidia_smi_topo(text: str) -> list[list[str]]:
+    """The GPU-to-GPU class matrix of ``nvidia-smi topo -m`` output (NICs and CPU columns dropped)."""
+    lines = [ln.rstrip() for ln in text.splitlines() if ln.strip()]
+    header = next((ln for ln in lines if re.match(r"^\s+GPU0", ln)), None)
+    if header is None:
+        raise ValueError("not nvidia-smi topo -m output: no header row starting with GPU0")
+    columns = header.split()
+    gpu_cols = [i for i, c in enumerate(columns) if re.fullmatch(r"GPU\d+", c)]
+    matrix = []
+    for ln in lines:
+        if ln is header:
+            continue
+        cells = ln.split()
+        if not cells or not re.fullmatch(r"GPU\d+", cells[0]):
+            continue
+        row = [cells[1 + i] for i in gpu_cols]
+        matrix.append(row)
+    if len(matrix) != len(gpu_cols):
+        raise ValueError(f"nvidia-smi topo -m: {len(gpu_cols)} GPU columns but {len(matrix)} GPU rows")
+    return matrix
+
+
+@dataclass
+class Links:
+    classes: list[list[str]]
+    bandwidth_Bps: list[list[float]]
+    latency_s: list[list[float]]
+
+
+def _gpu_topology() -> list[list[str]] | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20, check=True)
+        return parse_nvidia_smi_topo(out.stdout)
+    except (subprocess.SubprocessError, ValueError, OSError):
+        return None
+
+
+def links_for_devices(devices: list[torch.device], gpu_classes: list[list[str]] | None = None) -> Links:
+    """Class, bandwidth and latency between every pair of pipeline devices of one host."""
+    if gpu_classes is None and any(d.type == "cuda" for d in devices):
+        gpu_classes = _gpu_topology()
+    n = len(devices)
+    classes = [["X"] * n for _ in range(n)]
+    for i, a in enumerate(devices):
+        for j, b in enumerate(devices):
+            if i == j:
+                continue
+            if a.type == "cuda" and b.type == "cuda":
+                ia, ib = a.index or 0, b.index or 0
+                if ia == ib:
+                    classes[i][j] = "X"
+                elif gpu_classes is not None and max(ia, ib) < len(gpu_classes):
+                    classes[i][j] = gpu_classes[ia][ib]
+                else:
+                    classes[i][j] = "PHB"
+            elif a.type == "cuda" or b.type == "cuda":
+                classes[i][j] = "PHB"
+            else:
+                classes[i][j] = "HOST"
+    bw = [[0.0 if i == j else link_class_bandwidth(classes[i][j])[0] for j in range(n)] for i in range(n)]
+    lat = [[0.0 if i == j else link_class_bandwidth(classes[i][j])[1] for j in range(n)] for i in range(n)]
+    return Links(classes, bw, lat)

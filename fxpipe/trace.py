@@ -1,0 +1,144 @@
+"""Tracing a model into a ``torch.fx.GraphModule`` with fxpipe's leaf-module policy.
+
+Leaves are torch.fx's defaults (modules of ``torch.nn``) plus the user's
+``leaf_modules``. A module whose parameters are reached from more than one
+place (tied weights, or one module called twice) is traced *through*, so that
+each shared parameter becomes a single ``get_attr`` node that the partitioner
+can place once and hand to every stage that reads it: that keeps its gradient
+correct when the readers land on different devices.
+"""
+
+from __future__ import annotations
+
+import linecache
+import traceback
+from collections import Counter
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from fxpipe.errors import TraceError
+
+__all__ = ["trace", "shared_parameter_owners"]
+
+
+class _Tracer(fx.Tracer):
+    def __init__(self, leaf_types: tuple[type, ...], leaf_names: set[str], through: set[str]) -> None:
+        super().__init__()
+        self.leaf_types = leaf_types
+        self.leaf_names = leaf_names
+        self.through = through
+        self.fxpipe_scope: list[str] = []
+        self.failed_in: str | None = None
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if qualname in self.through:
+            return False
+        if qualname in self.leaf_names or (self.leaf_types and isinstance(m, self.leaf_types)):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        self.fxpipe_scope.append(self.path_of_module(m))
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:  # the innermost module wins
+                self.failed_in = self.fxpipe_scope[-1]
+            raise
+        finally:
+            self.fxpipe_scope.pop()
+
+
+def shared_parameter_owners(model: nn.Module) -> set[str]:
+    """Qualified names of modules that directly own a parameter reachable under two names."""
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    owners = set()
+    for names in names_of.values():
+        if len(names) > 1:
+            owners.update(n.rpartition(".")[0] for n in names)
+    return owners
+
+
+def _user_frame(exc: BaseException) -> str:
+    """``file:line: code`` of the innermost frame outside torch, for the error message."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "/torch/fx/" not in f.filename and "/fxpipe/" not in f.filename]
+    if not frames:
+        return "unknown location"
+    f = frames[-1]
+    line = f.line or linecache.getline(f.filename, f.lineno).strip()
+    return f"{f.filename}:{f.lineno}: `{line}`"
+
+
+def _trace_once(model: nn.Module, tracer: _Tracer, concrete_args: dict[str, Any] | None) -> fx.GraphModule:
+    try:
+        graph = tracer.trace(model, concrete_args=concrete_args)
+    except Exception as exc:  # fx raises TraceError, TypeError, RuntimeError, AttributeError...
+        module = tracer.failed_in or ""
+        kind = type(model.get_submodule(module)).__name__ if module else type(model).__name__
+        where = f"submodule {module!r} ({kind})" if module else f"the model's own forward ({kind})"
+        fix = (f"make it a leaf: fxpipe.compile(..., leaf_modules=[{kind}]) keeps it whole inside one stage"
+               if module else "pass concrete_args for the input that drives the control flow, "
+               "or move the untraceable code into a submodule and make that a leaf")
+        raise TraceError(
+            f"torch.fx cannot trace {where}: {type(exc).__name__}: {exc}\n"
+            f"  operation: {_user_frame(exc)}\n  fix: {fix}",
+            module=module or None, operation=_user_frame(exc),
+        ) from exc
+    return fx.GraphModule(tracer.root, graph, model.__class__.__name__)
+
+
+def trace(
+    model: nn.Module,
+    leaf_modules: Iterable[type | str] = (),
+    concrete_args: dict[str, Any] | None = None,
+) -> fx.GraphModule:
+    """Trace ``model`` into a GraphModule whose parameters are ``model``'s own objects.
+
+    ``leaf_modules`` lists module classes or qualified names kept whole.
+    ``concrete_args`` is forwarded to ``torch.fx.Tracer.trace``.
+    Raises :class:`fxpipe.TraceError` naming the module and the operation.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fxpipe needs an nn.Module, got {type(model).__name__}")
+    leaves = list(leaf_modules)
+    leaf_types = tuple(x for x in leaves if isinstance(x, type))
+    leaf_names = {x for x in leaves if isinstance(x, str)}
+    unknown = [n for n in leaf_names if n and not _has_submodule(model, n)]
+    if unknown:
+        raise ValueError(f"leaf_modules names {unknown}, which are not submodules of the model")
+    through = shared_parameter_owners(model)
+    for _ in range(len(list(model.modules())) + 1):
+        gm = _trace_once(model, _Tracer(leaf_types, leaf_names, set(through)), concrete_args)
+        # A leaf with parameters called from two places would have to live on two stages.
+        calls = Counter(n.target for n in gm.graph.nodes if n.op == "call_module")
+        reused = {t for t, c in calls.items()
+                  if c > 1 and any(True for _ in gm.get_submodule(t).parameters())}
+        if not reused - through:
+            break
+        for name in reused:
+            through.update(sub for sub, _ in _param_owners(model, name))
+    gm.meta["fxpipe_traced_training"] = model.training
+    return gm
+
+
+def _has_submodule(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _param_owners(model: nn.Module, name: str) -> Iterable[tuple[str, nn.Module]]:
+    """``name`` and its descendants that own parameters directly."""
+    root = model.get_submodule(name)
+    for sub, mod in root.named_modules(prefix=name):
+        if any(True for _ in mod.parameters(recurse=False)):
+            yield sub, mod
+    yield name, root

@@ -1,0 +1,45 @@
+"""Command line of the planner: ``python -m solvers solve|score PROBLEM.json``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from solvers import METHODS, InfeasibleError, Problem, Solution, SolverError, score, solve
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m solvers", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_solve = sub.add_parser("solve", help="solve a problem and print (or write) the solution JSON")
+    p_solve.add_argument("problem")
+    p_solve.add_argument("-o", "--output", help="write the solution here instead of stdout")
+    p_solve.add_argument("--method", default="dp", choices=METHODS)
+    p_score = sub.add_parser("score", help="print the reference score of a solution")
+    p_score.add_argument("problem")
+    p_score.add_argument("solution")
+    args = parser.parse_args(argv)
+    try:
+        problem = Problem.load(args.problem)
+        if args.command == "solve":
+            doc = json.dumps(solve(problem, args.method).to_dict(), indent=1)
+            if args.output:
+                with open(args.output, "w") as f:
+                    f.write(doc)
+            else:
+                print(doc)
+        else:
+            sc = score(problem, Solution.load(args.solution))
+            print(json.dumps(sc.as_predicted(), indent=1))
+    except InfeasibleError as exc:
+        print(f"infeasible: {exc}", file=sys.stderr)
+        return 3
+    except (SolverError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""Brute force over the DP's search space: the ground truth the tests compare against."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from solvers.dp import stage_counts
+from solvers.problem import Problem
+from solvers.score import Score, score_assignment
+
+__all__ = ["brute_force_contiguous"]
+
+
+def brute_force_contiguous(problem: Problem) -> Score | None:
+    """Best feasible score over every contiguous partition (stage k on device k), or None."""
+    order, n = problem.order, len(problem.order)
+    best: Score | None = None
+    for p in stage_counts(problem):
+        for cuts in itertools.combinations(range(1, n), p - 1):
+            bounds = list(cuts) + [n]
+            stage_of, k = {}, 0
+            for i, v in enumerate(order):
+                while i >= bounds[k]:
+                    k += 1
+                stage_of[v] = k
+            sc = score_assignment(problem, stage_of, list(range(p)))
+            if sc.feasible and (best is None or sc.iteration_s < best.iteration_s):
+                best = sc
+    return best if best is None or math.isfinite(best.iteration_s) else None

@@ -1,0 +1,58 @@
+"""A planning solution (``fxpipe-solution/1``): node -> stage, stage -> device, and its score."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from solvers.errors import InvalidProblemError
+
+__all__ = ["Stage", "Solution", "SOLUTION_FORMAT"]
+
+SOLUTION_FORMAT = "fxpipe-solution/1"
+
+
+@dataclass
+class Stage:
+    nodes: list[str]
+    devices: list[str]
+
+
+@dataclass
+class Solution:
+    """Stages in pipeline order, the predicted reference costs, and how it was found."""
+
+    stages: list[Stage]
+    predicted: dict[str, Any] = field(default_factory=dict)
+    solver: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": SOLUTION_FORMAT,
+            "stages": [{"nodes": list(s.nodes), "devices": list(s.devices)} for s in self.stages],
+            "predicted": self.predicted,
+            "solver": self.solver,
+        }
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> "Solution":
+        if not isinstance(doc, dict) or doc.get("format") != SOLUTION_FORMAT:
+            raise InvalidProblemError(f"a solution must be a JSON object with format {SOLUTION_FORMAT!r}")
+        stages = doc.get("stages")
+        if not isinstance(stages, list) or not stages:
+            raise InvalidProblemError("solution: 'stages' must be a non-empty list")
+        out = []
+        for i, s in enumerate(stages):
+            if not isinstance(s, dict) or not isinstance(s.get("nodes"), list) or not isinstance(s.get("devices"), list):
+                raise InvalidProblemError(f"solution: stages[{i}] needs lists 'nodes' and 'devices'")
+            out.append(Stage([str(n) for n in s["nodes"]], [str(d) for d in s["devices"]]))
+        return cls(out, dict(doc.get("predicted", {})), dict(doc.get("solver", {})))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Solution":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))

@@ -1,0 +1,127 @@
+"""Helpers shared by tests: run a model and its pipeline, compare outputs and gradients."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+import fxpipe
+from fxpipe.microbatch import gather, scatter
+
+__all__ = ["reference_step", "pipeline_step", "assert_same_step", "max_relative_error", "calibrate_batchnorm"]
+
+
+def _loss(out: Any, seed: int = 1234) -> torch.Tensor:
+    """A fixed random projection of every output tensor: sensitive to every element."""
+    g = torch.Generator().manual_seed(seed)
+    total = 0.0
+    for t in tree_flatten(out)[0]:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            w = torch.randn(t.shape, generator=g, dtype=t.dtype).to(t.device)
+            total = total + (t * w).sum()
+    return total
+
+
+def _step(model: nn.Module, run) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = run()
+    _loss(out).backward()
+    outs = [t.detach().clone() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return outs, grads
+
+
+def reference_step(model: nn.Module, inputs: tuple, chunks: int = 1):
+    """Outputs and gradients of the unpartitioned model, on the full batch or on micro-batches."""
+    if chunks == 1:
+        return _step(model, lambda: model(*inputs))
+    micro = scatter(list(inputs), chunks)
+    return _step(model, lambda: gather([model(*m) for m in micro]))
+
+
+def pipeline_step(pipe: fxpipe.Pipeline, model: nn.Module, inputs: tuple):
+    return _step(model, lambda: pipe(*inputs))
+
+
+def max_relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    scale = want.abs().max().item() if want.numel() else 0.0
+    diff = (got.to(want.device) - want).abs().max().item() if want.numel() else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+def _errors(outs, grads, ref_outs, ref_grads) -> tuple[list[float], dict[str, float]]:
+    assert len(outs) == len(ref_outs), f"{len(outs)} outputs, expected {len(ref_outs)}"
+    for i, (a, b) in enumerate(zip(outs, ref_outs)):
+        assert a.shape == b.shape, f"output {i}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    assert set(grads) == set(ref_grads), (
+        f"parameters with gradients differ: missing {sorted(set(ref_grads) - set(grads))[:5]}, "
+        f"extra {sorted(set(grads) - set(ref_grads))[:5]}")
+    return ([max_relative_error(a, b) for a, b in zip(outs, ref_outs)],
+            {n: max_relative_error(grads[n], ref_grads[n]) for n in ref_grads})
+
+
+def assert_same_step(model: nn.Module, pipe_factory, inputs: tuple, chunks: int, out_tol: float = 1e-5,
+                     grad_tol: float = 1e-4) -> dict[str, float]:
+    """Check one training step of ``pipe_factory()`` against the unpartitioned model.
+
+    1. Against the model run on the same micro-batches (same kernels on the same
+       shapes): outputs within ``out_tol`` and every gradient within ``grad_tol``,
+       relative to the largest magnitude. This is fxpipe's own exactness.
+    2. Against the model on the full batch: within the same tolerances, or within
+       twice what the model itself changes between full batch and micro-batches
+       (fp32 kernels sum in another order per batch size), whichever is larger.
+    Returns the largest errors seen, for reports.
+    """
+    full_outs, full_grads = reference_step(model, inputs)
+    micro_outs, micro_grads = reference_step(model, inputs, chunks)
+    pipe = pipe_factory()
+    outs, grads = pipeline_step(pipe, model, inputs)
+    out_err, grad_err = _errors(outs, grads, micro_outs, micro_grads)
+    for i, e in enumerate(out_err):
+        assert e <= out_tol, f"output {i} vs micro-batched model: relative error {e:.3g} > {out_tol}"
+    worst = max(grad_err, key=grad_err.get, default=None)
+    if worst is not None:
+        assert grad_err[worst] <= grad_tol, (
+            f"gradient of {worst} vs micro-batched model: relative error {grad_err[worst]:.3g} > {grad_tol}")
+    full_out_err, full_grad_err = _errors(outs, grads, full_outs, full_grads)
+    noise_out, noise_grad = _errors(micro_outs, micro_grads, full_outs, full_grads)
+    for i, e in enumerate(full_out_err):
+        allowed = max(out_tol, 2 * noise_out[i])
+        assert e <= allowed, f"output {i} vs full-batch model: relative error {e:.3g} > {allowed:.3g}"
+    for n, e in full_grad_err.items():
+        allowed = max(grad_tol, 2 * noise_grad[n])
+        assert e <= allowed, f"gradient of {n} vs full-batch model: relative error {e:.3g} > {allowed:.3g}"
+    report = {"out": max(out_err), "grad": max(grad_err.values(), default=0.0),
+              "full_out": max(full_out_err), "full_grad": max(full_grad_err.values(), default=0.0)}
+    del pipe, outs, grads, micro_outs, micro_grads, full_outs, full_grads
+    gc.collect()
+    return report
+
+
+@torch.no_grad()
+def calibrate_batchnorm(model: nn.Module, inputs: tuple, passes: int = 2) -> nn.Module:
+    """Give BatchNorm layers the running statistics a trained model would have, then eval().
+
+    A random model in eval mode keeps BN's initial statistics (mean 0, var 1),
+    so activations grow layer after layer and fp32 gradients of deep models
+    lose most of their digits (a float64 run disagrees with float32 by >100%):
+    no comparison is meaningful there. Calibrated statistics normalise them.
+    """
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not bns:
+        return model.eval()
+    saved = [m.momentum for m in bns]
+    for m in bns:
+        m.reset_running_stats()
+        m.momentum = None  # cumulative average over the calibration passes
+    model.train()
+    for _ in range(passes):
+        model(*inputs)
+    for m, mom in zip(bns, saved):
+        m.momentum = mom
+    return model.eval()

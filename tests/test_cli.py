@@ -1,0 +1,44 @@
+"""The command lines documented in the README and in --help run."""
+
+import subprocess
+import sys
+
+
+def run(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_fxpipe_help_lists_commands_and_examples():
+    out = run("fxpipe", "--help")
+    assert out.returncode == 0, out.stderr
+    for word in ("demo", "plan", "show", "python -m fxpipe demo"):
+        assert word in out.stdout
+
+
+def test_plan_and_show(tmp_path):
+    path = tmp_path / "r18.plan.json"
+    out = run("fxpipe", "plan", "resnet18", "--batch", "4", "--chunks", "2", "--image-size", "32",
+              "--profile", "estimate", "--save", str(path))
+    assert out.returncode == 0, out.stderr
+    assert "fxpipe plan for ResNet" in out.stdout and path.exists()
+    shown = run("fxpipe", "show", str(path))
+    assert shown.returncode == 0 and "bottleneck: stage" in shown.stdout
+
+
+def test_small_demo_reports_a_match():
+    out = run("fxpipe", "demo", "--model", "resnet18", "--batch", "4", "--chunks", "2", "--image-size", "64",
+              "--profile", "estimate")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "MATCH: the pipeline computes the same function" in out.stdout
+
+
+def test_ci_runs_the_readme_commands():
+    """.ci/run extracts the README's <!-- ci --> blocks; they must install and run the demo and the tests."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    blocks = readme.split("<!-- ci -->")[1:]
+    commands = [b.split("```bash\n", 1)[1].split("```", 1)[0].strip() for b in blocks]
+    assert any("pip install" in c and "python -m fxpipe demo" in c for c in commands), commands
+    assert any("pytest" in c for c in commands), commands
+    assert "<!-- ci -->" in (root / ".ci" / "run").read_text()

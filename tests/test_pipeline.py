@@ -1,0 +1,171 @@
+"""The embedded executor: micro-batching, checkpointing, skips, tied weights, errors, threads."""
+
+import gc
+import threading
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+import fxpipe
+from equivalence import assert_same_step, max_relative_error
+from models import Boom, ModeBranch, SkipTied, WithBoom
+
+
+def mlp(width=8, depth=6):
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def test_uneven_batch_like_torch_chunk():
+    torch.manual_seed(0)
+    model = mlp()
+    x = torch.randn(7, 8)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=3, profile="estimate")
+    assert [c.shape[0] for c in x.chunk(3)] == [3, 3, 1]
+    assert_same_step(model, lambda: pipe, (x,), chunks=3)
+    y = torch.randn(5, 8)  # torch.chunk(5, 4) gives 3 chunks of 2, 2, 1
+    with torch.no_grad():
+        assert torch.equal(pipe(y), torch.cat([model(c) for c in y.chunk(3)]))
+
+
+def test_batch_smaller_than_chunks_is_an_error():
+    model = mlp()
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(8, 8),), chunks=4, profile="estimate")
+    with pytest.raises(ValueError, match="a batch of 3 samples cannot be split into 4 micro-batches"):
+        pipe(torch.randn(3, 8))
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_checkpoint_modes_give_the_same_gradients(checkpoint):
+    torch.manual_seed(0)
+    model = SkipTied().train()
+    tokens = torch.randint(0, 13, (6, 5))
+    assert_same_step(model, lambda: fxpipe.compile(model, ["cpu"] * 4, (tokens,), chunks=3, stages=4,
+                                                   checkpoint=checkpoint, profile="estimate"), (tokens,), chunks=3)
+
+
+def test_long_skip_reaches_non_adjacent_stage_and_tied_weight_gradient_matches():
+    torch.manual_seed(0)
+    model = SkipTied().train()
+    tokens = torch.randint(0, 13, (8, 5))
+    pipe = assert_same_step(model, lambda: fxpipe.compile(model, ["cpu"] * 4, (tokens,), chunks=4, stages=4,
+                                                          profile="estimate"), (tokens,), chunks=4)
+    pipe = fxpipe.compile(model, ["cpu"] * 4, (tokens,), chunks=4, stages=4, profile="estimate")
+    producer = {name: spec.index for spec in pipe.specs for name in spec.outputs}
+    skips = [(producer[name], spec.index) for spec in pipe.specs for name in spec.inputs
+             if name in producer and spec.index - producer[name] > 1]
+    assert skips, "expected a value to travel from a stage to a non-adjacent one"
+    # The tied weight is read by the first and the last stage and lives in exactly one of them.
+    owners = [spec.index for spec in pipe.specs
+              if any(n.op == "get_attr" and n.target == "emb.weight" for n in spec.module.graph.nodes)]
+    assert len(owners) == 1
+
+
+def test_train_mode_vgg_without_batchnorm_matches():
+    torch.manual_seed(0)
+    model = torchvision.models.vgg11(dropout=0.0).train()
+    x = torch.randn(6, 3, 32, 32)
+    assert_same_step(model, lambda: fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=3, profile="estimate"),
+                     (x,), chunks=3)
+
+
+def test_stage_exception_names_stage_micro_batch_and_node_and_leaves_no_thread():
+    torch.manual_seed(0)
+    model = WithBoom()
+    x = torch.rand(6, 8) + 1.0
+    before = threading.active_count()
+    pipe = fxpipe.compile(model, ["cpu", "cpu", "cpu"], (x,), chunks=3, stages=3, profile="estimate",
+                          leaf_modules=[Boom])
+    boom_stage = next(s.index for s in pipe.plan.stages if "boom" in s.nodes)
+    bad = torch.rand(5, 8)  # micro-batches of 2, 2 and 1: the third one fails
+    Boom.armed = True
+    try:
+        with pytest.raises(fxpipe.StageError) as info:
+            pipe(bad)
+    finally:
+        Boom.armed = False
+    err = info.value
+    assert (err.stage, err.micro_batch, err.node) == (boom_stage, 2, "boom")
+    assert f"stage {boom_stage}" in str(err) and "micro-batch 2" in str(err) and "'boom'" in str(err)
+    assert isinstance(err.__cause__, ValueError) and "boom: a micro-batch of one sample" in str(err)
+    assert threading.active_count() == before
+    with torch.no_grad():  # the pipeline still works afterwards
+        assert torch.allclose(pipe(x), model(x), rtol=1e-6, atol=1e-6)
+    del pipe
+    gc.collect()
+    assert threading.active_count() == before
+
+
+def test_mode_dependent_graph_refuses_the_other_mode():
+    model = ModeBranch().eval()
+    x = torch.randn(4, 4)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, profile="estimate")
+    pipe.train()
+    with pytest.raises(fxpipe.FxpipeError, match="compiled in eval mode"):
+        pipe(x)
+    pipe.eval()
+    with torch.no_grad():
+        assert torch.allclose(pipe(x), model(x))
+
+
+def test_keyword_and_default_inputs():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, scale: float = 2.0):
+            return self.lin(x) * scale
+
+    model = Scaled()
+    x = torch.randn(4, 4)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, profile="estimate")
+    with torch.no_grad():
+        want = torch.cat([model(c) for c in x.chunk(2)])  # same kernels on the same shapes
+        assert torch.equal(pipe(x), want)
+        assert torch.equal(pipe(x=x), want)
+        assert torch.equal(pipe(x, 3.0), torch.cat([model(c, 3.0) for c in x.chunk(2)]))
+    with pytest.raises(TypeError, match="unexpected keyword input 'y'"):
+        pipe(x, y=1)
+
+
+def test_bad_devices_and_inputs_are_clear_errors():
+    model = mlp()
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="does not exist: this machine has 0 CUDA device"):
+        fxpipe.compile(model, ["cpu", "cuda:3"], (x,))
+    with pytest.raises(ValueError, match="non-empty list"):
+        fxpipe.compile(model, "cpu", (x,))
+    with pytest.raises(ValueError, match="not a torch device string"):
+        fxpipe.compile(model, ["gpu0"], (x,))
+    with pytest.raises(ValueError, match="check that example_inputs match"):
+        fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(4, 5),), chunks=2)
+    with pytest.raises(ValueError, match="example_inputs is required"):
+        fxpipe.compile(model, ["cpu", "cpu"])
+    with pytest.raises(ValueError, match="checkpoint must be one of"):
+        fxpipe.compile(model, ["cpu"], (x,), checkpoint="sometimes")
+
+
+def test_infeasible_memory_names_what_would_fit():
+    model = mlp(width=64)
+    with pytest.raises(fxpipe.InfeasiblePlanError) as info:
+        fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(8, 64),), chunks=2, profile="estimate",
+                       memory_bytes=[1000, 1000])
+    assert info.value.min_peak_bytes > 1000
+    assert "smallest possible stage peak" in str(info.value)
+
+
+def test_pipeline_output_follows_the_model_under_no_grad():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18().eval()
+    x = torch.randn(4, 3, 32, 32)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, profile="estimate")
+    with torch.no_grad():
+        got = pipe(x)
+        want = torch.cat([model(c) for c in x.chunk(2)])
+    assert not got.requires_grad
+    assert max_relative_error(got, want) == 0.0

@@ -1,0 +1,92 @@
+"""Tracing: clear TraceErrors for untraceable code, leaf modules, shared parameters as one node."""
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe.trace import trace
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # control flow on a tensor value: fx cannot trace it
+            return self.lin(x)
+        return x
+
+
+class LoopsOverTensor(nn.Module):
+    def forward(self, x):
+        return sum(row for row in x)  # iterating a Proxy
+
+
+class Outer(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.pre = nn.Linear(4, 4)
+        self.body = nn.Sequential(nn.ReLU(), inner)
+
+    def forward(self, x):
+        return self.body(self.pre(x))
+
+
+@pytest.mark.parametrize("inner,operation", [
+    (DataDependent(), "if x.sum() > 0"),
+    (LoopsOverTensor(), "return sum(row for row in x)"),
+])
+def test_trace_error_names_module_operation_and_fix(inner, operation):
+    kind = type(inner).__name__
+    with pytest.raises(fxpipe.TraceError) as info:
+        fxpipe.compile(Outer(inner), ["cpu", "cpu"], (torch.randn(4, 4),))
+    err = info.value
+    assert err.module == "body.1"
+    assert f"submodule 'body.1' ({kind})" in str(err)
+    assert operation in str(err)
+    assert f"leaf_modules=[{kind}]" in str(err)
+
+
+def test_leaf_module_fixes_untraceable_submodule():
+    model = Outer(DataDependent())
+    x = torch.randn(6, 4)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, leaf_modules=[DataDependent], profile="estimate")
+    assert torch.equal(pipe(x), torch.cat([model(x[:3]), model(x[3:])]))
+
+
+def test_untraceable_top_level_forward_suggests_concrete_args():
+    with pytest.raises(fxpipe.TraceError, match="concrete_args"):
+        fxpipe.trace(DataDependent())
+
+
+def test_unknown_leaf_name_is_an_error():
+    with pytest.raises(ValueError, match="not submodules"):
+        trace(Outer(DataDependent()), leaf_modules=["nope"])
+
+
+class TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.block = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        h = self.block(h) + h
+        h = self.block(h)  # one module called twice: its weights are shared too
+        return self.head(h)
+
+
+def test_shared_parameters_become_single_get_attr_nodes():
+    model = TiedLM()
+    gm = trace(model)
+    attrs = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
+    assert sorted(attrs) == ["block.bias", "block.weight", "emb.weight"]
+    assert not [n for n in gm.graph.nodes if n.op == "call_module" and n.target in ("emb", "head", "block")]
+    weight = next(n for n in gm.graph.nodes if n.target == "emb.weight")
+    assert len(weight.users) == 2
+    assert gm.get_parameter("emb.weight") is model.head.weight  # the model's own object, no copy
