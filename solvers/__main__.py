@@ -16,11 +16,17 @@ def main(argv: list[str] | None = None) -> int:
     p_solve.add_argument("problem")
     p_solve.add_argument("-o", "--output", help="write the solution here instead of stdout")
     p_solve.add_argument("--method", default="dp", choices=METHODS)
+    p_cmp = sub.add_parser("compare", help="score fxpipe's solver and every anchor partitioner on problems")
+    p_cmp.add_argument("problems", nargs="+")
     p_score = sub.add_parser("score", help="print the reference score of a solution")
     p_score.add_argument("problem")
     p_score.add_argument("solution")
     args = parser.parse_args(argv)
     try:
+        if args.command == "compare":
+            from solvers.compare import compare, format_table
+            print(format_table(compare([Problem.load(p) for p in args.problems])))
+            return 0
         problem = Problem.load(args.problem)
         if args.command == "solve":
             doc = json.dumps(solve(problem, args.method).to_dict(), indent=1)

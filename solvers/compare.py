@@ -1,0 +1,75 @@
+"""Run fxpipe's solver and the anchor partitioners on problems and tabulate the reference scores."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from solvers.anchors import ANCHORS, anchor_solution
+from solvers.errors import InfeasibleError
+from solvers.problem import Problem
+from solvers.score import score
+
+__all__ = ["Row", "compare", "format_table", "geometric_means"]
+
+
+@dataclass
+class Row:
+    problem: str
+    method: str
+    iteration_s: float        # reference score; inf when infeasible
+    feasible: bool
+    relative: float           # iteration_s / fxpipe's iteration_s (>= 1 means fxpipe is no worse)
+    gap: float | None         # optimality gap the method certifies, if any
+    solve_s: float
+
+
+def compare(problems: list[Problem], fxpipe_method: str = "dp", anchors: list[str] | None = None) -> list[Row]:
+    from solvers import solve  # the package's default entry point
+
+    rows: list[Row] = []
+    for problem in problems:
+        results = []
+        try:
+            sol = solve(problem, fxpipe_method)
+            sc = score(problem, sol)
+            lb = sol.solver.get("lower_bound_s")
+            gap = (sc.iteration_s - lb) / sc.iteration_s if lb else None
+            results.append(("fxpipe", sc.iteration_s if sc.feasible else math.inf, sc.feasible, gap,
+                            sol.solver.get("time_s", 0.0)))
+        except InfeasibleError:
+            results.append(("fxpipe", math.inf, False, None, 0.0))
+        for name in anchors if anchors is not None else list(ANCHORS):
+            sol = anchor_solution(problem, name)
+            sc = score(problem, sol)
+            results.append((name, sc.iteration_s if sc.feasible else math.inf, sc.feasible, None,
+                            sol.solver.get("time_s", 0.0)))
+        base = results[0][1]
+        for name, t, ok, gap, secs in results:
+            rel = t / base if math.isfinite(base) and base > 0 else math.nan
+            rows.append(Row(problem.name, name, t, ok, rel, gap, secs))
+    return rows
+
+
+def geometric_means(rows: list[Row]) -> dict[str, float]:
+    """Per method, the geometric mean of ``relative`` over problems where both sides are feasible."""
+    logs: dict[str, list[float]] = {}
+    for r in rows:
+        if math.isfinite(r.relative) and r.relative > 0:
+            logs.setdefault(r.method, []).append(math.log(r.relative))
+    return {m: math.exp(sum(v) / len(v)) for m, v in logs.items()}
+
+
+def format_table(rows: list[Row]) -> str:
+    head = ["problem", "method", "iteration ms", "vs fxpipe", "feasible", "gap", "solve s"]
+    body = [[r.problem, r.method, f"{r.iteration_s * 1e3:.3f}" if math.isfinite(r.iteration_s) else "infeasible",
+             f"{r.relative:.3f}x" if math.isfinite(r.relative) else "-", "yes" if r.feasible else "no",
+             f"{r.gap:.2%}" if r.gap is not None else "-", f"{r.solve_s:.3f}"] for r in rows]
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    fmt = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    lines = [fmt(head), fmt(["-" * w for w in widths])] + [fmt(b) for b in body]
+    means = geometric_means(rows)
+    lines.append("")
+    lines.append("geometric mean of iteration time relative to fxpipe (feasible problems): "
+                 + ", ".join(f"{m} {v:.3f}x" for m, v in means.items()))
+    return "\n".join(lines)
