@@ -149,7 +149,7 @@ def _cut_anchor(name: str, field: str, cutter: Callable[[list[float], int], list
 
 
 def _blind(problem: Problem) -> Solution:
-    sol = solve_dp(problem)
+    sol = solve_dp(problem, placement=False)
     sol.solver["method"] = "blind"
     return sol
 

@@ -12,11 +12,18 @@ from solvers.score import Score, score_assignment
 __all__ = ["brute_force_contiguous"]
 
 
-def brute_force_contiguous(problem: Problem) -> Score | None:
-    """Best feasible score over every contiguous partition (stage k on device k), or None."""
+def brute_force_contiguous(problem: Problem, placement: bool = False) -> Score | None:
+    """Best feasible score over every contiguous partition, or None.
+
+    Stage ``k`` runs on device ``k``, or, with ``placement``, on every injective
+    mapping of stages to devices.
+    """
     order, n = problem.order, len(problem.order)
     best: Score | None = None
     for p in stage_counts(problem):
+        mappings = (itertools.permutations(range(len(problem.devices)), p) if placement
+                    else [tuple(range(p))])
+        mappings = list(mappings)
         for cuts in itertools.combinations(range(1, n), p - 1):
             bounds = list(cuts) + [n]
             stage_of, k = {}, 0
@@ -24,7 +31,8 @@ def brute_force_contiguous(problem: Problem) -> Score | None:
                 while i >= bounds[k]:
                     k += 1
                 stage_of[v] = k
-            sc = score_assignment(problem, stage_of, list(range(p)))
-            if sc.feasible and (best is None or sc.iteration_s < best.iteration_s):
-                best = sc
+            for devices in mappings:
+                sc = score_assignment(problem, stage_of, list(devices))
+                if sc.feasible and (best is None or sc.iteration_s < best.iteration_s):
+                    best = sc
     return best if best is None or math.isfinite(best.iteration_s) else None

@@ -1,9 +1,11 @@
 """Exact dynamic programme over contiguous stages of a topological order.
 
 Search space: the nodes in ``problem.order`` are cut into ``p`` contiguous,
-non-empty stages and stage ``k`` runs on device ``k`` of ``problem.devices``
-(``p`` is ``problem.stages`` or, when that is null, every value from 1 to the
-number of devices). Within that space the programme returns a solution with
+non-empty stages (``p`` is ``problem.stages`` or, when that is null, every
+value from 1 to the number of devices), and each stage runs on its own device:
+any injective stage-to-device mapping (topology-aware placement), or stage
+``k`` on device ``k`` with ``placement=False``. Within that space the programme
+returns a solution with
 the smallest *reference* iteration time ``sum t_s + (m - 1) max t_s`` that
 meets the schedule-aware memory limit, exactly, for any link matrix, device
 speeds and skip connections.
@@ -35,7 +37,7 @@ from solvers.problem import Problem
 from solvers.score import Score, score_assignment, transfer_cost_s
 from solvers.solution import Solution, Stage
 
-__all__ = ["solve_dp", "stage_counts", "min_peak_bytes"]
+__all__ = ["solve_dp", "stage_counts", "min_peak_bytes", "device_classes"]
 
 _REL_TOL = 1e-9
 
@@ -48,6 +50,7 @@ class _Label:
     parent: "_Label | None"
     start: int                 # segment of the stage this label closed: [start, end)
     end: int
+    device: int                # device index of that stage
 
 
 def stage_counts(problem: Problem) -> list[int]:
@@ -105,107 +108,158 @@ def _assignment(tables: _Tables, cuts: list[int]) -> dict[str, int]:
     return stage_of
 
 
-def _solve_fixed_p(problem: Problem, tables: _Tables, p: int, ub: float) -> tuple[_Label | None, float]:
-    """Best label for exactly ``p`` stages with iteration time below ``ub``, and its time."""
+def device_classes(problem: Problem) -> list[list[int]]:
+    """Groups of interchangeable devices: swapping two of a group changes no cost.
+
+    Devices ``i`` and ``j`` are interchangeable when they have the same speed and
+    memory and exchanging them leaves both link matrices unchanged. Exchanges are
+    automorphisms, so this is an equivalence relation; the search then only ever
+    takes the lowest unused device of a group, which loses no solution (any plan
+    can be relabelled within groups into one that does, at the same cost).
+    """
+    bw, lat, devs = problem.bandwidth_Bps, problem.latency_s, problem.devices
+    n = len(devs)
+
+    def swappable(i: int, j: int) -> bool:
+        if (devs[i].speed, devs[i].memory_bytes) != (devs[j].speed, devs[j].memory_bytes):
+            return False
+        for mat in (bw, lat):
+            if mat[i][j] != mat[j][i]:
+                return False
+            for x in range(n):
+                if x not in (i, j) and (mat[i][x] != mat[j][x] or mat[x][i] != mat[x][j]):
+                    return False
+        return True
+
+    classes: list[list[int]] = []
+    for d in range(n):
+        for group in classes:
+            if swappable(group[0], d):
+                group.append(d)
+                break
+        else:
+            classes.append([d])
+    return classes
+
+
+def _solve_fixed_p(problem: Problem, tables: _Tables, p: int, ub: float,
+                   classes: list[list[int]] | None) -> tuple[_Label | None, float]:
+    """Best label for exactly ``p`` stages with iteration time below ``ub``, and its time.
+
+    ``classes`` None places stage ``k`` on device ``k``; otherwise each stage takes
+    the lowest unused device of any group of interchangeable devices.
+    """
     n, m = tables.n, problem.micro_batches
     factor = 1.0 + problem.optimizer_state_factor
     cap = ub / m * (1 + _REL_TOL) if math.isfinite(ub) else math.inf
     ub_limit = ub * (1 + _REL_TOL) if math.isfinite(ub) else math.inf
-    max_speed = max(problem.devices[k].speed for k in range(p))
-    # frontier[(j, k)] maps pending tuples to Pareto sets of labels.
+    usable = range(p) if classes is None else range(len(problem.devices))
+    max_speed = max(problem.devices[d].speed for d in usable)
+    start_used = () if classes is None else (0,) * len(classes)
+    # frontier[(j, k)] maps (used devices per group, pending senders) to Pareto sets of labels.
     frontier: dict[tuple[int, int], dict[tuple, list[_Label]]] = {
-        (0, 0): {(): [_Label(0.0, 0.0, (), None, 0, 0)]}
+        (0, 0): {(start_used, ()): [_Label(0.0, 0.0, (), None, 0, 0, -1)]}
     }
     best: _Label | None = None
     best_t = math.inf
     for j in range(n):
         for k in range(p):
-            by_pending = frontier.pop((j, k), None)
-            if not by_pending:
+            by_key = frontier.pop((j, k), None)
+            if not by_key:
                 continue
-            dev = problem.devices[k]
             inflight = problem.inflight(k, p)
             last_stage = k == p - 1
             j_max = n - (p - k - 1)
-            for pending, labels in by_pending.items():
-                pend_stage = dict(pending)
+            for (used, pending), labels in by_key.items():
+                pend_stage = {u: a for u, a, _ in pending}
+                pend_dev = {u: d for u, _, d in pending}
                 pend_stages = sorted(set(pend_stage.values()))
                 slot = {a: i for i, a in enumerate(pend_stages)}
-                for label in labels:
-                    compute = params = acts = 0.0
-                    recv: dict[int, float] = {}        # pending node -> bytes received
-                    recv_cost: dict[int, float] = {}   # pending node -> 2 x one-way time
-                    comm_in = 0.0
-                    alive_seg: list[int] = []
-                    for j2 in range(j + 1, j_max + 1):
-                        x = j2 - 1
-                        compute += tables.fb[x]
-                        params += tables.param[x]
-                        acts += tables.act[x]
-                        for u, nbytes in tables.inputs[x]:
-                            if u < j and nbytes >= recv.get(u, -1.0):
-                                recv[u] = nbytes
-                                c = 2.0 * transfer_cost_s(problem, nbytes, pend_stage[u], k)
-                                comm_in += c - recv_cost.get(u, 0.0)
-                                recv_cost[u] = c
-                        if params * factor + acts * inflight > dev.memory_bytes:
-                            break
-                        t_k = compute / dev.speed + comm_in
-                        alive_seg = [u for u in alive_seg if tables.last_use[u] >= j2]
-                        if tables.last_use[x] >= j2:
-                            alive_seg.append(x)
-                        # Grow the pending stages by what they sent to this stage.
-                        grown = list(label.pending_t)
-                        for u, c in recv_cost.items():
-                            grown[slot[pend_stage[u]]] += c
-                        new_pending = tuple(
-                            [(u, a) for u, a in pending if tables.last_use[u] >= j2]
-                            + [(u, k) for u in alive_seg]
-                        )
-                        still = {a for _, a in new_pending}
-                        max_done = label.max_done
-                        for a, t_a in zip(pend_stages, grown):
-                            if a not in still:
-                                max_done = max(max_done, t_a)
-                        if k not in still:
-                            max_done = max(max_done, t_k)
-                        new_t = tuple(
-                            [t_a for a, t_a in zip(pend_stages, grown) if a in still]
-                            + ([t_k] if k in still else [])
-                        )
-                        biggest = max((max_done, *new_t))
-                        if biggest > cap:
-                            break  # every quantity here only grows with j2
-                        total = label.total + compute / dev.speed + 2.0 * comm_in
-                        rest = tables.suffix_fb[j2] / max_speed
-                        stages_left = p - k - 1
-                        future_max = rest / stages_left if stages_left else 0.0
-                        if total + rest + (m - 1) * biggest > ub_limit:
-                            break  # grows with j2
-                        if total + rest + (m - 1) * future_max > ub_limit:
-                            continue  # shrinks with j2: a longer stage may still do
-                        if last_stage and j2 < n:
-                            continue
-                        new_label = _Label(total, max_done, new_t, label, j, j2)
-                        if j2 == n:
-                            t_iter = total + (m - 1) * max_done
-                            if t_iter < best_t:
-                                best, best_t = new_label, t_iter
-                                ub_limit = min(ub_limit, t_iter * (1 + _REL_TOL))
-                                cap = min(cap, t_iter / m * (1 + _REL_TOL))
-                            continue
-                        _insert(frontier.setdefault((j2, k + 1), {}).setdefault(new_pending, []), new_label, m - 1)
+                if classes is None:
+                    candidates = [(k, used)]
+                else:
+                    candidates = [(group[used[c]], used[:c] + (used[c] + 1,) + used[c + 1:])
+                                  for c, group in enumerate(classes) if used[c] < len(group)]
+                for d, new_used in candidates:
+                    dev = problem.devices[d]
+                    for label in labels:
+                        compute = params = acts = 0.0
+                        recv: dict[int, float] = {}        # pending node -> bytes received
+                        recv_cost: dict[int, float] = {}   # pending node -> 2 x one-way time
+                        comm_in = 0.0
+                        alive_seg: list[int] = []
+                        for j2 in range(j + 1, j_max + 1):
+                            x = j2 - 1
+                            compute += tables.fb[x]
+                            params += tables.param[x]
+                            acts += tables.act[x]
+                            for u, nbytes in tables.inputs[x]:
+                                if u < j and nbytes >= recv.get(u, -1.0):
+                                    recv[u] = nbytes
+                                    c = 2.0 * transfer_cost_s(problem, nbytes, pend_dev[u], d)
+                                    comm_in += c - recv_cost.get(u, 0.0)
+                                    recv_cost[u] = c
+                            if params * factor + acts * inflight > dev.memory_bytes:
+                                break
+                            t_k = compute / dev.speed + comm_in
+                            alive_seg = [u for u in alive_seg if tables.last_use[u] >= j2]
+                            if tables.last_use[x] >= j2:
+                                alive_seg.append(x)
+                            # Grow the pending stages by what they sent to this stage.
+                            grown = list(label.pending_t)
+                            for u, c in recv_cost.items():
+                                grown[slot[pend_stage[u]]] += c
+                            new_pending = tuple(
+                                [(u, a, da) for u, a, da in pending if tables.last_use[u] >= j2]
+                                + [(u, k, d) for u in alive_seg]
+                            )
+                            still = {a for _, a, _ in new_pending}
+                            max_done = label.max_done
+                            for a, t_a in zip(pend_stages, grown):
+                                if a not in still:
+                                    max_done = max(max_done, t_a)
+                            if k not in still:
+                                max_done = max(max_done, t_k)
+                            new_t = tuple(
+                                [t_a for a, t_a in zip(pend_stages, grown) if a in still]
+                                + ([t_k] if k in still else [])
+                            )
+                            biggest = max((max_done, *new_t))
+                            if biggest > cap:
+                                break  # every quantity here only grows with j2
+                            total = label.total + compute / dev.speed + 2.0 * comm_in
+                            rest = tables.suffix_fb[j2] / max_speed
+                            stages_left = p - k - 1
+                            future_max = rest / stages_left if stages_left else 0.0
+                            if total + rest + (m - 1) * biggest > ub_limit:
+                                break  # grows with j2
+                            if total + rest + (m - 1) * future_max > ub_limit:
+                                continue  # shrinks with j2: a longer stage may still do
+                            if last_stage and j2 < n:
+                                continue
+                            new_label = _Label(total, max_done, new_t, label, j, j2, d)
+                            if j2 == n:
+                                t_iter = total + (m - 1) * max_done
+                                if t_iter < best_t:
+                                    best, best_t = new_label, t_iter
+                                    ub_limit = min(ub_limit, t_iter * (1 + _REL_TOL))
+                                    cap = min(cap, t_iter / m * (1 + _REL_TOL))
+                                continue
+                            _insert(frontier.setdefault((j2, k + 1), {}).setdefault((new_used, new_pending), []),
+                                    new_label, m - 1)
     return best, best_t
 
 
-def _deepening(problem: Problem, tables: _Tables, p: int, ub: float) -> tuple[_Label | None, float]:
+def _deepening(problem: Problem, tables: _Tables, p: int, ub: float,
+               classes: list[list[int]] | None) -> tuple[_Label | None, float]:
     """Run the search under growing bounds ``G``, starting just above a lower bound.
 
     A search bounded by ``G`` finds the optimum whenever it is ``<= G`` (only
     labels whose lower bound exceeds ``G`` are pruned), so the first bound
     that yields a solution yields the optimal one, and tight bounds prune hard.
     """
-    speeds = [problem.devices[k].speed for k in range(p)]
+    speeds = sorted((d.speed for d in problem.devices), reverse=True)[:p] if classes is not None \
+        else [problem.devices[k].speed for k in range(p)]
     total = tables.suffix_fb[0]
     lower = total / max(speeds) + (problem.micro_batches - 1) * total / sum(speeds)
     if lower > ub * (1 + _REL_TOL):
@@ -213,7 +267,7 @@ def _deepening(problem: Problem, tables: _Tables, p: int, ub: float) -> tuple[_L
     bound = lower * 1.02
     while True:
         bound = min(bound, ub)
-        label, t = _solve_fixed_p(problem, tables, p, bound)
+        label, t = _solve_fixed_p(problem, tables, p, bound, classes)
         if label is not None or bound >= ub:
             return label, t
         bound *= 1.15
@@ -265,42 +319,51 @@ def min_peak_bytes(problem: Problem) -> float:
     return best
 
 
-def solve_dp(problem: Problem) -> Solution:
-    """Optimal contiguous plan (see the module docstring for the exact search space)."""
+def solve_dp(problem: Problem, placement: bool = True) -> Solution:
+    """Optimal contiguous plan (see the module docstring for the exact search space).
+
+    ``placement=True`` also chooses which device runs each stage (any injective
+    mapping, with interchangeable devices collapsed); ``False`` runs stage ``k``
+    on device ``k``, the topology-blind baseline.
+    """
     started = time.perf_counter()
     tables = _Tables(problem)
+    classes = device_classes(problem) if placement else None
     ub, incumbent = math.inf, None
     for p in stage_counts(problem):
         cuts = _balanced_cuts(tables, p)
         sc = score_assignment(problem, _assignment(tables, cuts), list(range(p)))
         if sc.feasible and sc.iteration_s < ub:
-            ub, incumbent = sc.iteration_s, (p, cuts)
+            ub, incumbent = sc.iteration_s, (p, cuts, list(range(p)))
     for p in stage_counts(problem):
-        label, t = _deepening(problem, tables, p, ub)
+        label, t = _deepening(problem, tables, p, ub, classes)
         if label is not None and t <= ub * (1 + _REL_TOL):
-            cuts = []
+            cuts, devices = [], []
             while label is not None and label.parent is not None:
                 if label.start > 0:
                     cuts.append(label.start)
+                devices.append(label.device)
                 label = label.parent
-            ub, incumbent = t, (p, sorted(cuts))
+            ub, incumbent = t, (p, sorted(cuts), devices[::-1])
     if incumbent is None:
         need = min_peak_bytes(problem)
-        have = min(d.memory_bytes for d in problem.devices)
+        have = max(d.memory_bytes for d in problem.devices)
         raise InfeasibleError(
             f"no contiguous partition of {tables.n} nodes over {len(problem.devices)} devices fits in memory: "
-            f"the smallest possible stage peak is {need:.4g} bytes, the smallest device has {have:.4g} bytes; "
+            f"the smallest possible stage peak is {need:.4g} bytes, the largest device has {have:.4g} bytes; "
             "add devices, use devices with at least that much memory, or lower micro_batches/activation memory",
             min_peak_bytes=need,
         )
-    p, cuts = incumbent
+    p, cuts, devices = incumbent
     stage_of = _assignment(tables, cuts)
-    sc: Score = score_assignment(problem, stage_of, list(range(p)))
-    stages = [Stage([v for v in tables.order if stage_of[v] == s], [problem.devices[s].id]) for s in range(p)]
+    sc: Score = score_assignment(problem, stage_of, devices)
+    stages = [Stage([v for v in tables.order if stage_of[v] == s], [problem.devices[devices[s]].id])
+              for s in range(p)]
+    space = ("contiguous stages of a topological order, any stage-to-device mapping" if placement
+             else "contiguous stages of a topological order, stage k on device k")
     return Solution(
         stages,
         predicted=sc.as_predicted(),
         solver={"method": "dp", "optimal": True, "lower_bound_s": sc.iteration_s,
-                "time_s": time.perf_counter() - started,
-                "search_space": "contiguous stages of a topological order, stage k on device k"},
+                "time_s": time.perf_counter() - started, "search_space": space},
     )

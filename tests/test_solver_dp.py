@@ -21,11 +21,11 @@ def test_dp_equals_brute_force(seed, schedule, skips, tight):
     best = brute_force_contiguous(problem)
     if best is None:
         with pytest.raises(InfeasibleError) as info:
-            solve_dp(problem)
+            solve_dp(problem, placement=False)
         assert info.value.min_peak_bytes == pytest.approx(min_peak_bytes(problem))
         assert info.value.min_peak_bytes > min(d.memory_bytes for d in problem.devices)
         return
-    solution = solve_dp(problem)
+    solution = solve_dp(problem, placement=False)
     got = score(problem, solution)  # re-scored independently of the DP's own bookkeeping
     assert got.feasible
     assert got.iteration_s == pytest.approx(best.iteration_s, rel=1e-9)
@@ -67,3 +67,41 @@ def test_skip_connection_is_charged_to_both_ends_only():
     assert [s.nodes for s in sol.stages] == [["a"], ["b"], ["c"]]
     # a -> c: 10 bytes at 1 B/s, forward and backward, on stages 0 and 2 only.
     assert sol.predicted["stage_s"] == pytest.approx([21.0, 1.0, 21.0])
+
+
+@pytest.mark.parametrize("seed", range(120))
+def test_placement_dp_equals_brute_force_over_device_mappings(seed):
+    rng = random.Random(f"placement-{seed}")
+    problem = random_problem(rng, n=rng.randint(3, 7), devices=rng.randint(2, 4), skips=seed % 2 == 0,
+                             schedule=rng.choice(["gpipe", "1f1b"]), tight_memory=seed % 3 == 0)
+    best = brute_force_contiguous(problem, placement=True)
+    if best is None:
+        with pytest.raises(InfeasibleError):
+            solve_dp(problem, placement=True)
+        return
+    got = score(problem, solve_dp(problem, placement=True))
+    assert got.feasible and got.iteration_s == pytest.approx(best.iteration_s, rel=1e-9)
+    blind = brute_force_contiguous(problem, placement=False)
+    assert blind is None or got.iteration_s <= blind.iteration_s * (1 + 1e-9)
+
+
+def test_placement_puts_the_heavy_boundary_on_the_fast_link():
+    from pathlib import Path
+
+    from fxpipe.topology import link_class_bandwidth, parse_nvidia_smi_topo
+    from solvers import Problem
+    from solvers.dp import device_classes
+    classes = parse_nvidia_smi_topo((Path(__file__).parent / "data" / "titan-v-8gpu-2socket.txt").read_text())
+    bw = [[0 if i == j else link_class_bandwidth(classes[i][j])[0] for j in range(8)] for i in range(8)]
+    # Two equal halves joined by a 1 GB tensor: only a PIX pair carries it in 0.08 s.
+    problem = Problem.from_dict({
+        "format": "fxpipe-problem/1", "micro_batches": 4, "schedule": "gpipe", "stages": 2,
+        "nodes": [{"id": "a", "fwd_s": 1.0, "bwd_s": 1.0}, {"id": "b", "fwd_s": 1.0, "bwd_s": 1.0}],
+        "edges": [{"src": "a", "dst": "b", "bytes": 1e9}],
+        "devices": [{"id": f"gpu{i}", "memory_bytes": 1e10} for i in range(8)],
+        "links": {"bandwidth_Bps": bw, "latency_s": [[0.0] * 8 for _ in range(8)]},
+    })
+    assert device_classes(problem) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    sol = solve_dp(problem)
+    pair = {int(s.devices[0][3:]) for s in sol.stages}
+    assert classes[min(pair)][max(pair)] == "PIX"
