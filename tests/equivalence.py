@@ -65,13 +65,46 @@ def _errors(outs, grads, ref_outs, ref_grads) -> tuple[list[float], dict[str, fl
             {n: max_relative_error(grads[n], ref_grads[n]) for n in ref_grads})
 
 
+def _judge_by_float64(model, inputs, chunks, outs, grads, micro_outs, micro_grads, out_err, over,
+                      out_tol, grad_tol) -> None:
+    """Decide the values over tolerance against a float64 run of the micro-batched model.
+
+    Some fp32 gradients are pure rounding noise (heavy cancellation: the model
+    run twice on the same input differs by 3e-4, and by 150% from float64), so
+    no fixed tolerance can judge them. For those values the pipeline must be
+    as close to the float64 result as the fp32 model itself is (twice its
+    error, plus the tolerance); a real fault (a lost micro-batch, a wrong
+    stage input) is orders of magnitude beyond that.
+    """
+    import copy
+
+    m64 = copy.deepcopy(model).double()
+    to64 = lambda v: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v  # noqa: E731
+    outs64, grads64 = reference_step(m64, tuple(to64(v) for v in inputs), chunks)
+    del m64
+    for i, e in enumerate(out_err):
+        if e > out_tol:
+            pipe_e = max_relative_error(outs[i].double(), outs64[i])
+            ref_e = max_relative_error(micro_outs[i].double(), outs64[i])
+            assert pipe_e <= 2 * ref_e + out_tol, (
+                f"output {i}: relative error {e:.3g} vs the micro-batched model; against float64 the "
+                f"pipeline is off by {pipe_e:.3g}, the model by {ref_e:.3g}")
+    for n in over:
+        pipe_e = max_relative_error(grads[n].double(), grads64[n])
+        ref_e = max_relative_error(micro_grads[n].double(), grads64[n])
+        assert pipe_e <= 2 * ref_e + grad_tol, (
+            f"gradient of {n}: relative error vs the micro-batched model over {grad_tol}; against float64 "
+            f"the pipeline is off by {pipe_e:.3g}, the model by {ref_e:.3g}")
+
+
 def assert_same_step(model: nn.Module, pipe_factory, inputs: tuple, chunks: int, out_tol: float = 1e-5,
                      grad_tol: float = 1e-4) -> dict[str, float]:
     """Check one training step of ``pipe_factory()`` against the unpartitioned model.
 
     1. Against the model run on the same micro-batches (same kernels on the same
        shapes): outputs within ``out_tol`` and every gradient within ``grad_tol``,
-       relative to the largest magnitude. This is fxpipe's own exactness.
+       relative to the largest magnitude. This is fxpipe's own exactness. A value
+       over tolerance is judged against float64 (see ``_judge_by_float64``).
     2. Against the model on the full batch: within the same tolerances, or within
        twice what the model itself changes between full batch and micro-batches
        (fp32 kernels sum in another order per batch size), whichever is larger.
@@ -83,12 +116,10 @@ def assert_same_step(model: nn.Module, pipe_factory, inputs: tuple, chunks: int,
     outs, grads = pipeline_step(pipe, model, inputs)
     del pipe
     out_err, grad_err = _errors(outs, grads, micro_outs, micro_grads)
-    for i, e in enumerate(out_err):
-        assert e <= out_tol, f"output {i} vs micro-batched model: relative error {e:.3g} > {out_tol}"
-    worst = max(grad_err, key=grad_err.get, default=None)
-    if worst is not None:
-        assert grad_err[worst] <= grad_tol, (
-            f"gradient of {worst} vs micro-batched model: relative error {grad_err[worst]:.3g} > {grad_tol}")
+    over = [n for n, e in grad_err.items() if e > grad_tol]
+    if over or any(e > out_tol for e in out_err):
+        _judge_by_float64(model, inputs, chunks, outs, grads, micro_outs, micro_grads, out_err, over,
+                          out_tol, grad_tol)
     # Full batch: its gradients stay in .grad, compared against both stored copies.
     model.zero_grad(set_to_none=True)
     full = model(*inputs)

@@ -169,3 +169,20 @@ def test_pipeline_output_follows_the_model_under_no_grad():
         want = torch.cat([model(c) for c in x.chunk(2)])
     assert not got.requires_grad
     assert max_relative_error(got, want) == 0.0
+
+
+@pytest.mark.parametrize("fault", ["scaled output", "lost micro-batch gradient"])
+def test_the_equivalence_check_catches_a_wrong_pipeline(fault):
+    """The comparison used everywhere above fails on plausible executor bugs."""
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18().eval()
+    x = torch.randn(4, 3, 32, 32)
+
+    def broken(inp):
+        if fault == "scaled output":
+            return torch.cat([model(c) for c in inp.chunk(2)]) * (1 + 1e-3)
+        first, second = inp.chunk(2)
+        return torch.cat([model(first), model(second).detach()])
+
+    with pytest.raises(AssertionError):
+        assert_same_step(model, lambda: broken, (x,), chunks=2)
