@@ -27,7 +27,7 @@ from typing import Callable
 from solvers.dp import solve_dp
 from solvers.problem import Problem
 from solvers.score import score_assignment
-from solvers.solution import Solution, Stage
+from solvers.solution import Solution, Stage, assignment_from_cuts
 
 __all__ = ["ANCHORS", "anchor_solution", "uniform_cuts", "spread_cuts", "minmax_cuts", "equal_size_cuts"]
 
@@ -47,14 +47,28 @@ def uniform_cuts(weights: list[float], parts: int) -> list[int]:
     return cuts
 
 
+def _prefix_sums(weights: list[float]) -> list[float]:
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    return prefix
+
+
+def _backtrack(back, n: int, parts: int) -> list[int]:
+    """Cut positions from ``back(i, j)``: where the part ``j`` that ends at ``i`` starts."""
+    cuts, i = [], n
+    for j in range(parts, 1, -1):
+        i = back(i, j)
+        cuts.append(i)
+    return sorted(cuts)
+
+
 def spread_cuts(weights: list[float], parts: int) -> list[int]:
     """DeepSpeed-style DP: per (prefix i, parts j) keep the split with the least max - min."""
     n = len(weights)
     if n <= parts:
         return uniform_cuts(weights, parts)
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
+    prefix = _prefix_sums(weights)
     inf = math.inf
     cost = [[inf] * (parts + 1) for _ in range(n + 1)]
     hi = [[inf] * (parts + 1) for _ in range(n + 1)]
@@ -70,19 +84,13 @@ def spread_cuts(weights: list[float], parts: int) -> list[int]:
                 h, lw = max(hi[k][j - 1], block), min(lo[k][j - 1], block)
                 if h - lw <= cost[i][j]:
                     cost[i][j], hi[i][j], lo[i][j], back[i][j] = h - lw, h, lw, k
-    cuts, i = [], n
-    for j in range(parts, 1, -1):
-        i = back[i][j]
-        cuts.append(i)
-    return sorted(cuts)
+    return _backtrack(lambda i, j: back[i][j], n, parts)
 
 
 def minmax_cuts(weights: list[float], parts: int) -> list[int]:
     """Contiguous parts with the smallest maximum part weight (exact)."""
     n = len(weights)
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
+    prefix = _prefix_sums(weights)
     inf = math.inf
     best = [[inf] * (n + 1) for _ in range(parts + 1)]
     back = [[0] * (n + 1) for _ in range(parts + 1)]
@@ -93,11 +101,7 @@ def minmax_cuts(weights: list[float], parts: int) -> list[int]:
                 v = max(best[j - 1][k], prefix[i] - prefix[k])
                 if v < best[j][i]:
                     best[j][i], back[j][i] = v, k
-    cuts, i = [], n
-    for j in range(parts, 1, -1):
-        i = back[j][i]
-        cuts.append(i)
-    return sorted(cuts)
+    return _backtrack(lambda i, j: back[j][i], n, parts)
 
 
 def equal_size_cuts(weights: list[float], parts: int) -> list[int]:
@@ -122,12 +126,7 @@ def equal_size_cuts(weights: list[float], parts: int) -> list[int]:
 
 def _solution_from_cuts(problem: Problem, cuts: list[int], method: str, started: float) -> Solution:
     order, p = problem.order, len(cuts) + 1
-    bounds = list(cuts) + [len(order)]
-    stage_of, k = {}, 0
-    for i, v in enumerate(order):
-        while i >= bounds[k]:
-            k += 1
-        stage_of[v] = k
+    stage_of = assignment_from_cuts(order, cuts)
     sc = score_assignment(problem, stage_of, list(range(p)))
     stages = [Stage([v for v in order if stage_of[v] == s], [problem.devices[s].id]) for s in range(p)]
     return Solution(stages, sc.as_predicted(),

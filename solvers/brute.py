@@ -8,6 +8,7 @@ import math
 from solvers.dp import stage_counts
 from solvers.problem import Problem
 from solvers.score import Score, score_assignment
+from solvers.solution import assignment_from_cuts
 
 __all__ = ["brute_force_contiguous"]
 
@@ -25,12 +26,7 @@ def brute_force_contiguous(problem: Problem, placement: bool = False) -> Score |
                     else [tuple(range(p))])
         mappings = list(mappings)
         for cuts in itertools.combinations(range(1, n), p - 1):
-            bounds = list(cuts) + [n]
-            stage_of, k = {}, 0
-            for i, v in enumerate(order):
-                while i >= bounds[k]:
-                    k += 1
-                stage_of[v] = k
+            stage_of = assignment_from_cuts(order, cuts)
             for devices in mappings:
                 sc = score_assignment(problem, stage_of, list(devices))
                 if sc.feasible and (best is None or sc.iteration_s < best.iteration_s):

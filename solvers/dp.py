@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from solvers.errors import InfeasibleError
 from solvers.problem import Problem
 from solvers.score import Score, score_assignment, transfer_cost_s
-from solvers.solution import Solution, Stage
+from solvers.solution import Solution, Stage, assignment_from_cuts
 
 __all__ = ["solve_dp", "stage_counts", "min_peak_bytes", "device_classes"]
 
@@ -96,16 +96,6 @@ def _balanced_cuts(tables: _Tables, p: int) -> list[int]:
         cuts.append(max(c for c in cand))
         cuts.sort()
     return cuts
-
-
-def _assignment(tables: _Tables, cuts: list[int]) -> dict[str, int]:
-    stage_of, k = {}, 0
-    bounds = list(cuts) + [tables.n]
-    for i, node_id in enumerate(tables.order):
-        while i >= bounds[k]:
-            k += 1
-        stage_of[node_id] = k
-    return stage_of
 
 
 def device_classes(problem: Problem) -> list[list[int]]:
@@ -332,7 +322,7 @@ def solve_dp(problem: Problem, placement: bool = True) -> Solution:
     ub, incumbent = math.inf, None
     for p in stage_counts(problem):
         cuts = _balanced_cuts(tables, p)
-        sc = score_assignment(problem, _assignment(tables, cuts), list(range(p)))
+        sc = score_assignment(problem, assignment_from_cuts(tables.order, cuts), list(range(p)))
         if sc.feasible and sc.iteration_s < ub:
             ub, incumbent = sc.iteration_s, (p, cuts, list(range(p)))
     for p in stage_counts(problem):
@@ -355,7 +345,7 @@ def solve_dp(problem: Problem, placement: bool = True) -> Solution:
             min_peak_bytes=need,
         )
     p, cuts, devices = incumbent
-    stage_of = _assignment(tables, cuts)
+    stage_of = assignment_from_cuts(tables.order, cuts)
     sc: Score = score_assignment(problem, stage_of, devices)
     stages = [Stage([v for v in tables.order if stage_of[v] == s], [problem.devices[devices[s]].id])
               for s in range(p)]

@@ -9,9 +9,20 @@ from typing import Any
 
 from solvers.errors import InvalidProblemError
 
-__all__ = ["Stage", "Solution", "SOLUTION_FORMAT"]
+__all__ = ["Stage", "Solution", "SOLUTION_FORMAT", "assignment_from_cuts"]
 
 SOLUTION_FORMAT = "fxpipe-solution/1"
+
+
+def assignment_from_cuts(order: list[str], cuts: list[int] | tuple[int, ...]) -> dict[str, int]:
+    """Node -> stage for contiguous stages of ``order`` that start at the sorted positions ``cuts``."""
+    stage_of, k = {}, 0
+    bounds = list(cuts) + [len(order)]
+    for i, node_id in enumerate(order):
+        while i >= bounds[k]:
+            k += 1
+        stage_of[node_id] = k
+    return stage_of
 
 
 @dataclass
