@@ -168,7 +168,7 @@ def compile(
         problem = build_problem(gm, costs, devs, links, chunks, mem, stages=stages,
                                 optimizer_state_factor=optimizer_state_factor, name=type(model).__name__)
         try:
-            solution = solvers.solve(problem)
+            solution = solvers.solve(problem, "dp")
         except solvers.InfeasibleError as exc:
             raise InfeasiblePlanError(str(exc), exc.min_peak_bytes) from exc
         the_plan = _plan_from_solution(problem, solution, devices, fingerprint, type(model).__name__,

@@ -17,12 +17,35 @@ __all__ = [
     "METHODS", "score_assignment", "solve", "solve_dp",
 ]
 
-METHODS = ("dp",)
-"""Solution methods of :func:`solve`."""
+METHODS = ("auto", "dp", "ilp")
+"""Solution methods of :func:`solve`; ``auto`` is the default of the command line."""
 
 
-def solve(problem: Problem, method: str = "dp") -> Solution:
-    """Solve ``problem`` with ``method`` (only ``"dp"`` today)."""
+def solve(problem: Problem, method: str = "dp", time_limit_s: float = 10.0) -> Solution:
+    """Solve ``problem``.
+
+    * ``"dp"``: exact over contiguous stages of one topological order, with placement.
+    * ``"ilp"``: best convex partition within ``time_limit_s`` (stage ``k`` on device ``k``).
+    * ``"auto"``: the DP, then the ILP warm-started from it (same placement) within
+      ``time_limit_s``; never worse than the DP, optimal over convex partitions for that
+      placement when its gap closes.
+    """
     if method not in METHODS:
         raise InvalidProblemError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
-    return solve_dp(problem)
+    if method == "dp":
+        return solve_dp(problem)
+    from solvers.ilp import ilp_available, solve_ilp
+
+    if method == "ilp":
+        return solve_ilp(problem, time_limit_s)
+    dp = solve_dp(problem)
+    if not ilp_available():
+        dp.solver["note"] = "ILP skipped: HiGHS (highspy) is not installed"
+        return dp
+    ilp = solve_ilp(problem, time_limit_s, warm_start=dp)
+    best = ilp if ilp.predicted["iteration_s"] < dp.predicted["iteration_s"] else dp
+    best.solver = {**best.solver, "method": "auto", "chosen": best is ilp and "ilp" or "dp",
+                   "dp_iteration_s": dp.predicted["iteration_s"], "ilp_gap": ilp.solver["gap"],
+                   "optimal": ilp.solver["optimal"], "lower_bound_s": min(ilp.solver["lower_bound_s"],
+                                                                          best.predicted["iteration_s"])}
+    return best

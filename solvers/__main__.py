@@ -15,7 +15,9 @@ def main(argv: list[str] | None = None) -> int:
     p_solve = sub.add_parser("solve", help="solve a problem and print (or write) the solution JSON")
     p_solve.add_argument("problem")
     p_solve.add_argument("-o", "--output", help="write the solution here instead of stdout")
-    p_solve.add_argument("--method", default="dp", choices=METHODS)
+    p_solve.add_argument("--method", default="auto", choices=METHODS,
+                         help="auto (default): exact DP, then the ILP over convex partitions warm-started from it")
+    p_solve.add_argument("--time-limit", type=float, default=10.0, help="ILP time limit in seconds (default 10)")
     p_cmp = sub.add_parser("compare", help="score fxpipe's solver and every anchor partitioner on problems")
     p_cmp.add_argument("problems", nargs="+")
     p_score = sub.add_parser("score", help="print the reference score of a solution")
@@ -29,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         problem = Problem.load(args.problem)
         if args.command == "solve":
-            doc = json.dumps(solve(problem, args.method).to_dict(), indent=1)
+            doc = json.dumps(solve(problem, args.method, args.time_limit).to_dict(), indent=1)
             if args.output:
                 with open(args.output, "w") as f:
                     f.write(doc)
