@@ -55,6 +55,15 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
+def _detach(value: Any) -> Any:
+    """``value`` with every tensor detached, keeping ``requires_grad`` and parameters as they are."""
+    def one(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+            return t.detach().requires_grad_(t.requires_grad)
+        return t
+    return fx.node.map_aggregate(value, one)
+
+
 def _unique_bytes(tensors: list[torch.Tensor]) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
@@ -93,12 +102,19 @@ class _Recorder(fx.Interpreter):
         self._seen: set[int] = {t.untyped_storage().data_ptr()
                                 for t in list(gm.parameters()) + list(gm.buffers())}
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
+    def pack(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage and keep nothing: this run's graph is never backpropagated,
+        and keeping ``t`` would tie it (an output's ``grad_fn`` is the very node that saves it)
+        into a cycle through C++ autograd nodes that Python's collector cannot free."""
         st = t.untyped_storage()
         if self.current is not None and st.data_ptr() not in self._seen and st.nbytes() > 0:
             self._seen.add(st.data_ptr())
             self.act_bytes[self.current] = self.act_bytes.get(self.current, 0) + st.nbytes()
-        return t
+        return None
+
+
+def _never_unpacked(_: None) -> torch.Tensor:
+    raise RuntimeError("fxpipe's profiling graph is not meant for backward")
 
     def run_node(self, n: fx.Node) -> Any:
         self.current = n.name
@@ -170,9 +186,11 @@ def profile_graph(
     rng = torch.random.get_rng_state()
     try:
         recorder = _Recorder(gm, count_flops=(mode == "estimate"))
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, _never_unpacked):
             recorder.run(*micro_inputs)
-        env = {n.name: v for n, v in recorder.env.items()}
+        # Keep detached values only: the recorded graph is not needed past this point.
+        env = {n.name: _detach(v) for n, v in recorder.env.items()}
+        recorder.env.clear()
         costs: dict[str, NodeCost] = {}
         counted: set[int] = set()
         nodes = list(gm.graph.nodes)

@@ -186,3 +186,17 @@ def test_the_equivalence_check_catches_a_wrong_pipeline(fault):
 
     with pytest.raises(AssertionError):
         assert_same_step(model, lambda: broken, (x,), chunks=2)
+
+
+@pytest.mark.parametrize("profile", ["estimate", "measure"])
+def test_compiling_and_training_keep_no_reference_to_the_model(profile):
+    """The profiler once leaked every model through a cycle in C++ autograd nodes."""
+    import weakref
+    model = torchvision.models.resnet18().eval()
+    x = torch.randn(2, 3, 32, 32)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, profile=profile, repeats=1, warmup=0)
+    pipe(x).sum().backward()
+    alive = weakref.ref(model)
+    del pipe, model
+    gc.collect()
+    assert alive() is None
