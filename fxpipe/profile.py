@@ -112,10 +112,6 @@ class _Recorder(fx.Interpreter):
             self.act_bytes[self.current] = self.act_bytes.get(self.current, 0) + st.nbytes()
         return None
 
-
-def _never_unpacked(_: None) -> torch.Tensor:
-    raise RuntimeError("fxpipe's profiling graph is not meant for backward")
-
     def run_node(self, n: fx.Node) -> Any:
         self.current = n.name
         if not self.count_flops or n.op not in ("call_module", "call_function", "call_method"):
@@ -124,6 +120,10 @@ def _never_unpacked(_: None) -> torch.Tensor:
             out = super().run_node(n)
         self.flops[n.name] = counter.get_total_flops()
         return out
+
+
+def _never_unpacked(_: None) -> torch.Tensor:
+    raise RuntimeError("fxpipe's profiling graph is not meant for backward")
 
 
 def _time_node(gm: fx.GraphModule, node: fx.Node, env: dict[str, Any], device: torch.device,

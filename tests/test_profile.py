@@ -1,0 +1,64 @@
+"""The profiler's numbers: exact where they can be computed by hand."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from fxpipe.profile import profile_graph
+from fxpipe.trace import trace
+
+
+class LinearReLU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
+@pytest.mark.parametrize("mode", ["estimate", "measure"])
+def test_costs_of_linear_relu_by_hand(mode):
+    gm = trace(LinearReLU())
+    costs = profile_graph(gm, (torch.randn(5, 8),), torch.device("cpu"), mode=mode, warmup=0, repeats=1)
+    assert costs["lin"].param_bytes == (8 * 4 + 4) * 4
+    assert costs["lin"].output_bytes == 5 * 4 * 4
+    assert costs["lin"].act_bytes == 5 * 8 * 4      # Linear saves its input, not its weight
+    assert costs["relu"].act_bytes == 5 * 4 * 4     # ReLU saves its output
+    assert costs["x"].output_bytes == 5 * 8 * 4 and costs["x"].fwd_s == 0.0
+    assert costs["lin"].fwd_s > 0 and costs["lin"].bwd_s > 0
+    if mode == "estimate":
+        assert costs["lin"].flops == 2 * 5 * 8 * 4
+        assert costs["lin"].bwd_s == pytest.approx(2 * costs["lin"].fwd_s)
+
+
+def test_shared_parameter_is_counted_once():
+    from models import SkipTied
+    model = SkipTied()
+    gm = trace(model)
+    costs = profile_graph(gm, (torch.randint(0, 13, (4, 5)),), torch.device("cpu"), mode="estimate")
+    total = sum(c.param_bytes for c in costs.values())
+    assert total == sum(p.numel() * 4 for p in model.parameters())  # parameters() dedups the tie
+
+
+def test_profiling_leaves_buffers_rng_and_grads_untouched():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5)).train()
+    x = torch.randn(6, 4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.random.get_rng_state()
+    profile_graph(trace(model), (x,), torch.device("cpu"), mode="measure", warmup=1, repeats=2)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(rng, torch.random.get_rng_state())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_profiling_keeps_no_reference_to_the_graph():
+    gm = trace(LinearReLU())
+    profile_graph(gm, (torch.randn(5, 8),), torch.device("cpu"), mode="estimate")
+    alive = weakref.ref(gm)
+    del gm
+    gc.collect()
+    assert alive() is None
