@@ -15,7 +15,6 @@ import traceback
 from collections import Counter
 from typing import Any, Iterable
 
-import torch
 import torch.fx as fx
 from torch import nn
 
