@@ -325,16 +325,18 @@ def solve_dp(problem: Problem, placement: bool = True) -> Solution:
         sc = score_assignment(problem, assignment_from_cuts(tables.order, cuts), list(range(p)))
         if sc.feasible and sc.iteration_s < ub:
             ub, incumbent = sc.iteration_s, (p, cuts, list(range(p)))
-    for p in stage_counts(problem):
-        label, t = _deepening(problem, tables, p, ub, classes)
-        if label is not None and t <= ub * (1 + _REL_TOL):
-            cuts, devices = [], []
-            while label is not None and label.parent is not None:
-                if label.start > 0:
-                    cuts.append(label.start)
-                devices.append(label.device)
-                label = label.parent
-            ub, incumbent = t, (p, sorted(cuts), devices[::-1])
+    searches = [None, classes] if classes is not None else [None]
+    for search_classes in searches:  # the blind optimum first: a tight bound for placement
+        for p in stage_counts(problem):
+            label, t = _deepening(problem, tables, p, ub, search_classes)
+            if label is not None and t <= ub * (1 + _REL_TOL):
+                cuts, devices = [], []
+                while label is not None and label.parent is not None:
+                    if label.start > 0:
+                        cuts.append(label.start)
+                    devices.append(label.device)
+                    label = label.parent
+                ub, incumbent = t, (p, sorted(cuts), devices[::-1])
     if incumbent is None:
         need = min_peak_bytes(problem)
         have = max(d.memory_bytes for d in problem.devices)
