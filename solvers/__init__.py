@@ -44,7 +44,7 @@ def solve(problem: Problem, method: str = "dp", time_limit_s: float = 10.0) -> S
         return dp
     ilp = solve_ilp(problem, time_limit_s, warm_start=dp)
     best = ilp if ilp.predicted["iteration_s"] < dp.predicted["iteration_s"] else dp
-    best.solver = {**best.solver, "method": "auto", "chosen": best is ilp and "ilp" or "dp",
+    best.solver = {**best.solver, "method": "auto", "chosen": "ilp" if best is ilp else "dp",
                    "dp_iteration_s": dp.predicted["iteration_s"], "ilp_gap": ilp.solver["gap"],
                    "optimal": ilp.solver["optimal"], "lower_bound_s": min(ilp.solver["lower_bound_s"],
                                                                           best.predicted["iteration_s"])}

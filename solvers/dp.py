@@ -325,7 +325,8 @@ def solve_dp(problem: Problem, placement: bool = True) -> Solution:
         sc = score_assignment(problem, assignment_from_cuts(tables.order, cuts), list(range(p)))
         if sc.feasible and sc.iteration_s < ub:
             ub, incumbent = sc.iteration_s, (p, cuts, list(range(p)))
-    searches = [None, classes] if classes is not None else [None]
+    # With one group of interchangeable devices, placement is stage k on device k: one search.
+    searches = [None, classes] if classes is not None and len(classes) > 1 else [None]
     for search_classes in searches:  # the blind optimum first: a tight bound for placement
         for p in stage_counts(problem):
             label, t = _deepening(problem, tables, p, ub, search_classes)

@@ -38,8 +38,6 @@ from solvers.solution import Solution, Stage
 
 __all__ = ["solve_ilp", "ilp_available"]
 
-_EPS = 1e-9
-
 
 def ilp_available() -> bool:
     return "HiGHS" in pulp.listSolvers(onlyAvailable=True)
@@ -84,8 +82,9 @@ def _model(problem: Problem, p: int, devices: list[int], start: dict[str, int] |
     r_vars: dict[tuple, pulp.LpVariable] = {}
     q_vars: dict[tuple, pulp.LpVariable] = {}
     index = {v: i for i, v in enumerate(ids)}
+    levels_of = {u: sorted(set(byw.values())) for u, byw in consumers.items()}
     for u, byw in consumers.items():
-        levels = sorted(set(byw.values()))
+        levels = levels_of[u]
         iu = index[u]
         for b in range(1, p):
             prev = 0.0
@@ -119,17 +118,17 @@ def _model(problem: Problem, p: int, devices: list[int], start: dict[str, int] |
                          for v in ids) <= dev.memory_bytes
     lp += pulp.lpSum(t) + (m - 1) * big
     if start is not None:
-        _set_start(problem, p, devices, start, x, r_vars, q_vars, consumers, t, big)
+        _set_start(problem, p, devices, start, x, r_vars, q_vars, consumers, levels_of, t, big)
     return lp, x
 
 
-def _set_start(problem, p, devices, start, x, r_vars, q_vars, consumers, t, big) -> None:
+def _set_start(problem, p, devices, start, x, r_vars, q_vars, consumers, levels_of, t, big) -> None:
     """Initial values of every variable from a feasible ``node -> stage`` map."""
     for (v, s), var in x.items():
         var.setInitialValue(1 if start[v] == s else 0)
     for (u, b, k), var in r_vars.items():
-        levels = sorted(set(consumers[u].values()))
-        hit = start[u] != b and any(start[w] == b and nbytes >= levels[k] for w, nbytes in consumers[u].items())
+        level = levels_of[u][k]
+        hit = start[u] != b and any(start[w] == b and nbytes >= level for w, nbytes in consumers[u].items())
         var.setInitialValue(1 if hit else 0)
     for (u, a, b, k), var in q_vars.items():
         var.setInitialValue(1 if start[u] == a and r_vars[u, b, k].varValue == 1 else 0)

@@ -1,9 +1,9 @@
 """Test-session setup: give freed memory back to the OS between tests.
 
 The torchvision sweep builds ~80 models in one process, some of 100-600M
-parameters. glibc keeps freed heap memory for reuse, so the process would grow
-towards the machine's 24 GiB; trimming after every test keeps it at what the
-current test needs.
+parameters. glibc keeps freed heap memory for reuse; trimming after every test
+keeps the process near what the current test needs. (The OOM that prompted
+this was a leak in the profiler, fixed there; this is a guard, not the fix.)
 """
 
 import ctypes

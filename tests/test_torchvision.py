@@ -29,8 +29,8 @@ SLOW = {"vit_h_14", "vit_l_16", "vit_l_32", "regnet_y_128gf", "regnet_y_32gf", "
         "convnext_large", "convnext_base", "efficientnet_v2_l", "efficientnet_b7", "vgg11", "vgg11_bn", "vgg13",
         "vgg13_bn", "vgg16", "vgg16_bn", "vgg19", "vgg19_bn", "alexnet", "wide_resnet101_2", "swin_v2_b",
         "swin_b", "vit_b_16", "regnet_y_16gf", "resnext101_64x4d", "resnext101_32x8d"}
-# Over 300M parameters: each runs in its own process, so that the memory of the
-# ~80 models before it (held by the allocator) cannot push it over the machine's 24 GiB.
+# Over 300M parameters (12-15 GiB each at peak): each runs in its own process, so
+# that whatever the ~80 models before it left in this one cannot push it over 24 GiB.
 GIANT = {"vit_h_14", "vit_l_16", "vit_l_32", "regnet_y_128gf"}
 REPRESENTATIVE = ["resnet50", "inception_v3", "densenet121", "mobilenet_v3_large", "efficientnet_b0",
                   "convnext_tiny", "vit_b_16", "swin_t"]
