@@ -1,4 +1,4 @@
-"""Command line of the planner: ``python -m solvers solve|score PROBLEM.json``."""
+"""Command line of the planner: ``python -m solvers solve|search|score|compare PROBLEM.json``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,16 @@ def main(argv: list[str] | None = None) -> int:
     p_solve.add_argument("--method", default="auto", choices=METHODS,
                          help="auto (default): exact DP, then the ILP over convex partitions warm-started from it")
     p_solve.add_argument("--time-limit", type=float, default=10.0, help="ILP time limit in seconds (default 10)")
+    p_search = sub.add_parser("search", help="joint search over micro-batches, schedule and stages; prints the table")
+    p_search.add_argument("problem")
+    p_search.add_argument("--micro-batches", type=int, nargs="+", help="counts to try (default: the problem's)")
+    p_search.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"])
+    p_search.add_argument("--stages", type=int, nargs="+", help="stage counts to try (default: free)")
+    p_search.add_argument("--node-overhead", type=float, default=0.0,
+                          help="per-node seconds that do not shrink with the micro-batch (default 0)")
+    p_search.add_argument("--method", default="dp", choices=METHODS)
+    p_search.add_argument("--time-limit", type=float, default=10.0)
+    p_search.add_argument("-o", "--output", help="write the best solution here")
     p_cmp = sub.add_parser("compare", help="score fxpipe's solver and every anchor partitioner on problems")
     p_cmp.add_argument("problems", nargs="+")
     p_score = sub.add_parser("score", help="print the reference score of a solution")
@@ -30,6 +40,17 @@ def main(argv: list[str] | None = None) -> int:
             print(format_table(compare([Problem.load(p) for p in args.problems])))
             return 0
         problem = Problem.load(args.problem)
+        if args.command == "search":
+            from solvers.joint import format_trials, joint_search
+            best, variant, trials = joint_search(problem, args.micro_batches, args.schedules,
+                                                 args.stages or [None], args.method, args.time_limit,
+                                                 args.node_overhead)
+            print(format_trials(trials))
+            print(f"best: {variant.micro_batches} micro-batches, {variant.schedule}, {len(best.stages)} stages, "
+                  f"{best.predicted['iteration_s'] * 1e3:.3f} ms per iteration")
+            if args.output:
+                best.save(args.output)
+            return 0
         if args.command == "solve":
             doc = json.dumps(solve(problem, args.method, args.time_limit).to_dict(), indent=1)
             if args.output:

@@ -147,11 +147,21 @@ def _cut_anchor(name: str, field: str, cutter: Callable[[list[float], int], list
     return run
 
 
+BLIND_TIME_LIMIT_S = 10.0
+"""The blind anchor's exact search stops here (its plan is then its best so far)."""
+
+
 def _blind(problem: Problem) -> Solution:
-    sol = solve_dp(problem, placement=False)
+    sol = solve_dp(problem, placement=False, time_limit_s=BLIND_TIME_LIMIT_S)
     sol.solver["method"] = "blind"
     return sol
 
+
+CUT_ANCHORS: list[tuple[Callable[[list[float], int], list[int]], Callable[[Problem], list[float]]]] = [
+    (uniform_cuts, lambda p: _weights(p, "time")), (spread_cuts, lambda p: _weights(p, "params")),
+    (minmax_cuts, lambda p: _weights(p, "time")), (equal_size_cuts, lambda p: _weights(p, "params")),
+]
+"""The anchors' cutters with their weights: the DP's first incumbents (stage k on device k)."""
 
 ANCHORS: dict[str, Callable[[Problem], Solution]] = {
     "uniform": _cut_anchor("uniform", "time", uniform_cuts),

@@ -6,11 +6,12 @@ import itertools
 import math
 
 from solvers.dp import stage_counts
+from solvers.groups import hierarchical_order
 from solvers.problem import Problem
 from solvers.score import Score, score_assignment
 from solvers.solution import assignment_from_cuts
 
-__all__ = ["brute_force_contiguous", "brute_force_convex"]
+__all__ = ["brute_force_contiguous", "brute_force_convex", "brute_force_replicated"]
 
 
 def brute_force_contiguous(problem: Problem, placement: bool = False) -> Score | None:
@@ -47,4 +48,30 @@ def brute_force_convex(problem: Problem) -> Score | None:
             sc = score_assignment(problem, stage_of, list(range(p)))
             if sc.feasible and (best is None or sc.iteration_s < best.iteration_s):
                 best = sc
+    return best
+
+
+def _run_lengths(p: int, devices: int, max_r: int):
+    """Every way to give ``p`` stages ``1..max_r`` devices each, ``devices`` at most in all."""
+    for lengths in itertools.product(range(1, max_r + 1), repeat=p):
+        if sum(lengths) <= devices:
+            yield lengths
+
+
+def brute_force_replicated(problem: Problem) -> Score | None:
+    """Best feasible score over the DP's space with replicas: every contiguous partition
+    with any injective single-device mapping, or with stages on runs of consecutive devices
+    of the hierarchical order (up to ``max_replicas`` each); or None."""
+    best = brute_force_contiguous(problem, placement=True)
+    order, n = problem.order, len(problem.order)
+    dev_order = hierarchical_order(problem)
+    for p in stage_counts(problem):
+        for cuts in itertools.combinations(range(1, n), p - 1):
+            stage_of = assignment_from_cuts(order, cuts)
+            for lengths in _run_lengths(p, len(dev_order), problem.max_replicas):
+                starts = list(itertools.accumulate((0,) + lengths[:-1]))
+                groups = [tuple(dev_order[s:s + r]) for s, r in zip(starts, lengths)]
+                sc = score_assignment(problem, stage_of, groups)
+                if sc.feasible and (best is None or sc.iteration_s < best.iteration_s):
+                    best = sc
     return best

@@ -3,12 +3,20 @@
 Search space: the nodes in ``problem.order`` are cut into ``p`` contiguous,
 non-empty stages (``p`` is ``problem.stages`` or, when that is null, every
 value from 1 to the number of devices), and each stage runs on its own device:
-any injective stage-to-device mapping (topology-aware placement), or stage
-``k`` on device ``k`` with ``placement=False``. Within that space the programme
-returns a solution with
+any injective stage-to-device mapping (topology-aware placement, up to
+:data:`MAX_EXACT_PLACEMENT_DEVICES` devices), or stage ``k`` on device ``k``
+with ``placement=False``. With ``max_replicas > 1`` (format version 2) a stage
+may instead take a run of consecutive devices of the hierarchical device order
+as a replica group. Within that space the programme returns a solution with
 the smallest *reference* iteration time ``sum t_s + (m - 1) max t_s`` that
 meets the schedule-aware memory limit, exactly, for any link matrix, device
-speeds and skip connections.
+speeds and skip connections — or, when ``time_limit_s`` stops it first, its
+best plan with a proven lower bound (``optimal: false``, ``gap``).
+
+The searches run cheapest first, each one's optimum bounding the next: stage
+``k`` on device ``k``; the hierarchical device order; a local search over the
+mapping alternated with exact cutting; replica runs; then every mapping.
+The anchors' plans seed the incumbent, so no anchor ever beats the result.
 
 Why a label-setting DP rather than the textbook ``(position, stage)`` table:
 a stage's time includes its outgoing transfers, one per *later stage* that
@@ -30,16 +38,20 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from solvers.errors import InfeasibleError
+from solvers.groups import GroupTable, allreduce_s, hierarchical_order
+from solvers.placement import improve_placement
 from solvers.problem import Problem
-from solvers.score import Score, score_assignment, transfer_cost_s
+from solvers.score import Score, score_assignment
 from solvers.solution import Solution, Stage, assignment_from_cuts
 
-__all__ = ["solve_dp", "stage_counts", "min_peak_bytes", "device_classes"]
+__all__ = ["solve_dp", "stage_counts", "min_peak_bytes", "device_classes", "MAX_EXACT_PLACEMENT_DEVICES"]
 
 _REL_TOL = 1e-9
+MAX_EXACT_PLACEMENT_DEVICES = 16
+"""Beyond this many devices placement is heuristic (hierarchical order + local search)."""
 
 
 @dataclass
@@ -80,6 +92,30 @@ class _Tables:
         self.suffix_fb = [0.0] * (n + 1)
         for i in range(n - 1, -1, -1):
             self.suffix_fb[i] = self.suffix_fb[i + 1] + self.fb[i]
+        # A stage that starts at position c receives at least the inputs of node c that
+        # come from before c, each over the fastest link: 4 one-way transfers in the sum
+        # (forward and gradient, charged to both ends). Different boundaries have
+        # different receiving stages, so these bounds add up without double counting.
+        others = [(i, j) for i in range(len(problem.devices)) for j in range(len(problem.devices)) if i != j]
+        bw_max = max((problem.bandwidth_Bps[i][j] for i, j in others), default=math.inf) * problem.max_replicas
+        lat_min = min((problem.latency_s[i][j] for i, j in others), default=0.0)
+        self.enter_lb = [0.0] * (n + 1)
+        for c in range(1, n):
+            first: dict[int, float] = {}
+            for u, nbytes in self.inputs[c]:
+                first[u] = max(first.get(u, 0.0), nbytes)
+            self.enter_lb[c] = 4.0 * sum(b / bw_max + lat_min for b in first.values())
+        # cheapest[c]: the smallest enter bounds among positions > c, ascending (at most 16 kept).
+        self.cheapest: list[list[float]] = [[] for _ in range(n + 1)]
+        for c in range(n - 2, -1, -1):
+            self.cheapest[c] = sorted(self.cheapest[c + 1] + [self.enter_lb[c + 1]])[:16]
+
+    def future_transfer_lb(self, cut: int, boundaries: int) -> float:
+        """Least transfer time the sum must still pay for ``boundaries`` cuts, the first at ``cut``."""
+        if boundaries <= 0:
+            return 0.0
+        more = self.cheapest[cut][:boundaries - 1]
+        return self.enter_lb[cut] + sum(more) if len(more) == boundaries - 1 else math.inf
 
 
 def _balanced_cuts(tables: _Tables, p: int) -> list[int]:
@@ -132,46 +168,91 @@ def device_classes(problem: Problem) -> list[list[int]]:
     return classes
 
 
-def _solve_fixed_p(problem: Problem, tables: _Tables, p: int, ub: float,
-                   classes: list[list[int]] | None) -> tuple[_Label | None, float]:
-    """Best label for exactly ``p`` stages with iteration time below ``ub``, and its time.
+class _Timeout(Exception):
+    """The deadline passed inside a search."""
 
-    ``classes`` None places stage ``k`` on device ``k``; otherwise each stage takes
-    the lowest unused device of any group of interchangeable devices.
+
+class _Space:
+    """Which device group stage ``k`` may take, given the devices used so far.
+
+    * ``"order"``: stage ``k`` on device ``order[k]`` (``order = 0, 1, ...`` is topology-blind).
+    * ``"classes"``: any unused device, one per group of interchangeable devices
+      (any injective mapping, up to relabelling).
+    * ``"runs"``: the next ``r = 1..max_replicas`` devices of ``order`` as one replica group.
     """
+
+    def __init__(self, kind: str, table: GroupTable, order: list[int] | None = None,
+                 classes: list[list[int]] | None = None, max_replicas: int = 1) -> None:
+        self.kind, self.table, self.order, self.classes = kind, table, order, classes
+        self.max_replicas = max_replicas
+        n = len(table.problem.devices)
+        self._runs: dict[tuple[int, int], int] = {}
+        if kind == "runs":
+            for start in range(n):
+                for r in range(1, min(max_replicas, n - start) + 1):
+                    self._runs[(start, r)] = table.add(tuple(order[start:start + r]))
+
+    def start(self) -> tuple:
+        return (0,) * len(self.classes) if self.kind == "classes" else ()
+
+    def candidates(self, used: tuple, k: int, p: int) -> list[tuple[int, tuple]]:
+        if self.kind == "order":
+            return [(self.order[k], used)]
+        if self.kind == "classes":
+            return [(group[used[c]], used[:c] + (used[c] + 1,) + used[c + 1:])
+                    for c, group in enumerate(self.classes) if used[c] < len(group)]
+        taken = used[0] if used else 0
+        room = len(self.order) - taken - (p - k - 1)
+        return [(self._runs[(taken, r)], (taken + r,)) for r in range(1, min(self.max_replicas, room) + 1)]
+
+    def speeds(self, p: int) -> tuple[float, float]:
+        """(fastest stage speed, largest total speed of ``p`` stages) over this space."""
+        devs = self.table.problem.devices
+        if self.kind == "order":
+            sp = [devs[d].speed for d in self.order[:p]]
+            return max(sp), sum(sp)
+        if self.kind == "classes":
+            sp = sorted((d.speed for d in devs), reverse=True)[:p]
+            return max(sp), sum(sp)
+        return max(self.table.groups[g].speed for g in self._runs.values()), sum(d.speed for d in devs)
+
+
+def _solve_fixed_p(problem: Problem, tables: _Tables, p: int, ub: float, space: _Space,
+                   deadline: float) -> tuple[_Label | None, float, float]:
+    """Best label for exactly ``p`` stages with iteration time below ``ub``, its time, and the
+    smallest lower bound of the labels the bound cut off (a proven bound when none is found)."""
     n, m = tables.n, problem.micro_batches
+    groups = space.table.groups
     factor = 1.0 + problem.optimizer_state_factor
     cap = ub / m * (1 + _REL_TOL) if math.isfinite(ub) else math.inf
     ub_limit = ub * (1 + _REL_TOL) if math.isfinite(ub) else math.inf
-    usable = range(p) if classes is None else range(len(problem.devices))
-    max_speed = max(problem.devices[d].speed for d in usable)
-    start_used = () if classes is None else (0,) * len(classes)
-    # frontier[(j, k)] maps (used devices per group, pending senders) to Pareto sets of labels.
+    max_speed = space.speeds(p)[0]
+    # frontier[(j, k)] maps (used devices, pending senders) to Pareto sets of labels.
     frontier: dict[tuple[int, int], dict[tuple, list[_Label]]] = {
-        (0, 0): {(start_used, ()): [_Label(0.0, 0.0, (), None, 0, 0, -1)]}
+        (0, 0): {(space.start(), ()): [_Label(0.0, 0.0, (), None, 0, 0, -1)]}
     }
     best: _Label | None = None
     best_t = math.inf
+    pruned = math.inf   # smallest lower bound of anything cut off by the bound: what a failure proves
     for j in range(n):
+        if time.perf_counter() > deadline:
+            raise _Timeout
         for k in range(p):
             by_key = frontier.pop((j, k), None)
             if not by_key:
                 continue
             inflight = problem.inflight(k, p)
             last_stage = k == p - 1
-            j_max = n - (p - k - 1)
+            stages_left = p - k - 1
+            j_max = n - stages_left
             for (used, pending), labels in by_key.items():
                 pend_stage = {u: a for u, a, _ in pending}
                 pend_dev = {u: d for u, _, d in pending}
                 pend_stages = sorted(set(pend_stage.values()))
                 slot = {a: i for i, a in enumerate(pend_stages)}
-                if classes is None:
-                    candidates = [(k, used)]
-                else:
-                    candidates = [(group[used[c]], used[:c] + (used[c] + 1,) + used[c + 1:])
-                                  for c, group in enumerate(classes) if used[c] < len(group)]
-                for d, new_used in candidates:
-                    dev = problem.devices[d]
+                for d, new_used in space.candidates(used, k, p):
+                    group = groups[d]
+                    act_scale = inflight / group.replicas
                     for label in labels:
                         compute = params = acts = 0.0
                         recv: dict[int, float] = {}        # pending node -> bytes received
@@ -186,12 +267,13 @@ def _solve_fixed_p(problem: Problem, tables: _Tables, p: int, ub: float,
                             for u, nbytes in tables.inputs[x]:
                                 if u < j and nbytes >= recv.get(u, -1.0):
                                     recv[u] = nbytes
-                                    c = 2.0 * transfer_cost_s(problem, nbytes, pend_dev[u], d)
+                                    c = 2.0 * space.table.transfer_s(nbytes, pend_dev[u], d)
                                     comm_in += c - recv_cost.get(u, 0.0)
                                     recv_cost[u] = c
-                            if params * factor + acts * inflight > dev.memory_bytes:
+                            if params * factor + acts * act_scale > group.memory_bytes:
                                 break
-                            t_k = compute / dev.speed + comm_in
+                            ar = allreduce_s(group, params) / m
+                            t_k = compute / group.speed + comm_in + ar
                             alive_seg = [u for u in alive_seg if tables.last_use[u] >= j2]
                             if tables.last_use[x] >= j2:
                                 alive_seg.append(x)
@@ -216,15 +298,20 @@ def _solve_fixed_p(problem: Problem, tables: _Tables, p: int, ub: float,
                             )
                             biggest = max((max_done, *new_t))
                             if biggest > cap:
+                                pruned = min(pruned, m * biggest)  # T >= m max t_s
                                 break  # every quantity here only grows with j2
-                            total = label.total + compute / dev.speed + 2.0 * comm_in
+                            total = label.total + compute / group.speed + 2.0 * comm_in + ar
                             rest = tables.suffix_fb[j2] / max_speed
-                            stages_left = p - k - 1
                             future_max = rest / stages_left if stages_left else 0.0
                             if total + rest + (m - 1) * biggest > ub_limit:
+                                pruned = min(pruned, total + rest + (m - 1) * biggest)
                                 break  # grows with j2
-                            if total + rest + (m - 1) * future_max > ub_limit:
-                                continue  # shrinks with j2: a longer stage may still do
+                            bound = total + rest + (m - 1) * max(biggest, future_max)
+                            if stages_left:
+                                bound += tables.future_transfer_lb(j2, stages_left)
+                            if bound > ub_limit:
+                                pruned = min(pruned, bound)
+                                continue  # may shrink with j2: a longer stage may still do
                             if last_stage and j2 < n:
                                 continue
                             new_label = _Label(total, max_done, new_t, label, j, j2, d)
@@ -237,30 +324,43 @@ def _solve_fixed_p(problem: Problem, tables: _Tables, p: int, ub: float,
                                 continue
                             _insert(frontier.setdefault((j2, k + 1), {}).setdefault((new_used, new_pending), []),
                                     new_label, m - 1)
-    return best, best_t
+    return best, best_t, pruned
 
 
-def _deepening(problem: Problem, tables: _Tables, p: int, ub: float,
-               classes: list[list[int]] | None) -> tuple[_Label | None, float]:
+def _deepening(problem: Problem, tables: _Tables, p: int, ub: float, space: _Space,
+               deadline: float, proven: dict[int, float]) -> tuple[_Label | None, float]:
     """Run the search under growing bounds ``G``, starting just above a lower bound.
 
     A search bounded by ``G`` finds the optimum whenever it is ``<= G`` (only
     labels whose lower bound exceeds ``G`` are pruned), so the first bound
     that yields a solution yields the optimal one, and tight bounds prune hard.
+    ``proven[p]`` records the best lower bound on ``p`` stages proven so far,
+    which is what a timed-out search can still certify.
     """
-    speeds = sorted((d.speed for d in problem.devices), reverse=True)[:p] if classes is not None \
-        else [problem.devices[k].speed for k in range(p)]
+    fastest, together = space.speeds(p)
     total = tables.suffix_fb[0]
-    lower = total / max(speeds) + (problem.micro_batches - 1) * total / sum(speeds)
+    lower = total / fastest + (problem.micro_batches - 1) * total / together
+    proven[p] = lower
     if lower > ub * (1 + _REL_TOL):
         return None, math.inf
     bound = lower * 1.02
-    while True:
+    for _ in range(60):   # past that many failed bounds, one search at the incumbent
         bound = min(bound, ub)
-        label, t = _solve_fixed_p(problem, tables, p, bound, classes)
-        if label is not None or bound >= ub:
+        label, t, pruned = _solve_fixed_p(problem, tables, p, bound, space, deadline)
+        if label is not None:
+            proven[p] = t
             return label, t
-        bound *= 1.15
+        proven[p] = min(pruned, ub)   # nothing at or below the bound; all else was pruned above it
+        if bound >= ub:
+            return None, math.inf
+        # Search cost grows with the slack above the optimum: step at least to what the failed
+        # search proved, at most halfway to the incumbent (or 15 %).
+        bound = max(pruned, min(bound * 1.15, bound + (ub - bound) / 2))
+        if bound >= 0.999 * ub:
+            bound = ub
+    label, t, _ = _solve_fixed_p(problem, tables, p, ub, space, deadline)
+    proven[p] = t if label is not None else ub
+    return label, t
 
 
 def _insert(front: list[_Label], new: _Label, weight: float) -> None:
@@ -284,79 +384,210 @@ def _insert(front: list[_Label], new: _Label, weight: float) -> None:
 
 
 def min_peak_bytes(problem: Problem) -> float:
-    """Smallest over the search space of the largest stage's peak memory."""
+    """Smallest over the search space of the largest per-device peak memory of a stage.
+
+    With ``max_replicas > 1`` a stage may spread its activations over a replica
+    group of consecutive devices, so the programme also tracks devices used.
+    """
     tables = _Tables(problem)
-    n, factor = tables.n, 1.0 + problem.optimizer_state_factor
+    n, factor, d = tables.n, 1.0 + problem.optimizer_state_factor, len(problem.devices)
+    reps = range(1, problem.max_replicas + 1)
     best = math.inf
     for p in stage_counts(problem):
-        # cost[k][j]: min over cuts of the max peak of stages 0..k-1 covering [0, j)
-        prev = [0.0] + [math.inf] * n
+        # prev[(j, used)]: min over plans of stages 0..k-1 covering [0, j) on `used` devices of the max peak
+        prev = {(0, 0): 0.0}
         for k in range(p):
-            cur = [math.inf] * (n + 1)
+            cur: dict[tuple[int, int], float] = {}
             inflight = problem.inflight(k, p)
-            for j in range(n):
-                if prev[j] == math.inf:
-                    continue
+            for (j, used), v0 in prev.items():
                 params = acts = 0.0
                 for j2 in range(j + 1, n + 1):
                     params += tables.param[j2 - 1]
                     acts += tables.act[j2 - 1]
-                    v = max(prev[j], params * factor + acts * inflight)
-                    if v < cur[j2]:
-                        cur[j2] = v
+                    for r in reps:
+                        if used + r + (p - k - 1) > d:
+                            break
+                        v = max(v0, params * factor + acts * inflight / r)
+                        if v < cur.get((j2, used + r), math.inf):
+                            cur[(j2, used + r)] = v
             prev = cur
-        best = min(best, prev[n])
+        best = min([best] + [v for (j, _), v in prev.items() if j == n])
     return best
 
 
-def solve_dp(problem: Problem, placement: bool = True) -> Solution:
-    """Optimal contiguous plan (see the module docstring for the exact search space).
+def _analytic_lower(problem: Problem, tables: _Tables, p: int, space: _Space) -> float:
+    fastest, together = space.speeds(p)
+    total = tables.suffix_fb[0]
+    return total / fastest + (problem.micro_batches - 1) * total / together
 
-    ``placement=True`` also chooses which device runs each stage (any injective
-    mapping, with interchangeable devices collapsed); ``False`` runs stage ``k``
-    on device ``k``, the topology-blind baseline.
-    """
-    started = time.perf_counter()
-    tables = _Tables(problem)
-    classes = device_classes(problem) if placement else None
-    ub, incumbent = math.inf, None
-    for p in stage_counts(problem):
-        cuts = _balanced_cuts(tables, p)
-        sc = score_assignment(problem, assignment_from_cuts(tables.order, cuts), list(range(p)))
-        if sc.feasible and sc.iteration_s < ub:
-            ub, incumbent = sc.iteration_s, (p, cuts, list(range(p)))
-    # With one group of interchangeable devices, placement is stage k on device k: one search.
-    searches = [None, classes] if classes is not None and len(classes) > 1 else [None]
-    for search_classes in searches:  # the blind optimum first: a tight bound for placement
-        for p in stage_counts(problem):
-            label, t = _deepening(problem, tables, p, ub, search_classes)
-            if label is not None and t <= ub * (1 + _REL_TOL):
-                cuts, devices = [], []
+
+class _Search:
+    """The incumbent and what the searches so far certify about the optimum."""
+
+    def __init__(self, problem: Problem, tables: _Tables, table: GroupTable, deadline: float) -> None:
+        self.problem, self.tables, self.table, self.deadline = problem, tables, table, deadline
+        self.ub = math.inf
+        self.incumbent: tuple[int, list[int], list[tuple[int, ...]]] | None = None
+        self.lower = math.inf          # lower bound from searches cut short by the deadline
+        self.complete = True
+
+    def offer(self, p: int, cuts: list[int], groups: list[tuple[int, ...]]) -> None:
+        sc = score_assignment(self.problem, assignment_from_cuts(self.tables.order, cuts), groups)
+        if sc.feasible and sc.iteration_s < self.ub * (1 - 1e-12):
+            self.ub, self.incumbent = sc.iteration_s, (p, list(cuts), list(groups))
+
+    def exact(self, space: _Space, certifies: bool, floor: dict[int, float] | None = None) -> None:
+        """Search ``space`` for every stage count; if cut short and ``certifies``, keep its lower bound.
+
+        ``floor[p]`` is a known lower bound for ``p`` stages (from a relaxation): counts whose
+        floor already reaches the incumbent are skipped.
+        """
+        floor = floor or {}
+        counts = stage_counts(self.problem)
+        for i, p in enumerate(counts):
+            if floor.get(p, 0.0) >= self.ub * (1 + _REL_TOL):
+                continue
+            proven: dict[int, float] = {}
+            try:
+                label, t = _deepening(self.problem, self.tables, p, self.ub, space, self.deadline, proven)
+            except _Timeout:
+                if certifies:
+                    self.complete = False
+                    rest = [max(proven.get(p, 0.0), floor.get(p, 0.0))] + [
+                        max(_analytic_lower(self.problem, self.tables, q, space), floor.get(q, 0.0))
+                        for q in counts[i + 1:]]
+                    self.lower = min([self.lower] + rest)
+                return
+            if label is not None and t <= self.ub * (1 + _REL_TOL):
+                cuts, groups = [], []
                 while label is not None and label.parent is not None:
                     if label.start > 0:
                         cuts.append(label.start)
-                    devices.append(label.device)
+                    groups.append(self.table.groups[label.device].devices)
                     label = label.parent
-                ub, incumbent = t, (p, sorted(cuts), devices[::-1])
-    if incumbent is None:
+                self.ub, self.incumbent = t, (p, sorted(cuts), groups[::-1])
+
+
+def _placement_floor(problem: Problem, ub: float, deadline: float) -> dict[int, float]:
+    """Lower bounds per stage count for every single-device mapping, from a relaxation.
+
+    Every link is made as fast as the fastest link of the problem, so no
+    mapping costs less than the relaxed optimum; with identical devices the
+    relaxation is one search over stage ``k`` on device ``k``. A count whose
+    relaxed optimum is not below ``ub`` gets ``ub``.
+    """
+    d = len(problem.devices)
+    others = [(i, j) for i in range(d) for j in range(d) if i != j]
+    bw = max(problem.bandwidth_Bps[i][j] for i, j in others)
+    lat = min(problem.latency_s[i][j] for i, j in others)
+    relaxed = replace(problem, order=[], max_replicas=1,
+                      bandwidth_Bps=[[0.0 if i == j else bw for j in range(d)] for i in range(d)],
+                      latency_s=[[0.0 if i == j else lat for j in range(d)] for i in range(d)])
+    tables, table = _Tables(relaxed), GroupTable(relaxed)
+    space = _Space("classes", table, classes=device_classes(relaxed))
+    floor: dict[int, float] = {}
+    for p in stage_counts(relaxed):
+        proven: dict[int, float] = {}
+        try:
+            label, t = _deepening(relaxed, tables, p, ub, space, deadline, proven)
+        except _Timeout:
+            floor[p] = proven.get(p, 0.0)
+            break
+        floor[p] = t if label is not None else ub
+    return floor
+
+
+def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | None = None) -> Solution:
+    """Optimal contiguous plan (see the module docstring for the exact search space).
+
+    ``placement=True`` also chooses which device runs each stage: any injective
+    mapping for up to 16 devices (interchangeable devices collapsed), found
+    after fast incumbents from the hierarchical device order and a local search;
+    beyond 16 devices only those heuristics run and the solution says it is not
+    certified. ``placement=False`` runs stage ``k`` on device ``k``, the
+    topology-blind baseline. With ``max_replicas > 1`` stages may also take runs
+    of consecutive devices of the hierarchical order as replica groups.
+    ``time_limit_s`` stops the exact searches; the solution then reports
+    ``optimal: false`` with a proven lower bound.
+    """
+    started = time.perf_counter()
+    deadline = started + time_limit_s if time_limit_s is not None else math.inf
+    tables = _Tables(problem)
+    table = GroupTable(problem)
+    n_dev = len(problem.devices)
+    identity = list(range(n_dev))
+    search = _Search(problem, tables, table, deadline)
+    from solvers.anchors import CUT_ANCHORS  # the anchors import this module
+    for p in stage_counts(problem):
+        search.offer(p, _balanced_cuts(tables, p), [(k,) for k in range(p)])
+    anchor_p = max(stage_counts(problem))
+    for cutter, weights in CUT_ANCHORS:  # the anchors' plans are in our space: never end worse than one
+        search.offer(anchor_p, cutter(weights(problem), anchor_p), [(k,) for k in range(anchor_p)])
+    exhaustive = placement and n_dev <= MAX_EXACT_PLACEMENT_DEVICES
+    classes = device_classes(problem) if placement else [[d] for d in identity]
+    blind_is_all = not placement or len(classes) == 1
+    search.exact(_Space("order", table, order=identity), certifies=blind_is_all)
+    order = hierarchical_order(problem) if placement else identity
+    if placement and not blind_is_all:
+        if order != identity:
+            search.exact(_Space("order", table, order=order), certifies=False)
+        for _ in range(4):  # alternate: better mapping for these cuts, then best cuts for that order
+            if search.incumbent is None or time.perf_counter() > deadline:
+                break
+            p, cuts, groups = search.incumbent
+            before = search.ub
+            devices, _ = improve_placement(problem, assignment_from_cuts(tables.order, cuts),
+                                           [g[0] for g in groups], deadline)
+            search.offer(p, cuts, [(d,) for d in devices])
+            if search.ub >= before * (1 - 1e-12):
+                break
+            search.exact(_Space("order", table, order=devices + [d for d in order if d not in devices]),
+                         certifies=False)
+    if problem.max_replicas > 1:
+        search.exact(_Space("runs", table, order=order, max_replicas=problem.max_replicas), certifies=True)
+    if exhaustive and not blind_is_all and len(problem.devices) > 1:
+        floor = _placement_floor(problem, search.ub, deadline) if search.incumbent is not None else {}
+        search.exact(_Space("classes", table, classes=classes), certifies=True, floor=floor)
+    if search.incumbent is None:
+        if not search.complete:
+            raise InfeasibleError(
+                f"no plan that fits in memory was found within the time limit of {time_limit_s} s; "
+                "raise the time limit or add memory", min_peak_bytes=math.nan)
         need = min_peak_bytes(problem)
         have = max(d.memory_bytes for d in problem.devices)
         raise InfeasibleError(
-            f"no contiguous partition of {tables.n} nodes over {len(problem.devices)} devices fits in memory: "
+            f"no contiguous partition of {tables.n} nodes over {n_dev} devices fits in memory: "
             f"the smallest possible stage peak is {need:.4g} bytes, the largest device has {have:.4g} bytes; "
             "add devices, use devices with at least that much memory, or lower micro_batches/activation memory",
             min_peak_bytes=need,
         )
-    p, cuts, devices = incumbent
+    p, cuts, groups = search.incumbent
     stage_of = assignment_from_cuts(tables.order, cuts)
-    sc: Score = score_assignment(problem, stage_of, devices)
-    stages = [Stage([v for v in tables.order if stage_of[v] == s], [problem.devices[devices[s]].id])
+    sc: Score = score_assignment(problem, stage_of, groups)
+    stages = [Stage([v for v in tables.order if stage_of[v] == s], [problem.devices[d].id for d in groups[s]])
               for s in range(p)]
-    space = ("contiguous stages of a topological order, any stage-to-device mapping" if placement
-             else "contiguous stages of a topological order, stage k on device k")
+    if not placement:
+        space = "contiguous stages of a topological order, stage k on device k"
+    elif exhaustive:
+        space = "contiguous stages of a topological order, any stage-to-device mapping"
+    else:
+        space = (f"contiguous stages of a topological order; placement by hierarchical order and local search "
+                 f"(not certified beyond {MAX_EXACT_PLACEMENT_DEVICES} devices)")
+    if problem.max_replicas > 1:
+        space += f"; or replica groups of up to {problem.max_replicas} consecutive devices of the hierarchical order"
+    certified = search.complete and (exhaustive or not placement or blind_is_all)
+    if certified:
+        lower = sc.iteration_s
+    elif search.complete:   # placement beyond exact reach: only the compute bound holds
+        classes_space = _Space("classes", table, classes=[[d] for d in identity])
+        lower = min(_analytic_lower(problem, tables, q, classes_space) for q in stage_counts(problem))
+    else:
+        lower = min(search.lower, sc.iteration_s)
     return Solution(
         stages,
         predicted=sc.as_predicted(),
-        solver={"method": "dp", "optimal": True, "lower_bound_s": sc.iteration_s,
-                "time_s": time.perf_counter() - started, "search_space": space},
+        solver={"method": "dp", "optimal": certified, "lower_bound_s": lower,
+                "gap": (sc.iteration_s - lower) / sc.iteration_s if sc.iteration_s > 0 else 0.0,
+                "time_s": time.perf_counter() - started, "search_space": space,
+                "timed_out": not search.complete},
     )

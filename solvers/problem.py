@@ -1,4 +1,9 @@
-"""The planning problem (``fxpipe-problem/1``): a costed DAG, devices and links.
+"""The planning problem (``fxpipe-problem/1`` and ``/2``): a costed DAG, devices and links.
+
+Version 2 adds ``max_replicas``: a stage may run as a data-parallel group of up
+to that many devices (see :mod:`solvers.groups` for how such a stage is scored).
+Version 1 files are read as ``max_replicas = 1``; a problem is written as
+version 1 unless it allows replicas.
 
 Loading validates everything a solver relies on, so solvers never see a
 cycle, a dangling edge, a negative cost or a link matrix of the wrong size.
@@ -16,9 +21,10 @@ import networkx as nx
 
 from solvers.errors import InvalidProblemError
 
-__all__ = ["Node", "Edge", "Device", "Problem", "SCHEDULES", "PROBLEM_FORMAT"]
+__all__ = ["Node", "Edge", "Device", "Problem", "SCHEDULES", "PROBLEM_FORMAT", "PROBLEM_FORMATS"]
 
 PROBLEM_FORMAT = "fxpipe-problem/1"
+PROBLEM_FORMATS = ("fxpipe-problem/1", "fxpipe-problem/2")
 SCHEDULES = ("gpipe", "1f1b")
 
 
@@ -77,6 +83,7 @@ class Problem:
     stages: int | None = None
     optimizer_state_factor: float = 0.0
     name: str = "problem"
+    max_replicas: int = 1
     order: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -109,6 +116,10 @@ class Problem:
         d = len(self.devices)
         if d == 0:
             raise InvalidProblemError("problem has no devices")
+        if isinstance(self.max_replicas, bool) or not isinstance(self.max_replicas, int) or not (
+                1 <= self.max_replicas <= d):
+            raise InvalidProblemError(
+                f"max_replicas must be an integer in 1..{d} (the number of devices), got {self.max_replicas!r}")
         if self.stages is not None and not (1 <= self.stages <= min(d, len(ids))):
             raise InvalidProblemError(
                 f"stages={self.stages} but it must lie in 1..{min(d, len(ids))} "
@@ -165,8 +176,10 @@ class Problem:
         if not isinstance(doc, dict):
             raise InvalidProblemError("a problem must be a JSON object")
         fmt = doc.get("format")
-        if fmt != PROBLEM_FORMAT:
-            raise InvalidProblemError(f"format is {fmt!r}; this solver reads {PROBLEM_FORMAT!r}")
+        if fmt not in PROBLEM_FORMATS:
+            raise InvalidProblemError(f"format is {fmt!r}; this solver reads {' and '.join(map(repr, PROBLEM_FORMATS))}")
+        if fmt == PROBLEM_FORMAT and doc.get("max_replicas", 1) != 1:
+            raise InvalidProblemError("max_replicas needs format 'fxpipe-problem/2' (version 1 has one device per stage)")
         for key in ("nodes", "edges", "devices", "links"):
             if key not in doc:
                 raise InvalidProblemError(f"missing field {key!r}")
@@ -202,12 +215,12 @@ class Problem:
             latency_s=[list(map(float, r)) for r in latency],
             micro_batches=doc.get("micro_batches", 1), schedule=doc.get("schedule", "gpipe"),
             stages=stages, optimizer_state_factor=_number(doc, "optimizer_state_factor", "problem", 0.0),
-            name=str(doc.get("name", "problem")),
+            name=str(doc.get("name", "problem")), max_replicas=doc.get("max_replicas", 1),
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "format": PROBLEM_FORMAT,
+        doc = {
+            "format": PROBLEM_FORMATS[1] if self.max_replicas > 1 else PROBLEM_FORMAT,
             "name": self.name,
             "micro_batches": self.micro_batches,
             "schedule": self.schedule,
@@ -218,6 +231,9 @@ class Problem:
             "devices": [vars(d).copy() for d in self.devices],
             "links": {"bandwidth_Bps": self.bandwidth_Bps, "latency_s": self.latency_s},
         }
+        if self.max_replicas > 1:
+            doc["max_replicas"] = self.max_replicas
+        return doc
 
     @classmethod
     def load(cls, path: str | Path) -> "Problem":

@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from solvers.problem import Problem
-from solvers.score import transfer_cost_s
+from solvers.groups import GroupTable
+from solvers.groups import allreduce_s as allreduce
 from solvers.solution import Solution
 
 __all__ = ["Event", "Simulation", "simulate", "simulate_solution", "schedule_order"]
@@ -64,12 +65,15 @@ def schedule_order(schedule: str, stage: int, stages: int, micro_batches: int) -
 
 
 def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedule: str,
-             sends: dict[tuple[int, int], float] | None = None) -> Simulation:
+             sends: dict[tuple[int, int], float] | None = None,
+             allreduce_s: list[float] | None = None) -> Simulation:
     """Simulate stages with per-micro-batch times ``fwd_s[s]``, ``bwd_s[s]``.
 
     ``sends[(a, b)]`` is the one-way transfer time of one micro-batch from stage
     ``a`` to a later stage ``b`` (its gradient goes back in the same time);
     consecutive stages are linked even when nothing crosses (time 0).
+    ``allreduce_s[s]`` is the gradient all-reduce of a replicated stage, run
+    once after its last backward.
     """
     p, m = len(fwd_s), micro_batches
     sends = dict(sends or {})
@@ -124,6 +128,10 @@ def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedul
             progressed = True
         if not progressed:
             raise RuntimeError("the schedule deadlocked: a stage waits for an operation that never runs")
+    for st, ar in enumerate(allreduce_s or []):
+        if ar > 0:
+            timeline.append(Event(st, "allreduce", -1, stage_free[st], stage_free[st] + ar))
+            busy[st] += ar
     total = max(e.end for e in timeline)
     return Simulation(total, busy, [total - b for b in busy], sorted(timeline, key=lambda e: (e.start, e.stage)))
 
@@ -133,11 +141,13 @@ def simulate_solution(problem: Problem, solution: Solution) -> Simulation:
     device_index = {d.id: i for i, d in enumerate(problem.devices)}
     nodes = problem.node_map()
     stage_of = {n: s for s, st in enumerate(solution.stages) for n in st.nodes}
-    devs = [device_index[st.devices[0]] for st in solution.stages]
-    fwd = [sum(nodes[n].fwd_s for n in st.nodes) / problem.devices[devs[s]].speed
-           for s, st in enumerate(solution.stages)]
-    bwd = [sum(nodes[n].bwd_s for n in st.nodes) / problem.devices[devs[s]].speed
-           for s, st in enumerate(solution.stages)]
+    table = GroupTable(problem)
+    devs = [table.add(tuple(device_index[d] for d in st.devices)) for st in solution.stages]
+    speed = [table.groups[g].speed for g in devs]
+    fwd = [sum(nodes[n].fwd_s for n in st.nodes) / speed[s] for s, st in enumerate(solution.stages)]
+    bwd = [sum(nodes[n].bwd_s for n in st.nodes) / speed[s] for s, st in enumerate(solution.stages)]
+    ar = [allreduce(table.groups[g], sum(nodes[n].param_bytes for n in st.nodes))
+          for g, st in zip(devs, solution.stages)]
     tensors: dict[tuple[str, int], float] = {}
     for e in problem.edges:
         a, b = stage_of[e.src], stage_of[e.dst]
@@ -146,5 +156,5 @@ def simulate_solution(problem: Problem, solution: Solution) -> Simulation:
     sends: dict[tuple[int, int], float] = {}
     for (src, b), nbytes in tensors.items():
         a = stage_of[src]
-        sends[(a, b)] = sends.get((a, b), 0.0) + transfer_cost_s(problem, nbytes, devs[a], devs[b])
-    return simulate(fwd, bwd, problem.micro_batches, problem.schedule, sends)
+        sends[(a, b)] = sends.get((a, b), 0.0) + table.transfer_s(nbytes, devs[a], devs[b])
+    return simulate(fwd, bwd, problem.micro_batches, problem.schedule, sends, ar)

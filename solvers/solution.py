@@ -1,4 +1,4 @@
-"""A planning solution (``fxpipe-solution/1``): node -> stage, stage -> device, and its score."""
+"""A planning solution (``fxpipe-solution/1``, or ``/2`` with replica groups): node -> stage, stage -> devices."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from typing import Any
 
 from solvers.errors import InvalidProblemError
 
-__all__ = ["Stage", "Solution", "SOLUTION_FORMAT", "assignment_from_cuts"]
+__all__ = ["Stage", "Solution", "SOLUTION_FORMAT", "SOLUTION_FORMATS", "assignment_from_cuts"]
 
 SOLUTION_FORMAT = "fxpipe-solution/1"
+SOLUTION_FORMATS = ("fxpipe-solution/1", "fxpipe-solution/2")
 
 
 def assignment_from_cuts(order: list[str], cuts: list[int] | tuple[int, ...]) -> dict[str, int]:
@@ -41,7 +42,7 @@ class Solution:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "format": SOLUTION_FORMAT,
+            "format": SOLUTION_FORMATS[1] if any(len(s.devices) > 1 for s in self.stages) else SOLUTION_FORMAT,
             "stages": [{"nodes": list(s.nodes), "devices": list(s.devices)} for s in self.stages],
             "predicted": self.predicted,
             "solver": self.solver,
@@ -49,8 +50,8 @@ class Solution:
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> "Solution":
-        if not isinstance(doc, dict) or doc.get("format") != SOLUTION_FORMAT:
-            raise InvalidProblemError(f"a solution must be a JSON object with format {SOLUTION_FORMAT!r}")
+        if not isinstance(doc, dict) or doc.get("format") not in SOLUTION_FORMATS:
+            raise InvalidProblemError(f"a solution must be a JSON object with format {' or '.join(map(repr, SOLUTION_FORMATS))}")
         stages = doc.get("stages")
         if not isinstance(stages, list) or not stages:
             raise InvalidProblemError("solution: 'stages' must be a non-empty list")
@@ -58,6 +59,10 @@ class Solution:
         for i, s in enumerate(stages):
             if not isinstance(s, dict) or not isinstance(s.get("nodes"), list) or not isinstance(s.get("devices"), list):
                 raise InvalidProblemError(f"solution: stages[{i}] needs lists 'nodes' and 'devices'")
+            if doc["format"] == SOLUTION_FORMAT and len(s["devices"]) != 1:
+                raise InvalidProblemError(
+                    f"solution: stages[{i}] has {len(s['devices'])} devices; format {SOLUTION_FORMAT!r} has one "
+                    f"per stage (replica groups are {SOLUTION_FORMATS[1]!r})")
             out.append(Stage([str(n) for n in s["nodes"]], [str(d) for d in s["devices"]]))
         return cls(out, dict(doc.get("predicted", {})), dict(doc.get("solver", {})))
 
