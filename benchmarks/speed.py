@@ -1,10 +1,13 @@
-"""Training throughput, torchgpipe style: naive-1 against fxpipe pipeline-1 and pipeline-2.
+"""Training throughput, torchgpipe style: naive-1/naive-2 against fxpipe pipelines.
 
 Every experiment runs ``--epochs`` epochs of ``--steps`` training steps (forward,
 cross-entropy, backward, SGD) on random data, prints a line per epoch, and
-averages epochs 2..E (the first warms up). All experiments use
-``torch.set_num_threads(--threads)`` (default 1): naive-1 is the unpartitioned
-model on one thread; pipeline-k runs k stages on k CPU worker threads.
+averages epochs 2..E (the first warms up). ``torch.set_num_threads(--threads)``
+(default 1) everywhere except naive-2, the unpartitioned model on two intra-op
+threads. ``pipeline-k`` runs k stages on k CPU worker threads with
+``pipe.step`` (explicit schedule, each stage's backward on its own thread) in
+GPipe and 1F1B; ``autograd-k`` is ``loss(pipe(x)).backward()`` (forward
+pipelined, backward on autograd's one thread), for comparison.
 
     python benchmarks/speed.py --model resnet50 --image-size 96 --batch 32 --chunks 4
 """
@@ -70,28 +73,43 @@ def main(argv: list[str] | None = None) -> int:
 
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     results["naive-1"] = run_epochs("naive-1", naive_step, args.batch, args.epochs, args.steps)
+    torch.set_num_threads(2)
+    results["naive-2"] = run_epochs("naive-2", naive_step, args.batch, args.epochs, args.steps)
+    torch.set_num_threads(args.threads)
+    loss_fn = torch.nn.functional.cross_entropy
     for workers in (1, 2):
         model = torchvision.models.get_model(args.model).train()
         pipe = fxpipe.compile(model, ["cpu"] * workers, (x,), chunks=args.chunks, stages=workers,
                               checkpoint=args.checkpoint)
         opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
+        print(pipe.plan.summary())
 
-        def pipe_step(pipe=pipe, opt=opt):
+        def autograd_step(pipe=pipe, opt=opt):
             opt.zero_grad()
-            torch.nn.functional.cross_entropy(pipe(x), y).backward()
+            loss_fn(pipe(x), y).backward()
             opt.step()
 
-        print(pipe.plan.summary())
-        results[f"pipeline-{workers}"] = run_epochs(f"pipeline-{workers}", pipe_step, args.batch,
+        results[f"autograd-{workers}"] = run_epochs(f"autograd-{workers}", autograd_step, args.batch,
                                                      args.epochs, args.steps)
+        for schedule in ("gpipe", "1f1b"):
+            def scheduled_step(pipe=pipe, opt=opt, schedule=schedule):
+                opt.zero_grad()
+                pipe.step(x, y, loss_fn, schedule=schedule)
+                opt.step()
+
+            name = f"pipeline-{workers}-{schedule}"
+            results[name] = run_epochs(name, scheduled_step, args.batch, args.epochs, args.steps)
 
     base = results["naive-1"]
-    print("==========  ===================  =======")
-    print("Experiment  Throughput           Speedup")
-    print("==========  ===================  =======")
+    bar = "=" * 19 + "  " + "=" * 19 + "  " + "=" * 7
+    print(bar)
+    print(f"{'Experiment':<19}  {'Throughput':<19}  Speedup")
+    print(bar)
     for name, rate in results.items():
-        print(f"{name:<10}  {rate:8.3f} samples/sec  {rate / base:.3f}x")
-    print("==========  ===================  =======")
+        print(f"{name:<19}  {rate:8.3f} samples/sec  {rate / base:.3f}x")
+    print(bar)
+    m = args.chunks
+    print(f"bubble bound of pipeline-2 with {m} micro-batches: 2m/(m+1) = {2 * m / (m + 1):.3f}x naive-1")
     return 0
 
 

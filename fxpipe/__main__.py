@@ -9,11 +9,20 @@ EPILOG = """examples:
   python -m fxpipe demo                                  # ResNet-50 on two CPU workers, checked against the model
   python -m fxpipe demo --model vit_b_16 --chunks 2 --batch 4
   python -m fxpipe plan resnet101 --devices cpu,cpu,cpu,cpu --batch 16 --save r101.plan.json
+  python -m fxpipe plan vit_l_16 --preset h100 --count 8 --batch 256 --chunks 32   # no GPU needed
   python -m fxpipe show r101.plan.json
 """
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except ValueError as exc:   # bad arguments (unknown preset, model, device): say so, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fxpipe", description="fxpipe: a pipeline-parallel compiler for PyTorch.",
                                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -29,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     p_plan = sub.add_parser("plan", parents=[common], help="plan a torchvision model and print (and save) the plan")
     p_plan.add_argument("model", help="torchvision model name, e.g. resnet101")
     p_plan.add_argument("--save", help="write the plan JSON here")
+    p_plan.add_argument("--preset", help="plan for devices described by a preset (v100, a100, h100, h200, cpu) "
+                                         "instead of --devices, from shapes alone (the model is built on meta)")
+    p_plan.add_argument("--count", type=int, default=8, help="number of --preset devices (default: 8)")
+    p_plan.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
     p_show = sub.add_parser("show", help="print the summary of a saved plan")
     p_show.add_argument("plan")
     args = parser.parse_args(argv)
@@ -45,6 +58,18 @@ def main(argv: list[str] | None = None) -> int:
         ok = run_demo(args.model, devices, args.batch, args.chunks, args.image_size, args.profile)
         return 0 if ok else 1
     import torchvision
+    if args.preset:
+        with torch.device("meta"):
+            model = torchvision.models.get_model(args.model).train()
+        x = torch.empty(args.batch, 3, args.image_size, args.image_size, device="meta")
+        plan = fxpipe.plan(model, fxpipe.Devices.preset(args.preset, args.count), (x,), chunks=args.chunks,
+                           schedule=args.schedule)
+        print(plan.summary())
+        print(plan.memory_table())
+        if args.save:
+            plan.save(args.save)
+            print(f"saved {args.save}")
+        return 0
     model = torchvision.models.get_model(args.model).eval()
     x = torch.randn(args.batch, 3, args.image_size, args.image_size)
     pipe = fxpipe.compile(model, list(devices), example_inputs=(x,), chunks=args.chunks,

@@ -20,13 +20,14 @@ from fxpipe.microbatch import batch_size_of, scatter
 from fxpipe.pipeline import CHECKPOINT_MODES, Pipeline
 from fxpipe.plan import Plan, PlanStage
 from fxpipe.profile import PROFILE_MODES, profile_graph
+from fxpipe.profile_cache import ProfileCache, profile_key
 from fxpipe.topology import links_for_devices
 from fxpipe.trace import trace
 
 __all__ = ["compile", "parse_devices"]
 
 log = logging.getLogger("fxpipe")
-SCHEDULES = ("gpipe",)
+SCHEDULES = ("gpipe", "1f1b")
 
 
 def parse_devices(devices: Sequence[str | torch.device]) -> list[torch.device]:
@@ -99,6 +100,7 @@ def compile(
     optimizer_state_factor: float = 0.0,
     memory_bytes: Sequence[float] | None = None,
     progress: bool = False,
+    profile_cache: bool | str = True,
 ) -> Pipeline:
     """Compile ``model`` into a pipeline over ``devices``.
 
@@ -111,13 +113,18 @@ def compile(
         chunks: micro-batches per batch (default: ``plan.chunks`` or ``min(batch, 4 x devices)``).
         plan: a plan from :func:`fxpipe.load_plan`; skips profiling and solving.
         checkpoint: ``"always"``, ``"except_last"`` (default, as torchgpipe) or ``"never"``.
-        schedule: ``"gpipe"``.
+        schedule: ``"gpipe"`` (default) or ``"1f1b"``: the memory model the planner uses
+            (1F1B keeps at most ``p - s`` micro-batches in flight on stage ``s``) and the
+            order :meth:`Pipeline.step` runs.
         stages: a fixed number of stages; default lets the solver choose up to ``len(devices)``.
         profile: ``"measure"`` (time every node) or ``"estimate"`` (FLOP count, fast).
         leaf_modules, concrete_args: tracing options (see :func:`fxpipe.trace.trace`).
         optimizer_state_factor: optimizer state per parameter byte (Adam: 2) for the memory limit.
         memory_bytes: per-device memory override for the memory limit.
         progress: print a profiling progress bar on stderr.
+        profile_cache: reuse node costs profiled before for the same graph, device, micro-batch
+            shapes, mode and thread count (``True``: ``$FXPIPE_CACHE_DIR`` or
+            ``~/.cache/fxpipe/profiles``; a path; ``False``: always profile).
     """
     devs = parse_devices(devices)
     if checkpoint not in CHECKPOINT_MODES:
@@ -153,26 +160,35 @@ def compile(
         chunks = chunks if chunks is not None else min(batch, 4 * len(devs))
         first = [x.to(devs[0]) if isinstance(x, torch.Tensor) else x for x in scatter(list(example_inputs), chunks)[0]]
         gm.to(devs[0])
+        cache = None if profile_cache is False else ProfileCache(None if profile_cache is True else profile_cache)
+        key = profile_key(fingerprint, devs[0], tuple(first), profile, warmup, repeats)
         try:
-            costs = profile_graph(gm, tuple(first), devs[0], mode=profile, warmup=warmup, repeats=repeats,
-                                  progress=_progress(progress))
+            costs = cache.load(key, gm) if cache is not None else None
+            cached = costs is not None
+            if costs is None:
+                costs = profile_graph(gm, tuple(first), devs[0], mode=profile, warmup=warmup, repeats=repeats,
+                                      progress=_progress(progress))
         except Exception as exc:
             raise ValueError(
                 f"running the model on example_inputs failed while profiling: {type(exc).__name__}: {exc}; "
                 "check that example_inputs match the model's forward()"
             ) from exc
+        if cache is not None and not cached:
+            cache.store(key, costs)
         links = links_for_devices(devs)
         mem = list(memory_bytes) if memory_bytes is not None else device_memory_bytes(devs)
         if len(mem) != len(devs):
             raise ValueError(f"memory_bytes has {len(mem)} entries for {len(devs)} devices")
         problem = build_problem(gm, costs, devs, links, chunks, mem, stages=stages,
-                                optimizer_state_factor=optimizer_state_factor, name=type(model).__name__)
+                                optimizer_state_factor=optimizer_state_factor, schedule=schedule,
+                                name=type(model).__name__)
         try:
             solution = solvers.solve(problem, "dp")
         except solvers.InfeasibleError as exc:
             raise InfeasiblePlanError(str(exc), exc.min_peak_bytes) from exc
         the_plan = _plan_from_solution(problem, solution, devices, fingerprint, type(model).__name__,
-                                       chunks, checkpoint, batch, profile, str(devs[0]), model.training)
+                                       chunks, checkpoint, batch, profile, str(devs[0]), model.training,
+                                       {"threads": torch.get_num_threads(), "from_cache": cached})
     stage_of = the_plan.stage_of()
     specs = split_graph(gm, stage_of, len(the_plan.stages))
     stage_devices = [torch.device(s.device) for s in the_plan.stages]
@@ -183,7 +199,8 @@ def compile(
 
 def _plan_from_solution(problem: solvers.Problem, solution: solvers.Solution, devices: Sequence[Any],
                         fingerprint: str, model_name: str, chunks: int, checkpoint: str, batch: int,
-                        profile: str, profile_device: str, training: bool) -> Plan:
+                        profile: str, profile_device: str, training: bool,
+                        profile_extra: dict[str, Any] | None = None) -> Plan:
     ids = problem_device_ids([torch.device(d) for d in devices])
     nodes = problem.node_map()
     pred = solution.predicted
@@ -203,5 +220,5 @@ def _plan_from_solution(problem: solvers.Problem, solution: solvers.Solution, de
         fingerprint=fingerprint, model=model_name, devices=[str(torch.device(d)) for d in devices],
         chunks=chunks, schedule=problem.schedule, checkpoint=checkpoint, batch_size=batch, stages=stages,
         predicted=predicted, solver=dict(solution.solver), traced_training=training,
-        profile={"mode": profile, "device": profile_device}, problem=problem.to_dict(), fxpipe_version=__version__,
+        profile={"mode": profile, "device": profile_device, **(profile_extra or {})}, problem=problem.to_dict(), fxpipe_version=__version__,
     )

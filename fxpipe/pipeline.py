@@ -1,6 +1,10 @@
-"""``fxpipe.Pipeline``: runs compiled stages over micro-batches (GPipe fill-drain).
+"""``fxpipe.Pipeline``: runs compiled stages over micro-batches.
 
-Forward runs on one worker thread per stage. At clock ``c`` stage ``k``
+``pipe.step(inputs, target, loss_fn)`` is the training step: forward and
+backward of every micro-batch per stage, in the plan's schedule (GPipe or
+1F1B), each stage on its own thread (:mod:`fxpipe.step`).
+
+``pipe(x)`` is the call of the model (GPipe fill-drain forward). Forward runs on one worker thread per stage. At clock ``c`` stage ``k``
 processes micro-batch ``c - k``; a clock ends when all its tasks have. Backward
 is left to autograd: the gathered output is an ordinary autograd tensor, so
 ``loss.backward()`` reaches every parameter, and gradients accumulate over
@@ -13,8 +17,10 @@ from __future__ import annotations
 
 import linecache
 import re
+import statistics
+import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -26,11 +32,17 @@ from fxpipe.codegen import StageSpec
 from fxpipe.errors import FxpipeError, StageError
 from fxpipe.microbatch import gather, scatter
 from fxpipe.plan import Plan
+from fxpipe.step import REDUCTIONS, OpTiming, StepFailure, run_step, schedule_order
 from fxpipe.worker import spawn_workers
 
-__all__ = ["Pipeline", "CHECKPOINT_MODES"]
+__all__ = ["Pipeline", "CHECKPOINT_MODES", "STEP_SCHEDULES"]
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
+STEP_SCHEDULES = ("gpipe", "1f1b")
+
+
+def _rows(value: Any) -> int | None:
+    return int(value.shape[0]) if isinstance(value, torch.Tensor) and value.dim() > 0 else None
 _ASSIGN = re.compile(r"^\s*(\w+)\s*=")
 
 
@@ -63,6 +75,8 @@ class Pipeline(nn.Module):
         self.devices = devices
         self.plan = plan
         self.chunks = plan.chunks
+        self.schedule = plan.schedule
+        self.last_step: dict[str, Any] | None = None
         self.checkpoint = checkpoint
         self._traced_training = bool(graph_module.meta.get("fxpipe_traced_training", False))
         self._mode_dependent = mode_dependent
@@ -92,7 +106,7 @@ class Pipeline(nn.Module):
         return env
 
     # ------------------------------------------------------------------ forward
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def _check_mode(self) -> None:
         if self._mode_dependent and self.training != self._traced_training:
             mode = "train" if self._traced_training else "eval"
             raise FxpipeError(
@@ -100,6 +114,9 @@ class Pipeline(nn.Module):
                 f"and it was compiled in {mode} mode; compile it again in the mode you want to run "
                 f"(model.{'train' if self.training else 'eval'}() before fxpipe.compile)"
             )
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_mode()
         env0 = self._bind(args, kwargs)
         names = list(env0)
         micro = [dict(zip(names, values)) for values in scatter(list(env0.values()), self.chunks)]
@@ -124,6 +141,102 @@ class Pipeline(nn.Module):
                     ) from exc
         outputs = [fx.node.map_arg(self._output.args[0], lambda n, e=env: e[n.name]) for env in micro]
         return gather(outputs)
+
+    # ------------------------------------------------------------------ training step
+    def step(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+             schedule: str | None = None, reduction: str = "mean", return_outputs: bool = False) -> Any:
+        """Forward and backward of one mini-batch with an explicit schedule; returns the loss.
+
+        ``inputs`` is the model's input (a tuple for several); ``target`` is split into
+        micro-batches like them and ``loss_fn(output, target)`` is applied per micro-batch.
+        ``reduction="mean"`` (for a loss that averages over its batch, the default of
+        ``torch.nn`` losses) weights micro-batch ``i`` by ``n_i / N``; ``"sum"`` by 1. Either
+        way the returned loss and the gradients accumulated in ``.grad`` equal one
+        full-batch ``loss_fn(model(inputs), target).backward()``. ``schedule`` defaults to
+        the plan's (``"gpipe"`` or ``"1f1b"``). With ``return_outputs`` returns
+        ``(loss, output)``.
+        """
+        schedule = schedule or self.schedule
+        if schedule not in STEP_SCHEDULES:
+            raise ValueError(f"schedule {schedule!r} is not supported by pipe.step; use one of {STEP_SCHEDULES}")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        self._check_mode()
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        env0 = self._bind(args, {})
+        names = list(env0)
+        micro = [dict(zip(names, values)) for values in scatter(list(env0.values()), self.chunks)]
+        targets = scatter([target], self.chunks)
+        if len(targets) != len(micro) or any(_rows(t[0]) != _rows(next(iter(mb.values()), None))
+                                             for t, mb in zip(targets, micro)):
+            raise ValueError("target must have the batch size of the inputs (it is split into micro-batches "
+                             "the same way)")
+        m = len(micro)
+        ckpt = (lambda k, i: self.checkpoint == "always" or (self.checkpoint == "except_last" and i != m - 1))
+        timings: list[OpTiming] = []
+        started = time.perf_counter()
+        try:
+            loss, outs = run_step(self.specs, self.devices, self._output.args[0], micro, [t[0] for t in targets],
+                                  loss_fn, schedule, ckpt, reduction, timings)
+        except StepFailure as failure:
+            node = failing_node(failure.exc)
+            where = f"at node {node!r}" if node is not None else (
+                "(autograd does not say which node; torch.autograd.set_detect_anomaly(True) shows the "
+                "forward operation)" if failure.kind == "backward" else "")
+            raise StageError(
+                f"stage {failure.stage} (device {self.devices[failure.stage]}) failed in {failure.kind} of "
+                f"micro-batch {failure.micro_batch} {where}: {type(failure.exc).__name__}: {failure.exc}",
+                stage=failure.stage, micro_batch=failure.micro_batch, node=node,
+            ) from failure.exc
+        self.last_step = {"schedule": schedule, "micro_batches": m, "wall_s": time.perf_counter() - started,
+                          "timings": timings}
+        return (loss, gather(outs)) if return_outputs else loss
+
+    def report(self) -> str:
+        """Predicted against measured, per stage, for the last :meth:`step`.
+
+        Times are per micro-batch (median over the step); a checkpointed micro-batch's
+        predicted backward includes its recomputed forward. ``idle`` is the stage's share of
+        the step spent waiting (bubble and transfers).
+        """
+        if self.last_step is None:
+            raise FxpipeError("no step to report on yet: run pipe.step(inputs, target, loss_fn) first")
+        timings, wall = self.last_step["timings"], self.last_step["wall_s"]
+        head = ["stage", "fwd ms pred", "fwd ms meas", "err", "bwd ms pred", "bwd ms meas", "err", "busy ms", "idle"]
+        rows, errors = [], []
+        for st in self.plan.stages:
+            ops = [t for t in timings if t.stage == st.index]
+            fwd = [t.end_s - t.start_s for t in ops if t.kind == "F"]
+            bwd = [t.end_s - t.start_s for t in ops if t.kind == "B"]
+            recompute = statistics.mean(1.0 if t.checkpointed else 0.0 for t in ops if t.kind == "B")
+            pred_f, pred_b = st.fwd_s, st.bwd_s + recompute * st.fwd_s
+            meas_f, meas_b = statistics.median(fwd), statistics.median(bwd)
+            err_f, err_b = (meas_f - pred_f) / meas_f, (meas_b - pred_b) / meas_b
+            errors += [abs(err_f), abs(err_b)]
+            busy = sum(fwd) + sum(bwd)
+            rows.append([str(st.index), f"{pred_f * 1e3:.2f}", f"{meas_f * 1e3:.2f}", f"{err_f:+.0%}",
+                         f"{pred_b * 1e3:.2f}", f"{meas_b * 1e3:.2f}", f"{err_b:+.0%}", f"{busy * 1e3:.1f}",
+                         f"{1 - busy / wall:.0%}"])
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+        line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+        pred_iter = self.plan.predicted.get("iteration_s", float("nan"))
+        out = [f"last step: {self.last_step['schedule']}, {self.last_step['micro_batches']} micro-batches, "
+               f"{wall * 1e3:.1f} ms measured, {pred_iter * 1e3:.1f} ms predicted by the plan "
+               f"({(wall - pred_iter) / wall:+.0%})", line(head), line(["-" * w for w in widths])]
+        out += [line(r) for r in rows]
+        out.append(f"stage-time error: median {statistics.median(errors):.0%}, worst {max(errors):.0%} "
+                   f"(profile: {self.plan.profile.get('mode', '?')})")
+        return "\n".join(out)
+
+    def schedule_table(self, schedule: str | None = None, micro_batches: int | None = None) -> str:
+        """The order of forward (F) and backward (B) operations of every stage, one line per stage."""
+        schedule = schedule or self.schedule
+        m, p = micro_batches or self.chunks, len(self.specs)
+        lines = [f"{schedule}, {p} stages, {m} micro-batches"]
+        for k in range(p):
+            ops = " ".join(f"{kind}{i}" for kind, i in schedule_order(schedule, k, p, m))
+            lines.append(f"stage {k} ({self.devices[k]}): {ops}")
+        return "\n".join(lines)
 
     def _task(self, k: int, i: int, env: dict[str, Any], grad: bool, last: bool):
         spec, device = self.specs[k], self.devices[k]

@@ -85,6 +85,32 @@ class Plan:
             )
         return "\n".join(out)
 
+    def memory_table(self) -> str:
+        """Per stage: parameter memory (with gradients and optimizer state), activation memory
+        at the schedule's peak, their sum and the device's memory, in GiB (torchgpipe's table)."""
+        problem = self.problem or {}
+        factor = 1.0 + float(problem.get("optimizer_state_factor", 0.0))
+        memory = {d["id"]: d["memory_bytes"] for d in problem.get("devices", [])}
+        p, m = len(self.stages), self.chunks
+        rows = []
+        for s in self.stages:
+            inflight = m if self.schedule == "gpipe" else min(m, p - s.index)
+            device_memory = next((v for k, v in memory.items() if k.endswith(":" + s.device) or k == s.device), None)
+            rows.append([str(s.index), s.device, f"{s.param_bytes / 4 / 1e6:.0f}M" if s.param_bytes else "0",
+                         f"{s.param_bytes * factor / 2**30:.2f}", str(inflight),
+                         f"{s.act_bytes * inflight / 2**30:.2f}", f"{s.peak_bytes / 2**30:.2f}",
+                         f"{device_memory / 2**30:.1f}" if device_memory else "-"])
+        total_params = sum(s.param_bytes for s in self.stages)
+        head = ["stage", "device", "params (fp32)", "param+grad+opt GiB", "in flight", "activation GiB",
+                "peak GiB", "device GiB"]
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+        line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+        out = [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
+        out.append(f"total: {total_params / 4 / 1e9:.2f}B parameters (fp32), "
+                   f"{total_params * factor / 2**30:.2f} GiB parameter memory, "
+                   f"{sum(float(r[5]) for r in rows):.2f} GiB peak activation memory")
+        return "\n".join(out)
+
     def __str__(self) -> str:
         return self.summary()
 

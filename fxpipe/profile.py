@@ -9,6 +9,10 @@ Two modes:
 * ``"estimate"``: no timing; a node costs ``max(FLOPs / peak, bytes / bandwidth)``
   with FLOPs from ``torch.utils.flop_counter.FlopCounterMode``, and backward
   twice forward. Fast, for sweeps and tests; the ranking is what it is good for.
+* ``"analytic"``: the same counts taken under ``FakeTensorMode`` — nothing is
+  allocated or computed, the model may live on ``meta`` — turned into time by
+  the roofline of a target :class:`fxpipe.devices.DeviceSpec` (plan for GPUs
+  this machine does not have).
 
 Both modes record, from one real run of the graph: bytes that autograd saves for
 backward (``saved_tensors_hooks``; each storage counted once, at the first node
@@ -19,22 +23,28 @@ restored afterwards, so profiling leaves the model as it found it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.flop_counter import FlopCounterMode
+
+if TYPE_CHECKING:
+    from fxpipe.devices import DeviceSpec
 
 __all__ = ["NodeCost", "profile_graph", "PROFILE_MODES", "run_node"]
 
 log = logging.getLogger(__name__)
 
-PROFILE_MODES = ("measure", "estimate")
+PROFILE_MODES = ("measure", "estimate", "analytic")
 # Nominal rates of the "estimate" mode: only ratios between nodes matter there.
 _ESTIMATE_FLOPS = {"cpu": 5e10, "cuda": 1e13}
 _ESTIMATE_BANDWIDTH = {"cpu": 1e10, "cuda": 1e12}
@@ -64,11 +74,15 @@ def _detach(value: Any) -> Any:
     return fx.node.map_aggregate(value, one)
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of ``t``'s storage, for real, meta and fake tensors alike (data_ptr is 0 on meta)."""
+    return t.untyped_storage()._cdata
+
+
 def _unique_bytes(tensors: list[torch.Tensor]) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
+        seen[storage_key(t)] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
 
@@ -99,16 +113,20 @@ class _Recorder(fx.Interpreter):
         self.act_bytes: dict[str, int] = {}
         self.flops: dict[str, int] = {}
         self.count_flops = count_flops
-        self._seen: set[int] = {t.untyped_storage().data_ptr()
-                                for t in list(gm.parameters()) + list(gm.buffers())}
+        self._seen: set[int] = {storage_key(t) for t in list(gm.parameters()) + list(gm.buffers())}
+        # Storages counted so far stay alive for the run, so that no later tensor can reuse
+        # a freed one's identity and go uncounted (storages hold no autograd graph).
+        self._alive: list[torch.UntypedStorage] = []
 
     def pack(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage and keep nothing: this run's graph is never backpropagated,
         and keeping ``t`` would tie it (an output's ``grad_fn`` is the very node that saves it)
         into a cycle through C++ autograd nodes that Python's collector cannot free."""
         st = t.untyped_storage()
-        if self.current is not None and st.data_ptr() not in self._seen and st.nbytes() > 0:
-            self._seen.add(st.data_ptr())
+        key = st._cdata
+        if self.current is not None and key not in self._seen and st.nbytes() > 0:
+            self._seen.add(key)
+            self._alive.append(st)
             self.act_bytes[self.current] = self.act_bytes.get(self.current, 0) + st.nbytes()
         return None
 
@@ -176,17 +194,35 @@ def profile_graph(
     warmup: int = 1,
     repeats: int = 3,
     progress: Callable[[int, int], None] | None = None,
+    spec: "DeviceSpec | None" = None,
 ) -> dict[str, NodeCost]:
-    """Costs of every node of ``gm`` for one micro-batch ``micro_inputs`` on ``device``."""
+    """Costs of every node of ``gm`` for one micro-batch ``micro_inputs`` on ``device``
+    (``analytic``: on a device described by ``spec``; ``device`` is then unused)."""
     if mode not in PROFILE_MODES:
         raise ValueError(f"unknown profile mode {mode!r}; expected one of {', '.join(PROFILE_MODES)}")
+    if mode == "analytic" and spec is None:
+        raise ValueError("analytic profiling needs spec=DeviceSpec (e.g. fxpipe.devices.PRESETS['h100'][0])")
     if repeats < 1 or warmup < 0:
         raise ValueError(f"profiling needs repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
     saved_buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
     rng = torch.random.get_rng_state()
     try:
-        recorder = _Recorder(gm, count_flops=(mode == "estimate"))
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, _never_unpacked):
+        recorder = _Recorder(gm, count_flops=(mode != "measure"))
+        with contextlib.ExitStack() as stack:
+            if mode == "analytic":
+                fake = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+                # The module runs on fake copies of its parameters and buffers (so views of them,
+                # like a linear's weight.t(), share their storages and are not counted as
+                # activations); the copies are kept alive so that no storage identity is reused.
+                state = {name: fake.from_tensor(t) for name, t in
+                         list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers())}
+                recorder._alive += [t.untyped_storage() for t in state.values()]
+                recorder._seen |= {storage_key(t) for t in state.values()}
+                stack.enter_context(_reparametrize_module(gm, state, tie_weights=True))
+                micro_inputs = tuple(fake.from_tensor(x) if isinstance(x, torch.Tensor) else x
+                                     for x in micro_inputs)
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(recorder.pack, _never_unpacked))
             recorder.run(*micro_inputs)
         # Keep detached values only: the recorded graph is not needed past this point.
         env = {n.name: _detach(v) for n, v in recorder.env.items()}
@@ -216,9 +252,13 @@ def profile_graph(
                     cost.flops = recorder.flops.get(node.name, 0)
                     moved = cost.output_bytes + sum(_unique_bytes(_tensors(env[a.name]))
                                                     for a in node.all_input_nodes)
-                    kind = "cuda" if device.type == "cuda" else "cpu"
-                    cost.fwd_s = max(cost.flops / _ESTIMATE_FLOPS[kind],
-                                     moved / _ESTIMATE_BANDWIDTH[kind]) + _ESTIMATE_OVERHEAD_S
+                    if mode == "analytic":
+                        outs = [t for t in _tensors(env.get(node.name)) if t.is_floating_point()]
+                        cost.fwd_s = spec.forward_s(cost.flops, moved, outs[0].dtype if outs else torch.float32)
+                    else:
+                        kind = "cuda" if device.type == "cuda" else "cpu"
+                        cost.fwd_s = max(cost.flops / _ESTIMATE_FLOPS[kind],
+                                         moved / _ESTIMATE_BANDWIDTH[kind]) + _ESTIMATE_OVERHEAD_S
                     cost.bwd_s = 2.0 * cost.fwd_s
             if progress is not None:
                 progress(i + 1, len(nodes))

@@ -162,6 +162,8 @@ CUT_ANCHORS: list[tuple[Callable[[list[float], int], list[int]], Callable[[Probl
     (minmax_cuts, lambda p: _weights(p, "time")), (equal_size_cuts, lambda p: _weights(p, "params")),
 ]
 """The anchors' cutters with their weights: the DP's first incumbents (stage k on device k)."""
+QUADRATIC_ANCHORS = (spread_cuts, minmax_cuts)
+"""Cutters whose dynamic programmes take ``O(nodes^2 x parts)``."""
 
 ANCHORS: dict[str, Callable[[Problem], Solution]] = {
     "uniform": _cut_anchor("uniform", "time", uniform_cuts),

@@ -14,9 +14,14 @@ speeds and skip connections — or, when ``time_limit_s`` stops it first, its
 best plan with a proven lower bound (``optimal: false``, ``gap``).
 
 The searches run cheapest first, each one's optimum bounding the next: stage
-``k`` on device ``k``; the hierarchical device order; a local search over the
-mapping alternated with exact cutting; replica runs; then every mapping.
-The anchors' plans seed the incumbent, so no anchor ever beats the result.
+``k`` on device ``k``, the hierarchical device order, a local search over the
+mapping alternated with exact cutting, replica runs, then every mapping under
+a best-link relaxation that skips stage counts which cannot win. The anchors'
+plans seed the incumbent (their quadratic partitioners only up to
+:data:`ANCHOR_SEED_LIMIT`), so no anchor partitioner beats the result. With
+placement, ``time_limit_s`` applies twice: once to the stage-``k``-on-device-``k``
+search (as the topology-blind baseline gets it, so that it never beats ours),
+and once to all the placement searches together.
 
 Why a label-setting DP rather than the textbook ``(position, stage)`` table:
 a stage's time includes its outgoing transfers, one per *later stage* that
@@ -52,6 +57,8 @@ __all__ = ["solve_dp", "stage_counts", "min_peak_bytes", "device_classes", "MAX_
 _REL_TOL = 1e-9
 MAX_EXACT_PLACEMENT_DEVICES = 16
 """Beyond this many devices placement is heuristic (hierarchical order + local search)."""
+ANCHOR_SEED_LIMIT = 2e7
+"""Seed with the anchors' quadratic partitioners only up to ``nodes^2 x stages`` this large."""
 
 
 @dataclass
@@ -353,10 +360,10 @@ def _deepening(problem: Problem, tables: _Tables, p: int, ub: float, space: _Spa
         proven[p] = min(pruned, ub)   # nothing at or below the bound; all else was pruned above it
         if bound >= ub:
             return None, math.inf
-        # Search cost grows with the slack above the optimum: step at least to what the failed
-        # search proved, at most halfway to the incumbent (or 15 %).
-        bound = max(pruned, min(bound * 1.15, bound + (ub - bound) / 2))
-        if bound >= 0.999 * ub:
+        # Step at least to what the failed search proved; close to the incumbent, search at it
+        # (a search just below costs nearly as much).
+        bound = max(pruned, bound * 1.15)
+        if bound >= 0.95 * ub:
             bound = ub
     label, t, _ = _solve_fixed_p(problem, tables, p, ub, space, deadline)
     proven[p] = t if label is not None else ub
@@ -436,20 +443,25 @@ class _Search:
         if sc.feasible and sc.iteration_s < self.ub * (1 - 1e-12):
             self.ub, self.incumbent = sc.iteration_s, (p, list(cuts), list(groups))
 
-    def exact(self, space: _Space, certifies: bool, floor: dict[int, float] | None = None) -> None:
+    def exact(self, space: _Space, certifies: bool, floor: dict[int, float] | None = None,
+              share: float = 1.0) -> None:
         """Search ``space`` for every stage count; if cut short and ``certifies``, keep its lower bound.
 
         ``floor[p]`` is a known lower bound for ``p`` stages (from a relaxation): counts whose
-        floor already reaches the incumbent are skipped.
+        floor already reaches the incumbent are skipped. ``share`` is the fraction of the
+        remaining time this search may take (the rest is left to later searches).
         """
         floor = floor or {}
+        deadline = self.deadline
+        if share < 1.0 and math.isfinite(deadline):
+            deadline = time.perf_counter() + share * max(0.0, deadline - time.perf_counter())
         counts = stage_counts(self.problem)
         for i, p in enumerate(counts):
             if floor.get(p, 0.0) >= self.ub * (1 + _REL_TOL):
                 continue
             proven: dict[int, float] = {}
             try:
-                label, t = _deepening(self.problem, self.tables, p, self.ub, space, self.deadline, proven)
+                label, t = _deepening(self.problem, self.tables, p, self.ub, space, deadline, proven)
             except _Timeout:
                 if certifies:
                     self.complete = False
@@ -507,8 +519,9 @@ def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | Non
     certified. ``placement=False`` runs stage ``k`` on device ``k``, the
     topology-blind baseline. With ``max_replicas > 1`` stages may also take runs
     of consecutive devices of the hierarchical order as replica groups.
-    ``time_limit_s`` stops the exact searches; the solution then reports
-    ``optimal: false`` with a proven lower bound.
+    ``time_limit_s`` stops the exact searches (with placement: the topology-blind
+    search, then the placement searches, each within the limit); the solution then
+    reports ``optimal: false`` with a proven lower bound.
     """
     started = time.perf_counter()
     deadline = started + time_limit_s if time_limit_s is not None else math.inf
@@ -517,20 +530,30 @@ def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | Non
     n_dev = len(problem.devices)
     identity = list(range(n_dev))
     search = _Search(problem, tables, table, deadline)
-    from solvers.anchors import CUT_ANCHORS  # the anchors import this module
+    from solvers.anchors import CUT_ANCHORS, QUADRATIC_ANCHORS  # the anchors import this module
     for p in stage_counts(problem):
         search.offer(p, _balanced_cuts(tables, p), [(k,) for k in range(p)])
     anchor_p = max(stage_counts(problem))
     for cutter, weights in CUT_ANCHORS:  # the anchors' plans are in our space: never end worse than one
+        if cutter in QUADRATIC_ANCHORS and tables.n ** 2 * anchor_p > ANCHOR_SEED_LIMIT:
+            continue  # their O(n^2 p) DPs would cost more than they save here
         search.offer(anchor_p, cutter(weights(problem), anchor_p), [(k,) for k in range(anchor_p)])
     exhaustive = placement and n_dev <= MAX_EXACT_PLACEMENT_DEVICES
     classes = device_classes(problem) if placement else [[d] for d in identity]
     blind_is_all = not placement or len(classes) == 1
-    search.exact(_Space("order", table, order=identity), certifies=blind_is_all)
     order = hierarchical_order(problem) if placement else identity
     if placement and not blind_is_all:
+        # Stage k on device k gets the whole limit, as the topology-blind baseline would (so it
+        # is never better than ours); the placement searches then get a limit of their own.
+        search.exact(_Space("order", table, order=identity), certifies=False)
+        if time_limit_s is not None:
+            search.deadline = time.perf_counter() + time_limit_s
+        deadline = search.deadline
         if order != identity:
-            search.exact(_Space("order", table, order=order), certifies=False)
+            search.exact(_Space("order", table, order=order), certifies=False, share=0.5)
+    else:
+        search.exact(_Space("order", table, order=identity), certifies=blind_is_all)
+    if placement and not blind_is_all:
         for _ in range(4):  # alternate: better mapping for these cuts, then best cuts for that order
             if search.incumbent is None or time.perf_counter() > deadline:
                 break
@@ -542,19 +565,22 @@ def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | Non
             if search.ub >= before * (1 - 1e-12):
                 break
             search.exact(_Space("order", table, order=devices + [d for d in order if d not in devices]),
-                         certifies=False)
+                         certifies=False, share=0.25)
     if problem.max_replicas > 1:
-        search.exact(_Space("runs", table, order=order, max_replicas=problem.max_replicas), certifies=True)
+        search.exact(_Space("runs", table, order=order, max_replicas=problem.max_replicas), certifies=True,
+                     share=0.5 if exhaustive and not blind_is_all else 1.0)
     if exhaustive and not blind_is_all and len(problem.devices) > 1:
-        floor = _placement_floor(problem, search.ub, deadline) if search.incumbent is not None else {}
+        floor = (_placement_floor(problem, search.ub, time.perf_counter() + 0.5 * max(0.0, deadline - time.perf_counter()))
+                 if search.incumbent is not None else {})
         search.exact(_Space("classes", table, classes=classes), certifies=True, floor=floor)
     if search.incumbent is None:
-        if not search.complete:
-            raise InfeasibleError(
-                f"no plan that fits in memory was found within the time limit of {time_limit_s} s; "
-                "raise the time limit or add memory", min_peak_bytes=math.nan)
         need = min_peak_bytes(problem)
         have = max(d.memory_bytes for d in problem.devices)
+        if not search.complete and need <= have:
+            raise InfeasibleError(
+                f"no plan that fits in memory was found within the time limit of {time_limit_s} s (the smallest "
+                f"stage peak, {need:.4g} bytes, would fit on the largest device, {have:.4g} bytes); "
+                "raise the time limit or add memory", min_peak_bytes=need)
         raise InfeasibleError(
             f"no contiguous partition of {tables.n} nodes over {n_dev} devices fits in memory: "
             f"the smallest possible stage peak is {need:.4g} bytes, the largest device has {have:.4g} bytes; "

@@ -1,4 +1,4 @@
-"""Test-session setup: give freed memory back to the OS between tests.
+"""Test-session setup: a private profile cache, and freed memory given back to the OS between tests.
 
 The torchvision sweep builds ~80 models in one process, some of 100-600M
 parameters. glibc keeps freed heap memory for reuse; trimming after every test
@@ -8,8 +8,13 @@ this was a leak in the profiler, fixed there; this is a guard, not the fix.)
 
 import ctypes
 import gc
+import os
+import tempfile
 
 import pytest
+
+# Tests must not read or leave costs in the user's cache: one fresh directory per session.
+os.environ["FXPIPE_CACHE_DIR"] = tempfile.mkdtemp(prefix="fxpipe-test-cache-")
 
 try:
     _libc = ctypes.CDLL("libc.so.6")

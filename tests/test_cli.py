@@ -42,3 +42,19 @@ def test_ci_runs_the_readme_commands():
     assert any("pip install" in c and "python -m fxpipe demo" in c for c in commands), commands
     assert any("pytest" in c for c in commands), commands
     assert "<!-- ci -->" in (root / ".ci" / "run").read_text()
+
+
+def test_plan_for_a_preset_without_the_hardware(tmp_path):
+    path = tmp_path / "r18-h100.plan.json"
+    out = run("fxpipe", "plan", "resnet18", "--preset", "h100", "--count", "2", "--batch", "8", "--chunks", "2",
+              "--image-size", "64", "--save", str(path))
+    assert out.returncode == 0, out.stderr
+    assert "profile: analytic on H100-SXM5-80GB" in out.stdout and "param+grad+opt GiB" in out.stdout
+    assert path.exists()
+    bad = run("fxpipe", "plan", "resnet18", "--preset", "tpu")
+    assert bad.returncode != 0 and "unknown device preset 'tpu'" in bad.stderr
+
+
+def test_solvers_search_help_and_fxpipe_help_mention_the_new_commands():
+    assert "search" in run("solvers", "--help").stdout
+    assert "--preset h100" in run("fxpipe", "--help").stdout

@@ -1,0 +1,108 @@
+"""Cost-model fidelity: predicted against measured stage times on CPU workers.
+
+For each model, worker count (2, 4) and schedule (GPipe, 1F1B): compile with
+measured per-node profiles, run ``--steps`` training steps with ``pipe.step``
+(the first is a warm-up), and compare every stage's predicted forward and
+backward time per micro-batch with the median measured in the steps (see
+``Pipeline.report``). Beside it, the analytic prediction: the same graph costed
+under ``FakeTensorMode`` with this CPU's roofline (``Devices.preset("cpu")``,
+a one-second microbenchmark). Prints one row per (model, workers, schedule,
+stage) and the median and 90th percentile of the absolute errors.
+Peak memory is not compared yet (no per-stage CPU memory measurement).
+
+    python benchmarks/fidelity.py [--steps 4] [--models resnet18 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torchvision
+from torch import nn
+
+import fxpipe
+from fxpipe.devices import calibrate_cpu
+from fxpipe.profile import profile_graph
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+from models import SkipTied  # noqa: E402
+
+
+def _vgg11():
+    return torchvision.models.vgg11(dropout=0.0)
+
+
+MODELS = {   # name -> (model, inputs, target, loss)
+    "resnet18": (lambda: torchvision.models.resnet18(), lambda: torch.randn(32, 3, 64, 64),
+                 lambda: torch.randint(0, 1000, (32,)), nn.functional.cross_entropy),
+    "vgg11": (_vgg11, lambda: torch.randn(16, 3, 64, 64), lambda: torch.randint(0, 1000, (16,)),
+              nn.functional.cross_entropy),
+    "googlenet": (lambda: torchvision.models.googlenet(aux_logits=False, init_weights=False),
+                  lambda: torch.randn(16, 3, 64, 64), lambda: torch.randint(0, 1000, (16,)),
+                  nn.functional.cross_entropy),
+    "transformer": (lambda: SkipTied(vocab=512, width=256, depth=8), lambda: torch.randint(0, 512, (32, 64)),
+                    lambda: torch.randint(0, 512, (32, 64)),
+                    lambda out, t: nn.functional.cross_entropy(out.reshape(-1, 512), t.reshape(-1))),
+    "mobilenet_v3": (lambda: torchvision.models.mobilenet_v3_small(), lambda: torch.randn(32, 3, 64, 64),
+                     lambda: torch.randint(0, 1000, (32,)), nn.functional.cross_entropy),
+}
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cpu = calibrate_cpu()
+    print(f"CPU roofline: {cpu.flops['float32'] / 1e9:.1f} GFLOP/s, {cpu.memory_bandwidth_Bps / 1e9:.1f} GB/s, "
+          f"{args.threads} thread(s) per worker")
+    print(f"{'model':<13} {'w':>1} {'sched':<5} {'st':>2}  {'fwd pred':>8} {'meas':>7} {'err':>5}  "
+          f"{'bwd pred':>8} {'meas':>7} {'err':>5}  {'analytic f':>10} {'err':>5}")
+    measured_err, analytic_err = [], []
+    for name in args.models:
+        build, make_x, make_y, loss_fn = MODELS[name]
+        for workers in (2, 4):
+            for schedule in ("gpipe", "1f1b"):
+                torch.manual_seed(0)
+                model = build().train()
+                x, y = make_x(), make_y()
+                pipe = fxpipe.compile(model, ["cpu"] * workers, (x,), chunks=4, stages=workers,
+                                      schedule=schedule, checkpoint="never", profile_cache=False)
+                timings = []
+                for step in range(args.steps):
+                    pipe.step(x, y, loss_fn)
+                    if step:
+                        timings += pipe.last_step["timings"]
+                # Analytic costs of the same graph, summed per stage.
+                analytic = profile_graph(fxpipe.trace(model), (x[: x.shape[0] // 4],), torch.device("cpu"),
+                                         mode="analytic", spec=cpu)
+                for st in pipe.plan.stages:
+                    fwd = statistics.median(t.end_s - t.start_s for t in timings if t.stage == st.index and t.kind == "F")
+                    bwd = statistics.median(t.end_s - t.start_s for t in timings if t.stage == st.index and t.kind == "B")
+                    a_fwd = sum(analytic[n].fwd_s for n in st.nodes)
+                    ef, eb, ea = (st.fwd_s - fwd) / fwd, (st.bwd_s - bwd) / bwd, (a_fwd - fwd) / fwd
+                    measured_err += [abs(ef), abs(eb)]
+                    analytic_err.append(abs(ea))
+                    print(f"{name:<13} {workers:>1} {schedule:<5} {st.index:>2}  {st.fwd_s * 1e3:8.2f} {fwd * 1e3:7.2f} "
+                          f"{ef:+5.0%}  {st.bwd_s * 1e3:8.2f} {bwd * 1e3:7.2f} {eb:+5.0%}  {a_fwd * 1e3:10.2f} "
+                          f"{ea:+5.0%}", flush=True)
+    print(f"\nmeasured-profile stage time error (forward and backward): median {statistics.median(measured_err):.1%}, "
+          f"p90 {percentile(measured_err, 0.9):.1%} over {len(measured_err)}")
+    print(f"analytic (roofline) forward error: median {statistics.median(analytic_err):.1%}, "
+          f"p90 {percentile(analytic_err, 0.9):.1%} over {len(analytic_err)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""``fxpipe.plan``: a plan for devices described by numbers, without allocating the model.
+
+The model is traced and costed under ``FakeTensorMode`` (see ``profile`` mode
+``"analytic"``): FLOPs, saved-activation bytes and parameter bytes come from
+shapes only, so a model built on the ``meta`` device — billions of parameters
+on a laptop — plans as well as a real one. Times come from the target devices'
+roofline (:class:`fxpipe.devices.Devices`), links from their link classes; the
+solver and the :class:`fxpipe.Plan` are the same as :func:`fxpipe.compile`'s,
+so the plan can later run on the real devices with ``compile(model, ..., plan=plan)``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+import solvers
+from fxpipe.devices import Devices
+from fxpipe.errors import InfeasiblePlanError
+from fxpipe.fingerprint import graph_fingerprint
+from fxpipe.lowering import build_problem
+from fxpipe.microbatch import batch_size_of, scatter
+from fxpipe.plan import Plan
+from fxpipe.profile import profile_graph
+from fxpipe.topology import Links, link_class_bandwidth
+from fxpipe.trace import trace
+
+__all__ = ["plan", "OPTIMIZER_STATE"]
+
+OPTIMIZER_STATE = {"none": 0.0, "sgd": 1.0, "momentum": 2.0, "adam": 3.0}
+"""Bytes kept per parameter byte besides the parameter: gradients, then optimizer moments."""
+
+
+def plan(
+    model: nn.Module,
+    devices: Devices,
+    example_inputs: tuple,
+    *,
+    chunks: int | None = None,
+    schedule: str = "1f1b",
+    stages: int | None = None,
+    optimizer: str = "adam",
+    checkpoint: str = "except_last",
+    leaf_modules: Iterable[type | str] = (),
+    time_limit_s: float = 10.0,
+) -> Plan:
+    """Plan ``model`` for ``devices`` (e.g. ``fxpipe.Devices.preset("h100", 8)``) from shapes alone.
+
+    ``example_inputs`` is one full batch (real or ``meta`` tensors); ``optimizer`` sets
+    the memory kept per parameter (``OPTIMIZER_STATE``: Adam keeps gradients and two
+    moments). Raises :class:`fxpipe.InfeasiblePlanError` when nothing fits.
+    """
+    from fxpipe.compile import _plan_from_solution
+
+    if not isinstance(devices, Devices):
+        raise TypeError("devices must be fxpipe.Devices, e.g. fxpipe.Devices.preset('h100', 8)")
+    if optimizer not in OPTIMIZER_STATE:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATE)}, got {optimizer!r}")
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    gm = trace(model, leaf_modules)
+    batch = batch_size_of(list(example_inputs))
+    chunks = chunks if chunks is not None else min(batch, 4 * len(devices))
+    first = tuple(scatter(list(example_inputs), chunks)[0])
+    reference = devices.specs[0]
+    costs = profile_graph(gm, first, torch.device("cpu"), mode="analytic", spec=reference)
+    n = len(devices)
+    pairs = [[link_class_bandwidth(devices.link_classes[i][j]) if i != j else (0.0, 0.0) for j in range(n)]
+             for i in range(n)]
+    links = Links(devices.link_classes, [[bw for bw, _ in r] for r in pairs], [[lat for _, lat in r] for r in pairs])
+    torch_devices = [torch.device(i) for i in devices.ids]
+    problem = build_problem(gm, costs, torch_devices, links, chunks, [s.memory_bytes for s in devices.specs],
+                            stages=stages, optimizer_state_factor=OPTIMIZER_STATE[optimizer], schedule=schedule,
+                            name=type(model).__name__)
+    speeds = [s.flops["float32"] / reference.flops["float32"] for s in devices.specs]
+    problem = solvers.Problem.from_dict({**problem.to_dict(), "devices": [
+        {"id": d.id, "memory_bytes": d.memory_bytes, "speed": v} for d, v in zip(problem.devices, speeds)]})
+    try:
+        solution = solvers.solve(problem, "dp", time_limit_s)
+    except solvers.InfeasibleError as exc:
+        raise InfeasiblePlanError(str(exc), exc.min_peak_bytes) from exc
+    return _plan_from_solution(problem, solution, devices.ids, graph_fingerprint(gm), type(model).__name__,
+                               chunks, checkpoint, batch, "analytic", reference.name, model.training)

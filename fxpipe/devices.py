@@ -1,0 +1,121 @@
+"""Target devices described by numbers: a roofline per device and the links between them.
+
+Used to plan for hardware that is not on the planning machine ("analytic"
+profiling): a node of ``F`` FLOPs that moves ``B`` bytes takes
+``max(F / flops[dtype], B / memory_bandwidth) + launch`` seconds forward and
+twice that backward (the usual 2x for input and weight gradients).
+
+Presets quote datasheet dense peaks (SXM parts) times an achievable fraction
+(:data:`ACHIEVABLE`: 60 % of peak FLOP/s, 80 % of peak bandwidth), which is
+what large well-shaped kernels reach; small kernels are dominated by the launch
+term. ``"cpu"`` is measured here by a one-second microbenchmark (a float32
+matmul and a large copy). Users pass their own :class:`DeviceSpec` for anything
+else.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["DeviceSpec", "Devices", "PRESETS", "ACHIEVABLE", "calibrate_cpu"]
+
+ACHIEVABLE = {"flops": 0.6, "bandwidth": 0.8}
+_GiB = 2**30
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    flops: dict[str, float]            # achievable FLOP/s per dtype name ("float32", "bfloat16", ...)
+    memory_bandwidth_Bps: float
+    memory_bytes: float
+    launch_s: float = 5e-6
+
+    def forward_s(self, flops: float, bytes_moved: float, dtype: torch.dtype = torch.float32) -> float:
+        """Roofline time of one node's forward."""
+        name = str(dtype).removeprefix("torch.")
+        rate = self.flops.get(name, self.flops["float32"])
+        return max(flops / rate, bytes_moved / self.memory_bandwidth_Bps) + self.launch_s
+
+
+def _preset(name: str, fp32: float, half: float, bandwidth: float, memory_gib: float) -> DeviceSpec:
+    f, b = ACHIEVABLE["flops"], ACHIEVABLE["bandwidth"]
+    return DeviceSpec(name, {"float32": fp32 * f, "float16": half * f, "bfloat16": half * f, "float64": fp32 * f / 2},
+                      bandwidth * b, memory_gib * _GiB)
+
+
+# name -> (spec, link class between two devices of one box)
+PRESETS: dict[str, tuple[DeviceSpec, str]] = {
+    "v100": (_preset("V100-SXM2-16GB", 15.7e12, 125e12, 900e9, 16), "NV2"),
+    "v100-32gb": (_preset("V100-SXM2-32GB", 15.7e12, 125e12, 900e9, 32), "NV2"),
+    "a100": (_preset("A100-SXM4-80GB", 19.5e12, 312e12, 2.039e12, 80), "NV12"),
+    "h100": (_preset("H100-SXM5-80GB", 67e12, 989e12, 3.35e12, 80), "NV18"),
+    "h200": (_preset("H200-SXM-141GB", 67e12, 989e12, 4.8e12, 141), "NV18"),
+}
+
+
+def calibrate_cpu(seconds: float = 1.0) -> DeviceSpec:
+    """This machine's CPU (with the current intra-op threads), measured for about ``seconds``."""
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    big = torch.empty(8 * 2**20)
+    out = torch.empty_like(big)
+    flops = copies = 0.0
+    t_mm = t_cp = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        t1 = time.perf_counter()
+        out.copy_(big)
+        t2 = time.perf_counter()
+        flops += 2 * 512**3
+        copies += 2 * big.numel() * big.element_size()   # read + write
+        t_mm += t1 - t0
+        t_cp += t2 - t1
+    import os
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    rate = flops / t_mm
+    return DeviceSpec(f"cpu ({torch.get_num_threads()} threads, measured)",
+                      {"float32": rate, "float64": rate / 2, "bfloat16": rate / 4, "float16": rate / 4},
+                      copies / t_cp, float(memory), launch_s=2e-6)
+
+
+@dataclass
+class Devices:
+    """Devices to plan for: one spec each, ids (``cuda:0`` ...) and a link-class matrix."""
+
+    specs: list[DeviceSpec]
+    link_classes: list[list[str]]
+    ids: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = len(self.specs)
+        if n == 0:
+            raise ValueError("Devices needs at least one device")
+        if len(self.link_classes) != n or any(len(r) != n for r in self.link_classes):
+            raise ValueError(f"link_classes must be a {n}x{n} matrix of link classes such as 'NV12' or 'SYS'")
+        if not self.ids:
+            self.ids = [f"cuda:{i}" for i in range(n)]
+        if len(self.ids) != n:
+            raise ValueError(f"{len(self.ids)} ids for {n} devices")
+
+    @classmethod
+    def preset(cls, name: str, count: int) -> "Devices":
+        """``count`` identical devices of a preset (``v100``, ``a100``, ``h100``, ``h200``, or ``cpu``)."""
+        key = name.lower()
+        if key == "cpu":
+            spec, link = calibrate_cpu(), "HOST"
+        elif key in PRESETS:
+            spec, link = PRESETS[key]
+        else:
+            raise ValueError(f"unknown device preset {name!r}; known: {', '.join(list(PRESETS) + ['cpu'])} "
+                             "(or build Devices from your own DeviceSpec)")
+        if not isinstance(count, int) or count < 1:
+            raise ValueError(f"count must be a positive integer, got {count!r}")
+        return cls([spec] * count, [["X" if i == j else link for j in range(count)] for i in range(count)])
+
+    def __len__(self) -> int:
+        return len(self.specs)

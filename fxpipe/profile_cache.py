@@ -1,0 +1,100 @@
+"""On-disk cache of node costs, so that a second compile of the same model does not re-profile.
+
+An entry is keyed by everything a cost depends on: the graph fingerprint (op
+structure and parameter shapes), the device (and the GPU's name), the
+micro-batch's shapes and dtypes, the profile mode and its settings, the
+number of intra-op threads, and the fxpipe and torch versions. The key is
+stored inside the entry and compared in full on load, and the entry must cover
+exactly the graph's nodes: anything else — another version, another graph, a
+truncated or hand-edited file — is a miss, and the model is profiled again
+(never a stale cost). Files are plain JSON written atomically.
+
+The directory is ``$FXPIPE_CACHE_DIR`` or ``~/.cache/fxpipe/profiles``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from fxpipe.profile import NodeCost
+
+__all__ = ["ProfileCache", "profile_key", "default_cache_dir", "CACHE_FORMAT"]
+
+CACHE_FORMAT = "fxpipe-profile/1"
+log = logging.getLogger(__name__)
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("FXPIPE_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "fxpipe" / "profiles"
+
+
+def _describe(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return {"shape": list(value.shape), "dtype": str(value.dtype), "device": value.device.type}
+    return repr(value)
+
+
+def profile_key(fingerprint: str, device: torch.device, micro_inputs: tuple, mode: str, warmup: int,
+                repeats: int, spec_name: str | None = None) -> dict[str, Any]:
+    """Everything the costs depend on, as a JSON-able dict."""
+    from fxpipe import __version__
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {
+        "fingerprint": fingerprint, "device": str(device), "device_name": name,
+        "inputs": [_describe(v) for v in tree_flatten(list(micro_inputs))[0]],
+        "mode": mode, "warmup": warmup, "repeats": repeats, "spec": spec_name,
+        "threads": torch.get_num_threads(), "fxpipe": __version__, "torch": torch.__version__,
+    }
+
+
+class ProfileCache:
+    """Load and store node costs under a key from :func:`profile_key`."""
+
+    def __init__(self, directory: str | Path | None = None) -> None:
+        self.directory = Path(directory) if directory is not None else default_cache_dir()
+
+    def path(self, key: dict[str, Any]) -> Path:
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+        return self.directory / f"{digest}.json"
+
+    def load(self, key: dict[str, Any], gm: fx.GraphModule) -> dict[str, NodeCost] | None:
+        path = self.path(key)
+        if not path.exists():
+            return None
+        try:
+            doc = json.loads(path.read_text())
+            if doc.get("format") != CACHE_FORMAT or doc.get("key") != key:
+                log.info("profile cache %s was written for another key; profiling again", path)
+                return None
+            names = {n.name for n in gm.graph.nodes}
+            if set(doc["costs"]) != names:
+                log.info("profile cache %s does not cover this graph's nodes; profiling again", path)
+                return None
+            fields = {f.name for f in dataclasses.fields(NodeCost)}
+            return {name: NodeCost(**{k: v for k, v in c.items() if k in fields}) for name, c in doc["costs"].items()}
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            log.warning("profile cache %s is unreadable (%s); profiling again", path, exc)
+            return None
+
+    def store(self, key: dict[str, Any], costs: dict[str, NodeCost]) -> Path:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.path(key)
+        doc = {"format": CACHE_FORMAT, "key": key, "costs": {n: dataclasses.asdict(c) for n, c in costs.items()}}
+        fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
+        return path

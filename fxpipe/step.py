@@ -1,0 +1,236 @@
+"""A training step with an explicit schedule: forward and backward per stage, on the stage's thread.
+
+``pipe(x)`` leaves backward to one ``loss.backward()``, which on CPU runs on a
+single autograd thread. :func:`run_step` instead cuts autograd at every stage
+boundary: a stage's inputs from earlier stages are fresh leaves, its backward is
+``torch.autograd.backward(outputs, output_grads)`` run by its own worker, and
+the leaves' gradients travel back to the producing stages (summed when a value
+feeds several stages, e.g. a skip connection or a tied weight). Each worker runs
+its stage's operations in the schedule's order (:func:`schedule_order`: GPipe
+fill-drain or 1F1B), waiting only for the data it needs: ``F(k, i)`` after the
+producers' forwards of micro-batch ``i``, ``B(k, i)`` after its consumers'
+backwards. The loss of micro-batch ``i`` is computed on the last stage before
+``B(p-1, i)``; micro-batch losses are weighted ``n_i / N`` (``reduction="mean"``,
+for a loss that averages over its batch) or 1 (``"sum"``), so the accumulated
+gradients are those of one full-batch backward.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from fxpipe.codegen import StageSpec
+
+__all__ = ["schedule_order", "run_step", "StepFailure", "REDUCTIONS", "OpTiming"]
+
+REDUCTIONS = ("mean", "sum")
+
+
+def schedule_order(schedule: str, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
+    """The order of ``("F" | "B", micro-batch)`` operations of ``stage`` (the simulator's own)."""
+    from solvers.simulate import schedule_order as order
+
+    return order(schedule, stage, stages, micro_batches)
+
+
+@dataclass(frozen=True)
+class OpTiming:
+    """When one operation ran, in seconds from the start of the step."""
+
+    kind: str         # "F" or "B" (a backward includes the recomputation of a checkpointed forward)
+    stage: int
+    micro_batch: int
+    start_s: float
+    end_s: float
+    checkpointed: bool
+
+
+class StepFailure(Exception):
+    """An operation failed: which stage, micro-batch and pass, with the original exception."""
+
+    def __init__(self, stage: int, micro_batch: int, kind: str, exc: BaseException) -> None:
+        super().__init__(f"stage {stage} {kind} of micro-batch {micro_batch}: {exc}")
+        self.stage, self.micro_batch, self.kind, self.exc = stage, micro_batch, kind, exc
+
+
+def _leaf(value: Any, device: torch.device) -> Any:
+    """A consumer's copy of a value (tensors inside tuples and lists too): fresh autograd leaves."""
+    def one(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        moved = t.detach().to(device, non_blocking=True) if t.device != device else t.detach()
+        return moved.requires_grad_(t.requires_grad)
+    return tree_map(one, value)
+
+
+class _Board:
+    """What has finished, shared by the workers; any failure wakes everyone."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.done: set[tuple[str, int, int]] = set()
+        self.failure: StepFailure | None = None
+
+    def wait(self, needs: list[tuple[str, int, int]]) -> bool:
+        with self.cond:
+            self.cond.wait_for(lambda: self.failure is not None or all(n in self.done for n in needs))
+            return self.failure is None
+
+    def finish(self, op: tuple[str, int, int]) -> None:
+        with self.cond:
+            self.done.add(op)
+            self.cond.notify_all()
+
+    def fail(self, failure: StepFailure) -> None:
+        with self.cond:
+            if self.failure is None:
+                self.failure = failure
+            self.cond.notify_all()
+
+
+def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: Any,
+             micro_inputs: list[dict[str, Any]], micro_targets: list[Any], loss_fn: Callable[[Any, Any], torch.Tensor],
+             schedule: str, checkpoint: Callable[[int, int], bool], reduction: str = "mean",
+             timings: list[OpTiming] | None = None) -> tuple[torch.Tensor, list[Any]]:
+    """Run forward and backward of every micro-batch; return the weighted loss and per-micro-batch outputs.
+
+    ``timings``, if given, receives an :class:`OpTiming` per operation.
+
+    Raises :class:`StepFailure` for the first operation that failed (all workers stop).
+    """
+    p, m = len(specs), len(micro_inputs)
+    producer = {name: k for k, spec in enumerate(specs) for name in spec.outputs}
+    consumers: dict[int, set[int]] = {k: set() for k in range(p)}
+    for k, spec in enumerate(specs):
+        for name in spec.inputs:
+            if name in producer:
+                consumers[producer[name]].add(k)
+    sizes = [_batch_size(mb) for mb in micro_inputs]
+    total = sum(sizes)
+    envs = [dict(mb) for mb in micro_inputs]            # name -> value as produced (attached to its graph)
+    leaves: dict[tuple[int, int], dict[str, Any]] = {}  # (stage, mb) -> its input leaves by name
+    outs: dict[tuple[int, int], dict[str, Any]] = {}    # (stage, mb) -> its outputs by name
+    # (stage, mb) -> output name -> flat position -> gradient summed over consumers
+    grads: dict[tuple[int, int], dict[str, dict[int, torch.Tensor]]] = {}
+    grad_lock = threading.Lock()
+    losses: list[torch.Tensor | None] = [None] * m
+    outputs: list[Any] = [None] * m
+    board = _Board()
+
+    def send_back(stage_inputs: dict[str, Any], i: int) -> None:
+        for name, value in stage_inputs.items():
+            if name not in producer:
+                continue
+            sources = tree_flatten(envs[i][name])[0]
+            for pos, (leaf, src) in enumerate(zip(tree_flatten(value)[0], sources)):
+                if isinstance(leaf, torch.Tensor) and leaf.grad is not None:
+                    g = leaf.grad.to(src.device)
+                    with grad_lock:
+                        acc = grads.setdefault((producer[name], i), {}).setdefault(name, {})
+                        acc[pos] = acc[pos] + g if pos in acc else g
+
+    def forward(k: int, i: int) -> None:
+        spec, device = specs[k], devices[k]
+        inputs = {name: _leaf(envs[i][name], device) if name in producer else _to(envs[i][name], device)
+                  for name in spec.inputs}
+        args = [inputs[name] for name in spec.inputs]
+        if checkpoint(k, i):
+            result = torch_checkpoint(spec.module, *args, use_reentrant=False)
+        else:
+            result = spec.module(*args)
+        leaves[(k, i)] = inputs
+        outs[(k, i)] = dict(zip(spec.outputs, result))
+        for name, value in outs[(k, i)].items():
+            envs[i][name] = value
+
+    def loss_backward(i: int) -> None:
+        device = devices[-1]
+        final = {n.name: _leaf(envs[i][n.name], device) for n in _output_nodes(output_arg)}
+        structure = fx.node.map_arg(output_arg, lambda n: final[n.name])
+        outputs[i] = fx.node.map_arg(output_arg, lambda n: envs[i][n.name].detach()
+                                     if isinstance(envs[i][n.name], torch.Tensor) else envs[i][n.name])
+        loss = loss_fn(structure, micro_targets[i])
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+        weight = sizes[i] / total if reduction == "mean" else 1.0
+        (loss * weight).backward()
+        losses[i] = loss.detach() * weight
+        send_back({name: leaf for name, leaf in final.items() if name in producer}, i)
+
+    def backward(k: int, i: int) -> None:
+        if k == p - 1:
+            loss_backward(i)
+        with grad_lock:
+            received = grads.pop((k, i), {})
+        pairs = []
+        for name, by_pos in received.items():
+            flat = tree_flatten(outs[(k, i)][name])[0]
+            pairs += [(flat[pos], g) for pos, g in by_pos.items() if flat[pos].requires_grad]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        send_back(leaves.pop((k, i)), i)
+        del outs[(k, i)]
+
+    in_output = {producer[n.name] for n in _output_nodes(output_arg) if n.name in producer}
+
+    def needs(kind: str, k: int, i: int) -> list[tuple[str, int, int]]:
+        if kind == "F":
+            return [("F", producer[name], i) for name in specs[k].inputs if name in producer]
+        later = [("B", c, i) for c in consumers[k]] + [("F", k, i)]
+        if k in in_output and k != p - 1:
+            later.append(("B", p - 1, i))   # the loss's gradient for this stage's model outputs
+        return later + ([("F", s, i) for s in range(p)] if k == p - 1 else [])
+
+    origin = time.perf_counter()
+
+    def work(k: int) -> None:
+        for kind, i in schedule_order(schedule, k, p, m):
+            if not board.wait(needs(kind, k, i)):
+                return
+            start = time.perf_counter()
+            try:
+                if kind == "F":
+                    forward(k, i)
+                else:
+                    backward(k, i)
+            except BaseException as exc:  # handed to the caller
+                board.fail(StepFailure(k, i, "forward" if kind == "F" else "backward", exc))
+                return
+            if timings is not None:
+                timings.append(OpTiming(kind, k, i, start - origin, time.perf_counter() - origin, checkpoint(k, i)))
+            board.finish((kind, k, i))
+
+    threads = [threading.Thread(target=work, args=(k,), name=f"fxpipe-step-{k}", daemon=True) for k in range(p)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if board.failure is not None:
+        raise board.failure
+    return torch.stack([x.to(devices[-1]) for x in losses]).sum(), outputs
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor) and value.device != device:
+        return value.to(device, non_blocking=True)
+    return value
+
+
+def _output_nodes(arg: Any) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(arg, lambda n: found.append(n) or n)
+    return list(dict.fromkeys(found))
+
+
+def _batch_size(micro: dict[str, Any]) -> int:
+    tensors = [t for t in tree_flatten(list(micro.values()))[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return int(tensors[0].shape[0]) if tensors else 1
