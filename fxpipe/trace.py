@@ -10,13 +10,16 @@ correct when the readers land on different devices.
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import traceback
 from collections import Counter
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
+import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from fxpipe.errors import TraceError
 
@@ -74,9 +77,36 @@ def _user_frame(exc: BaseException) -> str:
     return f"{f.filename}:{f.lineno}: `{line}`"
 
 
+@contextlib.contextmanager
+def _refuse_autograd_functions() -> Iterator[None]:
+    """Make a custom ``torch.autograd.Function`` called on traced values an error.
+
+    torch.fx would run the Function's ``forward`` on proxies and record its
+    operations, so the pipeline would differentiate those instead of calling the
+    Function's own ``backward`` (a straight-through estimator, a clipped
+    gradient): a silently wrong gradient. Refusing sends the user to the fix
+    (make the module a leaf), through the usual TraceError.
+    """
+    base = torch.autograd.function.Function
+    original = base.__dict__["apply"]
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(a, fx.Proxy) for a in tree_flatten((args, kwargs))[0]):
+            raise TypeError(f"custom torch.autograd.Function {cls.__name__} is called on traced values; torch.fx "
+                            "would record its forward and lose its backward")
+        return original.__get__(None, cls)(*args, **kwargs)
+
+    base.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        base.apply = original
+
+
 def _trace_once(model: nn.Module, tracer: _Tracer, concrete_args: dict[str, Any] | None) -> fx.GraphModule:
     try:
-        graph = tracer.trace(model, concrete_args=concrete_args)
+        with _refuse_autograd_functions():
+            graph = tracer.trace(model, concrete_args=concrete_args)
     except Exception as exc:  # fx raises TraceError, TypeError, RuntimeError, AttributeError...
         module = tracer.failed_in or ""
         kind = type(model.get_submodule(module)).__name__ if module else type(model).__name__

@@ -90,3 +90,42 @@ def test_shared_parameters_become_single_get_attr_nodes():
     weight = next(n for n in gm.graph.nodes if n.target == "emb.weight")
     assert len(weight.users) == 2
     assert gm.get_parameter("emb.weight") is model.head.weight  # the model's own object, no copy
+
+
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g   # the whole point: round's autograd gradient would be zero
+
+
+class _Quantize(nn.Module):
+    def forward(self, x):
+        return _StraightThrough.apply(x)
+
+
+class _WithQuantize(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.q, self.b = nn.Linear(4, 4), _Quantize(), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(self.q(self.a(x)))
+
+
+def test_custom_autograd_function_is_refused_instead_of_losing_its_backward():
+    model = _WithQuantize()
+    with pytest.raises(fxpipe.TraceError) as info:
+        fxpipe.trace(model)
+    msg = str(info.value)
+    assert "_StraightThrough" in msg and "lose its backward" in msg and "leaf_modules=[_Quantize]" in msg
+    gm = fxpipe.trace(model, leaf_modules=[_Quantize])     # the fix: kept whole, its backward intact
+    x = torch.randn(3, 4, requires_grad=True)
+    gm(x).sum().backward()
+    assert model.a.weight.grad.abs().sum() > 0               # straight-through: the gradient is not zero
+    assert torch.autograd.function.Function.__dict__["apply"] is not None
+    y = _StraightThrough.apply(torch.tensor([0.4], requires_grad=True))   # outside tracing: untouched
+    assert y.item() == 0.0
