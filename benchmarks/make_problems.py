@@ -26,7 +26,7 @@ from torch import nn
 import solvers
 from fxpipe.lowering import solver_order
 from fxpipe.profile import profile_graph
-from fxpipe.topology import link_class_bandwidth, parse_nvidia_smi_topo
+from fxpipe.topology import links_from_classes, parse_nvidia_smi_topo
 from fxpipe.trace import trace
 
 HERE = Path(__file__).parent
@@ -153,14 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         nodes, edges = costed_nodes(name)
         for topo, classes in topologies().items():
             n = len(classes)
-            links = [[link_class_bandwidth(classes[i][j]) if i != j else (0.0, 0.0) for j in range(n)]
-                     for i in range(n)]
+            links = links_from_classes(classes)
             problem = solvers.Problem.from_dict(dict(
                 format="fxpipe-problem/1", name=f"{name}@{topo}", micro_batches=MICRO_BATCHES,
                 schedule=SCHEDULE, stages=None, optimizer_state_factor=ADAM, nodes=nodes, edges=edges,
                 devices=[dict(id=f"cuda:{i}", memory_bytes=GPU_MEMORY, speed=1.0) for i in range(n)],
-                links=dict(bandwidth_Bps=[[bw for bw, _ in row] for row in links],
-                           latency_s=[[lat for _, lat in row] for row in links])))
+                links=dict(bandwidth_Bps=links.bandwidth_Bps, latency_s=links.latency_s)))
             problem.save(out / f"{name}@{topo}.json")
         print(f"{name}: {len(nodes)} nodes, {len(edges)} edges, "
               f"{sum(x['fwd_s'] + x['bwd_s'] for x in nodes) * 1e3:.1f} ms per micro-batch, "

@@ -24,7 +24,7 @@ from fxpipe.lowering import build_problem
 from fxpipe.microbatch import batch_size_of, scatter
 from fxpipe.plan import Plan
 from fxpipe.profile import profile_graph
-from fxpipe.topology import Links, link_class_bandwidth
+from fxpipe.topology import links_from_classes
 from fxpipe.trace import trace
 
 __all__ = ["plan", "OPTIMIZER_STATE"]
@@ -66,17 +66,11 @@ def plan(
     first = tuple(scatter(list(example_inputs), chunks)[0])
     reference = devices.specs[0]
     costs = profile_graph(gm, first, torch.device("cpu"), mode="analytic", spec=reference)
-    n = len(devices)
-    pairs = [[link_class_bandwidth(devices.link_classes[i][j]) if i != j else (0.0, 0.0) for j in range(n)]
-             for i in range(n)]
-    links = Links(devices.link_classes, [[bw for bw, _ in r] for r in pairs], [[lat for _, lat in r] for r in pairs])
-    torch_devices = [torch.device(i) for i in devices.ids]
-    problem = build_problem(gm, costs, torch_devices, links, chunks, [s.memory_bytes for s in devices.specs],
-                            stages=stages, optimizer_state_factor=OPTIMIZER_STATE[optimizer], schedule=schedule,
-                            name=type(model).__name__)
-    speeds = [s.flops["float32"] / reference.flops["float32"] for s in devices.specs]
-    problem = solvers.Problem.from_dict({**problem.to_dict(), "devices": [
-        {"id": d.id, "memory_bytes": d.memory_bytes, "speed": v} for d, v in zip(problem.devices, speeds)]})
+    problem = build_problem(gm, costs, [torch.device(i) for i in devices.ids], links_from_classes(devices.link_classes),
+                            chunks, [s.memory_bytes for s in devices.specs], stages=stages,
+                            optimizer_state_factor=OPTIMIZER_STATE[optimizer], schedule=schedule,
+                            name=type(model).__name__,
+                            speeds=[s.flops["float32"] / reference.flops["float32"] for s in devices.specs])
     try:
         solution = solvers.solve(problem, "dp", time_limit_s)
     except solvers.InfeasibleError as exc:

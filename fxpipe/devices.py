@@ -15,6 +15,7 @@ else.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -75,7 +76,6 @@ def calibrate_cpu(seconds: float = 1.0) -> DeviceSpec:
         copies += 2 * big.numel() * big.element_size()   # read + write
         t_mm += t1 - t0
         t_cp += t2 - t1
-    import os
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     rate = flops / t_mm
     return DeviceSpec(f"cpu ({torch.get_num_threads()} threads, measured)",

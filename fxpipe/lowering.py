@@ -67,6 +67,7 @@ def build_problem(
     optimizer_state_factor: float = 0.0,
     schedule: str = "gpipe",
     name: str = "model",
+    speeds: list[float] | None = None,
 ) -> solvers.Problem:
     order = solver_order(gm)
     in_problem = set(order)
@@ -77,7 +78,7 @@ def build_problem(
     ids = problem_device_ids(devices)
     return solvers.Problem(
         nodes=nodes, edges=edges,
-        devices=[solvers.Device(i, m, 1.0) for i, m in zip(ids, memory_bytes)],
+        devices=[solvers.Device(i, m, v) for i, m, v in zip(ids, memory_bytes, speeds or [1.0] * len(ids))],
         bandwidth_Bps=links.bandwidth_Bps, latency_s=links.latency_s,
         micro_batches=micro_batches, schedule=schedule, stages=stages,
         optimizer_state_factor=optimizer_state_factor, name=name,

@@ -4,9 +4,9 @@
 backward of every micro-batch per stage, in the plan's schedule (GPipe or
 1F1B), each stage on its own thread (:mod:`fxpipe.step`).
 
-``pipe(x)`` is the call of the model (GPipe fill-drain forward). Forward runs on one worker thread per stage. At clock ``c`` stage ``k``
-processes micro-batch ``c - k``; a clock ends when all its tasks have. Backward
-is left to autograd: the gathered output is an ordinary autograd tensor, so
+``pipe(x)`` is the call of the model (GPipe fill-drain forward), one worker
+thread per stage. At clock ``c`` stage ``k`` processes micro-batch ``c - k``;
+a clock ends when all its tasks have. Backward is left to autograd: the gathered output is an ordinary autograd tensor, so
 ``loss.backward()`` reaches every parameter, and gradients accumulate over
 micro-batches exactly as one full-batch backward would. Checkpointing uses
 ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved) per stage and
@@ -25,24 +25,19 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from fxpipe.codegen import StageSpec
 from fxpipe.errors import FxpipeError, StageError
-from fxpipe.microbatch import gather, scatter
-from fxpipe.plan import Plan
-from fxpipe.step import REDUCTIONS, OpTiming, StepFailure, run_step, schedule_order
+from fxpipe.microbatch import batch_size_of, gather, scatter
+from fxpipe.plan import Plan, aligned_table
+from fxpipe.step import REDUCTIONS, OpTiming, StepFailure, run_step, schedule_order, to_device
 from fxpipe.worker import spawn_workers
 
 __all__ = ["Pipeline", "CHECKPOINT_MODES", "STEP_SCHEDULES"]
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 STEP_SCHEDULES = ("gpipe", "1f1b")
-
-
-def _rows(value: Any) -> int | None:
-    return int(value.shape[0]) if isinstance(value, torch.Tensor) and value.dim() > 0 else None
 _ASSIGN = re.compile(r"^\s*(\w+)\s*=")
 
 
@@ -55,11 +50,6 @@ def failing_node(exc: BaseException) -> str | None:
             if m:
                 name = m.group(1)
     return name
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    return tree_map(lambda t: t.to(device, non_blocking=True)
-                    if isinstance(t, torch.Tensor) and t.device != device else t, value)
 
 
 class Pipeline(nn.Module):
@@ -105,6 +95,16 @@ class Pipeline(nn.Module):
                 raise TypeError(f"missing input {p.target!r}")
         return env
 
+    def _micro_batches(self, args: tuple, kwargs: dict) -> list[dict[str, Any]]:
+        """The bound inputs split into ``chunks`` micro-batches, each a dict by placeholder name."""
+        env0 = self._bind(args, kwargs)
+        names = list(env0)
+        return [dict(zip(names, values)) for values in scatter(list(env0.values()), self.chunks)]
+
+    def _checkpointed(self, micro_batch: int, micro_batches: int) -> bool:
+        """Whether micro-batch ``micro_batch`` runs under activation checkpointing (torchgpipe's modes)."""
+        return self.checkpoint == "always" or (self.checkpoint == "except_last" and micro_batch != micro_batches - 1)
+
     # ------------------------------------------------------------------ forward
     def _check_mode(self) -> None:
         if self._mode_dependent and self.training != self._traced_training:
@@ -117,16 +117,14 @@ class Pipeline(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_mode()
-        env0 = self._bind(args, kwargs)
-        names = list(env0)
-        micro = [dict(zip(names, values)) for values in scatter(list(env0.values()), self.chunks)]
+        micro = self._micro_batches(args, kwargs)
         grad = torch.is_grad_enabled()
         m, p = len(micro), len(self.specs)
         with spawn_workers(p) as workers:
             for clock in range(m + p - 1):
                 tasks = [(k, clock - k) for k in range(p) if 0 <= clock - k < m]
                 for k, i in tasks:
-                    workers.submit(k, (k, i), self._task(k, i, micro[i], grad, last=(i == m - 1)))
+                    workers.submit(k, (k, i), self._task(k, i, micro[i], grad, checkpointed=self._checkpointed(i, m)))
                 failures = []
                 for _ in tasks:
                     (k, i), ok, value = workers.collect()
@@ -162,17 +160,16 @@ class Pipeline(nn.Module):
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
         self._check_mode()
-        args = inputs if isinstance(inputs, tuple) else (inputs,)
-        env0 = self._bind(args, {})
-        names = list(env0)
-        micro = [dict(zip(names, values)) for values in scatter(list(env0.values()), self.chunks)]
+        micro = self._micro_batches(inputs if isinstance(inputs, tuple) else (inputs,), {})
         targets = scatter([target], self.chunks)
-        if len(targets) != len(micro) or any(_rows(t[0]) != _rows(next(iter(mb.values()), None))
+        if len(targets) != len(micro) or any(batch_size_of(t) != batch_size_of(list(mb.values()))
                                              for t, mb in zip(targets, micro)):
             raise ValueError("target must have the batch size of the inputs (it is split into micro-batches "
                              "the same way)")
         m = len(micro)
-        ckpt = (lambda k, i: self.checkpoint == "always" or (self.checkpoint == "except_last" and i != m - 1))
+
+        def ckpt(k: int, i: int) -> bool:
+            return self._checkpointed(i, m)
         timings: list[OpTiming] = []
         started = time.perf_counter()
         try:
@@ -217,13 +214,11 @@ class Pipeline(nn.Module):
             rows.append([str(st.index), f"{pred_f * 1e3:.2f}", f"{meas_f * 1e3:.2f}", f"{err_f:+.0%}",
                          f"{pred_b * 1e3:.2f}", f"{meas_b * 1e3:.2f}", f"{err_b:+.0%}", f"{busy * 1e3:.1f}",
                          f"{1 - busy / wall:.0%}"])
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-        line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
         pred_iter = self.plan.predicted.get("iteration_s", float("nan"))
         out = [f"last step: {self.last_step['schedule']}, {self.last_step['micro_batches']} micro-batches, "
                f"{wall * 1e3:.1f} ms measured, {pred_iter * 1e3:.1f} ms predicted by the plan "
-               f"({(wall - pred_iter) / wall:+.0%})", line(head), line(["-" * w for w in widths])]
-        out += [line(r) for r in rows]
+               f"({(wall - pred_iter) / wall:+.0%})"]
+        out += aligned_table(head, rows)
         out.append(f"stage-time error: median {statistics.median(errors):.0%}, worst {max(errors):.0%} "
                    f"(profile: {self.plan.profile.get('mode', '?')})")
         return "\n".join(out)
@@ -238,12 +233,12 @@ class Pipeline(nn.Module):
             lines.append(f"stage {k} ({self.devices[k]}): {ops}")
         return "\n".join(lines)
 
-    def _task(self, k: int, i: int, env: dict[str, Any], grad: bool, last: bool):
+    def _task(self, k: int, i: int, env: dict[str, Any], grad: bool, checkpointed: bool):
         spec, device = self.specs[k], self.devices[k]
-        use_checkpoint = grad and (self.checkpoint == "always" or (self.checkpoint == "except_last" and not last))
+        use_checkpoint = grad and checkpointed
 
         def run() -> None:
-            inputs = [_to(env[name], device) for name in spec.inputs]
+            inputs = [to_device(env[name], device) for name in spec.inputs]
             with torch.set_grad_enabled(grad):
                 if use_checkpoint:
                     outs = torch_checkpoint(spec.module, *inputs, use_reentrant=False)

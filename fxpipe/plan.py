@@ -15,9 +15,18 @@ from typing import Any
 
 from fxpipe.errors import PlanFormatError
 
-__all__ = ["Plan", "PlanStage", "load_plan", "PLAN_FORMAT"]
+__all__ = ["Plan", "PlanStage", "load_plan", "PLAN_FORMAT", "aligned_table"]
 
 PLAN_FORMAT = "fxpipe-plan/1"
+
+
+def aligned_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """Lines of a right-aligned text table: the header, a rule, then the rows."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) for c, w in zip(cells, widths))
+    return [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
 
 
 @dataclass
@@ -69,12 +78,9 @@ class Plan:
                 f"{s.comm_s * 1e3:.3f}", f"{s.act_bytes / 2**20:.1f}", f"{s.peak_bytes / 2**20:.1f}",
                 f"{s.stage_s * 1e3:.2f}",
             ])
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-        line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
         out = [f"fxpipe plan for {self.model}: {len(self.stages)} stages, batch {self.batch_size} in "
-               f"{self.chunks} micro-batches, schedule {self.schedule}, checkpoint {self.checkpoint}",
-               line(head), line(["-" * w for w in widths])]
-        out += [line(r) for r in rows]
+               f"{self.chunks} micro-batches, schedule {self.schedule}, checkpoint {self.checkpoint}"]
+        out += aligned_table(head, rows)
         p = self.predicted
         if p:
             out.append(
@@ -103,9 +109,7 @@ class Plan:
         total_params = sum(s.param_bytes for s in self.stages)
         head = ["stage", "device", "params (fp32)", "param+grad+opt GiB", "in flight", "activation GiB",
                 "peak GiB", "device GiB"]
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-        line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-        out = [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
+        out = aligned_table(head, rows)
         out.append(f"total: {total_params / 4 / 1e9:.2f}B parameters (fp32), "
                    f"{total_params * factor / 2**30:.2f} GiB parameter memory, "
                    f"{sum(float(r[5]) for r in rows):.2f} GiB peak activation memory")

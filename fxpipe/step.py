@@ -28,8 +28,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from fxpipe.codegen import StageSpec
+from fxpipe.microbatch import batch_size_of
 
-__all__ = ["schedule_order", "run_step", "StepFailure", "REDUCTIONS", "OpTiming"]
+__all__ = ["schedule_order", "run_step", "StepFailure", "REDUCTIONS", "OpTiming", "to_device"]
 
 REDUCTIONS = ("mean", "sum")
 
@@ -113,7 +114,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         for name in spec.inputs:
             if name in producer:
                 consumers[producer[name]].add(k)
-    sizes = [_batch_size(mb) for mb in micro_inputs]
+    sizes = [batch_size_of(list(mb.values())) for mb in micro_inputs]
     total = sum(sizes)
     envs = [dict(mb) for mb in micro_inputs]            # name -> value as produced (attached to its graph)
     leaves: dict[tuple[int, int], dict[str, Any]] = {}  # (stage, mb) -> its input leaves by name
@@ -139,7 +140,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
 
     def forward(k: int, i: int) -> None:
         spec, device = specs[k], devices[k]
-        inputs = {name: _leaf(envs[i][name], device) if name in producer else _to(envs[i][name], device)
+        inputs = {name: _leaf(envs[i][name], device) if name in producer else to_device(envs[i][name], device)
                   for name in spec.inputs}
         args = [inputs[name] for name in spec.inputs]
         if checkpoint(k, i):
@@ -219,18 +220,13 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
     return torch.stack([x.to(devices[-1]) for x in losses]).sum(), outputs
 
 
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor) and value.device != device:
-        return value.to(device, non_blocking=True)
-    return value
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor in it (also inside tuples, lists, dicts) on ``device``."""
+    return tree_map(lambda t: t.to(device, non_blocking=True)
+                    if isinstance(t, torch.Tensor) and t.device != device else t, value)
 
 
 def _output_nodes(arg: Any) -> list[fx.Node]:
     found: list[fx.Node] = []
     fx.node.map_arg(arg, lambda n: found.append(n) or n)
     return list(dict.fromkeys(found))
-
-
-def _batch_size(micro: dict[str, Any]) -> int:
-    tensors = [t for t in tree_flatten(list(micro.values()))[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
-    return int(tensors[0].shape[0]) if tensors else 1

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LINK_CLASSES", "parse_nvidia_smi_topo", "link_class_bandwidth", "Links", "links_for_devices"]
+__all__ = ["LINK_CLASSES", "parse_nvidia_smi_topo", "link_class_bandwidth", "Links", "links_for_devices",
+           "links_from_classes"]
 
 # class -> (bandwidth in bytes/s, latency in s)
 LINK_CLASSES: dict[str, tuple[float, float]] = {
@@ -103,6 +104,12 @@ def links_for_devices(devices: list[torch.device], gpu_classes: list[list[str]] 
                 classes[i][j] = "PHB"
             else:
                 classes[i][j] = "HOST"
+    return links_from_classes(classes)
+
+
+def links_from_classes(classes: list[list[str]]) -> Links:
+    """Bandwidth and latency matrices for a matrix of link classes (the diagonal is unused)."""
+    n = len(classes)
     bw = [[0.0 if i == j else link_class_bandwidth(classes[i][j])[0] for j in range(n)] for i in range(n)]
     lat = [[0.0 if i == j else link_class_bandwidth(classes[i][j])[1] for j in range(n)] for i in range(n)]
     return Links(classes, bw, lat)

@@ -79,6 +79,13 @@ def stage_counts(problem: Problem) -> list[int]:
     return list(range(1, min(len(problem.devices), len(problem.nodes)) + 1))
 
 
+def _fastest_link(problem: Problem) -> tuple[float, float]:
+    """Largest bandwidth and smallest latency between two distinct devices (inf, 0 for one device)."""
+    others = [(i, j) for i in range(len(problem.devices)) for j in range(len(problem.devices)) if i != j]
+    return (max((problem.bandwidth_Bps[i][j] for i, j in others), default=math.inf),
+            min((problem.latency_s[i][j] for i, j in others), default=0.0))
+
+
 class _Tables:
     """Position-indexed views of the problem shared by the DP and its bounds."""
 
@@ -103,9 +110,8 @@ class _Tables:
         # come from before c, each over the fastest link: 4 one-way transfers in the sum
         # (forward and gradient, charged to both ends). Different boundaries have
         # different receiving stages, so these bounds add up without double counting.
-        others = [(i, j) for i in range(len(problem.devices)) for j in range(len(problem.devices)) if i != j]
-        bw_max = max((problem.bandwidth_Bps[i][j] for i, j in others), default=math.inf) * problem.max_replicas
-        lat_min = min((problem.latency_s[i][j] for i, j in others), default=0.0)
+        bw_max, lat_min = _fastest_link(problem)
+        bw_max *= problem.max_replicas
         self.enter_lb = [0.0] * (n + 1)
         for c in range(1, n):
             first: dict[int, float] = {}
@@ -344,9 +350,7 @@ def _deepening(problem: Problem, tables: _Tables, p: int, ub: float, space: _Spa
     ``proven[p]`` records the best lower bound on ``p`` stages proven so far,
     which is what a timed-out search can still certify.
     """
-    fastest, together = space.speeds(p)
-    total = tables.suffix_fb[0]
-    lower = total / fastest + (problem.micro_batches - 1) * total / together
+    lower = _analytic_lower(problem, tables, p, space)
     proven[p] = lower
     if lower > ub * (1 + _REL_TOL):
         return None, math.inf
@@ -489,9 +493,7 @@ def _placement_floor(problem: Problem, ub: float, deadline: float) -> dict[int, 
     relaxed optimum is not below ``ub`` gets ``ub``.
     """
     d = len(problem.devices)
-    others = [(i, j) for i in range(d) for j in range(d) if i != j]
-    bw = max(problem.bandwidth_Bps[i][j] for i, j in others)
-    lat = min(problem.latency_s[i][j] for i, j in others)
+    bw, lat = _fastest_link(problem)
     relaxed = replace(problem, order=[], max_replicas=1,
                       bandwidth_Bps=[[0.0 if i == j else bw for j in range(d)] for i in range(d)],
                       latency_s=[[0.0 if i == j else lat for j in range(d)] for i in range(d)])
