@@ -12,6 +12,7 @@ from torch import nn
 
 import solvers
 from fxpipe import __version__
+from fxpipe.batchnorm import convert_deferred_batch_norm
 from fxpipe.codegen import move_stage, split_graph
 from fxpipe.errors import InfeasiblePlanError, PlanMismatchError
 from fxpipe.fingerprint import graph_fingerprint
@@ -21,13 +22,15 @@ from fxpipe.pipeline import CHECKPOINT_MODES, Pipeline
 from fxpipe.plan import Plan, PlanStage
 from fxpipe.profile import PROFILE_MODES, profile_graph
 from fxpipe.profile_cache import ProfileCache, profile_key
-from fxpipe.topology import links_for_devices
+from fxpipe.topology import Links, links_for_devices, links_from_classes
 from fxpipe.trace import trace
+from solvers.dp import solve_dp
+from solvers.schedules import SCHEDULES, check_schedule
+from solvers.simulate import simulate_solution
 
 __all__ = ["compile", "parse_devices"]
 
 log = logging.getLogger("fxpipe")
-SCHEDULES = ("gpipe", "1f1b")
 
 
 def parse_devices(devices: Sequence[str | torch.device]) -> list[torch.device]:
@@ -92,6 +95,8 @@ def compile(
     checkpoint: str = "except_last",
     schedule: str = "gpipe",
     stages: int | None = None,
+    virtual_stages: int | None = None,
+    deferred_batch_norm: bool = False,
     profile: str = "measure",
     warmup: int = 1,
     repeats: int = 3,
@@ -113,10 +118,19 @@ def compile(
         chunks: micro-batches per batch (default: ``plan.chunks`` or ``min(batch, 4 x devices)``).
         plan: a plan from :func:`fxpipe.load_plan`; skips profiling and solving.
         checkpoint: ``"always"``, ``"except_last"`` (default, as torchgpipe) or ``"never"``.
-        schedule: ``"gpipe"`` (default) or ``"1f1b"``: the memory model the planner uses
-            (1F1B keeps at most ``p - s`` micro-batches in flight on stage ``s``) and the
-            order :meth:`Pipeline.step` runs.
+        schedule: ``"gpipe"`` (default), ``"1f1b"``, ``"interleaved-1f1b"`` or ``"zb-h1"``
+            (:mod:`solvers.schedules`): the order :meth:`Pipeline.step` runs and the memory
+            model the planner uses (GPipe: all micro-batches in flight; 1F1B: ``p - s`` on
+            stage ``s``; ZB-H1: ``p``; interleaved: as 1F1B over its ``v·p`` stages, each
+            device's memory shared by its ``v`` stages).
+        deferred_batch_norm: in training, update BatchNorm running statistics once per
+            mini-batch from all its micro-batches (:mod:`fxpipe.batchnorm`, as torchgpipe)
+            instead of once per micro-batch; the user's buffers are updated in place.
         stages: a fixed number of stages; default lets the solver choose up to ``len(devices)``.
+            With ``interleaved-1f1b``: ``v`` times the number of devices used.
+        virtual_stages: ``v``, the stages per device of ``interleaved-1f1b`` (default 2); the
+            plan then has ``v·p`` stages, stage ``s`` on device ``s % p`` (Megatron-LM's layout),
+            cut by the solver for balance with the placement fixed.
         profile: ``"measure"`` (time every node) or ``"estimate"`` (FLOP count, fast).
         leaf_modules, concrete_args: tracing options (see :func:`fxpipe.trace.trace`).
         optimizer_state_factor: optimizer state per parameter byte (Adam: 2) for the memory limit.
@@ -131,11 +145,18 @@ def compile(
         raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not supported by the embedded executor; use one of {SCHEDULES}")
+    if virtual_stages is not None and schedule != "interleaved-1f1b":
+        raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved-1f1b' (got {schedule!r})")
+    v = (virtual_stages or 2) if schedule == "interleaved-1f1b" else 1
+    if v < 1:
+        raise ValueError(f"virtual_stages must be at least 1, got {v}")
     if profile not in PROFILE_MODES:
         raise ValueError(f"profile must be one of {', '.join(PROFILE_MODES)}, got {profile!r}")
     gm = trace(model, leaf_modules, concrete_args)
     fingerprint = graph_fingerprint(gm)
     mode_dependent = _mode_dependent(model, leaf_modules, concrete_args, fingerprint)
+    if deferred_batch_norm and convert_deferred_batch_norm(gm) == 0:
+        log.info("deferred_batch_norm=True but %s has no BatchNorm layer", type(model).__name__)
 
     if plan is not None:
         if plan.fingerprint != fingerprint:
@@ -158,6 +179,13 @@ def compile(
             example_inputs = (example_inputs,)
         batch = batch_size_of(list(example_inputs))
         chunks = chunks if chunks is not None else min(batch, 4 * len(devs))
+        if v > 1:
+            workers = stages // v if stages is not None else len(devs)
+            if stages is not None and (stages % v or workers > len(devs)):
+                raise ValueError(f"interleaved-1f1b with virtual_stages={v} needs stages = {v} x the devices used "
+                                 f"(at most {v * len(devs)}), got stages={stages}")
+            check_schedule(schedule, v * workers, workers, chunks)
+            all_devices, devs = devs, devs[:workers]
         first = [x.to(devs[0]) if isinstance(x, torch.Tensor) else x for x in scatter(list(example_inputs), chunks)[0]]
         gm.to(devs[0])
         cache = None if profile_cache is False else ProfileCache(None if profile_cache is True else profile_cache)
@@ -175,26 +203,47 @@ def compile(
             ) from exc
         if cache is not None and not cached:
             cache.store(key, costs)
-        links = links_for_devices(devs)
         mem = list(memory_bytes) if memory_bytes is not None else device_memory_bytes(devs)
-        if len(mem) != len(devs):
+        if len(mem) < len(devs) or (len(mem) > len(devs) and v == 1):
             raise ValueError(f"memory_bytes has {len(mem)} entries for {len(devs)} devices")
-        problem = build_problem(gm, costs, devs, links, chunks, mem, stages=stages,
-                                optimizer_state_factor=optimizer_state_factor, schedule=schedule,
-                                name=type(model).__name__)
+        # interleaved: one solver device per (chunk, device), memory shared, placement fixed
+        solver_devs = [devs[k % len(devs)] for k in range(v * len(devs))]
+        links = _virtual_links(links_for_devices(devs), v)
+        problem = build_problem(gm, costs, solver_devs, links, chunks, [mem[k % len(devs)] / v for k in
+                                range(len(solver_devs))], stages=v * len(devs) if v > 1 else stages,
+                                optimizer_state_factor=optimizer_state_factor,
+                                schedule="1f1b" if v > 1 else schedule, name=type(model).__name__)
         try:
-            solution = solvers.solve(problem, "dp")
+            solution = solve_dp(problem, placement=False) if v > 1 else solvers.solve(problem, "dp")
         except solvers.InfeasibleError as exc:
             raise InfeasiblePlanError(str(exc), exc.min_peak_bytes) from exc
-        the_plan = _plan_from_solution(problem, solution, devices, fingerprint, type(model).__name__,
+        the_plan = _plan_from_solution(problem, solution, solver_devs, fingerprint, type(model).__name__,
                                        chunks, checkpoint, batch, profile, str(devs[0]), model.training,
                                        {"threads": torch.get_num_threads(), "from_cache": cached})
+        if v > 1:
+            the_plan.devices = [str(d) for d in all_devices]
+            simulated = simulate_solution(problem, solution, schedule, workers=len(devs))
+        elif schedule == "zb-h1":
+            simulated = simulate_solution(problem, solution)
+        if schedule != problem.schedule or schedule == "zb-h1":   # the solver's formula is 1F1B's bubble
+            the_plan.predicted["iteration_s"] = simulated.iteration_s
+            the_plan.predicted["throughput_samples_per_s"] = batch / simulated.iteration_s
+        the_plan.schedule, the_plan.virtual_stages = schedule, v
     stage_of = the_plan.stage_of()
     specs = split_graph(gm, stage_of, len(the_plan.stages))
     stage_devices = [torch.device(s.device) for s in the_plan.stages]
     for spec, dev in zip(specs, stage_devices):
         move_stage(spec, dev)
     return Pipeline(gm, specs, stage_devices, the_plan, checkpoint=checkpoint, mode_dependent=mode_dependent)
+
+
+def _virtual_links(links: Links, v: int) -> Links:
+    """Links between ``v`` copies of every device (copies of one device hand over in place: ``X``)."""
+    if v == 1:
+        return links
+    n = len(links.classes)
+    return links_from_classes([["X" if i % n == j % n else links.classes[i % n][j % n] for j in range(v * n)]
+                               for i in range(v * n)])
 
 
 def _plan_from_solution(problem: solvers.Problem, solution: solvers.Solution, devices: Sequence[Any],

@@ -27,17 +27,20 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from fxpipe.batchnorm import commit_statistics, tracking
 from fxpipe.codegen import StageSpec
 from fxpipe.errors import FxpipeError, StageError
 from fxpipe.microbatch import batch_size_of, gather, scatter
 from fxpipe.plan import Plan, aligned_table
-from fxpipe.step import REDUCTIONS, OpTiming, StepFailure, run_step, schedule_order, to_device
+from fxpipe.rng import is_random, rng_guard
+from fxpipe.step import REDUCTIONS, OpTiming, StepFailure, run_step, to_device
 from fxpipe.worker import spawn_workers
+from solvers.schedules import SCHEDULES, worker_orders
 
 __all__ = ["Pipeline", "CHECKPOINT_MODES", "STEP_SCHEDULES"]
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
-STEP_SCHEDULES = ("gpipe", "1f1b")
+STEP_SCHEDULES = SCHEDULES
 _ASSIGN = re.compile(r"^\s*(\w+)\s*=")
 
 
@@ -72,6 +75,7 @@ class Pipeline(nn.Module):
         self._mode_dependent = mode_dependent
         self._placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
         self._output = next(n for n in graph_module.graph.nodes if n.op == "output")
+        self._random = [is_random(s.module) for s in stages]
         self.train(self._traced_training)
 
     # ------------------------------------------------------------------ inputs
@@ -131,12 +135,14 @@ class Pipeline(nn.Module):
                     if not ok:
                         failures.append((k, i, value))
                 if failures:
+                    commit_statistics(self.modules(), discard=True)
                     k, i, exc = min(failures, key=lambda f: (f[0], f[1]))
                     node = failing_node(exc)
                     raise StageError(
                         f"stage {k} (device {self.devices[k]}) failed on micro-batch {i} at node "
                         f"{node!r}: {type(exc).__name__}: {exc}", stage=k, micro_batch=i, node=node,
                     ) from exc
+        commit_statistics(self.modules())
         outputs = [fx.node.map_arg(self._output.args[0], lambda n, e=env: e[n.name]) for env in micro]
         return gather(outputs)
 
@@ -151,8 +157,8 @@ class Pipeline(nn.Module):
         ``torch.nn`` losses) weights micro-batch ``i`` by ``n_i / N``; ``"sum"`` by 1. Either
         way the returned loss and the gradients accumulated in ``.grad`` equal one
         full-batch ``loss_fn(model(inputs), target).backward()``. ``schedule`` defaults to
-        the plan's (``"gpipe"`` or ``"1f1b"``). With ``return_outputs`` returns
-        ``(loss, output)``.
+        the plan's (``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` with the plan's stages per
+        device, or ``"zb-h1"``). With ``return_outputs`` returns ``(loss, output)``.
         """
         schedule = schedule or self.schedule
         if schedule not in STEP_SCHEDULES:
@@ -174,8 +180,11 @@ class Pipeline(nn.Module):
         started = time.perf_counter()
         try:
             loss, outs = run_step(self.specs, self.devices, self._output.args[0], micro, [t[0] for t in targets],
-                                  loss_fn, schedule, ckpt, reduction, timings)
-        except StepFailure as failure:
+                                  loss_fn, schedule, ckpt, reduction, timings, workers=self._workers(schedule), random=self._random)
+        except BaseException as failure:
+            commit_statistics(self.modules(), discard=True)
+            if not isinstance(failure, StepFailure):
+                raise
             node = failing_node(failure.exc)
             where = f"at node {node!r}" if node is not None else (
                 "(autograd does not say which node; torch.autograd.set_detect_anomaly(True) shows the "
@@ -185,6 +194,7 @@ class Pipeline(nn.Module):
                 f"micro-batch {failure.micro_batch} {where}: {type(failure.exc).__name__}: {failure.exc}",
                 stage=failure.stage, micro_batch=failure.micro_batch, node=node,
             ) from failure.exc
+        commit_statistics(self.modules())
         self.last_step = {"schedule": schedule, "micro_batches": m, "wall_s": time.perf_counter() - started,
                           "timings": timings}
         return (loss, gather(outs)) if return_outputs else loss
@@ -204,7 +214,8 @@ class Pipeline(nn.Module):
         for st in self.plan.stages:
             ops = [t for t in timings if t.stage == st.index]
             fwd = [t.end_s - t.start_s for t in ops if t.kind == "F"]
-            bwd = [t.end_s - t.start_s for t in ops if t.kind == "B"]
+            bwd = [sum(t.end_s - t.start_s for t in ops if t.kind != "F" and t.micro_batch == i)
+                   for i in sorted({t.micro_batch for t in ops})]   # B, and W when the backward is split
             recompute = statistics.mean(1.0 if t.checkpointed else 0.0 for t in ops if t.kind == "B")
             pred_f, pred_b = st.fwd_s, st.bwd_s + recompute * st.fwd_s
             meas_f, meas_b = statistics.median(fwd), statistics.median(bwd)
@@ -223,14 +234,22 @@ class Pipeline(nn.Module):
                    f"(profile: {self.plan.profile.get('mode', '?')})")
         return "\n".join(out)
 
+    def _workers(self, schedule: str) -> int:
+        return self.plan.workers if schedule == "interleaved-1f1b" else len(self.specs)
+
     def schedule_table(self, schedule: str | None = None, micro_batches: int | None = None) -> str:
-        """The order of forward (F) and backward (B) operations of every stage, one line per stage."""
+        """The operations of every worker in order, one line per worker.
+
+        ``F3`` is the forward of micro-batch 3, ``B3`` its backward (input gradients only
+        under ``zb-h1``), ``W3`` its weight-gradient pass; with several stages per worker
+        ``F3.5`` names stage 5.
+        """
         schedule = schedule or self.schedule
-        m, p = micro_batches or self.chunks, len(self.specs)
-        lines = [f"{schedule}, {p} stages, {m} micro-batches"]
-        for k in range(p):
-            ops = " ".join(f"{kind}{i}" for kind, i in schedule_order(schedule, k, p, m))
-            lines.append(f"stage {k} ({self.devices[k]}): {ops}")
+        m, p, workers = micro_batches or self.chunks, len(self.specs), self._workers(schedule)
+        lines = [f"{schedule}, {p} stages on {workers} workers, {m} micro-batches"]
+        for w, order in enumerate(worker_orders(schedule, p, m, workers)):
+            ops = " ".join(f"{kind}{i}" + (f".{k}" if workers != p else "") for kind, k, i in order)
+            lines.append(f"worker {w} ({self.devices[w]}): {ops}")
         return "\n".join(lines)
 
     def _task(self, k: int, i: int, env: dict[str, Any], grad: bool, checkpointed: bool):
@@ -239,9 +258,10 @@ class Pipeline(nn.Module):
 
         def run() -> None:
             inputs = [to_device(env[name], device) for name in spec.inputs]
-            with torch.set_grad_enabled(grad):
+            with torch.set_grad_enabled(grad), tracking(), rng_guard(device, self._random[k]):
                 if use_checkpoint:
-                    outs = torch_checkpoint(spec.module, *inputs, use_reentrant=False)
+                    outs = torch_checkpoint(spec.module, *inputs, use_reentrant=False,
+                                            preserve_rng_state=self._random[k])
                 else:
                     outs = spec.module(*inputs)
             for name, value in zip(spec.outputs, outs):

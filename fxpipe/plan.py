@@ -61,6 +61,12 @@ class Plan:
     traced_training: bool = False
     problem: dict[str, Any] | None = None
     fxpipe_version: str = ""
+    virtual_stages: int = 1     # stages per device (interleaved-1f1b): stage s runs on worker s % (stages / v)
+
+    @property
+    def workers(self) -> int:
+        """How many workers (devices) run the stages."""
+        return len(self.stages) // max(1, self.virtual_stages)
 
     # ------------------------------------------------------------------ views
     def stage_of(self) -> dict[str, int]:
@@ -100,7 +106,7 @@ class Plan:
         p, m = len(self.stages), self.chunks
         rows = []
         for s in self.stages:
-            inflight = m if self.schedule == "gpipe" else min(m, p - s.index)
+            inflight = {"gpipe": m, "zb-h1": min(m, p)}.get(self.schedule, min(m, p - s.index))
             device_memory = next((v for k, v in memory.items() if k.endswith(":" + s.device) or k == s.device), None)
             rows.append([str(s.index), s.device, f"{s.param_bytes / 4 / 1e6:.0f}M" if s.param_bytes else "0",
                          f"{s.param_bytes * factor / 2**30:.2f}", str(inflight),

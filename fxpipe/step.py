@@ -6,10 +6,14 @@ boundary: a stage's inputs from earlier stages are fresh leaves, its backward is
 ``torch.autograd.backward(outputs, output_grads)`` run by its own worker, and
 the leaves' gradients travel back to the producing stages (summed when a value
 feeds several stages, e.g. a skip connection or a tied weight). Each worker runs
-its stage's operations in the schedule's order (:func:`schedule_order`: GPipe
-fill-drain or 1F1B), waiting only for the data it needs: ``F(k, i)`` after the
-producers' forwards of micro-batch ``i``, ``B(k, i)`` after its consumers'
-backwards. The loss of micro-batch ``i`` is computed on the last stage before
+its stages' operations in the schedule's order (:func:`solvers.schedules.worker_orders`:
+GPipe, 1F1B, interleaved 1F1B with several stages per worker, ZB-H1), waiting
+only for the data it needs: ``F(k, i)`` after the producers' forwards of
+micro-batch ``i``, ``B(k, i)`` after its consumers' backwards. A zero-bubble
+schedule's ``B`` computes only the gradients of the stage's inputs and its ``W``
+the parameters' (:mod:`fxpipe.split_backward`). The order never deadlocks: its
+needs are implied by the simulator's dependencies, under which it runs to the
+end (tested for every schedule). The loss of micro-batch ``i`` is computed on the last stage before
 ``B(p-1, i)``; micro-batch losses are weighted ``n_i / N`` (``reduction="mean"``,
 for a loss that averages over its batch) or 1 (``"sum"``), so the accumulated
 gradients are those of one full-batch backward.
@@ -27,26 +31,23 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from fxpipe.batchnorm import tracking
 from fxpipe.codegen import StageSpec
 from fxpipe.microbatch import batch_size_of
+from fxpipe.rng import is_random, rng_guard
+from fxpipe.split_backward import WeightPass, backward_inputs, full_backward
+from solvers.schedules import SPLIT_BACKWARD, worker_orders
 
-__all__ = ["schedule_order", "run_step", "StepFailure", "REDUCTIONS", "OpTiming", "to_device"]
+__all__ = ["run_step", "StepFailure", "REDUCTIONS", "OpTiming", "to_device"]
 
 REDUCTIONS = ("mean", "sum")
-
-
-def schedule_order(schedule: str, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
-    """The order of ``("F" | "B", micro-batch)`` operations of ``stage`` (the simulator's own)."""
-    from solvers.simulate import schedule_order as order
-
-    return order(schedule, stage, stages, micro_batches)
 
 
 @dataclass(frozen=True)
 class OpTiming:
     """When one operation ran, in seconds from the start of the step."""
 
-    kind: str         # "F" or "B" (a backward includes the recomputation of a checkpointed forward)
+    kind: str         # "F", "B" or "W" (a backward includes the recomputation of a checkpointed forward)
     stage: int
     micro_batch: int
     start_s: float
@@ -100,14 +101,23 @@ class _Board:
 def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: Any,
              micro_inputs: list[dict[str, Any]], micro_targets: list[Any], loss_fn: Callable[[Any, Any], torch.Tensor],
              schedule: str, checkpoint: Callable[[int, int], bool], reduction: str = "mean",
-             timings: list[OpTiming] | None = None) -> tuple[torch.Tensor, list[Any]]:
+             timings: list[OpTiming] | None = None, workers: int | None = None,
+             random: list[bool] | None = None) -> tuple[torch.Tensor, list[Any]]:
     """Run forward and backward of every micro-batch; return the weighted loss and per-micro-batch outputs.
 
-    ``timings``, if given, receives an :class:`OpTiming` per operation.
+    ``workers`` threads (default: one per stage; fewer for ``interleaved-1f1b``) run
+    the operations of :func:`solvers.schedules.worker_orders`. ``timings``, if given,
+    receives an :class:`OpTiming` per operation. ``random[k]`` says that stage ``k`` draws
+    random numbers (:mod:`fxpipe.rng`; default: found from its graph).
 
     Raises :class:`StepFailure` for the first operation that failed (all workers stop).
     """
     p, m = len(specs), len(micro_inputs)
+    n_workers = p if workers is None else workers
+    orders = worker_orders(schedule, p, m, n_workers)   # raises ValueError for a shape it cannot run
+    split = schedule in SPLIT_BACKWARD
+    weight_passes: dict[tuple[int, int], WeightPass] = {}
+    random = [is_random(spec.module) for spec in specs] if random is None else random
     producer = {name: k for k, spec in enumerate(specs) for name in spec.outputs}
     consumers: dict[int, set[int]] = {k: set() for k in range(p)}
     for k, spec in enumerate(specs):
@@ -143,10 +153,12 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         inputs = {name: _leaf(envs[i][name], device) if name in producer else to_device(envs[i][name], device)
                   for name in spec.inputs}
         args = [inputs[name] for name in spec.inputs]
-        if checkpoint(k, i):
-            result = torch_checkpoint(spec.module, *args, use_reentrant=False)
-        else:
-            result = spec.module(*args)
+        # deferred BatchNorm counts this forward (not a checkpoint's recomputation)
+        with tracking(), rng_guard(device, random[k]):
+            if checkpoint(k, i):
+                result = torch_checkpoint(spec.module, *args, use_reentrant=False, preserve_rng_state=random[k])
+            else:
+                result = spec.module(*args)
         leaves[(k, i)] = inputs
         outs[(k, i)] = dict(zip(spec.outputs, result))
         for name, value in outs[(k, i)].items():
@@ -176,14 +188,25 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         for name, by_pos in received.items():
             flat = tree_flatten(outs[(k, i)][name])[0]
             pairs += [(flat[pos], g) for pos, g in by_pos.items() if flat[pos].requires_grad]
-        if pairs:
-            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        send_back(leaves.pop((k, i)), i)
+        roots, root_grads = [t for t, _ in pairs], [g for _, g in pairs]
+        stage_leaves = leaves.pop((k, i))
+        if split and not checkpoint(k, i):
+            inputs = [t for t in tree_flatten(list(stage_leaves.values()))[0] if isinstance(t, torch.Tensor)]
+            weight_passes[(k, i)] = backward_inputs(roots, root_grads, inputs, list(specs[k].module.parameters()))
+        else:   # a checkpointed stage recomputes once: its backward is whole (W then does nothing)
+            with rng_guard(devices[k], random[k] and checkpoint(k, i)):
+                weight_passes[(k, i)] = full_backward(roots, root_grads)
+        send_back(stage_leaves, i)
         del outs[(k, i)]
+
+    def weights(k: int, i: int) -> None:
+        weight_passes.pop((k, i)).run()
 
     in_output = {producer[n.name] for n in _output_nodes(output_arg) if n.name in producer}
 
     def needs(kind: str, k: int, i: int) -> list[tuple[str, int, int]]:
+        if kind == "W":
+            return []          # its B ran earlier on the same worker
         if kind == "F":
             return [("F", producer[name], i) for name in specs[k].inputs if name in producer]
         later = [("B", c, i) for c in consumers[k]] + [("F", k, i)]
@@ -193,24 +216,25 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
 
     origin = time.perf_counter()
 
-    def work(k: int) -> None:
-        for kind, i in schedule_order(schedule, k, p, m):
+    run_op = {"F": forward, "B": backward, "W": weights}
+    pass_name = {"F": "forward", "B": "backward", "W": "weight-gradient pass"}
+
+    def work(w: int) -> None:
+        for kind, k, i in orders[w]:
             if not board.wait(needs(kind, k, i)):
                 return
             start = time.perf_counter()
             try:
-                if kind == "F":
-                    forward(k, i)
-                else:
-                    backward(k, i)
+                run_op[kind](k, i)
             except BaseException as exc:  # handed to the caller
-                board.fail(StepFailure(k, i, "forward" if kind == "F" else "backward", exc))
+                board.fail(StepFailure(k, i, pass_name[kind], exc))
                 return
             if timings is not None:
                 timings.append(OpTiming(kind, k, i, start - origin, time.perf_counter() - origin, checkpoint(k, i)))
             board.finish((kind, k, i))
 
-    threads = [threading.Thread(target=work, args=(k,), name=f"fxpipe-step-{k}", daemon=True) for k in range(p)]
+    threads = [threading.Thread(target=work, args=(w,), name=f"fxpipe-step-{w}", daemon=True)
+               for w in range(n_workers)]
     for t in threads:
         t.start()
     for t in threads:

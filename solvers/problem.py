@@ -25,7 +25,7 @@ __all__ = ["Node", "Edge", "Device", "Problem", "SCHEDULES", "PROBLEM_FORMAT", "
 
 PROBLEM_FORMAT = "fxpipe-problem/1"
 PROBLEM_FORMATS = ("fxpipe-problem/1", "fxpipe-problem/2")
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")   # the memory models (interleaved-1f1b plans as 1f1b)
 
 
 @dataclass(frozen=True)
@@ -168,6 +168,8 @@ class Problem:
         """Micro-batches whose activations stage ``stage`` holds at its peak."""
         if self.schedule == "gpipe":
             return self.micro_batches
+        if self.schedule == "zb-h1":   # a stage's weight passes trail by ``stage``: p on every stage
+            return min(self.micro_batches, num_stages)
         return min(self.micro_batches, num_stages - stage)
 
     # ------------------------------------------------------------------ JSON

@@ -1,18 +1,16 @@
-"""Discrete-event simulation of one pipeline iteration (GPipe and 1F1B).
+"""Discrete-event simulation of one pipeline iteration, for every schedule of :mod:`solvers.schedules`.
 
-Each stage runs its operations one at a time in the schedule's order: GPipe
-does every forward then every backward (fill-drain); 1F1B does ``p - s - 1``
-warm-up forwards, then alternates one forward and one backward, then drains.
-A forward of micro-batch ``i`` on stage ``s`` needs the forward of ``i`` on every
+Each worker runs its operations one at a time in the schedule's order. A
+forward of micro-batch ``i`` on stage ``s`` needs the forward of ``i`` on every
 stage that feeds ``s``, plus the transfer; a backward needs the backward of
-``i`` on every stage that ``s`` feeds, plus the gradient transfer. Transfers run
-on the link between the two devices, one at a time per direction, overlapped
-with compute. The result is the iteration time, each stage's busy and idle
-time, and a timeline of (stage, kind, micro-batch, start, end) that a notebook
-can draw.
+``i`` on every stage that ``s`` feeds, plus the gradient transfer; a weight pass
+``W`` needs its stage's ``B``. Transfers run on the link between the two
+workers, one at a time per direction, overlapped with compute. The result is
+the iteration time, each worker's busy and idle time, and a timeline of
+(stage, kind, micro-batch, start, end) that a notebook can draw.
 
-With no transfers and equal stage times the simulated time equals the
-reference formula ``sum t_s + (m - 1) max t_s``; tests check that.
+With no transfers and equal stage times the simulated GPipe and 1F1B time
+equals the reference formula ``sum t_s + (m - 1) max t_s``; tests check that.
 """
 
 from __future__ import annotations
@@ -22,9 +20,10 @@ from dataclasses import dataclass, field
 from solvers.problem import Problem
 from solvers.groups import GroupTable
 from solvers.groups import allreduce_s as allreduce
+from solvers.schedules import SPLIT_BACKWARD, Op, stage_worker, worker_orders
 from solvers.solution import Solution
 
-__all__ = ["Event", "Simulation", "simulate", "simulate_solution", "schedule_order"]
+__all__ = ["Event", "Simulation", "simulate", "simulate_solution"]
 
 
 @dataclass(frozen=True)
@@ -45,37 +44,28 @@ class Simulation:
     timeline: list[Event] = field(default_factory=list)
 
 
-def schedule_order(schedule: str, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
-    """The order in which ``stage`` runs its forwards and backwards."""
-    m = micro_batches
-    if schedule == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    if schedule == "1f1b":
-        warm = min(stages - stage - 1, m)
-        order = [("F", i) for i in range(warm)]
-        f, b = warm, 0
-        while f < m:
-            order.append(("F", f))
-            f += 1
-            order.append(("B", b))
-            b += 1
-        order += [("B", i) for i in range(b, m)]
-        return order
-    raise ValueError(f"unknown schedule {schedule!r}; expected gpipe or 1f1b")
-
-
 def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedule: str,
              sends: dict[tuple[int, int], float] | None = None,
-             allreduce_s: list[float] | None = None) -> Simulation:
+             allreduce_s: list[float] | None = None, workers: int | None = None,
+             weight_share: float = 0.5) -> Simulation:
     """Simulate stages with per-micro-batch times ``fwd_s[s]``, ``bwd_s[s]``.
 
     ``sends[(a, b)]`` is the one-way transfer time of one micro-batch from stage
     ``a`` to a later stage ``b`` (its gradient goes back in the same time);
-    consecutive stages are linked even when nothing crosses (time 0).
-    ``allreduce_s[s]`` is the gradient all-reduce of a replicated stage, run
-    once after its last backward.
+    consecutive stages are linked even when nothing crosses (time 0); stages on
+    one worker hand over for free. ``allreduce_s[s]`` is the gradient all-reduce of
+    a replicated stage, run once after its last backward. ``workers`` (default: one
+    per stage) runs several stages each for ``interleaved-1f1b``. A split backward
+    (``zb-h1``) gives ``weight_share`` of ``bwd_s`` to the weight pass ``W``.
+    Busy and idle times are per worker.
     """
     p, m = len(fwd_s), micro_batches
+    n_workers = p if workers is None else workers
+    orders = worker_orders(schedule, p, m, n_workers)
+    split = schedule in SPLIT_BACKWARD
+    length = {"F": list(fwd_s), "B": [b * (1 - weight_share) if split else b for b in bwd_s],
+              "W": [b * weight_share for b in bwd_s]}
+    owner = [stage_worker(schedule, s, n_workers) for s in range(p)]
     sends = dict(sends or {})
     for s in range(p - 1):  # consecutive stages always hand over (the executors run them in order)
         sends.setdefault((s, s + 1), 0.0)
@@ -84,60 +74,66 @@ def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedul
     for a, b in sends:
         feeds[a].append(b)
         fed_by[b].append(a)
-    orders = [schedule_order(schedule, s, p, m) for s in range(p)]
-    done: dict[tuple[str, int, int], float] = {}      # (kind, stage, mb) -> end time
+    done: dict[Op, float] = {}                            # (kind, stage, mb) -> end time
     arrived: dict[tuple[str, int, int, int], float] = {}  # (kind, src, dst, mb) -> arrival
     link_free: dict[tuple[int, int], float] = {}
-    stage_free = [0.0] * p
-    position = [0] * p
+    worker_free = [0.0] * n_workers
+    position = [0] * n_workers
     timeline: list[Event] = []
-    busy = [0.0] * p
+    busy = [0.0] * n_workers
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
-        for s in range(p):
-            if position[s] == len(orders[s]):
+        for w in range(n_workers):
+            if position[w] == len(orders[w]):
                 continue
-            kind, i = orders[s][position[s]]
+            kind, s, i = orders[w][position[w]]
             if kind == "F":
-                deps = [("F", a, s, i) for a in fed_by[s]]
-                local = []
+                deps, local = [("F", a, s, i) for a in fed_by[s]], []
+            elif kind == "B":
+                deps, local = [("B", b, s, i) for b in feeds[s]], [("F", s, i)]
             else:
-                deps = [("B", b, s, i) for b in feeds[s]]
-                local = [("F", s, i)]
+                deps, local = [], [("B", s, i)]
             if any(d not in arrived for d in deps) or any(d not in done for d in local):
                 continue
-            ready = max([stage_free[s]] + [arrived[d] for d in deps] + [done[d] for d in local])
-            length = fwd_s[s] if kind == "F" else bwd_s[s]
-            end = ready + length
+            ready = max([worker_free[w]] + [arrived[d] for d in deps] + [done[d] for d in local])
+            end = ready + length[kind][s]
             done[(kind, s, i)] = end
-            stage_free[s] = end
-            busy[s] += length
+            worker_free[w] = end
+            busy[w] += length[kind][s]
             timeline.append(Event(s, kind, i, ready, end))
-            # Send the activation forward, or the gradient back, over each link in turn.
-            targets = feeds[s] if kind == "F" else fed_by[s]
-            for t in targets:
-                src, dst = (s, t)
-                cost = sends[(s, t)] if kind == "F" else sends[(t, s)]
-                start = max(end, link_free.get((src, dst), 0.0))
-                link_free[(src, dst)] = start + cost
-                arrived[(kind, s, t, i)] = start + cost
-                timeline.append(Event(s, f"send_{kind}", i, start, start + cost, peer=t))
-            position[s] += 1
+            if kind != "W":   # send the activation forward, or the gradient back, over each link in turn
+                for t in (feeds[s] if kind == "F" else fed_by[s]):
+                    cost = sends[(s, t)] if kind == "F" else sends[(t, s)]
+                    link = (owner[s], owner[t])
+                    if link[0] == link[1]:
+                        arrived[(kind, s, t, i)] = end
+                        continue
+                    start = max(end, link_free.get(link, 0.0))
+                    link_free[link] = start + cost
+                    arrived[(kind, s, t, i)] = start + cost
+                    timeline.append(Event(s, f"send_{kind}", i, start, start + cost, peer=t))
+            position[w] += 1
             remaining -= 1
             progressed = True
         if not progressed:
-            raise RuntimeError("the schedule deadlocked: a stage waits for an operation that never runs")
+            raise RuntimeError("the schedule deadlocked: a worker waits for an operation that never runs")
     for st, ar in enumerate(allreduce_s or []):
         if ar > 0:
-            timeline.append(Event(st, "allreduce", -1, stage_free[st], stage_free[st] + ar))
-            busy[st] += ar
+            w = owner[st]
+            timeline.append(Event(st, "allreduce", -1, worker_free[w], worker_free[w] + ar))
+            worker_free[w] += ar
+            busy[w] += ar
     total = max(e.end for e in timeline)
     return Simulation(total, busy, [total - b for b in busy], sorted(timeline, key=lambda e: (e.start, e.stage)))
 
 
-def simulate_solution(problem: Problem, solution: Solution) -> Simulation:
-    """Simulate ``solution`` with the problem's costs (forward/backward split per stage)."""
+def simulate_solution(problem: Problem, solution: Solution, schedule: str | None = None,
+                      workers: int | None = None) -> Simulation:
+    """Simulate ``solution`` with the problem's costs (forward/backward split per stage).
+
+    ``schedule`` (default: the problem's) and ``workers`` as for :func:`simulate`.
+    """
     device_index = {d.id: i for i, d in enumerate(problem.devices)}
     nodes = problem.node_map()
     stage_of = {n: s for s, st in enumerate(solution.stages) for n in st.nodes}
@@ -157,4 +153,4 @@ def simulate_solution(problem: Problem, solution: Solution) -> Simulation:
     for (src, b), nbytes in tensors.items():
         a = stage_of[src]
         sends[(a, b)] = sends.get((a, b), 0.0) + table.transfer_s(nbytes, devs[a], devs[b])
-    return simulate(fwd, bwd, problem.micro_batches, problem.schedule, sends, ar)
+    return simulate(fwd, bwd, problem.micro_batches, schedule or problem.schedule, sends, ar, workers)

@@ -9,7 +9,7 @@ from problems import random_problem
 from solvers import score, solve
 from solvers.anchors import ANCHORS, anchor_solution, equal_size_cuts, minmax_cuts, spread_cuts, uniform_cuts
 from solvers.compare import compare, geometric_means
-from solvers.simulate import schedule_order, simulate, simulate_solution
+from solvers.simulate import simulate, simulate_solution
 
 
 def parts_of(weights, cuts):
@@ -60,14 +60,6 @@ def test_compare_table_and_means():
     assert means["fxpipe"] == pytest.approx(1.0) and all(v >= 1 - 1e-9 for v in means.values())
 
 
-def test_schedule_orders():
-    assert schedule_order("gpipe", 0, 2, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
-    # 1F1B on the first of 3 stages: two warm-up forwards, then alternate, then drain.
-    assert schedule_order("1f1b", 0, 3, 4) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1),
-                                               ("B", 2), ("B", 3)]
-    assert schedule_order("1f1b", 2, 3, 2) == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
-
-
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("p,m", [(1, 1), (1, 5), (2, 3), (4, 8), (5, 2)])
 def test_simulation_equals_formula_for_equal_stages(schedule, p, m):
@@ -77,18 +69,6 @@ def test_simulation_equals_formula_for_equal_stages(schedule, p, m):
     assert sim.busy_s == pytest.approx([m * (f + b)] * p)
     assert all(idle == pytest.approx(sim.iteration_s - m * (f + b)) for idle in sim.idle_s)
     assert len([e for e in sim.timeline if e.kind in "FB"]) == 2 * p * m
-
-
-def test_1f1b_keeps_at_most_p_minus_s_in_flight():
-    p, m = 4, 8
-    sim = simulate([1.0] * p, [2.0] * p, m, "1f1b")
-    for s in range(p):
-        events = sorted((e.start, e.kind) for e in sim.timeline if e.stage == s and e.kind in "FB")
-        live = peak = 0
-        for _, kind in events:
-            live += 1 if kind == "F" else -1
-            peak = max(peak, live)
-        assert peak == min(m, p - s)
 
 
 def test_simulating_a_solution_counts_transfers():

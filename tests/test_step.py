@@ -1,5 +1,6 @@
 """pipe.step: explicit GPipe/1F1B schedules, per-stage backward, exact gradients, errors."""
 
+import copy
 import gc
 import threading
 
@@ -12,6 +13,7 @@ from equivalence import max_relative_error
 from fxpipe.codegen import split_graph
 from fxpipe.step import run_step
 from models import SkipTied
+from solvers.schedules import worker_orders
 
 
 def _reference(model, x, target, loss_fn):
@@ -36,7 +38,7 @@ def _assert_step_matches(model, pipe, x, target, loss_fn, tol=1e-5, **kwargs):
     assert worst[0] <= tol, worst
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 def test_step_equals_one_full_batch_backward_with_skips_and_tied_weights(schedule, checkpoint):
     torch.manual_seed(0)
@@ -50,6 +52,57 @@ def test_step_equals_one_full_batch_backward_with_skips_and_tied_weights(schedul
     def loss_fn(logits, t):
         return nn.functional.cross_entropy(logits.reshape(-1, 13), t.reshape(-1))
     _assert_step_matches(model, pipe, tokens, target, loss_fn)   # 10 rows: micro-batches 3, 3, 3, 1
+
+
+@pytest.mark.parametrize("v,devices,chunks", [(2, 2, 4), (2, 3, 6), (3, 2, 2)])
+def test_interleaved_1f1b_runs_v_stages_per_worker_with_skips_and_tied_weights(v, devices, chunks):
+    torch.manual_seed(5)
+    model = SkipTied(vocab=11, width=8, depth=2 * v * devices)
+    tokens, target = torch.randint(0, 11, (12, 3)), torch.randint(0, 11, (12, 3))
+    pipe = fxpipe.compile(model, ["cpu"] * devices, (tokens,), chunks=chunks, schedule="interleaved-1f1b",
+                          virtual_stages=v, checkpoint="never", profile="estimate")
+    assert len(pipe.plan.stages) == v * devices and pipe.plan.workers == devices
+    assert pipe.plan.virtual_stages == v and pipe.plan.schedule == "interleaved-1f1b"
+    assert len(fxpipe.Plan.from_dict(pipe.plan.to_dict()).stages) == v * devices   # survives JSON
+
+    def loss_fn(logits, t):
+        return nn.functional.cross_entropy(logits.reshape(-1, 11), t.reshape(-1))
+    _assert_step_matches(model, pipe, tokens, target, loss_fn)
+    for w, order in enumerate(worker_orders("interleaved-1f1b", v * devices, chunks, devices)):
+        mine = sorted((t for t in pipe.last_step["timings"] if t.stage % devices == w), key=lambda t: t.start_s)
+        assert [(t.kind, t.stage, t.micro_batch) for t in mine] == order   # one worker, in the schedule's order
+        assert all(a.end_s <= b.start_s for a, b in zip(mine, mine[1:]))
+    table = pipe.schedule_table().splitlines()
+    assert len(table) == devices + 1 and "F0.0" in table[1] and f"F0.{devices}" in table[1]
+
+
+def test_zb_h1_defers_weight_gradients_to_a_separate_pass():
+    torch.manual_seed(6)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
+    x, target = torch.randn(8, 16), torch.randn(8, 16)
+    pipe = fxpipe.compile(model, ["cpu"] * 3, (x,), chunks=4, stages=3, schedule="zb-h1", checkpoint="never",
+                          profile="estimate")
+    _assert_step_matches(model, pipe, x, target, nn.MSELoss())
+    timings = pipe.last_step["timings"]
+    assert sorted((t.kind, t.stage, t.micro_batch) for t in timings) == sorted(
+        (kind, k, i) for kind in "FBW" for k in range(3) for i in range(4))
+    for k in range(3):
+        mine = sorted((t for t in timings if t.stage == k), key=lambda t: t.start_s)
+        assert [(t.kind, t.stage, t.micro_batch) for t in mine] == worker_orders("zb-h1", 3, 4)[k]
+    assert "W0" in pipe.schedule_table().splitlines()[3]
+    assert "bwd ms meas" in pipe.report()
+
+
+def test_an_interleaved_plan_needs_micro_batches_in_groups_of_the_workers():
+    model = SkipTied(vocab=11, width=8, depth=4)
+    tokens = torch.randint(0, 11, (12, 3))
+    with pytest.raises(ValueError, match="use chunks=4"):
+        fxpipe.compile(model, ["cpu"] * 2, (tokens,), chunks=3, schedule="interleaved-1f1b", profile="estimate")
+    with pytest.raises(ValueError, match="needs schedule='interleaved-1f1b'"):
+        fxpipe.compile(model, ["cpu"] * 2, (tokens,), chunks=4, virtual_stages=2, profile="estimate")
+    with pytest.raises(ValueError, match="stages = 2 x the devices used"):
+        fxpipe.compile(model, ["cpu"] * 2, (tokens,), chunks=4, stages=3, schedule="interleaved-1f1b",
+                       profile="estimate")
 
 
 def test_sum_reduction_and_a_second_step_accumulate_like_the_model():
@@ -210,8 +263,175 @@ def test_report_compares_predicted_and_measured_per_stage_after_a_step():
     assert all(0 <= t.start_s <= t.end_s <= pipe.last_step["wall_s"] for t in timings)
     for k in range(2):   # each stage ran its operations one after another, in the schedule's order
         mine = sorted((t for t in timings if t.stage == k), key=lambda t: t.start_s)
-        assert [(t.kind, t.micro_batch) for t in mine] == [(kind, i) for kind, i in
-                                                           fxpipe.step.schedule_order("1f1b", k, 2, 4)]
+        assert [(t.kind, k, t.micro_batch) for t in mine] == worker_orders("1f1b", 2, 4)[k]
         assert all(a.end_s <= b.start_s for a, b in zip(mine, mine[1:]))
     text = pipe.report()
     assert "fwd ms pred" in text and "stage-time error: median" in text and len(text.splitlines()) == 6
+
+
+class ConvBN(nn.Module):
+    def __init__(self, momentum=0.1):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6, momentum=momentum)
+        self.c2, self.b2 = nn.Conv2d(6, 6, 3, padding=1), nn.BatchNorm2d(6, momentum=momentum)
+        self.head, self.b3 = nn.Linear(6, 4), nn.BatchNorm1d(4, momentum=momentum)
+
+    def forward(self, x):
+        x = torch.relu(self.b1(self.c1(x)))
+        x = torch.relu(self.b2(self.c2(x)))
+        return self.b3(self.head(x.mean((2, 3))))
+
+
+def _bn_state(model):
+    return {n: b.clone() for n, b in model.named_buffers()}
+
+
+def _full_batch_reference(model, steps, chunks):
+    """What one full-batch nn.BatchNorm update per step gives, fed each layer's actual inputs: the
+    concatenation of its micro-batches' inputs (each micro-batch is normalised by its own statistics)."""
+    copy_model = copy.deepcopy(model)
+    layers = {n: copy.deepcopy(m) for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    for batch in steps:
+        seen = {n: [] for n in layers}
+        hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: seen[n].append(args[0].detach()))
+                 for n, m in copy_model.named_modules() if n in layers]
+        for micro in batch.chunk(chunks):
+            copy_model(micro)
+        for h in hooks:
+            h.remove()
+        for n, layer in layers.items():
+            layer.train()(torch.cat(seen[n]))
+    return {f"{n}.{b}": t for n, layer in layers.items() for b, t in layer.named_buffers()}
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("checkpoint,schedule", [("always", "1f1b"), ("never", "gpipe"), ("except_last", "zb-h1")])
+def test_deferred_batch_norm_updates_running_statistics_like_one_full_batch_step(momentum, checkpoint, schedule):
+    torch.manual_seed(7)
+    model = ConvBN(momentum).train()
+    x, target = torch.randn(12, 3, 8, 8), torch.randn(12, 4)
+    steps = [torch.randn(12, 3, 8, 8) * (1 + k) + k for k in range(2)]
+    want = _full_batch_reference(model, steps, 4)
+    first = copy.deepcopy(model.b1)      # b1's input does not depend on micro-batching: plain full-batch BN
+    with torch.no_grad():
+        for batch in steps:
+            first(model.c1(batch))
+    pipe = fxpipe.compile(model, ["cpu"] * 3, (x,), chunks=4, stages=3, schedule=schedule, checkpoint=checkpoint,
+                          deferred_batch_norm=True, profile="estimate")
+    for batch in steps:
+        pipe.step(batch, target, nn.MSELoss())
+    got = _bn_state(model)      # the user's own buffers were updated in place
+    assert got["b1.num_batches_tracked"].item() == 2
+    assert max_relative_error(got["b1.running_var"], first.running_var) <= 1e-5
+    assert max_relative_error(got["b1.running_mean"], first.running_mean) <= 1e-5
+    for name in want:
+        assert max_relative_error(got[name], want[name]) <= 1e-5, name
+    # without deferral each micro-batch (and each recomputation) moves the statistics
+    model2 = ConvBN(momentum).train()
+    plain = fxpipe.compile(model2, ["cpu"] * 3, (x,), chunks=4, stages=3, schedule=schedule, checkpoint=checkpoint,
+                           profile="estimate")
+    before = model2.b1.num_batches_tracked.item()
+    plain.step(steps[0], target, nn.MSELoss())
+    assert model2.b1.num_batches_tracked.item() - before == {"always": 8, "never": 4, "except_last": 7}[checkpoint]
+
+
+def test_deferred_batch_norm_through_pipe_call_and_a_failed_step_leaves_no_partial_statistics():
+    torch.manual_seed(8)
+    model = ConvBN().train()
+    x = torch.randn(8, 3, 8, 8)
+    want = _full_batch_reference(model, [x], 4)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, deferred_batch_norm=True, profile="estimate")
+    pipe(x).sum().backward()     # checkpoint except_last: recomputation in backward must not count twice
+    for name, got in model.named_buffers():
+        assert max_relative_error(got, want[name]) <= 1e-5, name
+
+    def bad_loss(out, t):
+        raise RuntimeError("loss failed")
+    before = _bn_state(model)
+    with pytest.raises(fxpipe.StageError, match="loss failed"):
+        pipe.step(x, torch.randn(8, 4), bad_loss)
+    assert all(torch.equal(before[n], b) for n, b in model.named_buffers())
+    want = _full_batch_reference(model, [x], 4)
+    pipe(x)                      # the next mini-batch commits only its own statistics
+    for name, got in model.named_buffers():
+        assert max_relative_error(got, want[name]) <= 1e-5, name
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_checkpoint_recomputation_replays_the_same_dropout_masks(schedule):
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.5), *[m for _ in range(5) for m in (nn.Linear(32, 32),
+                                                                                              nn.Tanh())]).train()
+    x, target = torch.randn(8, 16), torch.randn(8, 32)
+
+    def run(checkpoint, seed):
+        pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, schedule=schedule,
+                              checkpoint=checkpoint, profile="estimate")
+        assert pipe.plan.stage_of()["_1"] == 0     # dropout on stage 0: one thread draws every mask, in order
+        torch.manual_seed(seed)
+        loss, out = pipe.step(x, target, nn.MSELoss(), return_outputs=True)
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return out, grads
+    out_never, grads_never = run("never", 0)
+    out_always, grads_always = run("always", 0)     # recomputed in backward: same masks or other gradients
+    assert torch.equal(out_never, out_always)
+    assert all(torch.equal(a, b) for a, b in zip(grads_never, grads_always))
+    out_other, grads_other = run("always", 1)       # the masks matter: another seed changes the gradients
+    assert not torch.equal(grads_other[0], grads_never[0])
+
+
+class DropoutEverywhere(nn.Module):
+    def __init__(self, depth=8):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(24, 24) for _ in range(depth))
+        self.drops = nn.ModuleList(nn.Dropout(0.3) for _ in range(depth))
+
+    def forward(self, x):
+        for layer, drop in zip(self.layers, self.drops):
+            x = drop(torch.tanh(layer(x)))
+        return x
+
+
+class _FixedMask(nn.Module):
+    def __init__(self, masks, index, p):
+        super().__init__()
+        self.masks, self.index, self.p = masks, index, p
+
+    def forward(self, x):
+        mask = self.masks[(self.index, x.detach().numpy().tobytes())][0].to(x.dtype)
+        return x.mul(mask).mul_(1.0 / (1 - self.p))     # native_dropout's arithmetic, bit for bit
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b"])
+def test_concurrent_random_stages_replay_their_own_masks_on_recompute(schedule):
+    """Four workers with dropout in every stage, all checkpointed. The gradient must be that of the masks
+    the forwards drew: a recomputation that drew other masks (the device generator moved by another
+    worker) would give another gradient. Masks are recorded by input, so the reference model replays them."""
+    torch.manual_seed(10)
+    model = DropoutEverywhere().train()
+    x, target = torch.randn(16, 24), torch.randn(16, 24)
+    kwargs = {"virtual_stages": 2} if schedule == "interleaved-1f1b" else {"stages": 4}
+    pipe = fxpipe.compile(model, ["cpu"] * (2 if schedule == "interleaved-1f1b" else 4), (x,), chunks=4,
+                          schedule=schedule, checkpoint="always", profile="estimate", **kwargs)
+    assert all(pipe._random)
+    seen: dict[tuple[int, bytes], list[torch.Tensor]] = {}
+    lock = threading.Lock()
+
+    def hook(module, args, out, index):
+        with lock:
+            seen.setdefault((index, args[0].detach().numpy().tobytes()), []).append(out.detach() != 0)
+    hooks = [d.register_forward_hook(lambda m, a, o, i=i: hook(m, a, o, i)) for i, d in enumerate(model.drops)]
+    pipe.step(x, target, nn.MSELoss())
+    for h in hooks:
+        h.remove()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    assert len(seen) == 4 * 8                    # every forward drew once per dropout and micro-batch
+    assert all(torch.equal(masks[0], m) for masks in seen.values() for m in masks[1:])   # replays agree
+    fixed = copy.deepcopy(model)
+    fixed.drops = nn.ModuleList(_FixedMask(seen, i, 0.3) for i in range(8))
+    for xs, ts in zip(x.chunk(4), target.chunk(4)):
+        (nn.functional.mse_loss(fixed(xs), ts) * len(xs) / len(x)).backward()
+    for a, b in zip(got, fixed.parameters()):
+        assert max_relative_error(a, b.grad) <= 1e-5

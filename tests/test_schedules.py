@@ -1,0 +1,94 @@
+"""Schedules: every operation once, on its own worker, in dependency order; bubbles match the papers' formulas."""
+
+import pytest
+
+from solvers.schedules import SCHEDULES, check_schedule, stage_worker, worker_orders
+from solvers.simulate import simulate
+
+SHAPES = [  # (schedule, stages, workers, micro-batches)
+    *[(s, p, p, m) for s in ("gpipe", "1f1b", "zb-h1") for p in (1, 2, 3, 5) for m in (1, 2, 4, 7)],
+    *[("interleaved-1f1b", p * v, p, m) for p in (1, 2, 3, 4) for v in (1, 2, 3) for m in (p, 2 * p, 4 * p)],
+]
+
+
+@pytest.mark.parametrize("schedule,stages,workers,m", SHAPES)
+def test_every_operation_runs_once_on_its_worker_after_what_it_needs(schedule, stages, workers, m):
+    orders = worker_orders(schedule, stages, m, workers)
+    assert len(orders) == workers
+    kinds = ("F", "B", "W") if schedule == "zb-h1" else ("F", "B")
+    ops = [op for order in orders for op in order]
+    assert sorted(ops) == sorted((k, s, i) for k in kinds for s in range(stages) for i in range(m))
+    for w, order in enumerate(orders):
+        assert all(stage_worker(schedule, s, workers) == w for _, s, _ in order)
+        position = {op: n for n, op in enumerate(order)}
+        for kind, s, i in order:   # on one worker: F before B before W of the same micro-batch
+            if kind != "F":
+                assert position[("F", s, i)] < position[(kind, s, i)]
+            if kind == "W":
+                assert position[("B", s, i)] < position[(kind, s, i)]
+    # the simulator runs it to the end (raises on a deadlock), also with a skip from stage 0 to the last
+    sends = {(0, stages - 1): 0.25} if stages > 2 else None
+    sim = simulate([1.0] * stages, [2.0] * stages, m, schedule, sends=sends, workers=workers)
+    assert len([e for e in sim.timeline if e.kind in ("F", "B", "W")]) == len(ops)
+
+
+def _peak_in_flight(sim, stage, release):
+    events = sorted((e.start if e.kind == "F" else e.end, e.kind == "F")
+                    for e in sim.timeline if e.stage == stage and e.kind in ("F", release))
+    live = peak = 0
+    for _, forward in sorted(events, key=lambda t: (t[0], t[1])):
+        live += 1 if forward else -1
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (5, 5)])
+def test_1f1b_keeps_p_minus_s_and_zb_h1_p_in_flight(p, m):
+    one = simulate([1.0] * p, [2.0] * p, m, "1f1b")
+    zb = simulate([1.0] * p, [2.0] * p, m, "zb-h1")
+    for s in range(p):
+        assert _peak_in_flight(one, s, "B") == min(m, p - s)
+        assert _peak_in_flight(zb, s, "W") == min(m, p)
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (3, 3), (4, 8), (5, 9)])
+def test_zb_h1_bubble_is_p_minus_1_times_f_plus_b_minus_w(p, m):
+    f, b = 1.0, 2.0       # B and W get half of the backward each
+    assert simulate([f] * p, [b] * p, m, "zb-h1").iteration_s == pytest.approx(m * (f + b) + (p - 1) * f)
+    assert simulate([f] * p, [b] * p, m, "1f1b").iteration_s == pytest.approx(m * (f + b) + (p - 1) * (f + b))
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 4), (3, 2, 6), (4, 3, 8), (4, 2, 12)])
+def test_interleaving_divides_the_bubble_by_v(p, v, m):
+    f, b = 1.0, 2.0       # the model's time per micro-batch per worker; each of the v chunks has 1/v of it
+    sim = simulate([f / v] * (p * v), [b / v] * (p * v), m, "interleaved-1f1b", workers=p)
+    assert sim.iteration_s == pytest.approx(m * (f + b) + (p - 1) * (f + b) / v)
+    assert len(sim.busy_s) == p
+
+
+def test_orders_on_small_cases():
+    assert worker_orders("gpipe", 2, 2) == [[("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("B", 0, 1)],
+                                            [("F", 1, 0), ("F", 1, 1), ("B", 1, 0), ("B", 1, 1)]]
+    assert worker_orders("1f1b", 3, 4)[0] == [("F", 0, 0), ("F", 0, 1), ("F", 0, 2), ("B", 0, 0), ("F", 0, 3),
+                                              ("B", 0, 1), ("B", 0, 2), ("B", 0, 3)]
+    # the last stage of ZB-H1 defers its weight passes by p - 1 = 1 micro-batch
+    assert worker_orders("zb-h1", 2, 3)[1] == [("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1), ("W", 1, 0),
+                                               ("F", 1, 2), ("B", 1, 2), ("W", 1, 1), ("W", 1, 2)]
+    # worker 1 of 2 with 2 chunks: stages 1 and 3
+    assert {s for _, s, _ in worker_orders("interleaved-1f1b", 4, 2, 2)[1]} == {1, 3}
+
+
+@pytest.mark.parametrize("schedule,stages,workers,m,message", [
+    ("pipedream", 2, 2, 2, "unknown schedule 'pipedream'"),
+    ("interleaved-1f1b", 6, 4, 4, "multiple of 4 stages"),
+    ("interleaved-1f1b", 4, 2, 3, "use chunks=4"),
+    ("1f1b", 4, 2, 4, "one stage per worker"),
+    ("gpipe", 2, 2, 0, "must be positive"),
+])
+def test_bad_shapes_say_what_is_wrong(schedule, stages, workers, m, message):
+    with pytest.raises(ValueError, match=message):
+        check_schedule(schedule, stages, workers, m)
+
+
+def test_all_schedules_are_listed():
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1"}
