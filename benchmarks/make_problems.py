@@ -59,13 +59,14 @@ class GPT(nn.Module):
     """A 24-block GPT-2-medium-sized decoder (width 1024, 16 heads), LM head tied to the embedding."""
 
     def __init__(self, vocab: int = 50257, width: int = 1024, depth: int = 24, heads: int = 16,
-                 seq: int = 512) -> None:
+                 seq: int = 512, tied: bool = True) -> None:
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, width), nn.Parameter(torch.zeros(seq, width))
         self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(depth)])
         self.ln = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.tok.weight
+        if tied:
+            self.head.weight = self.tok.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.ln(self.blocks(self.tok(tokens) + self.pos)))

@@ -1,115 +1,224 @@
-"""Training throughput, torchgpipe style: naive-1/naive-2 against fxpipe pipelines.
+"""Training throughput, torchgpipe style: naive-1/naive-2, fxpipe pipelines, torch.distributed.pipelining.
 
 Every experiment runs ``--epochs`` epochs of ``--steps`` training steps (forward,
 cross-entropy, backward, SGD) on random data, prints a line per epoch, and
-averages epochs 2..E (the first warms up). ``torch.set_num_threads(--threads)``
-(default 1) everywhere except naive-2, the unpartitioned model on two intra-op
-threads. ``pipeline-k`` runs k stages on k CPU worker threads with
-``pipe.step`` (explicit schedule, each stage's backward on its own thread) in
-GPipe and 1F1B; ``autograd-k`` is ``loss(pipe(x)).backward()`` (forward
-pipelined, backward on autograd's one thread), for comparison.
+averages epochs 2..E (the first warms up). One intra-op thread everywhere
+except naive-2, the unpartitioned model on two intra-op threads.
 
+- ``naive-k``: the unpartitioned model.
+- ``pipeline-k-<schedule>``: fxpipe, ``k`` stages on ``k`` CPU worker threads,
+  ``pipe.step`` with GPipe, 1F1B, ZB-H1, or interleaved 1F1B (``2k`` stages, two per worker).
+- ``tdp-2-<schedule>``: torch.distributed.pipelining's ``ScheduleGPipe`` /
+  ``Schedule1F1B`` on the *same two stage modules* (fxpipe's plan, loaded in each
+  process), two processes talking over gloo, one thread each.
+
+Models: ``transformer`` (a GPT-style decoder, untied head: pipelining gets tied
+weights wrong; its blocks are leaf modules, so stages meet between blocks and
+pass one tensor, which torch.distributed.pipelining needs: it cannot send the
+shape integers a cut inside a block carries) or any torchvision classifier name
+(``resnet50``...).
+
+    python benchmarks/speed.py --model transformer
     python benchmarks/speed.py --model resnet50 --image-size 96 --batch 32 --chunks 4
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torchvision
+from torch import nn
 
-import fxpipe
+sys.path.insert(0, str(Path(__file__).parent))
+import fxpipe  # noqa: E402
+from make_problems import GPT, Block  # noqa: E402
+
+TRANSFORMER = dict(vocab=2048, width=256, depth=8, heads=4, seq=128)
 
 
-def run_epochs(name: str, step, batch: int, epochs: int, steps: int) -> float:
-    print(f"{name}, 2-{epochs} epochs")
+def build(args: argparse.Namespace) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Callable]:
+    """The model (seeded, so every process builds the same one), a batch, its target and the loss."""
+    torch.manual_seed(0)
+    if args.model == "transformer":
+        model = GPT(**TRANSFORMER, tied=False).train()
+        x = torch.randint(0, TRANSFORMER["vocab"], (args.batch, TRANSFORMER["seq"]))
+        y = torch.randint(0, TRANSFORMER["vocab"], (args.batch, TRANSFORMER["seq"]))
+
+        def loss_fn(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return nn.functional.cross_entropy(out.flatten(0, 1), t.flatten())
+        return model, x, y, loss_fn
+    model = torchvision.models.get_model(args.model).train()
+    x = torch.randn(args.batch, 3, args.image_size, args.image_size)
+    return model, x, torch.randint(0, 1000, (args.batch,)), nn.functional.cross_entropy
+
+
+def leaves(args: argparse.Namespace) -> list[type]:
+    return [Block] if args.model == "transformer" else []
+
+
+def run_epochs(name: str, step: Callable[[], Any], batch: int, epochs: int, steps: int,
+               barrier: Callable[[], Any] = lambda: None, echo: bool = True) -> float:
+    if echo:
+        print(f"{name}, 2-{epochs} epochs")
     rates = []
     for epoch in range(1, epochs + 1):
+        barrier()
         start = time.perf_counter()
         for _ in range(steps):
             step()
+        barrier()
         elapsed = time.perf_counter() - start
         rate = batch * steps / elapsed
         if epoch > 1:
             rates.append(rate)
-        print(f"{time.strftime('%H:%M:%S', time.gmtime(elapsed))} | {epoch}/{epochs} epoch | "
-              f"{rate:.3f} samples/sec, {elapsed:.3f} sec/epoch", flush=True)
+        if echo:
+            print(f"{time.strftime('%H:%M:%S', time.gmtime(elapsed))} | {epoch}/{epochs} epoch | "
+                  f"{rate:.3f} samples/sec, {elapsed:.3f} sec/epoch", flush=True)
     avg = statistics.mean(rates)
-    print(f"{name}, 2-{epochs} epochs | {avg:.3f} samples/sec, {batch * steps / avg:.3f} sec/epoch (average)\n")
+    if echo:
+        print(f"{name}, 2-{epochs} epochs | {avg:.3f} samples/sec, {batch * steps / avg:.3f} sec/epoch (average)\n",
+              flush=True)
     return avg
+
+
+class _Positional(nn.Module):
+    """A stage module as torch.distributed.pipelining calls it: the previous stage's outputs as positional
+    inputs (reordered to the stage's own input order), a lone output unwrapped."""
+
+    def __init__(self, stage: nn.Module, order: list[int]) -> None:
+        super().__init__()
+        self.stage, self.order = stage, order
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        out = self.stage(*[args[i] for i in self.order])
+        return out[0] if len(out) == 1 else out
+
+
+def _tdp_process(rank: int, args: argparse.Namespace, port: int, plan_path: str, schedule: str, result: Any) -> None:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    model, x, y, loss_fn = build(args)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), plan=fxpipe.load_plan(plan_path), leaf_modules=leaves(args))
+    spec = pipe.specs[rank]
+    if rank == 1 and sorted(spec.inputs) != sorted(pipe.specs[0].outputs):
+        raise SystemExit(f"stage 1 reads {spec.inputs}, stage 0 sends {pipe.specs[0].outputs}: "
+                         "torch.distributed.pipelining passes only the previous stage's outputs")
+    sent = pipe.specs[0].outputs if rank == 1 else spec.inputs
+    module = _Positional(spec.module, [sent.index(name) for name in spec.inputs])
+    stage = PipelineStage(module, rank, 2, torch.device("cpu"))
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    runner = kind(stage, n_microbatches=args.chunks, loss_fn=loss_fn)
+    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+
+    def step() -> None:
+        opt.zero_grad()
+        if rank == 0:
+            runner.step(x)
+        else:
+            runner.step(target=y, losses=[])
+        opt.step()
+    rate = run_epochs(f"tdp-2-{schedule}", step, args.batch, args.epochs, args.steps, barrier=dist.barrier,
+                      echo=rank == 0)
+    if rank == 0:
+        result.value = rate
+    dist.destroy_process_group()
+
+
+def run_tdp(args: argparse.Namespace, plan_path: str, schedule: str) -> float:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = mp.get_context("spawn").Value("d", 0.0)
+    mp.start_processes(_tdp_process, args=(args, port, plan_path, schedule, result), nprocs=2, join=True,
+                       start_method="spawn")
+    return result.value
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--model", default="transformer")
     parser.add_argument("--image-size", type=int, default=96)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="training steps per epoch")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    parser.add_argument("--checkpoint", default="except_last", choices=("always", "except_last", "never"))
+    parser.add_argument("--checkpoint", default="never", choices=("always", "except_last", "never"))
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
+    parser.add_argument("--no-tdp", action="store_true", help="skip torch.distributed.pipelining")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    x = torch.randn(args.batch, 3, args.image_size, args.image_size)
-    y = torch.randint(0, 1000, (args.batch,))
-    print(f"model: {args.model} {args.image_size}x{args.image_size}, batch size: {args.batch}, chunks: {args.chunks}, "
-          f"checkpoint: {args.checkpoint}, threads: {args.threads}")
+    torch.set_num_threads(1)
+    model, x, y, loss_fn = build(args)
+    print(f"model: {args.model}, batch size: {args.batch}, chunks: {args.chunks}, checkpoint: {args.checkpoint}, "
+          f"threads: 1 per worker")
     print(f"fxpipe: {fxpipe.__version__}, python: {sys.version.split()[0]}, torch: {torch.__version__}, device: cpu")
     print("-" * 80)
-
-    results = {}
-    model = torchvision.models.get_model(args.model).train()
-
-    def naive_step():
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-
+    results: dict[str, float] = {}
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def naive_step() -> None:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
     results["naive-1"] = run_epochs("naive-1", naive_step, args.batch, args.epochs, args.steps)
     torch.set_num_threads(2)
     results["naive-2"] = run_epochs("naive-2", naive_step, args.batch, args.epochs, args.steps)
-    torch.set_num_threads(args.threads)
-    loss_fn = torch.nn.functional.cross_entropy
+    torch.set_num_threads(1)
+    plan_path = str(Path(tempfile.mkdtemp()) / "plan.json")
     for workers in (1, 2):
-        model = torchvision.models.get_model(args.model).train()
-        pipe = fxpipe.compile(model, ["cpu"] * workers, (x,), chunks=args.chunks, stages=workers,
-                              checkpoint=args.checkpoint)
-        opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
-        print(pipe.plan.summary())
+        for schedule in args.schedules if workers == 2 else ["gpipe"]:
+            if workers == 1 and schedule == "interleaved-1f1b":
+                continue
+            model, x, y, loss_fn = build(args)
+            extra = {"virtual_stages": 2} if schedule == "interleaved-1f1b" else {"stages": workers}
+            pipe = fxpipe.compile(model, ["cpu"] * workers, (x,), chunks=args.chunks, schedule=schedule,
+                                  checkpoint=args.checkpoint, leaf_modules=leaves(args), **extra)
+            if workers == 2 and schedule == "gpipe":
+                pipe.plan.save(plan_path)
+            opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
 
-        def autograd_step(pipe=pipe, opt=opt):
-            opt.zero_grad()
-            loss_fn(pipe(x), y).backward()
-            opt.step()
-
-        results[f"autograd-{workers}"] = run_epochs(f"autograd-{workers}", autograd_step, args.batch,
-                                                     args.epochs, args.steps)
-        for schedule in ("gpipe", "1f1b"):
-            def scheduled_step(pipe=pipe, opt=opt, schedule=schedule):
+            def scheduled_step(pipe: fxpipe.Pipeline = pipe, opt: torch.optim.Optimizer = opt) -> None:
                 opt.zero_grad()
-                pipe.step(x, y, loss_fn, schedule=schedule)
+                pipe.step(x, y, loss_fn)
                 opt.step()
-
-            name = f"pipeline-{workers}-{schedule}"
+            name = f"pipeline-{workers}" if workers == 1 else f"pipeline-{workers}-{schedule}"
+            print(f"{name}: {len(pipe.plan.stages)} stages, predicted stage times (ms): "
+                  + ", ".join(f"{(s.fwd_s + s.bwd_s) * 1e3:.1f}" for s in pipe.plan.stages))
             results[name] = run_epochs(name, scheduled_step, args.batch, args.epochs, args.steps)
+    if not args.no_tdp:
+        for schedule in ("gpipe", "1f1b"):
+            results[f"tdp-2-{schedule}"] = run_tdp(args, plan_path, schedule)
 
     base = results["naive-1"]
-    bar = "=" * 19 + "  " + "=" * 19 + "  " + "=" * 7
+    bar = "=" * 24 + "  " + "=" * 19 + "  " + "=" * 7
     print(bar)
-    print(f"{'Experiment':<19}  {'Throughput':<19}  Speedup")
+    print(f"{'Experiment':<24}  {'Throughput':<19}  Speedup")
     print(bar)
     for name, rate in results.items():
-        print(f"{name:<19}  {rate:8.3f} samples/sec  {rate / base:.3f}x")
+        print(f"{name:<24}  {rate:8.3f} samples/sec  {rate / base:.3f}x")
     print(bar)
     m = args.chunks
-    print(f"bubble bound of pipeline-2 with {m} micro-batches: 2m/(m+1) = {2 * m / (m + 1):.3f}x naive-1")
+    bound = 2 * m / (m + 1)
+    print(f"bubble bound of pipeline-2 with {m} micro-batches: 2m/(m+1) = {bound:.3f}x naive-1")
+    for schedule in ("gpipe", "1f1b"):
+        ours, theirs = results.get(f"pipeline-2-{schedule}"), results.get(f"tdp-2-{schedule}")
+        if ours:
+            line = f"pipeline-2-{schedule}: {ours / base / bound:.3f} of the bubble bound"
+            if theirs:
+                line += f", {ours / theirs:.3f}x torch.distributed.pipelining's {schedule}"
+            print(line)
     return 0
 
 

@@ -229,12 +229,47 @@ def compile(
             the_plan.predicted["iteration_s"] = simulated.iteration_s
             the_plan.predicted["throughput_samples_per_s"] = batch / simulated.iteration_s
         the_plan.schedule, the_plan.virtual_stages = schedule, v
+        _stage_buffers(gm, costs, the_plan)
     stage_of = the_plan.stage_of()
     specs = split_graph(gm, stage_of, len(the_plan.stages))
     stage_devices = [torch.device(s.device) for s in the_plan.stages]
     for spec, dev in zip(specs, stage_devices):
         move_stage(spec, dev)
     return Pipeline(gm, specs, stage_devices, the_plan, checkpoint=checkpoint, mode_dependent=mode_dependent)
+
+
+def _stage_buffers(gm: Any, costs: dict[str, Any], plan: Plan) -> None:
+    """Fill each stage's input and workspace bytes (the memory model's terms beyond saved activations)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    stage_of = plan.stage_of()
+
+    def size(names: set[str]) -> float:
+        return float(sum(costs[name].output_bytes for name in names if name in costs))
+    for st in plan.stages:
+        members = set(st.nodes)
+        entering = {a.name for name in st.nodes for a in nodes[name].all_input_nodes
+                    if a.name not in members and a.op not in ("get_attr", "placeholder")}
+        leaving = {name for name in st.nodes for u in nodes[name].users
+                   if u.op == "output" or stage_of.get(u.name, st.index) != st.index}
+        final = {name for name in st.nodes if any(u.op == "output" for u in nodes[name].users)}
+        st.input_bytes, st.output_bytes = size(entering), size(leaving)
+        st.overlap_bytes = size({n for n in entering | leaving if n in costs and costs[n].output_saved_by in members})
+        # an operation's output and its gradient, and a weight gradient before it is added into .grad
+        # (:func:`_weight_copies`);
+        # on the stage that computes the loss, the loss's own forward and the gradient of the model
+        # output, made at the start of that stage's backward
+        st.workspace_bytes = float(2 * max((costs[n].output_bytes for n in st.nodes if n in costs), default=0)
+                                   + max((costs[n].param_bytes * _weight_copies(gm, nodes[n])
+                                          for n in st.nodes if n in costs), default=0))
+        st.loss_bytes = 2.0 * size(final) if st.index == len(plan.stages) - 1 else 0.0
+
+
+def _weight_copies(gm: Any, node: Any) -> int:
+    """Weight-sized buffers one backward of ``node`` allocates: the new gradient, and for a convolution
+    the backend's reordered copy."""
+    if node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.modules.conv._ConvNd):
+        return 2
+    return 1
 
 
 def _virtual_links(links: Links, v: int) -> Links:

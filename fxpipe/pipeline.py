@@ -31,6 +31,7 @@ from fxpipe.batchnorm import commit_statistics, tracking
 from fxpipe.codegen import StageSpec
 from fxpipe.errors import FxpipeError, StageError
 from fxpipe.microbatch import batch_size_of, gather, scatter
+from fxpipe.memory_model import checkpointed
 from fxpipe.plan import Plan, aligned_table
 from fxpipe.rng import is_random, rng_guard
 from fxpipe.step import REDUCTIONS, OpTiming, StepFailure, run_step, to_device
@@ -107,7 +108,7 @@ class Pipeline(nn.Module):
 
     def _checkpointed(self, micro_batch: int, micro_batches: int) -> bool:
         """Whether micro-batch ``micro_batch`` runs under activation checkpointing (torchgpipe's modes)."""
-        return self.checkpoint == "always" or (self.checkpoint == "except_last" and micro_batch != micro_batches - 1)
+        return checkpointed(self.checkpoint, micro_batch, micro_batches)
 
     # ------------------------------------------------------------------ forward
     def _check_mode(self) -> None:

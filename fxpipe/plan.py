@@ -41,6 +41,11 @@ class PlanStage:
     comm_s: float = 0.0
     stage_s: float = 0.0
     peak_bytes: float = 0.0
+    input_bytes: float = 0.0       # per micro-batch: values received from other stages (kept until backward)
+    output_bytes: float = 0.0      # per micro-batch: values sent on or returned (kept until backward)
+    overlap_bytes: float = 0.0     # the part of inputs and outputs the stage's own nodes save (in act_bytes)
+    workspace_bytes: float = 0.0   # transient buffers of an operation's forward/backward
+    loss_bytes: float = 0.0        # the loss's transient buffers, on the stage that computes it
 
 
 @dataclass

@@ -59,6 +59,7 @@ class NodeCost:
     act_bytes: int = 0
     output_bytes: int = 0
     flops: int = 0
+    output_saved_by: str = ""   # the node that saves this node's output for backward ("" if none)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -80,10 +81,15 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 def _unique_bytes(tensors: list[torch.Tensor]) -> int:
-    seen: dict[int, int] = {}
+    """Bytes the tensors occupy: each storage once, but no more of it than the views show (a
+    micro-batch that is a slice of the batch moves and holds only its own rows)."""
+    views: dict[int, int] = {}
+    whole: dict[int, int] = {}
     for t in tensors:
-        seen[storage_key(t)] = t.untyped_storage().nbytes()
-    return sum(seen.values())
+        key = storage_key(t)
+        views[key] = views.get(key, 0) + t.numel() * t.element_size()
+        whole[key] = t.untyped_storage().nbytes()
+    return sum(min(views[k], whole[k]) for k in views)
 
 
 def run_node(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict) -> Any:
@@ -117,6 +123,7 @@ class _Recorder(fx.Interpreter):
         # Storages counted so far stay alive for the run, so that no later tensor can reuse
         # a freed one's identity and go uncounted (storages hold no autograd graph).
         self._alive: list[torch.UntypedStorage] = []
+        self.saver: dict[int, str] = {}   # storage -> the node whose run saved it first
 
     def pack(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage and keep nothing: this run's graph is never backpropagated,
@@ -126,12 +133,17 @@ class _Recorder(fx.Interpreter):
         key = st._cdata
         if self.current is not None and key not in self._seen and st.nbytes() > 0:
             self._seen.add(key)
+            self.saver[key] = self.current
             self._alive.append(st)
             self.act_bytes[self.current] = self.act_bytes.get(self.current, 0) + st.nbytes()
         return None
 
     def run_node(self, n: fx.Node) -> Any:
         self.current = n.name
+        if n.op == "placeholder":   # the caller's micro-batch (a view of its batch): not an activation
+            out = super().run_node(n)
+            self._seen |= {storage_key(t) for t in _tensors(out)}
+            return out
         if not self.count_flops or n.op not in ("call_module", "call_function", "call_method"):
             return super().run_node(n)
         with FlopCounterMode(display=False) as counter:
@@ -244,6 +256,8 @@ def profile_graph(
                     cost.param_bytes += p.numel() * p.element_size()
             if node.op != "output":
                 cost.output_bytes = _unique_bytes(_tensors(env.get(node.name)))
+                cost.output_saved_by = next((recorder.saver[k] for k in map(storage_key, _tensors(env.get(node.name)))
+                                             if k in recorder.saver), "")
             cost.act_bytes = recorder.act_bytes.get(node.name, 0)
             if node.op in ("call_module", "call_function", "call_method"):
                 if mode == "measure":

@@ -46,6 +46,9 @@ def _describe(value: Any) -> Any:
     return repr(value)
 
 
+COST_MODEL = 3   # bump when what a profile measures changes (3: view bytes, inputs not activations, savers)
+
+
 def profile_key(fingerprint: str, device: torch.device, micro_inputs: tuple, mode: str, warmup: int,
                 repeats: int, spec_name: str | None = None) -> dict[str, Any]:
     """Everything the costs depend on, as a JSON-able dict."""
@@ -57,6 +60,7 @@ def profile_key(fingerprint: str, device: torch.device, micro_inputs: tuple, mod
         "inputs": [_describe(v) for v in tree_flatten(list(micro_inputs))[0]],
         "mode": mode, "warmup": warmup, "repeats": repeats, "spec": spec_name,
         "threads": torch.get_num_threads(), "fxpipe": __version__, "torch": torch.__version__,
+        "cost_model": COST_MODEL,
     }
 
 

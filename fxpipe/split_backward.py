@@ -6,10 +6,11 @@ parameters: the weight-gradient matmul of a linear layer, the weight part of a
 convolution's backward, whole branches that touch no input. On the way it
 records the gradient arriving at each *frontier* node: a node on the path to
 the inputs that also feeds parameters. The returned :class:`WeightPass` later
-runs (1) each frontier node again asking only for its parameter-side edges, and
-(2) one backward from those edges (and from outputs that do not depend on the
-inputs at all) into the parameters' ``.grad``. Together they compute exactly
-what one full backward computes, each operation once.
+runs, frontier by frontier, (1) the node again asking only for its
+parameter-side edges and (2) a backward from those edges into the parameters'
+``.grad`` (outputs that do not depend on the inputs at all go straight to (2)).
+Together they compute exactly what one full backward computes, each operation
+once; one frontier at a time keeps a single weight gradient in flight.
 
 torch.distributed.pipelining has the same idea in private functions
 (``_backward.stage_backward_input/weight``) that change between releases and
@@ -41,19 +42,19 @@ class WeightPass:
         self._frontier, self._roots, self._params, self.deferred = frontier, roots, params, deferred
 
     def run(self) -> None:
-        edges: list[Any] = [root for root, _ in self._roots]
-        grads: list[torch.Tensor] = [g for _, g in self._roots]
-        for node, received, children in self._frontier:
+        params = [p for p in self._params if p.requires_grad]
+        if self._roots and params:
+            torch.autograd.backward([r for r, _ in self._roots], [g for _, g in self._roots], inputs=params)
+        for node, received, children in self._frontier:   # one frontier at a time: one weight gradient alive
             outputs = [(GradientEdge(node, k), g) for k, g in enumerate(received) if g is not None]
-            if not outputs:
+            if not outputs or not params:
                 continue
             got = torch.autograd.grad([o for o, _ in outputs], children, [g for _, g in outputs],
                                       allow_unused=True, materialize_grads=False)
-            edges += [c for c, g in zip(children, got) if g is not None]
-            grads += [g for g in got if g is not None]
-        params = [p for p in self._params if p.requires_grad]
-        if edges and params:
-            torch.autograd.backward(edges, grads, inputs=params)
+            edges = [(c, g) for c, g in zip(children, got) if g is not None]
+            del got
+            if edges:
+                torch.autograd.backward([c for c, _ in edges], [g for _, g in edges], inputs=params)
         self._frontier, self._roots = [], []
 
 

@@ -140,7 +140,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         for name, value in stage_inputs.items():
             if name not in producer:
                 continue
-            sources = tree_flatten(envs[i][name])[0]
+            sources = tree_flatten(outs[(producer[name], i)][name])[0]   # alive until the producer's B
             for pos, (leaf, src) in enumerate(zip(tree_flatten(value)[0], sources)):
                 if isinstance(leaf, torch.Tensor) and leaf.grad is not None:
                     g = leaf.grad.to(src.device)
@@ -163,6 +163,11 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         outs[(k, i)] = dict(zip(spec.outputs, result))
         for name, value in outs[(k, i)].items():
             envs[i][name] = value
+        with grad_lock:   # a value every consumer has read is dropped: the producer's outs keep it to its B
+            for name in spec.inputs:
+                unread[(i, name)] = unread.get((i, name), 0) - 1
+                if unread[(i, name)] == 0 and name in producer and name not in final_names:
+                    del envs[i][name]
 
     def loss_backward(i: int) -> None:
         device = devices[-1]
@@ -203,6 +208,9 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         weight_passes.pop((k, i)).run()
 
     in_output = {producer[n.name] for n in _output_nodes(output_arg) if n.name in producer}
+    final_names = {n.name for n in _output_nodes(output_arg)}
+    readers = {name: sum(name in spec.inputs for spec in specs) for name in producer}
+    unread: dict[tuple[int, str], int] = {(i, name): n for i in range(m) for name, n in readers.items()}
 
     def needs(kind: str, k: int, i: int) -> list[tuple[str, int, int]]:
         if kind == "W":

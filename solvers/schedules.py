@@ -7,7 +7,9 @@ device: ``gpipe``, ``1f1b`` and ``zb-h1`` have one stage per worker, while
 ``interleaved-1f1b`` puts ``v`` stages on each of ``p`` workers (stage ``s`` on
 worker ``s % p``, Megatron-LM's layout).
 
-- ``gpipe``: every forward, then every backward (fill-drain). All ``m``
+- ``gpipe``: every forward, then every backward from the last micro-batch
+  (fill-drain, torchgpipe's order: the last forward's activations are used at
+  once, so ``checkpoint="except_last"`` never recomputes it). All ``m``
   micro-batches are in flight at once.
 - ``1f1b``: ``p - s - 1`` warm-up forwards on stage ``s``, then one forward and one
   backward in turn, then the remaining backwards: at most ``p - s`` in flight.
@@ -64,8 +66,8 @@ def worker_orders(schedule: str, stages: int, micro_batches: int, workers: int |
     workers = stages if workers is None else workers
     check_schedule(schedule, stages, workers, micro_batches)
     m, p = micro_batches, workers
-    if schedule == "gpipe":
-        return [[("F", s, i) for i in range(m)] + [("B", s, i) for i in range(m)] for s in range(p)]
+    if schedule == "gpipe":   # backward from the last micro-batch, as torchgpipe: it needs no recomputation
+        return [[("F", s, i) for i in range(m)] + [("B", s, i) for i in reversed(range(m))] for s in range(p)]
     if schedule == "1f1b":
         return [_one_f_one_b(s, p, m) for s in range(p)]
     if schedule == "zb-h1":

@@ -26,13 +26,19 @@ def test_costs_of_linear_relu_by_hand(mode):
     costs = profile_graph(gm, (torch.randn(5, 8),), torch.device("cpu"), mode=mode, warmup=0, repeats=1)
     assert costs["lin"].param_bytes == (8 * 4 + 4) * 4
     assert costs["lin"].output_bytes == 5 * 4 * 4
-    assert costs["lin"].act_bytes == 5 * 8 * 4      # Linear saves its input, not its weight
+    assert costs["lin"].act_bytes == 0              # Linear saves its input (the caller's batch), not its weight
     assert costs["relu"].act_bytes == 5 * 4 * 4     # ReLU saves its output
     assert costs["x"].output_bytes == 5 * 8 * 4 and costs["x"].fwd_s == 0.0
     assert costs["lin"].fwd_s > 0 and costs["lin"].bwd_s > 0
     if mode == "estimate":
         assert costs["lin"].flops == 2 * 5 * 8 * 4
         assert costs["lin"].bwd_s == pytest.approx(2 * costs["lin"].fwd_s)
+
+
+def test_a_linear_after_a_linear_saves_its_input():
+    gm = trace(nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 4)))
+    costs = profile_graph(gm, (torch.randn(5, 8),), torch.device("cpu"), mode="estimate")
+    assert costs["_0"].act_bytes == 0 and costs["_1"].act_bytes == 5 * 6 * 4
 
 
 def test_shared_parameter_is_counted_once():

@@ -67,8 +67,8 @@ def test_interleaving_divides_the_bubble_by_v(p, v, m):
 
 
 def test_orders_on_small_cases():
-    assert worker_orders("gpipe", 2, 2) == [[("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("B", 0, 1)],
-                                            [("F", 1, 0), ("F", 1, 1), ("B", 1, 0), ("B", 1, 1)]]
+    assert worker_orders("gpipe", 2, 2) == [[("F", 0, 0), ("F", 0, 1), ("B", 0, 1), ("B", 0, 0)],
+                                            [("F", 1, 0), ("F", 1, 1), ("B", 1, 1), ("B", 1, 0)]]
     assert worker_orders("1f1b", 3, 4)[0] == [("F", 0, 0), ("F", 0, 1), ("F", 0, 2), ("B", 0, 0), ("F", 0, 3),
                                               ("B", 0, 1), ("B", 0, 2), ("B", 0, 3)]
     # the last stage of ZB-H1 defers its weight passes by p - 1 = 1 micro-batch

@@ -1,0 +1,68 @@
+"""Predicted peak memory per worker: parameters and optimizer state, plus activations walked along the schedule.
+
+Parameters, their gradients and the optimizer's state (the factor the plan
+was made with: Adam 2, SGD with momentum 1, SGD 0) stay for the whole step.
+Activations follow :func:`solvers.activation_memory.worker_peak_bytes`: each
+stage's saved bytes per micro-batch, only its inputs for a checkpointed
+micro-batch (and one recomputation at a time during backward), gradients held
+until a split backward's weight pass, and the stage's workspace on top.
+:mod:`fxpipe.memory_probe` measures the activation part, so the two can be
+compared term for term (``benchmarks/memory.py``, ``benchmarks/fidelity.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fxpipe.plan import Plan, PlanStage
+from solvers.activation_memory import StageBytes, worker_peak_bytes
+from solvers.schedules import SPLIT_BACKWARD, stage_worker, worker_orders
+
+__all__ = ["WorkerPrediction", "predict_worker_memory", "checkpointed", "stage_bytes"]
+
+
+def checkpointed(mode: str, micro_batch: int, micro_batches: int) -> bool:
+    """Whether ``micro_batch`` runs under activation checkpointing in ``mode`` (torchgpipe's modes)."""
+    return mode == "always" or (mode == "except_last" and micro_batch != micro_batches - 1)
+
+
+def stage_bytes(st: PlanStage) -> StageBytes:
+    """The memory model's sizes of one plan stage."""
+    boundary = st.input_bytes + st.output_bytes
+    return StageBytes(
+        full=st.act_bytes + boundary - st.overlap_bytes, checkpointed=boundary, recompute=st.act_bytes,
+        workspace=st.workspace_bytes, loss=st.loss_bytes,
+        # a split backward keeps the saved activations and received inputs (the graph holds them) and,
+        # where there are inputs to differentiate, the gradients at the weight frontier (about as large)
+        weight_pending=st.act_bytes + st.input_bytes + (st.act_bytes if st.input_bytes > 0 else 0.0),
+    )
+
+
+@dataclass(frozen=True)
+class WorkerPrediction:
+    worker: int
+    param_bytes: float        # parameters, gradients and optimizer state
+    activation_bytes: float   # peak of activations, recomputation and workspace over the step
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.param_bytes + self.activation_bytes
+
+
+def predict_worker_memory(plan: Plan, schedule: str | None = None, checkpoint: str | None = None,
+                          micro_batches: int | None = None) -> list[WorkerPrediction]:
+    """Predicted peak memory of every worker of ``plan`` for one step."""
+    schedule = schedule or plan.schedule
+    checkpoint = checkpoint or plan.checkpoint
+    m, p = micro_batches or plan.chunks, len(plan.stages)
+    workers = plan.workers if schedule == "interleaved-1f1b" else p
+    factor = 1.0 + float((plan.problem or {}).get("optimizer_state_factor", 0.0))
+    sizes = [stage_bytes(st) for st in plan.stages]
+    out = []
+    for w, order in enumerate(worker_orders(schedule, p, m, workers)):
+        act = worker_peak_bytes(order, lambda s: sizes[s], lambda s, i: checkpointed(checkpoint, i, m),
+                                split_backward=schedule in SPLIT_BACKWARD)
+        params = sum(st.param_bytes * factor for st in plan.stages
+                     if stage_worker(schedule, st.index, workers) == w)
+        out.append(WorkerPrediction(w, params, act))
+    return out
