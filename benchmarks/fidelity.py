@@ -6,9 +6,11 @@ measured per-node profiles, run ``--steps`` training steps with ``pipe.step``
 backward time per micro-batch with the median measured in the steps (see
 ``Pipeline.report``). Beside it, the analytic prediction: the same graph costed
 under ``FakeTensorMode`` with this CPU's roofline (``Devices.preset("cpu")``,
-a one-second microbenchmark). Prints one row per (model, workers, schedule,
+a one-second microbenchmark). Then ``calibrate=True``: the plan made again on
+stage times measured in two earlier steps, run and compared the same way.
+Peak memory per worker: :mod:`fxpipe.memory_model` against a profiled replay
+(:mod:`fxpipe.memory_probe`). Prints one row per (model, workers, schedule,
 stage) and the median and 90th percentile of the absolute errors.
-Peak memory is not compared yet (no per-stage CPU memory measurement).
 
     python benchmarks/fidelity.py [--steps 4] [--models resnet18 ...]
 """
@@ -26,10 +28,14 @@ from torch import nn
 
 import fxpipe
 from fxpipe.devices import calibrate_cpu
+from fxpipe.memory_model import predict_worker_memory
 from fxpipe.profile import profile_graph
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from models import SkipTied  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from make_problems import UNet  # noqa: E402
 
 
 def _vgg11():
@@ -49,7 +55,26 @@ MODELS = {   # name -> (model, inputs, target, loss)
                     lambda out, t: nn.functional.cross_entropy(out.reshape(-1, 512), t.reshape(-1))),
     "mobilenet_v3": (lambda: torchvision.models.mobilenet_v3_small(), lambda: torch.randn(32, 3, 64, 64),
                      lambda: torch.randint(0, 1000, (32,)), nn.functional.cross_entropy),
+    "unet": (lambda: UNet(), lambda: torch.randn(8, 3, 64, 64), lambda: torch.randint(0, 2, (8, 64, 64)),
+             nn.functional.cross_entropy),
 }
+
+
+def run(pipe: fxpipe.Pipeline, x: torch.Tensor, y: torch.Tensor, loss_fn, steps: int) -> list:
+    """Timings of ``steps - 1`` steps after a warm-up."""
+    timings = []
+    for step in range(steps):
+        pipe.step(x, y, loss_fn)
+        if step:
+            timings += pipe.last_step["timings"]
+    return timings
+
+
+def medians(timings: list, stage: int) -> tuple[float, float]:
+    """Median forward and backward (B plus W) seconds per micro-batch of ``stage``."""
+    fwd = statistics.median(t.end_s - t.start_s for t in timings if t.stage == stage and t.kind == "F")
+    bwd = statistics.median(t.end_s - t.start_s for t in timings if t.stage == stage and t.kind == "B")
+    return fwd, bwd
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -68,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU roofline: {cpu.flops['float32'] / 1e9:.1f} GFLOP/s, {cpu.memory_bandwidth_Bps / 1e9:.1f} GB/s, "
           f"{args.threads} thread(s) per worker")
     print(f"{'model':<13} {'w':>1} {'sched':<5} {'st':>2}  {'fwd pred':>8} {'meas':>7} {'err':>5}  "
-          f"{'bwd pred':>8} {'meas':>7} {'err':>5}  {'analytic f':>10} {'err':>5}")
-    measured_err, analytic_err = [], []
+          f"{'bwd pred':>8} {'meas':>7} {'err':>5}  {'analytic f':>10} {'err':>5}  {'calibrated':>11}  "
+          f"{'mem MiB':>7} {'pred':>7} {'err':>5}")
+    measured_err, analytic_err, calibrated_err, memory_err = [], [], [], []
     for name in args.models:
         build, make_x, make_y, loss_fn = MODELS[name]
         for workers in (2, 4):
@@ -79,28 +105,40 @@ def main(argv: list[str] | None = None) -> int:
                 x, y = make_x(), make_y()
                 pipe = fxpipe.compile(model, ["cpu"] * workers, (x,), chunks=4, stages=workers,
                                       schedule=schedule, checkpoint="never", profile_cache=False)
-                timings = []
-                for step in range(args.steps):
-                    pipe.step(x, y, loss_fn)
-                    if step:
-                        timings += pipe.last_step["timings"]
+                timings = run(pipe, x, y, loss_fn, args.steps)
+                pipe.step(x, y, loss_fn, measure_memory=True)
+                memory = pipe.last_step["memory"]
+                predicted_memory = predict_worker_memory(pipe.plan, schedule)
+                calibrated = fxpipe.compile(model, ["cpu"] * workers, (x,), chunks=4, stages=workers,
+                                            schedule=schedule, checkpoint="never", calibrate=True)
+                cal_timings = run(calibrated, x, y, loss_fn, args.steps)
                 # Analytic costs of the same graph, summed per stage.
                 analytic = profile_graph(fxpipe.trace(model), (x[: x.shape[0] // 4],), torch.device("cpu"),
                                          mode="analytic", spec=cpu)
                 for st in pipe.plan.stages:
-                    fwd = statistics.median(t.end_s - t.start_s for t in timings if t.stage == st.index and t.kind == "F")
-                    bwd = statistics.median(t.end_s - t.start_s for t in timings if t.stage == st.index and t.kind == "B")
+                    fwd, bwd = medians(timings, st.index)
                     a_fwd = sum(analytic[n].fwd_s for n in st.nodes)
                     ef, eb, ea = (st.fwd_s - fwd) / fwd, (st.bwd_s - bwd) / bwd, (a_fwd - fwd) / fwd
                     measured_err += [abs(ef), abs(eb)]
                     analytic_err.append(abs(ea))
+                    cst = calibrated.plan.stages[st.index]
+                    cf, cb = medians(cal_timings, st.index)
+                    ecf, ecb = (cst.fwd_s - cf) / cf, (cst.bwd_s - cb) / cb
+                    calibrated_err += [abs(ecf), abs(ecb)]
+                    em = (predicted_memory[st.index].activation_bytes - memory[st.index]) / memory[st.index]
+                    memory_err.append(abs(em))
                     print(f"{name:<13} {workers:>1} {schedule:<5} {st.index:>2}  {st.fwd_s * 1e3:8.2f} {fwd * 1e3:7.2f} "
                           f"{ef:+5.0%}  {st.bwd_s * 1e3:8.2f} {bwd * 1e3:7.2f} {eb:+5.0%}  {a_fwd * 1e3:10.2f} "
-                          f"{ea:+5.0%}", flush=True)
+                          f"{ea:+5.0%}  {ecf:+5.0%} {ecb:+5.0%}  {memory[st.index] / 2**20:7.1f} "
+                          f"{predicted_memory[st.index].activation_bytes / 2**20:7.1f} {em:+5.0%}", flush=True)
     print(f"\nmeasured-profile stage time error (forward and backward): median {statistics.median(measured_err):.1%}, "
           f"p90 {percentile(measured_err, 0.9):.1%} over {len(measured_err)}")
     print(f"analytic (roofline) forward error: median {statistics.median(analytic_err):.1%}, "
           f"p90 {percentile(analytic_err, 0.9):.1%} over {len(analytic_err)}")
+    print(f"calibrated plan (calibrate=True) stage time error: median {statistics.median(calibrated_err):.1%}, "
+          f"p90 {percentile(calibrated_err, 0.9):.1%} over {len(calibrated_err)}")
+    print(f"peak activation memory per worker (model vs profiled replay): median {statistics.median(memory_err):.1%}, "
+          f"p90 {percentile(memory_err, 0.9):.1%}, within 5%: {sum(e <= 0.05 for e in memory_err)}/{len(memory_err)}")
     return 0
 
 

@@ -41,7 +41,8 @@ def _main(argv: list[str] | None = None) -> int:
     p_plan.add_argument("--preset", help="plan for devices described by a preset (v100, a100, h100, h200, cpu) "
                                          "instead of --devices, from shapes alone (the model is built on meta)")
     p_plan.add_argument("--count", type=int, default=8, help="number of --preset devices (default: 8)")
-    p_plan.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    p_plan.add_argument("--schedule", choices=("gpipe", "1f1b", "zb-h1"), default="1f1b",
+                        help="the schedule whose memory the plan must fit (default: 1f1b)")
     p_show = sub.add_parser("show", help="print the summary of a saved plan")
     p_show.add_argument("plan")
     args = parser.parse_args(argv)

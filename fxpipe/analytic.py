@@ -52,7 +52,7 @@ def plan(
     the memory kept per parameter (``OPTIMIZER_STATE``: Adam keeps gradients and two
     moments). Raises :class:`fxpipe.InfeasiblePlanError` when nothing fits.
     """
-    from fxpipe.compile import _plan_from_solution
+    from fxpipe.planner import plan_from_solution, stage_buffers
 
     if not isinstance(devices, Devices):
         raise TypeError("devices must be fxpipe.Devices, e.g. fxpipe.Devices.preset('h100', 8)")
@@ -75,5 +75,7 @@ def plan(
         solution = solvers.solve(problem, "dp", time_limit_s)
     except solvers.InfeasibleError as exc:
         raise InfeasiblePlanError(str(exc), exc.min_peak_bytes) from exc
-    return _plan_from_solution(problem, solution, devices.ids, graph_fingerprint(gm), type(model).__name__,
-                               chunks, checkpoint, batch, "analytic", reference.name, model.training)
+    result = plan_from_solution(problem, solution, devices.ids, graph_fingerprint(gm), type(model).__name__,
+                                 chunks, checkpoint, batch, "analytic", reference.name, model.training)
+    stage_buffers(gm, costs, result)
+    return result

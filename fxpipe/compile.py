@@ -10,23 +10,20 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
-import solvers
-from fxpipe import __version__
 from fxpipe.batchnorm import convert_deferred_batch_norm
+from fxpipe.calibrate import scale_costs, stage_time_factors
 from fxpipe.codegen import move_stage, split_graph
-from fxpipe.errors import InfeasiblePlanError, PlanMismatchError
+from fxpipe.errors import PlanMismatchError
 from fxpipe.fingerprint import graph_fingerprint
-from fxpipe.lowering import build_problem, device_memory_bytes, problem_device_ids
+from fxpipe.lowering import device_memory_bytes
 from fxpipe.microbatch import batch_size_of, scatter
 from fxpipe.pipeline import CHECKPOINT_MODES, Pipeline
-from fxpipe.plan import Plan, PlanStage
+from fxpipe.plan import Plan
+from fxpipe.planner import Planner
 from fxpipe.profile import PROFILE_MODES, profile_graph
 from fxpipe.profile_cache import ProfileCache, profile_key
-from fxpipe.topology import Links, links_for_devices, links_from_classes
 from fxpipe.trace import trace
-from solvers.dp import solve_dp
 from solvers.schedules import SCHEDULES, check_schedule
-from solvers.simulate import simulate_solution
 
 __all__ = ["compile", "parse_devices"]
 
@@ -97,6 +94,8 @@ def compile(
     stages: int | None = None,
     virtual_stages: int | None = None,
     deferred_batch_norm: bool = False,
+    calibrate: bool = False,
+    calibration_steps: int = 2,
     profile: str = "measure",
     warmup: int = 1,
     repeats: int = 3,
@@ -117,7 +116,11 @@ def compile(
         example_inputs: a tuple of inputs of one full batch; needed unless ``plan`` is given.
         chunks: micro-batches per batch (default: ``plan.chunks`` or ``min(batch, 4 x devices)``).
         plan: a plan from :func:`fxpipe.load_plan`; skips profiling and solving.
-        checkpoint: ``"always"``, ``"except_last"`` (default, as torchgpipe) or ``"never"``.
+        checkpoint: ``"always"``, ``"except_last"`` (default, as torchgpipe), ``"never"``, or
+            ``"auto"``: the plan chooses per device the cheapest mode whose predicted peak
+            memory (:mod:`fxpipe.memory_model`) fits, and if no plan fits without
+            checkpointing, plans with every stage recomputing (backward time + forward,
+            one micro-batch's activations at a time) and chooses again.
         schedule: ``"gpipe"`` (default), ``"1f1b"``, ``"interleaved-1f1b"`` or ``"zb-h1"``
             (:mod:`solvers.schedules`): the order :meth:`Pipeline.step` runs and the memory
             model the planner uses (GPipe: all micro-batches in flight; 1F1B: ``p - s`` on
@@ -126,6 +129,11 @@ def compile(
         deferred_batch_norm: in training, update BatchNorm running statistics once per
             mini-batch from all its micro-batches (:mod:`fxpipe.batchnorm`, as torchgpipe)
             instead of once per micro-batch; the user's buffers are updated in place.
+        calibrate: close the loop: run ``calibration_steps`` training steps of the first plan on
+            ``example_inputs`` (loss: the sum of the outputs; gradients and BatchNorm statistics
+            are restored afterwards), scale every node's forward/backward time by its stage's
+            measured/predicted ratio and solve again (:mod:`fxpipe.calibrate`); the factors are
+            in ``plan.profile["calibration"]``.
         stages: a fixed number of stages; default lets the solver choose up to ``len(devices)``.
             With ``interleaved-1f1b``: ``v`` times the number of devices used.
         virtual_stages: ``v``, the stages per device of ``interleaved-1f1b`` (default 2); the
@@ -141,8 +149,11 @@ def compile(
             ``~/.cache/fxpipe/profiles``; a path; ``False``: always profile).
     """
     devs = parse_devices(devices)
-    if checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}")
+    if checkpoint not in CHECKPOINT_MODES and checkpoint != "auto":
+        raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)} or 'auto', got {checkpoint!r}")
+    if checkpoint == "auto" and plan is not None:
+        raise ValueError("checkpoint='auto' is a planning choice; a loaded plan= keeps the modes it was made with "
+                         "(pass its checkpoint or compile without plan=)")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not supported by the embedded executor; use one of {SCHEDULES}")
     if virtual_stages is not None and schedule != "interleaved-1f1b":
@@ -158,6 +169,9 @@ def compile(
     if deferred_batch_norm and convert_deferred_batch_norm(gm) == 0:
         log.info("deferred_batch_norm=True but %s has no BatchNorm layer", type(model).__name__)
 
+    if plan is not None and calibrate:
+        raise ValueError("calibrate=True re-plans from a profile; it cannot refine a loaded plan= "
+                         "(compile with example_inputs instead)")
     if plan is not None:
         if plan.fingerprint != fingerprint:
             raise PlanMismatchError(
@@ -206,103 +220,26 @@ def compile(
         mem = list(memory_bytes) if memory_bytes is not None else device_memory_bytes(devs)
         if len(mem) < len(devs) or (len(mem) > len(devs) and v == 1):
             raise ValueError(f"memory_bytes has {len(mem)} entries for {len(devs)} devices")
-        # interleaved: one solver device per (chunk, device), memory shared, placement fixed
-        solver_devs = [devs[k % len(devs)] for k in range(v * len(devs))]
-        links = _virtual_links(links_for_devices(devs), v)
-        problem = build_problem(gm, costs, solver_devs, links, chunks, [mem[k % len(devs)] / v for k in
-                                range(len(solver_devs))], stages=v * len(devs) if v > 1 else stages,
-                                optimizer_state_factor=optimizer_state_factor,
-                                schedule="1f1b" if v > 1 else schedule, name=type(model).__name__)
-        try:
-            solution = solve_dp(problem, placement=False) if v > 1 else solvers.solve(problem, "dp")
-        except solvers.InfeasibleError as exc:
-            raise InfeasiblePlanError(str(exc), exc.min_peak_bytes) from exc
-        the_plan = _plan_from_solution(problem, solution, solver_devs, fingerprint, type(model).__name__,
-                                       chunks, checkpoint, batch, profile, str(devs[0]), model.training,
-                                       {"threads": torch.get_num_threads(), "from_cache": cached})
-        if v > 1:
-            the_plan.devices = [str(d) for d in all_devices]
-            simulated = simulate_solution(problem, solution, schedule, workers=len(devs))
-        elif schedule == "zb-h1":
-            simulated = simulate_solution(problem, solution)
-        if schedule != problem.schedule or schedule == "zb-h1":   # the solver's formula is 1F1B's bubble
-            the_plan.predicted["iteration_s"] = simulated.iteration_s
-            the_plan.predicted["throughput_samples_per_s"] = batch / simulated.iteration_s
-        the_plan.schedule, the_plan.virtual_stages = schedule, v
-        _stage_buffers(gm, costs, the_plan)
-    stage_of = the_plan.stage_of()
-    specs = split_graph(gm, stage_of, len(the_plan.stages))
-    stage_devices = [torch.device(s.device) for s in the_plan.stages]
+        planner = Planner(gm=gm, fingerprint=fingerprint, model_name=type(model).__name__, devices=devs,
+                          all_devices=all_devices if v > 1 else devs, memory_bytes=mem, chunks=chunks,
+                          stages=stages, virtual_stages=v, schedule=schedule, checkpoint=checkpoint,
+                          optimizer_state_factor=optimizer_state_factor, batch=batch, profile=profile,
+                          training=model.training, profile_extra={"threads": torch.get_num_threads(),
+                                                                  "from_cache": cached})
+        the_plan = planner.plan(costs)
+        if calibrate:
+            pipe = _pipeline(gm, the_plan, checkpoint, mode_dependent)
+            factors = stage_time_factors(pipe, example_inputs, steps=calibration_steps)
+            measured_on = the_plan
+            the_plan = planner.plan(scale_costs(costs, measured_on, factors))
+            the_plan.profile["calibration"] = {"steps": calibration_steps, "stage_nodes": [len(s.nodes) for s in
+                                               measured_on.stages], "factors": factors}
+    return _pipeline(gm, the_plan, checkpoint, mode_dependent)
+
+
+def _pipeline(gm: Any, plan: Plan, checkpoint: str, mode_dependent: bool) -> Pipeline:
+    specs = split_graph(gm, plan.stage_of(), len(plan.stages))
+    stage_devices = [torch.device(s.device) for s in plan.stages]
     for spec, dev in zip(specs, stage_devices):
         move_stage(spec, dev)
-    return Pipeline(gm, specs, stage_devices, the_plan, checkpoint=checkpoint, mode_dependent=mode_dependent)
-
-
-def _stage_buffers(gm: Any, costs: dict[str, Any], plan: Plan) -> None:
-    """Fill each stage's input and workspace bytes (the memory model's terms beyond saved activations)."""
-    nodes = {n.name: n for n in gm.graph.nodes}
-    stage_of = plan.stage_of()
-
-    def size(names: set[str]) -> float:
-        return float(sum(costs[name].output_bytes for name in names if name in costs))
-    for st in plan.stages:
-        members = set(st.nodes)
-        entering = {a.name for name in st.nodes for a in nodes[name].all_input_nodes
-                    if a.name not in members and a.op not in ("get_attr", "placeholder")}
-        leaving = {name for name in st.nodes for u in nodes[name].users
-                   if u.op == "output" or stage_of.get(u.name, st.index) != st.index}
-        final = {name for name in st.nodes if any(u.op == "output" for u in nodes[name].users)}
-        st.input_bytes, st.output_bytes = size(entering), size(leaving)
-        st.overlap_bytes = size({n for n in entering | leaving if n in costs and costs[n].output_saved_by in members})
-        # an operation's output and its gradient, and a weight gradient before it is added into .grad
-        # (:func:`_weight_copies`);
-        # on the stage that computes the loss, the loss's own forward and the gradient of the model
-        # output, made at the start of that stage's backward
-        st.workspace_bytes = float(2 * max((costs[n].output_bytes for n in st.nodes if n in costs), default=0)
-                                   + max((costs[n].param_bytes * _weight_copies(gm, nodes[n])
-                                          for n in st.nodes if n in costs), default=0))
-        st.loss_bytes = 2.0 * size(final) if st.index == len(plan.stages) - 1 else 0.0
-
-
-def _weight_copies(gm: Any, node: Any) -> int:
-    """Weight-sized buffers one backward of ``node`` allocates: the new gradient, and for a convolution
-    the backend's reordered copy."""
-    if node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.modules.conv._ConvNd):
-        return 2
-    return 1
-
-
-def _virtual_links(links: Links, v: int) -> Links:
-    """Links between ``v`` copies of every device (copies of one device hand over in place: ``X``)."""
-    if v == 1:
-        return links
-    n = len(links.classes)
-    return links_from_classes([["X" if i % n == j % n else links.classes[i % n][j % n] for j in range(v * n)]
-                               for i in range(v * n)])
-
-
-def _plan_from_solution(problem: solvers.Problem, solution: solvers.Solution, devices: Sequence[Any],
-                        fingerprint: str, model_name: str, chunks: int, checkpoint: str, batch: int,
-                        profile: str, profile_device: str, training: bool,
-                        profile_extra: dict[str, Any] | None = None) -> Plan:
-    ids = problem_device_ids([torch.device(d) for d in devices])
-    nodes = problem.node_map()
-    pred = solution.predicted
-    stages = []
-    for k, st in enumerate(solution.stages):
-        dev = str(torch.device(devices[ids.index(st.devices[0])]))
-        members = [nodes[n] for n in st.nodes]
-        stages.append(PlanStage(
-            index=k, device=dev, nodes=list(st.nodes),
-            param_bytes=sum(n.param_bytes for n in members), act_bytes=sum(n.act_bytes for n in members),
-            fwd_s=sum(n.fwd_s for n in members), bwd_s=sum(n.bwd_s for n in members),
-            comm_s=pred["comm_s"][k], stage_s=pred["stage_s"][k], peak_bytes=pred["peak_bytes"][k],
-        ))
-    predicted = {"iteration_s": pred["iteration_s"], "bottleneck_stage": pred["bottleneck"],
-                 "throughput_samples_per_s": batch / pred["iteration_s"] if pred["iteration_s"] > 0 else float("inf")}
-    return Plan(
-        fingerprint=fingerprint, model=model_name, devices=[str(torch.device(d)) for d in devices],
-        chunks=chunks, schedule=problem.schedule, checkpoint=checkpoint, batch_size=batch, stages=stages,
-        predicted=predicted, solver=dict(solution.solver), traced_training=training,
-        profile={"mode": profile, "device": profile_device, **(profile_extra or {})}, problem=problem.to_dict(), fxpipe_version=__version__,
-    )
+    return Pipeline(gm, specs, stage_devices, plan, checkpoint=checkpoint, mode_dependent=mode_dependent)

@@ -18,7 +18,9 @@ from fxpipe.plan import Plan, PlanStage
 from solvers.activation_memory import StageBytes, worker_peak_bytes
 from solvers.schedules import SPLIT_BACKWARD, stage_worker, worker_orders
 
-__all__ = ["WorkerPrediction", "predict_worker_memory", "checkpointed", "stage_bytes"]
+__all__ = ["WorkerPrediction", "predict_worker_memory", "checkpointed", "stage_bytes", "choose_checkpoints"]
+
+PREFERENCE = ("never", "except_last", "always")   # cheapest first: each recomputes more forwards
 
 
 def checkpointed(mode: str, micro_batch: int, micro_batches: int) -> bool:
@@ -53,16 +55,40 @@ def predict_worker_memory(plan: Plan, schedule: str | None = None, checkpoint: s
                           micro_batches: int | None = None) -> list[WorkerPrediction]:
     """Predicted peak memory of every worker of ``plan`` for one step."""
     schedule = schedule or plan.schedule
-    checkpoint = checkpoint or plan.checkpoint
+
+    def mode(stage: int) -> str:   # the given mode for all stages, else each stage's own (checkpoint="auto")
+        return checkpoint or plan.stages[stage].checkpoint or plan.checkpoint
     m, p = micro_batches or plan.chunks, len(plan.stages)
     workers = plan.workers if schedule == "interleaved-1f1b" else p
     factor = 1.0 + float((plan.problem or {}).get("optimizer_state_factor", 0.0))
     sizes = [stage_bytes(st) for st in plan.stages]
     out = []
     for w, order in enumerate(worker_orders(schedule, p, m, workers)):
-        act = worker_peak_bytes(order, lambda s: sizes[s], lambda s, i: checkpointed(checkpoint, i, m),
+        act = worker_peak_bytes(order, lambda s: sizes[s], lambda s, i: checkpointed(mode(s), i, m),
                                 split_backward=schedule in SPLIT_BACKWARD)
         params = sum(st.param_bytes * factor for st in plan.stages
                      if stage_worker(schedule, st.index, workers) == w)
         out.append(WorkerPrediction(w, params, act))
     return out
+
+
+def choose_checkpoints(plan: Plan, memory_bytes: list[float]) -> list[str]:
+    """Give every worker of ``plan`` the cheapest checkpoint mode whose predicted peak fits its
+    ``memory_bytes``; set it on the worker's stages and return the modes per worker.
+
+    Raises ``MemoryError`` naming the worker, its need and its memory when even ``"always"`` does not fit.
+    """
+    workers = plan.workers if plan.schedule == "interleaved-1f1b" else len(plan.stages)
+    predictions = {mode: predict_worker_memory(plan, checkpoint=mode) for mode in PREFERENCE}
+    chosen = []
+    for w in range(workers):
+        mode = next((mode for mode in PREFERENCE if predictions[mode][w].peak_bytes <= memory_bytes[w]), None)
+        if mode is None:
+            need = predictions["always"][w].peak_bytes
+            raise MemoryError(f"worker {w} needs {need / 2**30:.2f} GiB even with checkpoint='always' and has "
+                              f"{memory_bytes[w] / 2**30:.2f} GiB; add devices or use more micro-batches")
+        chosen.append(mode)
+        for st in plan.stages:
+            if stage_worker(plan.schedule, st.index, workers) == w:
+                st.checkpoint = mode
+    return chosen

@@ -107,7 +107,7 @@ def _replay(pipe: Any, order: list[tuple[str, int, int]], seen: list[dict[str, A
         spec = specs[k]
         if kind == "F":
             args = [_fresh(seen[i][n]) if n in produced else seen[i][n] for n in spec.inputs]
-            if pipe._checkpointed(i, m):
+            if pipe._checkpointed(k, i, m):
                 outs = torch_checkpoint(spec.module, *args, use_reentrant=False, preserve_rng_state=False)
             else:
                 outs = spec.module(*args)
@@ -125,7 +125,7 @@ def _replay(pipe: Any, order: list[tuple[str, int, int]], seen: list[dict[str, A
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         roots.append(t)
                         grads.append(torch.ones_like(t))
-            if schedule in SPLIT_BACKWARD and not pipe._checkpointed(i, m):
+            if schedule in SPLIT_BACKWARD and not pipe._checkpointed(k, i, m):
                 leaves = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
                 weights[(k, i)] = backward_inputs(roots, grads, leaves, list(spec.module.parameters()))
             else:

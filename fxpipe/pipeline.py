@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import linecache
 import re
-import statistics
 import time
 import traceback
 from typing import Any, Callable
@@ -32,7 +31,9 @@ from fxpipe.codegen import StageSpec
 from fxpipe.errors import FxpipeError, StageError
 from fxpipe.microbatch import batch_size_of, gather, scatter
 from fxpipe.memory_model import checkpointed
-from fxpipe.plan import Plan, aligned_table
+from fxpipe.memory_probe import measure_worker_memory
+from fxpipe.plan import Plan
+from fxpipe.report import step_report
 from fxpipe.rng import is_random, rng_guard
 from fxpipe.step import REDUCTIONS, OpTiming, StepFailure, run_step, to_device
 from fxpipe.worker import spawn_workers
@@ -62,7 +63,8 @@ class Pipeline(nn.Module):
     def __init__(self, graph_module: fx.GraphModule, stages: list[StageSpec], devices: list[torch.device],
                  plan: Plan, checkpoint: str = "except_last", mode_dependent: bool = False) -> None:
         super().__init__()
-        if checkpoint not in CHECKPOINT_MODES:
+        chosen = all(st.checkpoint in CHECKPOINT_MODES for st in plan.stages)
+        if checkpoint not in CHECKPOINT_MODES and not (checkpoint == "auto" and chosen):
             raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}")
         self.stages = nn.ModuleList(s.module for s in stages)
         self.specs = stages
@@ -106,9 +108,13 @@ class Pipeline(nn.Module):
         names = list(env0)
         return [dict(zip(names, values)) for values in scatter(list(env0.values()), self.chunks)]
 
-    def _checkpointed(self, micro_batch: int, micro_batches: int) -> bool:
-        """Whether micro-batch ``micro_batch`` runs under activation checkpointing (torchgpipe's modes)."""
-        return checkpointed(self.checkpoint, micro_batch, micro_batches)
+    def stage_checkpoint(self, stage: int) -> str:
+        """The checkpoint mode of ``stage``: the plan's choice for it (``checkpoint="auto"``) or the pipeline's."""
+        return self.plan.stages[stage].checkpoint or self.checkpoint
+
+    def _checkpointed(self, stage: int, micro_batch: int, micro_batches: int) -> bool:
+        """Whether ``stage`` runs micro-batch ``micro_batch`` under activation checkpointing (torchgpipe's modes)."""
+        return checkpointed(self.stage_checkpoint(stage), micro_batch, micro_batches)
 
     # ------------------------------------------------------------------ forward
     def _check_mode(self) -> None:
@@ -129,7 +135,7 @@ class Pipeline(nn.Module):
             for clock in range(m + p - 1):
                 tasks = [(k, clock - k) for k in range(p) if 0 <= clock - k < m]
                 for k, i in tasks:
-                    workers.submit(k, (k, i), self._task(k, i, micro[i], grad, checkpointed=self._checkpointed(i, m)))
+                    workers.submit(k, (k, i), self._task(k, i, micro[i], grad, checkpointed=self._checkpointed(k, i, m)))
                 failures = []
                 for _ in tasks:
                     (k, i), ok, value = workers.collect()
@@ -149,7 +155,8 @@ class Pipeline(nn.Module):
 
     # ------------------------------------------------------------------ training step
     def step(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
-             schedule: str | None = None, reduction: str = "mean", return_outputs: bool = False) -> Any:
+             schedule: str | None = None, reduction: str = "mean", return_outputs: bool = False,
+             measure_memory: bool = False) -> Any:
         """Forward and backward of one mini-batch with an explicit schedule; returns the loss.
 
         ``inputs`` is the model's input (a tuple for several); ``target`` is split into
@@ -160,6 +167,9 @@ class Pipeline(nn.Module):
         full-batch ``loss_fn(model(inputs), target).backward()``. ``schedule`` defaults to
         the plan's (``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` with the plan's stages per
         device, or ``"zb-h1"``). With ``return_outputs`` returns ``(loss, output)``.
+        ``measure_memory`` records each worker's peak memory for :meth:`report`
+        (``torch.cuda.max_memory_allocated`` on GPUs; on CPU a profiled replay of each
+        worker after the step, :mod:`fxpipe.memory_probe`, which costs about one more step).
         """
         schedule = schedule or self.schedule
         if schedule not in STEP_SCHEDULES:
@@ -176,8 +186,14 @@ class Pipeline(nn.Module):
         m = len(micro)
 
         def ckpt(k: int, i: int) -> bool:
-            return self._checkpointed(i, m)
+            return self._checkpointed(k, i, m)
         timings: list[OpTiming] = []
+        cuda = sorted({d for d in self.devices if d.type == "cuda"}, key=str)
+        on_gpu = measure_memory and len(cuda) == len(set(self.devices))
+        base = {}
+        for d in cuda if on_gpu else []:
+            torch.cuda.reset_peak_memory_stats(d)
+            base[d] = torch.cuda.memory_allocated(d)
         started = time.perf_counter()
         try:
             loss, outs = run_step(self.specs, self.devices, self._output.args[0], micro, [t[0] for t in targets],
@@ -197,43 +213,29 @@ class Pipeline(nn.Module):
             ) from failure.exc
         commit_statistics(self.modules())
         self.last_step = {"schedule": schedule, "micro_batches": m, "wall_s": time.perf_counter() - started,
-                          "timings": timings}
+                          "timings": timings, "workers": self._workers(schedule)}
+        if on_gpu:
+            by_device = {d: torch.cuda.max_memory_allocated(d) - base[d] for d in cuda}
+            owner = [self.devices[w] for w in range(self._workers(schedule))]
+            self.last_step.update(memory=[by_device[d] for d in owner], memory_method="torch.cuda.max_memory_allocated")
+        elif measure_memory:
+            found = measure_worker_memory(self, inputs, target, loss_fn, schedule=schedule)
+            self.last_step.update(memory=[w.peak_bytes for w in found],
+                                  memory_method="profiled replay of each worker, torch.profiler")
         return (loss, gather(outs)) if return_outputs else loss
 
     def report(self) -> str:
-        """Predicted against measured, per stage, for the last :meth:`step`.
+        """Predicted against measured, per stage (and per worker's memory), for the last :meth:`step`.
 
         Times are per micro-batch (median over the step); a checkpointed micro-batch's
         predicted backward includes its recomputed forward. ``idle`` is the stage's share of
-        the step spent waiting (bubble and transfers).
+        the step spent waiting (bubble and transfers). The same numbers go into
+        ``plan.measured`` (saved with the plan). See :mod:`fxpipe.report`.
         """
         if self.last_step is None:
             raise FxpipeError("no step to report on yet: run pipe.step(inputs, target, loss_fn) first")
-        timings, wall = self.last_step["timings"], self.last_step["wall_s"]
-        head = ["stage", "fwd ms pred", "fwd ms meas", "err", "bwd ms pred", "bwd ms meas", "err", "busy ms", "idle"]
-        rows, errors = [], []
-        for st in self.plan.stages:
-            ops = [t for t in timings if t.stage == st.index]
-            fwd = [t.end_s - t.start_s for t in ops if t.kind == "F"]
-            bwd = [sum(t.end_s - t.start_s for t in ops if t.kind != "F" and t.micro_batch == i)
-                   for i in sorted({t.micro_batch for t in ops})]   # B, and W when the backward is split
-            recompute = statistics.mean(1.0 if t.checkpointed else 0.0 for t in ops if t.kind == "B")
-            pred_f, pred_b = st.fwd_s, st.bwd_s + recompute * st.fwd_s
-            meas_f, meas_b = statistics.median(fwd), statistics.median(bwd)
-            err_f, err_b = (meas_f - pred_f) / meas_f, (meas_b - pred_b) / meas_b
-            errors += [abs(err_f), abs(err_b)]
-            busy = sum(fwd) + sum(bwd)
-            rows.append([str(st.index), f"{pred_f * 1e3:.2f}", f"{meas_f * 1e3:.2f}", f"{err_f:+.0%}",
-                         f"{pred_b * 1e3:.2f}", f"{meas_b * 1e3:.2f}", f"{err_b:+.0%}", f"{busy * 1e3:.1f}",
-                         f"{1 - busy / wall:.0%}"])
-        pred_iter = self.plan.predicted.get("iteration_s", float("nan"))
-        out = [f"last step: {self.last_step['schedule']}, {self.last_step['micro_batches']} micro-batches, "
-               f"{wall * 1e3:.1f} ms measured, {pred_iter * 1e3:.1f} ms predicted by the plan "
-               f"({(wall - pred_iter) / wall:+.0%})"]
-        out += aligned_table(head, rows)
-        out.append(f"stage-time error: median {statistics.median(errors):.0%}, worst {max(errors):.0%} "
-                   f"(profile: {self.plan.profile.get('mode', '?')})")
-        return "\n".join(out)
+        text, self.plan.measured = step_report(self.plan, self.last_step)
+        return text
 
     def _workers(self, schedule: str) -> int:
         return self.plan.workers if schedule == "interleaved-1f1b" else len(self.specs)

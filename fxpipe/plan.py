@@ -46,6 +46,7 @@ class PlanStage:
     overlap_bytes: float = 0.0     # the part of inputs and outputs the stage's own nodes save (in act_bytes)
     workspace_bytes: float = 0.0   # transient buffers of an operation's forward/backward
     loss_bytes: float = 0.0        # the loss's transient buffers, on the stage that computes it
+    checkpoint: str = ""           # this stage's checkpoint mode ("" = the plan's)
 
 
 @dataclass
@@ -67,6 +68,7 @@ class Plan:
     problem: dict[str, Any] | None = None
     fxpipe_version: str = ""
     virtual_stages: int = 1     # stages per device (interleaved-1f1b): stage s runs on worker s % (stages / v)
+    measured: dict[str, Any] = field(default_factory=dict)   # pipe.report(): predicted vs measured of a real step
 
     @property
     def workers(self) -> int:
@@ -104,25 +106,29 @@ class Plan:
 
     def memory_table(self) -> str:
         """Per stage: parameter memory (with gradients and optimizer state), activation memory
-        at the schedule's peak, their sum and the device's memory, in GiB (torchgpipe's table)."""
+        at the schedule's peak (:mod:`fxpipe.memory_model`: in-flight micro-batches,
+        checkpointing, workspace), their sum and the device's memory, in GiB (torchgpipe's table)."""
+        from fxpipe.memory_model import predict_worker_memory
+
         problem = self.problem or {}
-        factor = 1.0 + float(problem.get("optimizer_state_factor", 0.0))
         memory = {d["id"]: d["memory_bytes"] for d in problem.get("devices", [])}
         p, m = len(self.stages), self.chunks
+        workers = predict_worker_memory(self) if self.virtual_stages == 1 else None
         rows = []
         for s in self.stages:
             inflight = {"gpipe": m, "zb-h1": min(m, p)}.get(self.schedule, min(m, p - s.index))
             device_memory = next((v for k, v in memory.items() if k.endswith(":" + s.device) or k == s.device), None)
+            act = workers[s.index].activation_bytes if workers else s.act_bytes * inflight
+            params = workers[s.index].param_bytes if workers else s.param_bytes
             rows.append([str(s.index), s.device, f"{s.param_bytes / 4 / 1e6:.0f}M" if s.param_bytes else "0",
-                         f"{s.param_bytes * factor / 2**30:.2f}", str(inflight),
-                         f"{s.act_bytes * inflight / 2**30:.2f}", f"{s.peak_bytes / 2**30:.2f}",
-                         f"{device_memory / 2**30:.1f}" if device_memory else "-"])
+                         f"{params / 2**30:.2f}", str(inflight), f"{act / 2**30:.2f}",
+                         f"{(params + act) / 2**30:.2f}", f"{device_memory / 2**30:.1f}" if device_memory else "-"])
         total_params = sum(s.param_bytes for s in self.stages)
         head = ["stage", "device", "params (fp32)", "param+grad+opt GiB", "in flight", "activation GiB",
                 "peak GiB", "device GiB"]
         out = aligned_table(head, rows)
         out.append(f"total: {total_params / 4 / 1e9:.2f}B parameters (fp32), "
-                   f"{total_params * factor / 2**30:.2f} GiB parameter memory, "
+                   f"{sum(float(r[3]) for r in rows):.2f} GiB parameter memory, "
                    f"{sum(float(r[5]) for r in rows):.2f} GiB peak activation memory")
         return "\n".join(out)
 

@@ -85,6 +85,7 @@ class Problem:
     name: str = "problem"
     max_replicas: int = 1
     order: list[str] = field(default_factory=list)
+    recompute: bool = False   # every stage checkpointed: one micro-batch's activations at a time
 
     def __post_init__(self) -> None:
         self._validate()
@@ -166,6 +167,8 @@ class Problem:
 
     def inflight(self, stage: int, num_stages: int) -> int:
         """Micro-batches whose activations stage ``stage`` holds at its peak."""
+        if self.recompute:   # checkpointed: the one being recomputed (kept inputs are the caller's check)
+            return 1
         if self.schedule == "gpipe":
             return self.micro_batches
         if self.schedule == "zb-h1":   # a stage's weight passes trail by ``stage``: p on every stage
@@ -218,6 +221,7 @@ class Problem:
             micro_batches=doc.get("micro_batches", 1), schedule=doc.get("schedule", "gpipe"),
             stages=stages, optimizer_state_factor=_number(doc, "optimizer_state_factor", "problem", 0.0),
             name=str(doc.get("name", "problem")), max_replicas=doc.get("max_replicas", 1),
+            recompute=bool(doc.get("recompute", False)),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -235,6 +239,8 @@ class Problem:
         }
         if self.max_replicas > 1:
             doc["max_replicas"] = self.max_replicas
+        if self.recompute:
+            doc["recompute"] = True
         return doc
 
     @classmethod

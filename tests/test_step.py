@@ -90,7 +90,7 @@ def test_zb_h1_defers_weight_gradients_to_a_separate_pass():
         mine = sorted((t for t in timings if t.stage == k), key=lambda t: t.start_s)
         assert [(t.kind, t.stage, t.micro_batch) for t in mine] == worker_orders("zb-h1", 3, 4)[k]
     assert "W0" in pipe.schedule_table().splitlines()[3]
-    assert "bwd ms meas" in pipe.report()
+    assert "bwd ms pred" in pipe.report()
 
 
 def test_an_interleaved_plan_needs_micro_batches_in_groups_of_the_workers():
@@ -435,3 +435,20 @@ def test_concurrent_random_stages_replay_their_own_masks_on_recompute(schedule):
         (nn.functional.mse_loss(fixed(xs), ts) * len(xs) / len(x)).backward()
     for a, b in zip(got, fixed.parameters()):
         assert max_relative_error(a, b.grad) <= 1e-5
+
+
+def test_report_with_memory_goes_into_the_plan_json(tmp_path):
+    torch.manual_seed(11)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, schedule="1f1b", profile="estimate")
+    pipe.step(x, y, nn.functional.cross_entropy, schedule="gpipe", measure_memory=True)
+    text = pipe.report()
+    assert "peak memory above parameters (profiled replay" in text and "MiB pred" in text
+    measured = pipe.plan.measured
+    assert measured["schedule"] == "gpipe" and len(measured["stages"]) == 2 and len(measured["memory"]) == 2
+    assert all(w["activation_bytes"][1] > 0 for w in measured["memory"])
+    pipe.plan.save(tmp_path / "plan.json")
+    again = fxpipe.load_plan(tmp_path / "plan.json")
+    assert again.measured["memory"] == measured["memory"]
+    assert again.measured["iteration_s"] == pytest.approx(measured["iteration_s"])

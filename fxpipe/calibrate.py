@@ -1,0 +1,87 @@
+"""Closing the loop: re-plan on measured stage times (``fxpipe.compile(..., calibrate=True)``).
+
+Per-node profiles miss what only shows when a stage runs as a whole: per-call
+overheads between nodes, kernels that run faster or slower in sequence than
+alone, workers contending for cores and memory bandwidth. After a first plan,
+:func:`stage_time_factors` runs a few real training steps with ``pipe.step`` and
+takes, per stage, the measured forward and backward time over the predicted
+one; :func:`scale_costs` multiplies every node's profiled time by its stage's
+factors, and the planner solves again on those costs. The loss of the
+calibration steps is the sum of the model's floating-point outputs: the
+backward's cost does not depend on the loss, only on the model. Gradients,
+BatchNorm statistics and the RNG state are restored afterwards, so calibrating
+leaves no trace on the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from fxpipe.errors import FxpipeError
+from fxpipe.plan import Plan
+
+__all__ = ["stage_time_factors", "scale_costs"]
+
+
+def _sum_of_outputs(output: Any, _target: Any) -> torch.Tensor:
+    parts = [t.float().sum() for t in tree_flatten(output)[0]
+             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    if not parts:
+        raise FxpipeError("calibrate=True times the backward too, but no output of the model requires grad; "
+                          "calibrate a model whose parameters train (or leave calibrate off)")
+    return torch.stack(parts).sum()
+
+
+def stage_time_factors(pipe: Any, example_inputs: tuple, steps: int = 2) -> list[list[float]]:
+    """``[forward, backward]`` measured/predicted ratio of every stage over ``steps`` timed steps (after a warm-up)."""
+    if steps < 1:
+        raise ValueError(f"calibration_steps must be at least 1, got {steps}")
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    target = next(t for t in inputs if isinstance(t, torch.Tensor))   # batch-sized; the loss ignores it
+    grads = {p: p.grad for p in pipe.parameters()}
+    buffers = {name: b.detach().clone() for name, b in pipe.named_buffers()}
+    rng = torch.random.get_rng_state()
+    forward: dict[int, list[float]] = {}
+    backward: dict[int, list[float]] = {}
+    try:
+        for step in range(steps + 1):
+            pipe.step(inputs, target, _sum_of_outputs, reduction="sum")
+            if step == 0:
+                continue
+            for t in pipe.last_step["timings"]:
+                (forward if t.kind == "F" else backward).setdefault(t.stage, []).append(t.end_s - t.start_s)
+        m = pipe.last_step["micro_batches"]
+        factors = []
+        for st in pipe.plan.stages:
+            recomputed = sum(pipe._checkpointed(st.index, i, m) for i in range(m)) / m
+            meas_f = statistics.median(forward[st.index])
+            meas_b = sum(backward[st.index]) / (steps * m)      # B and W together, per micro-batch
+            pred_b = st.bwd_s + recomputed * st.fwd_s
+            factors.append([meas_f / st.fwd_s if st.fwd_s > 0 else 1.0,
+                            meas_b / pred_b if pred_b > 0 else 1.0])
+        return factors
+    finally:
+        with torch.no_grad():
+            for name, b in pipe.named_buffers():
+                b.copy_(buffers[name])
+        for p, g in grads.items():
+            p.grad = g
+        torch.random.set_rng_state(rng)
+        pipe.last_step = None
+
+
+def scale_costs(costs: dict[str, Any], plan: Plan, factors: list[list[float]]) -> dict[str, Any]:
+    """``costs`` with each node's forward and backward time times its stage's factors in ``plan``."""
+    stage_of = plan.stage_of()
+    scaled = {}
+    for name, cost in costs.items():
+        if name in stage_of:
+            f, b = factors[stage_of[name]]
+            cost = dataclasses.replace(cost, fwd_s=cost.fwd_s * f, bwd_s=cost.bwd_s * b)
+        scaled[name] = cost
+    return scaled

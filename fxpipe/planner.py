@@ -1,0 +1,177 @@
+"""From node costs to a :class:`fxpipe.Plan`: the problem for the solvers, the solve, and what the plan adds.
+
+:class:`Planner` holds everything about the target (devices and their links
+and memory, micro-batches, schedule, checkpoint mode) so that a plan can be made
+again from other costs (``calibrate=True``). It builds the ``solvers.Problem``
+(for ``interleaved-1f1b`` one solver device per chunk and device, each with its
+share of the memory, placement fixed), solves it, and fills in what only the
+torch side knows: each stage's boundary, workspace and loss bytes
+(:func:`stage_buffers`), the schedule's simulated iteration time, and with
+``checkpoint="auto"`` the mode of each device (:func:`fxpipe.memory_model.choose_checkpoints`).
+When no plan fits without checkpointing, ``"auto"`` plans again with every stage
+recomputing (``Problem.recompute``: one micro-batch's activations at a time,
+backward time plus forward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+import solvers
+from fxpipe import __version__
+from fxpipe.errors import InfeasiblePlanError
+from fxpipe.lowering import build_problem, problem_device_ids
+from fxpipe.memory_model import choose_checkpoints
+from fxpipe.plan import Plan, PlanStage
+from fxpipe.topology import Links, links_for_devices, links_from_classes
+from solvers.dp import solve_dp
+from solvers.simulate import simulate_solution
+
+__all__ = ["Planner", "plan_from_solution", "stage_buffers", "virtual_links"]
+
+
+@dataclass
+class Planner:
+    """Makes plans for one traced model on one set of devices."""
+
+    gm: Any
+    fingerprint: str
+    model_name: str
+    devices: list[torch.device]          # the workers
+    all_devices: list[torch.device]      # as the user listed them (interleaved may use fewer)
+    memory_bytes: list[float]
+    chunks: int
+    stages: int | None
+    virtual_stages: int
+    schedule: str
+    checkpoint: str
+    optimizer_state_factor: float
+    batch: int
+    profile: str
+    training: bool
+    profile_extra: dict[str, Any] = field(default_factory=dict)
+
+    def _solve(self, costs: dict[str, Any], recompute: bool) -> tuple[solvers.Problem, solvers.Solution]:
+        v, devs, mem = self.virtual_stages, self.devices, self.memory_bytes
+        solver_devs = [devs[k % len(devs)] for k in range(v * len(devs))]
+        problem = build_problem(self.gm, costs, solver_devs, virtual_links(links_for_devices(devs), v), self.chunks,
+                                [mem[k % len(devs)] / v for k in range(len(solver_devs))],
+                                stages=v * len(devs) if v > 1 else self.stages,
+                                optimizer_state_factor=self.optimizer_state_factor,
+                                schedule="1f1b" if v > 1 else self.schedule, name=self.model_name)
+        problem.recompute = recompute
+        return problem, solve_dp(problem, placement=False) if v > 1 else solvers.solve(problem, "dp")
+
+    def plan(self, costs: dict[str, Any]) -> Plan:
+        """The best plan for ``costs`` (node name -> :class:`fxpipe.profile.NodeCost`)."""
+        attempts = (False, True) if self.checkpoint == "auto" else (False,)
+        failure: Exception | None = None
+        for recompute in attempts:
+            # recomputing stages pay the forward again in their backward
+            used = {n: dataclasses.replace(c, bwd_s=c.bwd_s + c.fwd_s) for n, c in costs.items()} \
+                if recompute else costs
+            try:
+                problem, solution = self._solve(used, recompute)
+                return self._finish(problem, solution, costs)
+            except (solvers.InfeasibleError, MemoryError) as exc:
+                failure = exc
+        assert failure is not None
+        hint = ("even with every stage checkpointed" if self.checkpoint == "auto"
+                else "checkpoint='auto' would also consider recomputation")
+        raise InfeasiblePlanError(f"{failure} ({hint})", getattr(failure, "min_peak_bytes", None)) from failure
+
+    def _finish(self, problem: solvers.Problem, solution: solvers.Solution, costs: dict[str, Any]) -> Plan:
+        v, workers = self.virtual_stages, len(self.devices)
+        solver_devs = [self.devices[k % workers] for k in range(v * workers)]
+        plan = plan_from_solution(problem, solution, solver_devs, self.fingerprint, self.model_name, self.chunks,
+                                  self.checkpoint, self.batch, self.profile, str(self.devices[0]), self.training,
+                                  self.profile_extra)
+        if v > 1:
+            plan.devices = [str(d) for d in self.all_devices]
+        if v > 1 or self.schedule == "zb-h1":   # the solver's formula is 1F1B's bubble
+            simulated = simulate_solution(problem, solution, self.schedule, workers=workers if v > 1 else None)
+            plan.predicted["iteration_s"] = simulated.iteration_s
+            plan.predicted["throughput_samples_per_s"] = self.batch / simulated.iteration_s
+        plan.schedule, plan.virtual_stages = self.schedule, v
+        stage_buffers(self.gm, costs, plan)
+        if self.checkpoint == "auto":
+            memory_of = {d.id: d.memory_bytes for d in problem.devices}
+            limits = list(self.memory_bytes[:workers]) if v > 1 else \
+                [memory_of[st.devices[0]] for st in solution.stages]
+            choose_checkpoints(plan, limits)     # MemoryError when even "always" does not fit
+        return plan
+
+
+def stage_buffers(gm: Any, costs: dict[str, Any], plan: Plan) -> None:
+    """Fill each stage's input and workspace bytes (the memory model's terms beyond saved activations)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    stage_of = plan.stage_of()
+
+    def size(names: set[str]) -> float:
+        return float(sum(costs[name].output_bytes for name in names if name in costs))
+    for st in plan.stages:
+        members = set(st.nodes)
+        entering = {a.name for name in st.nodes for a in nodes[name].all_input_nodes
+                    if a.name not in members and a.op not in ("get_attr", "placeholder")}
+        leaving = {name for name in st.nodes for u in nodes[name].users
+                   if u.op == "output" or stage_of.get(u.name, st.index) != st.index}
+        final = {name for name in st.nodes if any(u.op == "output" for u in nodes[name].users)}
+        st.input_bytes, st.output_bytes = size(entering), size(leaving)
+        st.overlap_bytes = size({n for n in entering | leaving if n in costs and costs[n].output_saved_by in members})
+        # an operation's output and its gradient, and a weight gradient before it is added into .grad
+        # (:func:`_weight_copies`);
+        # on the stage that computes the loss, the loss's own forward and the gradient of the model
+        # output, made at the start of that stage's backward
+        st.workspace_bytes = float(2 * max((costs[n].output_bytes for n in st.nodes if n in costs), default=0)
+                                   + max((costs[n].param_bytes * _weight_copies(gm, nodes[n])
+                                          for n in st.nodes if n in costs), default=0))
+        st.loss_bytes = 2.0 * size(final) if st.index == len(plan.stages) - 1 else 0.0
+
+
+def _weight_copies(gm: Any, node: Any) -> int:
+    """Weight-sized buffers one backward of ``node`` allocates: the new gradient, and for a convolution
+    the backend's reordered copy."""
+    if node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.modules.conv._ConvNd):
+        return 2
+    return 1
+
+
+def virtual_links(links: Links, v: int) -> Links:
+    """Links between ``v`` copies of every device (copies of one device hand over in place: ``X``)."""
+    if v == 1:
+        return links
+    n = len(links.classes)
+    return links_from_classes([["X" if i % n == j % n else links.classes[i % n][j % n] for j in range(v * n)]
+                               for i in range(v * n)])
+
+
+def plan_from_solution(problem: solvers.Problem, solution: solvers.Solution, devices: Sequence[Any],
+                        fingerprint: str, model_name: str, chunks: int, checkpoint: str, batch: int,
+                        profile: str, profile_device: str, training: bool,
+                        profile_extra: dict[str, Any] | None = None) -> Plan:
+    ids = problem_device_ids([torch.device(d) for d in devices])
+    nodes = problem.node_map()
+    pred = solution.predicted
+    stages = []
+    for k, st in enumerate(solution.stages):
+        dev = str(torch.device(devices[ids.index(st.devices[0])]))
+        members = [nodes[n] for n in st.nodes]
+        stages.append(PlanStage(
+            index=k, device=dev, nodes=list(st.nodes),
+            param_bytes=sum(n.param_bytes for n in members), act_bytes=sum(n.act_bytes for n in members),
+            fwd_s=sum(n.fwd_s for n in members), bwd_s=sum(n.bwd_s for n in members),
+            comm_s=pred["comm_s"][k], stage_s=pred["stage_s"][k], peak_bytes=pred["peak_bytes"][k],
+        ))
+    predicted = {"iteration_s": pred["iteration_s"], "bottleneck_stage": pred["bottleneck"],
+                 "throughput_samples_per_s": batch / pred["iteration_s"] if pred["iteration_s"] > 0 else float("inf")}
+    return Plan(
+        fingerprint=fingerprint, model=model_name, devices=[str(torch.device(d)) for d in devices],
+        chunks=chunks, schedule=problem.schedule, checkpoint=checkpoint, batch_size=batch, stages=stages,
+        predicted=predicted, solver=dict(solution.solver), traced_training=training,
+        profile={"mode": profile, "device": profile_device, **(profile_extra or {})}, problem=problem.to_dict(), fxpipe_version=__version__,
+    )
