@@ -118,8 +118,9 @@ def stage_buffers(gm: Any, costs: dict[str, Any], plan: Plan) -> None:
         members = set(st.nodes)
         entering = {a.name for name in st.nodes for a in nodes[name].all_input_nodes
                     if a.name not in members and a.op not in ("get_attr", "placeholder")}
-        leaving = {name for name in st.nodes for u in nodes[name].users
-                   if u.op == "output" or stage_of.get(u.name, st.index) != st.index}
+        leaving = {name for name in st.nodes for u in nodes[name].users   # a parameter sent on is not a copy
+                   if nodes[name].op != "get_attr"
+                   and (u.op == "output" or stage_of.get(u.name, st.index) != st.index)}
         final = {name for name in st.nodes if any(u.op == "output" for u in nodes[name].users)}
         st.input_bytes, st.output_bytes = size(entering), size(leaving)
         st.overlap_bytes = size({n for n in entering | leaving if n in costs and costs[n].output_saved_by in members})
