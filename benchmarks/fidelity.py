@@ -6,7 +6,10 @@ measured per-node profiles, run ``--steps`` training steps with ``pipe.step``
 backward time per micro-batch with the median measured in the steps (see
 ``Pipeline.report``). Beside it, the analytic prediction: the same graph costed
 under ``FakeTensorMode`` with this CPU's roofline (``Devices.preset("cpu")``,
-a one-second microbenchmark). Then ``calibrate=True``: the plan made again on
+a one-second microbenchmark). ``shared`` is the same measured profile put
+through the simulator with the workers sharing this machine's cores
+(:mod:`fxpipe.cpu_sharing`: cores per worker and the measured slowdown of two
+threads running together), as ``pipe.report()`` predicts. Then ``calibrate=True``: the plan made again on
 stage times measured in two earlier steps, run and compared the same way.
 Peak memory per worker: :mod:`fxpipe.memory_model` against a profiled replay
 (:mod:`fxpipe.memory_probe`). Prints one row per (model, workers, schedule,
@@ -28,7 +31,9 @@ from torch import nn
 
 import fxpipe
 from fxpipe.devices import calibrate_cpu
+from fxpipe.cpu_sharing import cpu_sharing
 from fxpipe.memory_model import predict_worker_memory
+from fxpipe.report import predicted_times
 from fxpipe.profile import profile_graph
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
@@ -93,9 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU roofline: {cpu.flops['float32'] / 1e9:.1f} GFLOP/s, {cpu.memory_bandwidth_Bps / 1e9:.1f} GB/s, "
           f"{args.threads} thread(s) per worker")
     print(f"{'model':<13} {'w':>1} {'sched':<5} {'st':>2}  {'fwd pred':>8} {'meas':>7} {'err':>5}  "
-          f"{'bwd pred':>8} {'meas':>7} {'err':>5}  {'analytic f':>10} {'err':>5}  {'calibrated':>11}  "
+          f"{'bwd pred':>8} {'meas':>7} {'err':>5}  {'analytic f':>10} {'err':>5}  {'shared f/b':>11}  "
+          f"{'calibrated':>11}  "
           f"{'mem MiB':>7} {'pred':>7} {'err':>5}")
-    measured_err, analytic_err, calibrated_err, memory_err = [], [], [], []
+    measured_err, analytic_err, calibrated_err, memory_err, shared_err = [], [], [], [], []
+    sharing = cpu_sharing()
+    print(f"CPU sharing: {sharing.cores:g} cores (in units of one worker's threads), "
+          f"{sharing.parallel_efficiency:.0%} parallel efficiency of two workers")
     for name in args.models:
         build, make_x, make_y, loss_fn = MODELS[name]
         for workers in (2, 4):
@@ -115,8 +124,14 @@ def main(argv: list[str] | None = None) -> int:
                 # Analytic costs of the same graph, summed per stage.
                 analytic = profile_graph(fxpipe.trace(model), (x[: x.shape[0] // 4],), torch.device("cpu"),
                                          mode="analytic", spec=cpu)
+                _, shared = predicted_times([st.fwd_s for st in pipe.plan.stages],
+                                            [st.bwd_s for st in pipe.plan.stages], pipe.chunks, schedule, workers,
+                                            sharing)
                 for st in pipe.plan.stages:
                     fwd, bwd = medians(timings, st.index)
+                    sf, sb = shared[st.index]
+                    esf, esb = (sf - fwd) / fwd, (sb - bwd) / bwd
+                    shared_err += [abs(esf), abs(esb)]
                     a_fwd = sum(analytic[n].fwd_s for n in st.nodes)
                     ef, eb, ea = (st.fwd_s - fwd) / fwd, (st.bwd_s - bwd) / bwd, (a_fwd - fwd) / fwd
                     measured_err += [abs(ef), abs(eb)]
@@ -129,10 +144,12 @@ def main(argv: list[str] | None = None) -> int:
                     memory_err.append(abs(em))
                     print(f"{name:<13} {workers:>1} {schedule:<5} {st.index:>2}  {st.fwd_s * 1e3:8.2f} {fwd * 1e3:7.2f} "
                           f"{ef:+5.0%}  {st.bwd_s * 1e3:8.2f} {bwd * 1e3:7.2f} {eb:+5.0%}  {a_fwd * 1e3:10.2f} "
-                          f"{ea:+5.0%}  {ecf:+5.0%} {ecb:+5.0%}  {memory[st.index] / 2**20:7.1f} "
+                          f"{ea:+5.0%}  {esf:+5.0%} {esb:+5.0%}  {ecf:+5.0%} {ecb:+5.0%}  {memory[st.index] / 2**20:7.1f} "
                           f"{predicted_memory[st.index].activation_bytes / 2**20:7.1f} {em:+5.0%}", flush=True)
     print(f"\nmeasured-profile stage time error (forward and backward): median {statistics.median(measured_err):.1%}, "
           f"p90 {percentile(measured_err, 0.9):.1%} over {len(measured_err)}")
+    print(f"measured profile with CPU sharing (as pipe.report()): median {statistics.median(shared_err):.1%}, "
+          f"p90 {percentile(shared_err, 0.9):.1%} over {len(shared_err)}")
     print(f"analytic (roofline) forward error: median {statistics.median(analytic_err):.1%}, "
           f"p90 {percentile(analytic_err, 0.9):.1%} over {len(analytic_err)}")
     print(f"calibrated plan (calibrate=True) stage time error: median {statistics.median(calibrated_err):.1%}, "

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from fxpipe.batchnorm import commit_statistics, tracking
+from fxpipe.cpu_sharing import cpu_sharing
 from fxpipe.codegen import StageSpec
 from fxpipe.errors import FxpipeError, StageError
 from fxpipe.microbatch import batch_size_of, gather, scatter
@@ -234,7 +235,8 @@ class Pipeline(nn.Module):
         """
         if self.last_step is None:
             raise FxpipeError("no step to report on yet: run pipe.step(inputs, target, loss_fn) first")
-        text, self.plan.measured = step_report(self.plan, self.last_step)
+        on_cpu = all(d.type == "cpu" for d in self.devices)
+        text, self.plan.measured = step_report(self.plan, self.last_step, cpu_sharing() if on_cpu else None)
         return text
 
     def _workers(self, schedule: str) -> int:

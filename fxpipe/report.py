@@ -4,7 +4,10 @@
 plan (``plan.measured``), so a saved plan carries how far its predictions were
 from a real run. The prediction for the step's schedule comes from the
 simulator (:mod:`solvers.simulate`) on the plan's stage times, with a
-checkpointed micro-batch's recomputed forward added to its backward. Memory,
+checkpointed micro-batch's recomputed forward added to its backward; on CPU
+workers, which share the machine's cores (:mod:`fxpipe.cpu_sharing`), the
+simulator lets concurrent operations share them, and the predicted time of an
+operation is its simulated duration, not its time alone. Memory,
 when the step measured it (``pipe.step(..., measure_memory=True)``), is the
 peak above parameters and gradients per worker: ``torch.cuda.max_memory_allocated``
 on a GPU, a profiled replay of the worker on CPU (:mod:`fxpipe.memory_probe`),
@@ -18,34 +21,56 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from fxpipe.cpu_sharing import CpuSharing
 from fxpipe.memory_model import predict_worker_memory
 from fxpipe.plan import Plan, aligned_table
 from solvers.schedules import stage_worker
 from solvers.simulate import simulate
 
-__all__ = ["step_report"]
+__all__ = ["step_report", "predicted_times"]
 
 
 def _error(measured: float, predicted: float) -> float:
     return (predicted - measured) / measured if measured > 0 else float("nan")
 
 
-def step_report(plan: Plan, last_step: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """The report's text and its numbers (JSON-able) for ``last_step`` of a pipeline built from ``plan``."""
+def predicted_times(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedule: str, workers: int,
+                    sharing: CpuSharing | None = None) -> tuple[float, list[tuple[float, float]]]:
+    """The simulated iteration and, per stage, the median forward and backward (B plus W) duration of
+    one micro-batch: the times alone, or stretched where workers share CPU cores."""
+    sim = simulate(fwd_s, bwd_s, micro_batches, schedule, workers=workers,
+                   cores=sharing.cores if sharing else None,
+                   parallel_efficiency=sharing.parallel_efficiency if sharing else 1.0)
+    per_stage = []
+    for s in range(len(fwd_s)):
+        ops = [e for e in sim.timeline if e.stage == s and e.kind in ("F", "B", "W")]
+        fwd = statistics.median(e.end - e.start for e in ops if e.kind == "F")
+        bwd = statistics.median(sum(e.end - e.start for e in ops if e.kind != "F" and e.micro_batch == i)
+                                for i in range(micro_batches))
+        per_stage.append((fwd, bwd))
+    return sim.iteration_s, per_stage
+
+
+def step_report(plan: Plan, last_step: dict[str, Any], sharing: CpuSharing | None = None) -> tuple[str, dict[str, Any]]:
+    """The report's text and its numbers (JSON-able) for ``last_step`` of a pipeline built from ``plan``
+    (``sharing``: how its CPU workers share the cores, None for devices of their own)."""
     timings, wall = last_step["timings"], last_step["wall_s"]
     schedule, m, workers = last_step["schedule"], last_step["micro_batches"], last_step["workers"]
     head = ["stage", "fwd ms pred", "meas", "err", "bwd ms pred", "meas", "err", "busy ms", "idle"]
     rows, stages, errors = [], [], []
-    pred_fwd, pred_bwd = [], []
+    alone_fwd, alone_bwd = [], []
+    for st in plan.stages:
+        recompute = statistics.mean(1.0 if t.checkpointed else 0.0 for t in timings
+                                    if t.stage == st.index and t.kind == "B")
+        alone_fwd.append(st.fwd_s)
+        alone_bwd.append(st.bwd_s + recompute * st.fwd_s)
+    pred_iter, pred_ops = predicted_times(alone_fwd, alone_bwd, m, schedule, workers, sharing)
     for st in plan.stages:
         ops = [t for t in timings if t.stage == st.index]
         fwd = [t.end_s - t.start_s for t in ops if t.kind == "F"]
         bwd = [sum(t.end_s - t.start_s for t in ops if t.kind != "F" and t.micro_batch == i)
                for i in sorted({t.micro_batch for t in ops})]   # B, and W when the backward is split
-        recompute = statistics.mean(1.0 if t.checkpointed else 0.0 for t in ops if t.kind == "B")
-        pred_f, pred_b = st.fwd_s, st.bwd_s + recompute * st.fwd_s
-        pred_fwd.append(pred_f)
-        pred_bwd.append(pred_b)
+        pred_f, pred_b = pred_ops[st.index]
         meas_f, meas_b = statistics.median(fwd), statistics.median(bwd)
         err_f, err_b = _error(meas_f, pred_f), _error(meas_b, pred_b)
         errors += [abs(err_f), abs(err_b)]
@@ -55,13 +80,15 @@ def step_report(plan: Plan, last_step: dict[str, Any]) -> tuple[str, dict[str, A
                      f"{1 - busy / wall:.0%}"])
         stages.append({"stage": st.index, "fwd_s": [pred_f, meas_f], "bwd_s": [pred_b, meas_b],
                        "busy_s": busy, "idle_share": 1 - busy / wall})
-    pred_iter = simulate(pred_fwd, pred_bwd, m, schedule, workers=workers).iteration_s
+    shared = (f"; {workers} workers sharing {sharing.cores:g} cores at {sharing.parallel_efficiency:.0%} "
+              f"parallel efficiency" if sharing else "")
     out = [f"last step: {schedule}, {m} micro-batches, {wall * 1e3:.1f} ms measured, {pred_iter * 1e3:.1f} ms "
-           f"predicted ({_error(wall, pred_iter):+.0%})"]
+           f"predicted ({_error(wall, pred_iter):+.0%}{shared})"]
     out += aligned_table(head, rows)
     out.append(f"stage-time error: median {statistics.median(errors):.0%}, worst {max(errors):.0%} "
                f"(profile: {plan.profile.get('mode', '?')})")
     doc: dict[str, Any] = {"schedule": schedule, "micro_batches": m, "iteration_s": [pred_iter, wall],
+                           "cpu_sharing": [sharing.cores, sharing.parallel_efficiency] if sharing else None,
                            "stages": stages, "stage_time_error_median": statistics.median(errors)}
     memory = last_step.get("memory")
     if memory is not None:

@@ -47,7 +47,7 @@ class Simulation:
 def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedule: str,
              sends: dict[tuple[int, int], float] | None = None,
              allreduce_s: list[float] | None = None, workers: int | None = None,
-             weight_share: float = 0.5) -> Simulation:
+             weight_share: float = 0.5, cores: int | None = None, parallel_efficiency: float = 1.0) -> Simulation:
     """Simulate stages with per-micro-batch times ``fwd_s[s]``, ``bwd_s[s]``.
 
     ``sends[(a, b)]`` is the one-way transfer time of one micro-batch from stage
@@ -57,7 +57,12 @@ def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedul
     a replicated stage, run once after its last backward. ``workers`` (default: one
     per stage) runs several stages each for ``interleaved-1f1b``. A split backward
     (``zb-h1``) gives ``weight_share`` of ``bwd_s`` to the weight pass ``W``.
-    Busy and idle times are per worker.
+
+    ``cores`` makes the workers share that many processors (CPU workers of one
+    machine): while ``k`` operations run, each advances at ``min(1, cores / k)``
+    of its speed, times ``parallel_efficiency`` when ``k > 1`` (the slowdown of
+    threads that share caches and memory bandwidth); ``None`` gives every worker
+    its own device. Busy and idle times are per worker.
     """
     p, m = len(fwd_s), micro_batches
     n_workers = p if workers is None else workers
@@ -74,50 +79,67 @@ def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedul
     for a, b in sends:
         feeds[a].append(b)
         fed_by[b].append(a)
+
+    def rate(active: int) -> float:
+        if cores is None:
+            return 1.0
+        return min(1.0, cores / active) * (parallel_efficiency if active > 1 else 1.0)
+
     done: dict[Op, float] = {}                            # (kind, stage, mb) -> end time
     arrived: dict[tuple[str, int, int, int], float] = {}  # (kind, src, dst, mb) -> arrival
     link_free: dict[tuple[int, int], float] = {}
-    worker_free = [0.0] * n_workers
+    running: list[list | None] = [None] * n_workers       # [op, work left, start]
     position = [0] * n_workers
     timeline: list[Event] = []
     busy = [0.0] * n_workers
     remaining = sum(len(o) for o in orders)
+    now = 0.0
     while remaining:
-        progressed = False
-        for w in range(n_workers):
-            if position[w] == len(orders[w]):
+        for w in range(n_workers):   # start every operation whose inputs are here
+            if running[w] is not None or position[w] == len(orders[w]):
                 continue
             kind, s, i = orders[w][position[w]]
-            if kind == "F":
-                deps, local = [("F", a, s, i) for a in fed_by[s]], []
-            elif kind == "B":
-                deps, local = [("B", b, s, i) for b in feeds[s]], [("F", s, i)]
-            else:
-                deps, local = [], [("B", s, i)]
-            if any(d not in arrived for d in deps) or any(d not in done for d in local):
+            deps = ([("F", a, s, i) for a in fed_by[s]] if kind == "F" else
+                    [("B", b, s, i) for b in feeds[s]] if kind == "B" else [])
+            local = [] if kind == "F" else [("F", s, i)] if kind == "B" else [("B", s, i)]
+            if all(arrived.get(d, float("inf")) <= now for d in deps) and all(d in done for d in local):
+                running[w] = [(kind, s, i), length[kind][s], now]
+        active = [w for w in range(n_workers) if running[w] is not None]
+        upcoming = min((t for t in arrived.values() if t > now), default=float("inf"))
+        if not active:
+            if upcoming == float("inf"):
+                raise RuntimeError("the schedule deadlocked: a worker waits for an operation that never runs")
+            now = upcoming
+            continue
+        speed = rate(len(active))
+        step = min(min(running[w][1] for w in active) / speed, upcoming - now)
+        now += step
+        for w in active:
+            op, left, start = running[w]
+            left -= speed * step
+            if left > 1e-12 * max(1.0, length[op[0]][op[1]]):
+                running[w][1] = left
                 continue
-            ready = max([worker_free[w]] + [arrived[d] for d in deps] + [done[d] for d in local])
-            end = ready + length[kind][s]
-            done[(kind, s, i)] = end
-            worker_free[w] = end
-            busy[w] += length[kind][s]
-            timeline.append(Event(s, kind, i, ready, end))
+            kind, s, i = op
+            running[w] = None
+            done[op] = now
+            busy[w] += now - start
+            timeline.append(Event(s, kind, i, start, now))
             if kind != "W":   # send the activation forward, or the gradient back, over each link in turn
                 for t in (feeds[s] if kind == "F" else fed_by[s]):
                     cost = sends[(s, t)] if kind == "F" else sends[(t, s)]
                     link = (owner[s], owner[t])
                     if link[0] == link[1]:
-                        arrived[(kind, s, t, i)] = end
+                        arrived[(kind, s, t, i)] = now
                         continue
-                    start = max(end, link_free.get(link, 0.0))
-                    link_free[link] = start + cost
-                    arrived[(kind, s, t, i)] = start + cost
-                    timeline.append(Event(s, f"send_{kind}", i, start, start + cost, peer=t))
+                    begin = max(now, link_free.get(link, 0.0))
+                    link_free[link] = begin + cost
+                    arrived[(kind, s, t, i)] = begin + cost
+                    timeline.append(Event(s, f"send_{kind}", i, begin, begin + cost, peer=t))
             position[w] += 1
             remaining -= 1
-            progressed = True
-        if not progressed:
-            raise RuntimeError("the schedule deadlocked: a worker waits for an operation that never runs")
+    worker_free = [max([e.end for e in timeline if owner[e.stage] == w and e.kind in ("F", "B", "W")], default=0.0)
+                   for w in range(n_workers)]
     for st, ar in enumerate(allreduce_s or []):
         if ar > 0:
             w = owner[st]

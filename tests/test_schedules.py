@@ -92,3 +92,21 @@ def test_bad_shapes_say_what_is_wrong(schedule, stages, workers, m, message):
 
 def test_all_schedules_are_listed():
     assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1"}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_workers_sharing_cores_by_hand(schedule):
+    f, b, p, m = 1.0, 2.0, 4, 6
+    alone = simulate([f] * p, [b] * p, m, schedule)
+    # as many cores as workers and no slowdown: the same as devices of their own
+    assert simulate([f] * p, [b] * p, m, schedule, cores=p).iteration_s == pytest.approx(alone.iteration_s)
+    # one core: the work is done one operation's worth at a time, never idle
+    one = simulate([f] * p, [b] * p, m, schedule, cores=1)
+    assert one.iteration_s == pytest.approx(p * m * (f + b))
+    # two cores: between the two
+    two = simulate([f] * p, [b] * p, m, schedule, cores=2)
+    assert p * m * (f + b) / 2 <= two.iteration_s <= one.iteration_s
+    assert two.iteration_s >= alone.iteration_s
+    # two operations at once each at 80%: a two-stage pipeline's overlap is stretched
+    slow = simulate([f] * 2, [b] * 2, m, schedule, cores=2, parallel_efficiency=0.8)
+    assert simulate([f] * 2, [b] * 2, m, schedule).iteration_s < slow.iteration_s <= 2 * m * (f + b) / 0.8

@@ -267,6 +267,8 @@ def test_report_compares_predicted_and_measured_per_stage_after_a_step():
         assert all(a.end_s <= b.start_s for a, b in zip(mine, mine[1:]))
     text = pipe.report()
     assert "fwd ms pred" in text and "stage-time error: median" in text and len(text.splitlines()) == 6
+    assert "workers sharing" in text      # CPU workers share the machine: the prediction says how
+    assert pipe.plan.measured["cpu_sharing"][0] > 0
 
 
 class ConvBN(nn.Module):
