@@ -79,7 +79,6 @@ class Pipeline(nn.Module):
         self._mode_dependent = mode_dependent
         self._placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
         self._output = next(n for n in graph_module.graph.nodes if n.op == "output")
-        self._random = [is_random(s.module) for s in stages]
         self.train(self._traced_training)
 
     # ------------------------------------------------------------------ inputs
@@ -132,11 +131,13 @@ class Pipeline(nn.Module):
         micro = self._micro_batches(args, kwargs)
         grad = torch.is_grad_enabled()
         m, p = len(micro), len(self.specs)
+        random = self._random_stages()
         with spawn_workers(p) as workers:
             for clock in range(m + p - 1):
                 tasks = [(k, clock - k) for k in range(p) if 0 <= clock - k < m]
                 for k, i in tasks:
-                    workers.submit(k, (k, i), self._task(k, i, micro[i], grad, checkpointed=self._checkpointed(k, i, m)))
+                    workers.submit(k, (k, i), self._task(k, i, micro[i], grad, self._checkpointed(k, i, m),
+                                                         random[k]))
                 failures = []
                 for _ in tasks:
                     (k, i), ok, value = workers.collect()
@@ -198,7 +199,7 @@ class Pipeline(nn.Module):
         started = time.perf_counter()
         try:
             loss, outs = run_step(self.specs, self.devices, self._output.args[0], micro, [t[0] for t in targets],
-                                  loss_fn, schedule, ckpt, reduction, timings, workers=self._workers(schedule), random=self._random)
+                                  loss_fn, schedule, ckpt, reduction, timings, workers=self._workers(schedule), random=self._random_stages())
         except BaseException as failure:
             commit_statistics(self.modules(), discard=True)
             if not isinstance(failure, StepFailure):
@@ -257,16 +258,20 @@ class Pipeline(nn.Module):
             lines.append(f"worker {w} ({self.devices[w]}): {ops}")
         return "\n".join(lines)
 
-    def _task(self, k: int, i: int, env: dict[str, Any], grad: bool, checkpointed: bool):
+    def _random_stages(self) -> list[bool]:
+        """Which stages draw random numbers in the current train/eval mode (:mod:`fxpipe.rng`)."""
+        return [is_random(spec.module) for spec in self.specs]
+
+    def _task(self, k: int, i: int, env: dict[str, Any], grad: bool, checkpointed: bool, random: bool):
         spec, device = self.specs[k], self.devices[k]
         use_checkpoint = grad and checkpointed
 
         def run() -> None:
             inputs = [to_device(env[name], device) for name in spec.inputs]
-            with torch.set_grad_enabled(grad), tracking(), rng_guard(device, self._random[k]):
+            with torch.set_grad_enabled(grad), tracking(), rng_guard(device, random):
                 if use_checkpoint:
                     outs = torch_checkpoint(spec.module, *inputs, use_reentrant=False,
-                                            preserve_rng_state=self._random[k])
+                                            preserve_rng_state=random)
                 else:
                     outs = spec.module(*inputs)
             for name, value in zip(spec.outputs, outs):

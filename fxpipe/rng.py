@@ -40,15 +40,20 @@ def _name(target: object) -> str:
 
 
 def is_random(gm: fx.GraphModule) -> bool:
-    """Whether running ``gm`` may draw from a random generator."""
+    """Whether running ``gm`` now may draw from a random generator (a dropout module in eval mode, or a
+    functional dropout traced with ``training=False``, does not)."""
     for node in gm.graph.nodes:
         if node.op in ("call_function", "call_method"):
             name = _name(node.target)
+            if "dropout" in name and node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True) \
+                    is False:
+                continue
             if name in _RANDOM_EXACT or any(k in name for k in _RANDOM_PARTS):
                 return True
         if node.op == "call_module":
             for sub in gm.get_submodule(node.target).modules():
-                if any(k in type(sub).__name__.lower() for k in ("dropout", "stochastic", "random", "noise", "rrelu")):
+                kind = type(sub).__name__.lower()
+                if sub.training and any(k in kind for k in ("dropout", "stochastic", "random", "noise", "rrelu")):
                     return True
     return False
 

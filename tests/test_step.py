@@ -416,7 +416,7 @@ def test_concurrent_random_stages_replay_their_own_masks_on_recompute(schedule):
     kwargs = {"virtual_stages": 2} if schedule == "interleaved-1f1b" else {"stages": 4}
     pipe = fxpipe.compile(model, ["cpu"] * (2 if schedule == "interleaved-1f1b" else 4), (x,), chunks=4,
                           schedule=schedule, checkpoint="always", profile="estimate", **kwargs)
-    assert all(pipe._random)
+    assert all(pipe._random_stages())
     seen: dict[tuple[int, bytes], list[torch.Tensor]] = {}
     lock = threading.Lock()
 
@@ -454,3 +454,11 @@ def test_report_with_memory_goes_into_the_plan_json(tmp_path):
     again = fxpipe.load_plan(tmp_path / "plan.json")
     assert again.measured["memory"] == measured["memory"]
     assert again.measured["iteration_s"] == pytest.approx(measured["iteration_s"])
+
+
+def test_a_dropout_in_eval_mode_is_not_random_and_in_train_mode_is():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 4))
+    pipe = fxpipe.compile(model.eval(), ["cpu"] * 2, (torch.randn(4, 4),), chunks=2, stages=2, profile="estimate")
+    assert not any(pipe._random_stages())       # eval: no generator is drawn from, no stage waits for it
+    pipe.train()
+    assert any(pipe._random_stages())
