@@ -33,7 +33,7 @@ import fxpipe
 from fxpipe.devices import calibrate_cpu
 from fxpipe.cpu_sharing import cpu_sharing
 from fxpipe.memory_model import predict_worker_memory
-from fxpipe.report import predicted_times
+from fxpipe.report import per_micro_batch, predicted_times
 from fxpipe.profile import profile_graph
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
@@ -65,21 +65,24 @@ MODELS = {   # name -> (model, inputs, target, loss)
 }
 
 
-def run(pipe: fxpipe.Pipeline, x: torch.Tensor, y: torch.Tensor, loss_fn, steps: int) -> list:
-    """Timings of ``steps - 1`` steps after a warm-up."""
+def run(pipe: fxpipe.Pipeline, x: torch.Tensor, y: torch.Tensor, loss_fn, steps: int) -> list[list]:
+    """The timings of each of ``steps - 1`` steps after a warm-up."""
     timings = []
     for step in range(steps):
         pipe.step(x, y, loss_fn)
         if step:
-            timings += pipe.last_step["timings"]
+            timings.append(pipe.last_step["timings"])
     return timings
 
 
-def medians(timings: list, stage: int) -> tuple[float, float]:
-    """Median forward and backward (B plus W) seconds per micro-batch of ``stage``."""
-    fwd = statistics.median(t.end_s - t.start_s for t in timings if t.stage == stage and t.kind == "F")
-    bwd = statistics.median(t.end_s - t.start_s for t in timings if t.stage == stage and t.kind == "B")
-    return fwd, bwd
+def medians(steps: list[list], stage: int) -> tuple[float, float]:
+    """Median forward and backward (B plus W) seconds per micro-batch of ``stage`` over the steps."""
+    fwd, bwd = [], []
+    for timings in steps:
+        f, b = per_micro_batch([(t.kind, t.micro_batch, t.end_s - t.start_s) for t in timings if t.stage == stage])
+        fwd += f
+        bwd += b
+    return statistics.median(fwd), statistics.median(bwd)
 
 
 def percentile(values: list[float], q: float) -> float:

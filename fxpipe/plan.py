@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fxpipe.errors import PlanFormatError
+from solvers.schedules import inflight
 
 __all__ = ["Plan", "PlanStage", "load_plan", "PLAN_FORMAT", "aligned_table"]
 
@@ -116,12 +117,12 @@ class Plan:
         workers = predict_worker_memory(self) if self.virtual_stages == 1 else None
         rows = []
         for s in self.stages:
-            inflight = {"gpipe": m, "zb-h1": min(m, p)}.get(self.schedule, min(m, p - s.index))
+            held = inflight(self.schedule, s.index, p, m)
             device_memory = next((v for k, v in memory.items() if k.endswith(":" + s.device) or k == s.device), None)
-            act = workers[s.index].activation_bytes if workers else s.act_bytes * inflight
+            act = workers[s.index].activation_bytes if workers else s.act_bytes * held
             params = workers[s.index].param_bytes if workers else s.param_bytes
             rows.append([str(s.index), s.device, f"{s.param_bytes / 4 / 1e6:.0f}M" if s.param_bytes else "0",
-                         f"{params / 2**30:.2f}", str(inflight), f"{act / 2**30:.2f}",
+                         f"{params / 2**30:.2f}", str(held), f"{act / 2**30:.2f}",
                          f"{(params + act) / 2**30:.2f}", f"{device_memory / 2**30:.1f}" if device_memory else "-"])
         total_params = sum(s.param_bytes for s in self.stages)
         head = ["stage", "device", "params (fp32)", "param+grad+opt GiB", "in flight", "activation GiB",

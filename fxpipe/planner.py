@@ -56,11 +56,17 @@ class Planner:
     training: bool
     profile_extra: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # one solver device per (chunk, device) for interleaved-1f1b; the links are read once
+        # (on GPUs from nvidia-smi), not for every plan a calibration or checkpoint search makes
+        v, devs = self.virtual_stages, self.devices
+        self._solver_devices = [devs[k % len(devs)] for k in range(v * len(devs))]
+        self._links = virtual_links(links_for_devices(devs), v)
+
     def _solve(self, costs: dict[str, Any], recompute: bool) -> tuple[solvers.Problem, solvers.Solution]:
         v, devs, mem = self.virtual_stages, self.devices, self.memory_bytes
-        solver_devs = [devs[k % len(devs)] for k in range(v * len(devs))]
-        problem = build_problem(self.gm, costs, solver_devs, virtual_links(links_for_devices(devs), v), self.chunks,
-                                [mem[k % len(devs)] / v for k in range(len(solver_devs))],
+        problem = build_problem(self.gm, costs, self._solver_devices, self._links, self.chunks,
+                                [mem[k % len(devs)] / v for k in range(len(self._solver_devices))],
                                 stages=v * len(devs) if v > 1 else self.stages,
                                 optimizer_state_factor=self.optimizer_state_factor,
                                 schedule="1f1b" if v > 1 else self.schedule, name=self.model_name)
@@ -87,8 +93,7 @@ class Planner:
 
     def _finish(self, problem: solvers.Problem, solution: solvers.Solution, costs: dict[str, Any]) -> Plan:
         v, workers = self.virtual_stages, len(self.devices)
-        solver_devs = [self.devices[k % workers] for k in range(v * workers)]
-        plan = plan_from_solution(problem, solution, solver_devs, self.fingerprint, self.model_name, self.chunks,
+        plan = plan_from_solution(problem, solution, self._solver_devices, self.fingerprint, self.model_name, self.chunks,
                                   self.checkpoint, self.batch, self.profile, str(self.devices[0]), self.training,
                                   self.profile_extra)
         if v > 1:

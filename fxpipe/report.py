@@ -27,11 +27,20 @@ from fxpipe.plan import Plan, aligned_table
 from solvers.schedules import stage_worker
 from solvers.simulate import simulate
 
-__all__ = ["step_report", "predicted_times"]
+__all__ = ["step_report", "predicted_times", "per_micro_batch"]
 
 
 def _error(measured: float, predicted: float) -> float:
     return (predicted - measured) / measured if measured > 0 else float("nan")
+
+
+def per_micro_batch(ops: list[tuple[str, int, float]]) -> tuple[list[float], list[float]]:
+    """One stage's ``(kind, micro_batch, seconds)`` operations as forward times and backward times per
+    micro-batch (``B`` and, when the backward is split, ``W`` added together)."""
+    fwd = [seconds for kind, _, seconds in ops if kind == "F"]
+    bwd = [sum(seconds for kind, mb, seconds in ops if kind != "F" and mb == i)
+           for i in sorted({mb for _, mb, _ in ops})]
+    return fwd, bwd
 
 
 def predicted_times(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedule: str, workers: int,
@@ -43,11 +52,9 @@ def predicted_times(fwd_s: list[float], bwd_s: list[float], micro_batches: int, 
                    parallel_efficiency=sharing.parallel_efficiency if sharing else 1.0)
     per_stage = []
     for s in range(len(fwd_s)):
-        ops = [e for e in sim.timeline if e.stage == s and e.kind in ("F", "B", "W")]
-        fwd = statistics.median(e.end - e.start for e in ops if e.kind == "F")
-        bwd = statistics.median(sum(e.end - e.start for e in ops if e.kind != "F" and e.micro_batch == i)
-                                for i in range(micro_batches))
-        per_stage.append((fwd, bwd))
+        fwd, bwd = per_micro_batch([(e.kind, e.micro_batch, e.end - e.start) for e in sim.timeline
+                                    if e.stage == s and e.kind in ("F", "B", "W")])
+        per_stage.append((statistics.median(fwd), statistics.median(bwd)))
     return sim.iteration_s, per_stage
 
 
@@ -66,10 +73,8 @@ def step_report(plan: Plan, last_step: dict[str, Any], sharing: CpuSharing | Non
         alone_bwd.append(st.bwd_s + recompute * st.fwd_s)
     pred_iter, pred_ops = predicted_times(alone_fwd, alone_bwd, m, schedule, workers, sharing)
     for st in plan.stages:
-        ops = [t for t in timings if t.stage == st.index]
-        fwd = [t.end_s - t.start_s for t in ops if t.kind == "F"]
-        bwd = [sum(t.end_s - t.start_s for t in ops if t.kind != "F" and t.micro_batch == i)
-               for i in sorted({t.micro_batch for t in ops})]   # B, and W when the backward is split
+        fwd, bwd = per_micro_batch([(t.kind, t.micro_batch, t.end_s - t.start_s) for t in timings
+                                    if t.stage == st.index])
         pred_f, pred_b = pred_ops[st.index]
         meas_f, meas_b = statistics.median(fwd), statistics.median(bwd)
         err_f, err_b = _error(meas_f, pred_f), _error(meas_b, pred_b)

@@ -20,6 +20,7 @@ from typing import Any
 import networkx as nx
 
 from solvers.errors import InvalidProblemError
+from solvers.schedules import inflight as schedule_inflight
 
 __all__ = ["Node", "Edge", "Device", "Problem", "SCHEDULES", "PROBLEM_FORMAT", "PROBLEM_FORMATS"]
 
@@ -169,11 +170,7 @@ class Problem:
         """Micro-batches whose activations stage ``stage`` holds at its peak."""
         if self.recompute:   # checkpointed: the one being recomputed (kept inputs are the caller's check)
             return 1
-        if self.schedule == "gpipe":
-            return self.micro_batches
-        if self.schedule == "zb-h1":   # a stage's weight passes trail by ``stage``: p on every stage
-            return min(self.micro_batches, num_stages)
-        return min(self.micro_batches, num_stages - stage)
+        return schedule_inflight(self.schedule, stage, num_stages, self.micro_batches)
 
     # ------------------------------------------------------------------ JSON
     @classmethod

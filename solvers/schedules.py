@@ -29,7 +29,7 @@ These lists are what the executors run and what :mod:`solvers.simulate` times.
 
 from __future__ import annotations
 
-__all__ = ["SCHEDULES", "SPLIT_BACKWARD", "Op", "worker_orders", "stage_worker", "check_schedule"]
+__all__ = ["SCHEDULES", "SPLIT_BACKWARD", "Op", "worker_orders", "stage_worker", "check_schedule", "inflight"]
 
 Op = tuple[str, int, int]
 
@@ -54,6 +54,16 @@ def check_schedule(schedule: str, stages: int, workers: int, micro_batches: int)
     elif stages != workers:
         raise ValueError(f"{schedule} runs one stage per worker; got {stages} stages on {workers} workers "
                          f"(use interleaved-1f1b for several stages per worker)")
+
+
+def inflight(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
+    """Micro-batches whose activations ``stage`` holds at its peak (GPipe: all; ZB-H1: ``p``, its weight
+    passes trailing by ``stage``; 1F1B and interleaved, counted over all stages: ``p - s``)."""
+    if schedule == "gpipe":
+        return micro_batches
+    if schedule == "zb-h1":
+        return min(micro_batches, stages)
+    return min(micro_batches, stages - stage)
 
 
 def stage_worker(schedule: str, stage: int, workers: int) -> int:
