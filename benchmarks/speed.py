@@ -20,6 +20,15 @@ shape integers a cut inside a block carries) or any torchvision classifier name
 
     python benchmarks/speed.py --model transformer
     python benchmarks/speed.py --model resnet50 --image-size 96 --batch 32 --chunks 4
+
+On a GPU (``--device cuda``) naive-1 is the plain model on ``cuda:0`` and
+``pipeline-k`` puts its stages on ``cuda:0..k-1`` (on ``cuda:0`` alone when the
+machine has fewer); naive-2 and torch.distributed.pipelining are CPU-only here.
+Epochs are timed between ``torch.cuda.synchronize()`` calls. The issue's GPU
+check (torchgpipe lost 24 % with pipeline-1 and checkpointing)::
+
+    python benchmarks/speed.py --device cuda --model resnet101 --image-size 224 --batch 128 --chunks 4 \
+        --workers 1 --schedules gpipe 1f1b
 """
 
 from __future__ import annotations
@@ -61,6 +70,21 @@ def build(args: argparse.Namespace) -> tuple[nn.Module, torch.Tensor, torch.Tens
     model = torchvision.models.get_model(args.model).train()
     x = torch.randn(args.batch, 3, args.image_size, args.image_size)
     return model, x, torch.randint(0, 1000, (args.batch,)), nn.functional.cross_entropy
+
+
+def on_device(args: argparse.Namespace, built: tuple) -> tuple:
+    """``build``'s model and data on the first GPU for ``--device cuda`` (unchanged on CPU)."""
+    model, x, y, loss_fn = built
+    if args.device == "cpu":
+        return built
+    return model.to("cuda:0"), x.to("cuda:0"), y.to("cuda:0"), loss_fn
+
+
+def pipeline_devices(args: argparse.Namespace, workers: int) -> list[str]:
+    if args.device == "cpu":
+        return ["cpu"] * workers
+    count = torch.cuda.device_count()
+    return [f"cuda:{w}" if count >= workers else "cuda:0" for w in range(workers)]
 
 
 def leaves(args: argparse.Namespace) -> list[type]:
@@ -158,12 +182,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", default="never", choices=("always", "except_last", "never"))
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
     parser.add_argument("--no-tdp", action="store_true", help="skip torch.distributed.pipelining")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="pipeline widths to run")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no GPU here (torch.cuda.is_available() is False)")
+    gpu = args.device == "cuda"
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
     torch.set_num_threads(1)
-    model, x, y, loss_fn = build(args)
+    model, x, y, loss_fn = on_device(args, build(args))
+    where = torch.cuda.get_device_name(0) if gpu else "cpu"
     print(f"model: {args.model}, batch size: {args.batch}, chunks: {args.chunks}, checkpoint: {args.checkpoint}, "
           f"threads: 1 per worker")
-    print(f"fxpipe: {fxpipe.__version__}, python: {sys.version.split()[0]}, torch: {torch.__version__}, device: cpu")
+    print(f"fxpipe: {fxpipe.__version__}, python: {sys.version.split()[0]}, torch: {torch.__version__}, "
+          f"device: {where}")
     print("-" * 80)
     results: dict[str, float] = {}
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -172,18 +204,19 @@ def main(argv: list[str] | None = None) -> int:
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
-    results["naive-1"] = run_epochs("naive-1", naive_step, args.batch, args.epochs, args.steps)
-    torch.set_num_threads(2)
-    results["naive-2"] = run_epochs("naive-2", naive_step, args.batch, args.epochs, args.steps)
-    torch.set_num_threads(1)
+    results["naive-1"] = run_epochs("naive-1", naive_step, args.batch, args.epochs, args.steps, barrier=sync)
+    if not gpu:
+        torch.set_num_threads(2)
+        results["naive-2"] = run_epochs("naive-2", naive_step, args.batch, args.epochs, args.steps)
+        torch.set_num_threads(1)
     plan_path = str(Path(tempfile.mkdtemp()) / "plan.json")
-    for workers in (1, 2):
-        for schedule in args.schedules if workers == 2 else ["gpipe"]:
+    for workers in args.workers:
+        for schedule in args.schedules if workers > 1 else ["gpipe"]:
             if workers == 1 and schedule == "interleaved-1f1b":
                 continue
-            model, x, y, loss_fn = build(args)
+            model, x, y, loss_fn = on_device(args, build(args))
             extra = {"virtual_stages": 2} if schedule == "interleaved-1f1b" else {"stages": workers}
-            pipe = fxpipe.compile(model, ["cpu"] * workers, (x,), chunks=args.chunks, schedule=schedule,
+            pipe = fxpipe.compile(model, pipeline_devices(args, workers), (x,), chunks=args.chunks, schedule=schedule,
                                   checkpoint=args.checkpoint, leaf_modules=leaves(args), **extra)
             if workers == 2 and schedule == "gpipe":
                 pipe.plan.save(plan_path)
@@ -196,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
             name = f"pipeline-{workers}" if workers == 1 else f"pipeline-{workers}-{schedule}"
             print(f"{name}: {len(pipe.plan.stages)} stages, predicted stage times (ms): "
                   + ", ".join(f"{(s.fwd_s + s.bwd_s) * 1e3:.1f}" for s in pipe.plan.stages))
-            results[name] = run_epochs(name, scheduled_step, args.batch, args.epochs, args.steps)
-    if not args.no_tdp:
+            results[name] = run_epochs(name, scheduled_step, args.batch, args.epochs, args.steps, barrier=sync)
+    if not args.no_tdp and not gpu and 2 in args.workers:
         for schedule in ("gpipe", "1f1b"):
             results[f"tdp-2-{schedule}"] = run_tdp(args, plan_path, schedule)
 

@@ -36,7 +36,8 @@ from fxpipe.memory_probe import measure_worker_memory
 from fxpipe.plan import Plan
 from fxpipe.report import step_report
 from fxpipe.rng import is_random, rng_guard
-from fxpipe.step import REDUCTIONS, OpTiming, StepFailure, run_step, to_device
+from fxpipe.step import REDUCTIONS, OpTiming, StepFailure, run_step
+from fxpipe.streams import DeviceStreams, Event
 from fxpipe.worker import spawn_workers
 from solvers.schedules import SCHEDULES, worker_orders
 
@@ -132,12 +133,14 @@ class Pipeline(nn.Module):
         grad = torch.is_grad_enabled()
         m, p = len(micro), len(self.specs)
         random = self._random_stages()
+        streams = DeviceStreams(self.devices)
+        ready: list[dict[str, Event]] = [{} for _ in range(m)]   # micro-batch -> value name -> producer's event
         with spawn_workers(p) as workers:
             for clock in range(m + p - 1):
                 tasks = [(k, clock - k) for k in range(p) if 0 <= clock - k < m]
                 for k, i in tasks:
                     workers.submit(k, (k, i), self._task(k, i, micro[i], grad, self._checkpointed(k, i, m),
-                                                         random[k]))
+                                                         random[k], streams, ready[i]))
                 failures = []
                 for _ in tasks:
                     (k, i), ok, value = workers.collect()
@@ -162,7 +165,8 @@ class Pipeline(nn.Module):
         """Forward and backward of one mini-batch with an explicit schedule; returns the loss.
 
         ``inputs`` is the model's input (a tuple for several); ``target`` is split into
-        micro-batches like them and ``loss_fn(output, target)`` is applied per micro-batch.
+        micro-batches like them, moved to the last stage's device, and ``loss_fn(output, target)``
+        is applied per micro-batch there.
         ``reduction="mean"`` (for a loss that averages over its batch, the default of
         ``torch.nn`` losses) weights micro-batch ``i`` by ``n_i / N``; ``"sum"`` by 1. Either
         way the returned loss and the gradients accumulated in ``.grad`` equal one
@@ -262,20 +266,26 @@ class Pipeline(nn.Module):
         """Which stages draw random numbers in the current train/eval mode (:mod:`fxpipe.rng`)."""
         return [is_random(spec.module) for spec in self.specs]
 
-    def _task(self, k: int, i: int, env: dict[str, Any], grad: bool, checkpointed: bool, random: bool):
+    def _task(self, k: int, i: int, env: dict[str, Any], grad: bool, checkpointed: bool, random: bool,
+              streams: DeviceStreams, ready: dict[str, Event]):
         spec, device = self.specs[k], self.devices[k]
         use_checkpoint = grad and checkpointed
 
         def run() -> None:
-            inputs = [to_device(env[name], device) for name in spec.inputs]
-            with torch.set_grad_enabled(grad), tracking(), rng_guard(device, random):
-                if use_checkpoint:
-                    outs = torch_checkpoint(spec.module, *inputs, use_reentrant=False,
-                                            preserve_rng_state=random)
-                else:
-                    outs = spec.module(*inputs)
+            with streams.computing(device):
+                moved = [streams.move(env[name], device, ready.get(name)) for name in spec.inputs]
+                streams.wait(device, [event for _, event in moved])
+                inputs = [value for value, _ in moved]
+                with torch.set_grad_enabled(grad), tracking(), rng_guard(device, random):
+                    if use_checkpoint:
+                        outs = torch_checkpoint(spec.module, *inputs, use_reentrant=False,
+                                                preserve_rng_state=random)
+                    else:
+                        outs = spec.module(*inputs)
+                event = streams.record(device)
             for name, value in zip(spec.outputs, outs):
                 env[name] = value
+                ready[name] = event
         return run
 
     def extra_repr(self) -> str:

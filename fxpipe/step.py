@@ -13,7 +13,9 @@ micro-batch ``i``, ``B(k, i)`` after its consumers' backwards. A zero-bubble
 schedule's ``B`` computes only the gradients of the stage's inputs and its ``W``
 the parameters' (:mod:`fxpipe.split_backward`). The order never deadlocks: its
 needs are implied by the simulator's dependencies, under which it runs to the
-end (tested for every schedule). The loss of micro-batch ``i`` is computed on the last stage before
+end (tested for every schedule). On GPUs each worker enqueues on its device's
+compute stream and values cross devices on copy streams, ordered by events
+(:mod:`fxpipe.streams`); on CPU the same calls do nothing. The loss of micro-batch ``i`` is computed on the last stage before
 ``B(p-1, i)``; micro-batch losses are weighted ``n_i / N`` (``reduction="mean"``,
 for a loss that averages over its batch) or 1 (``"sum"``), so the accumulated
 gradients are those of one full-batch backward.
@@ -21,6 +23,8 @@ gradients are those of one full-batch backward.
 
 from __future__ import annotations
 
+import functools
+import operator
 import threading
 import time
 from dataclasses import dataclass
@@ -28,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from fxpipe.batchnorm import tracking
@@ -36,9 +40,10 @@ from fxpipe.codegen import StageSpec
 from fxpipe.microbatch import batch_size_of
 from fxpipe.rng import is_random, rng_guard
 from fxpipe.split_backward import WeightPass, backward_inputs, full_backward
+from fxpipe.streams import DeviceStreams, Event
 from solvers.schedules import SPLIT_BACKWARD, worker_orders
 
-__all__ = ["run_step", "StepFailure", "REDUCTIONS", "OpTiming", "to_device"]
+__all__ = ["run_step", "StepFailure", "REDUCTIONS", "OpTiming"]
 
 REDUCTIONS = ("mean", "sum")
 
@@ -63,14 +68,13 @@ class StepFailure(Exception):
         self.stage, self.micro_batch, self.kind, self.exc = stage, micro_batch, kind, exc
 
 
-def _leaf(value: Any, device: torch.device) -> Any:
-    """A consumer's copy of a value (tensors inside tuples and lists too): fresh autograd leaves."""
-    def one(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        moved = t.detach().to(device, non_blocking=True) if t.device != device else t.detach()
-        return moved.requires_grad_(t.requires_grad)
-    return tree_map(one, value)
+def _leaf(value: Any, device: torch.device, streams: DeviceStreams, ready: Event) -> tuple[Any, Event]:
+    """A consumer's copy of a value (tensors inside tuples and lists too): fresh autograd leaves, and the
+    copy's event (:meth:`DeviceStreams.move`)."""
+    flat, structure = tree_flatten(value)
+    moved, event = streams.move([t.detach() if isinstance(t, torch.Tensor) else t for t in flat], device, ready)
+    leaves = [m.requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else m for t, m in zip(flat, moved)]
+    return tree_unflatten(leaves, structure), event
 
 
 class _Board:
@@ -129,29 +133,43 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
     envs = [dict(mb) for mb in micro_inputs]            # name -> value as produced (attached to its graph)
     leaves: dict[tuple[int, int], dict[str, Any]] = {}  # (stage, mb) -> its input leaves by name
     outs: dict[tuple[int, int], dict[str, Any]] = {}    # (stage, mb) -> its outputs by name
-    # (stage, mb) -> output name -> flat position -> gradient summed over consumers
-    grads: dict[tuple[int, int], dict[str, dict[int, torch.Tensor]]] = {}
+    # (stage, mb) -> output name -> flat position -> gradients from its consumers, each with its copy's event
+    grads: dict[tuple[int, int], dict[str, dict[int, list[tuple[torch.Tensor, Event]]]]] = {}
     grad_lock = threading.Lock()
+    streams = DeviceStreams(devices)
+    events: dict[tuple[str, int, int], Event] = {}   # op -> its compute stream's event when it ended
     losses: list[torch.Tensor | None] = [None] * m
     outputs: list[Any] = [None] * m
     board = _Board()
 
-    def send_back(stage_inputs: dict[str, Any], i: int) -> None:
+    def send_back(stage_inputs: dict[str, Any], i: int, ready: Event) -> None:
         for name, value in stage_inputs.items():
             if name not in producer:
                 continue
             sources = tree_flatten(outs[(producer[name], i)][name])[0]   # alive until the producer's B
             for pos, (leaf, src) in enumerate(zip(tree_flatten(value)[0], sources)):
                 if isinstance(leaf, torch.Tensor) and leaf.grad is not None:
-                    g = leaf.grad.to(src.device)
+                    g, copied = streams.move(leaf.grad, src.device, ready)
                     with grad_lock:
                         acc = grads.setdefault((producer[name], i), {}).setdefault(name, {})
-                        acc[pos] = acc[pos] + g if pos in acc else g
+                        acc.setdefault(pos, []).append((g, copied))
+
+    def stage_inputs(k: int, i: int) -> dict[str, Any]:
+        """Stage ``k``'s inputs for micro-batch ``i`` on its device, its compute stream waiting for their copies."""
+        device, copies = devices[k], []
+        inputs = {}
+        for name in specs[k].inputs:
+            if name in producer:
+                inputs[name], event = _leaf(envs[i][name], device, streams, events.get(("F", producer[name], i)))
+            else:
+                inputs[name], event = streams.move(envs[i][name], device)
+            copies.append(event)
+        streams.wait(device, copies)
+        return inputs
 
     def forward(k: int, i: int) -> None:
         spec, device = specs[k], devices[k]
-        inputs = {name: _leaf(envs[i][name], device) if name in producer else to_device(envs[i][name], device)
-                  for name in spec.inputs}
+        inputs = stage_inputs(k, i)
         args = [inputs[name] for name in spec.inputs]
         # deferred BatchNorm counts this forward (not a checkpoint's recomputation)
         with tracking(), rng_guard(device, random[k]):
@@ -171,24 +189,38 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
 
     def loss_backward(i: int) -> None:
         device = devices[-1]
-        final = {n.name: _leaf(envs[i][n.name], device) for n in _output_nodes(output_arg)}
+        final, copies = {}, []
+        for n in _output_nodes(output_arg):
+            ready = events.get(("F", producer[n.name], i)) if n.name in producer else None
+            final[n.name], event = _leaf(envs[i][n.name], device, streams, ready)
+            copies.append(event)
+        target, event = streams.move(micro_targets[i], device)   # the loss runs on the last stage's device
+        streams.wait(device, copies + [event])
         structure = fx.node.map_arg(output_arg, lambda n: final[n.name])
         outputs[i] = fx.node.map_arg(output_arg, lambda n: envs[i][n.name].detach()
                                      if isinstance(envs[i][n.name], torch.Tensor) else envs[i][n.name])
-        loss = loss_fn(structure, micro_targets[i])
+        loss = loss_fn(structure, target)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
         weight = sizes[i] / total if reduction == "mean" else 1.0
         (loss * weight).backward()
         losses[i] = loss.detach() * weight
-        send_back({name: leaf for name, leaf in final.items() if name in producer}, i)
+        send_back({name: leaf for name, leaf in final.items() if name in producer}, i, streams.record(device))
+
+    def received_grads(k: int, i: int) -> dict[str, dict[int, torch.Tensor]]:
+        """The output gradients of ``(k, i)`` summed over its consumers, after their copies have landed."""
+        with grad_lock:
+            received = grads.pop((k, i), {})
+        streams.wait(devices[k], [event for by_pos in received.values() for parts in by_pos.values()
+                                  for _, event in parts])
+        return {name: {pos: functools.reduce(operator.add, [g for g, _ in parts]) for pos, parts in by_pos.items()}
+                for name, by_pos in received.items()}
 
     def backward(k: int, i: int) -> None:
         if k == p - 1:
             loss_backward(i)
-        with grad_lock:
-            received = grads.pop((k, i), {})
+        received = received_grads(k, i)
         pairs = []
         for name, by_pos in received.items():
             flat = tree_flatten(outs[(k, i)][name])[0]
@@ -201,7 +233,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         else:   # a checkpointed stage recomputes once: its backward is whole (W then does nothing)
             with rng_guard(devices[k], random[k] and checkpoint(k, i)):
                 weight_passes[(k, i)] = full_backward(roots, root_grads)
-        send_back(stage_leaves, i)
+        send_back(stage_leaves, i, streams.record(devices[k]))
         del outs[(k, i)]
 
     def weights(k: int, i: int) -> None:
@@ -233,7 +265,9 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
                 return
             start = time.perf_counter()
             try:
-                run_op[kind](k, i)
+                with streams.computing(devices[k]):
+                    run_op[kind](k, i)
+                    events[(kind, k, i)] = streams.record(devices[k])
             except BaseException as exc:  # handed to the caller
                 board.fail(StepFailure(k, i, pass_name[kind], exc))
                 return
@@ -250,12 +284,6 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
     if board.failure is not None:
         raise board.failure
     return torch.stack([x.to(devices[-1]) for x in losses]).sum(), outputs
-
-
-def to_device(value: Any, device: torch.device) -> Any:
-    """``value`` with every tensor in it (also inside tuples, lists, dicts) on ``device``."""
-    return tree_map(lambda t: t.to(device, non_blocking=True)
-                    if isinstance(t, torch.Tensor) and t.device != device else t, value)
 
 
 def _output_nodes(arg: Any) -> list[fx.Node]:
