@@ -2,7 +2,10 @@
 
 Every experiment runs ``--epochs`` epochs of ``--steps`` training steps (forward,
 cross-entropy, backward, SGD) on random data, prints a line per epoch, and
-averages epochs 2..E (the first warms up). One intra-op thread everywhere
+averages epochs 2..E (the first warms up). With ``--rounds R`` the whole list
+runs R times in turn and each experiment's R averages are averaged: this VM's
+speed drifts by 10-20 % within minutes, and interleaving spreads the drift over
+all experiments instead of favouring whichever ran in a fast minute. One intra-op thread everywhere
 except naive-2, the unpartitioned model on two intra-op threads.
 
 - ``naive-k``: the unpartitioned model.
@@ -171,6 +174,23 @@ def run_tdp(args: argparse.Namespace, plan_path: str, schedule: str) -> float:
     return result.value
 
 
+# glibc returns freed memory to the OS: worker threads' arenas unmap whole heaps as soon as they empty, and
+# the main heap is trimmed above a threshold; every step then faults its activations back in. GPipe, whose
+# peak holds all micro-batches, pays most (measured: steps of 1.2-2.2 s instead of 1.2). These settings keep
+# freed memory mapped for reuse, in every process of the run (torch.distributed.pipelining's too), which is
+# what jemalloc or tcmalloc, the allocators PyTorch's CPU tuning guide recommends, do by default.
+KEEP_FREED_MEMORY = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+                     "MALLOC_TRIM_THRESHOLD_": str(1 << 32), "MALLOC_TOP_PAD_": str(1 << 28)}
+
+
+def keep_freed_memory() -> None:
+    """Re-run this script with :data:`KEEP_FREED_MEMORY` in its environment (glibc reads it at start)."""
+    if all(os.environ.get(k) == v for k, v in KEEP_FREED_MEMORY.items()):
+        return
+    env = {**os.environ, **KEEP_FREED_MEMORY}
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="transformer")
@@ -184,7 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-tdp", action="store_true", help="skip torch.distributed.pipelining")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="pipeline widths to run")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every experiment this many times in turn and average (cancels drift)")
+    parser.add_argument("--allocator", default="keep", choices=("keep", "default"),
+                        help="keep: glibc keeps freed memory mapped (KEEP_FREED_MEMORY, all processes); "
+                             "default: the environment as it is")
     args = parser.parse_args(argv)
+    if args.allocator == "keep" and argv is None:
+        keep_freed_memory()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no GPU here (torch.cuda.is_available() is False)")
     gpu = args.device == "cuda"
@@ -193,22 +220,27 @@ def main(argv: list[str] | None = None) -> int:
     model, x, y, loss_fn = on_device(args, build(args))
     where = torch.cuda.get_device_name(0) if gpu else "cpu"
     print(f"model: {args.model}, batch size: {args.batch}, chunks: {args.chunks}, checkpoint: {args.checkpoint}, "
-          f"threads: 1 per worker")
+          f"threads: 1 per worker, allocator: {args.allocator}")
     print(f"fxpipe: {fxpipe.__version__}, python: {sys.version.split()[0]}, torch: {torch.__version__}, "
           f"device: {where}")
     print("-" * 80)
-    results: dict[str, float] = {}
+    experiments: dict[str, Callable[[], float]] = {}   # name -> one run of its epochs, returning samples/sec
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def naive_step() -> None:
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
-    results["naive-1"] = run_epochs("naive-1", naive_step, args.batch, args.epochs, args.steps, barrier=sync)
+
+    def naive(threads: int) -> float:
+        torch.set_num_threads(threads)
+        try:
+            return run_epochs(f"naive-{threads}", naive_step, args.batch, args.epochs, args.steps, barrier=sync)
+        finally:
+            torch.set_num_threads(1)
+    experiments["naive-1"] = lambda: naive(1)
     if not gpu:
-        torch.set_num_threads(2)
-        results["naive-2"] = run_epochs("naive-2", naive_step, args.batch, args.epochs, args.steps)
-        torch.set_num_threads(1)
+        experiments["naive-2"] = lambda: naive(2)
     plan_path = str(Path(tempfile.mkdtemp()) / "plan.json")
     for workers in args.workers:
         for schedule in args.schedules if workers > 1 else ["gpipe"]:
@@ -229,10 +261,19 @@ def main(argv: list[str] | None = None) -> int:
             name = f"pipeline-{workers}" if workers == 1 else f"pipeline-{workers}-{schedule}"
             print(f"{name}: {len(pipe.plan.stages)} stages, predicted stage times (ms): "
                   + ", ".join(f"{(s.fwd_s + s.bwd_s) * 1e3:.1f}" for s in pipe.plan.stages))
-            results[name] = run_epochs(name, scheduled_step, args.batch, args.epochs, args.steps, barrier=sync)
+            experiments[name] = lambda name=name, step=scheduled_step: run_epochs(
+                name, step, args.batch, args.epochs, args.steps, barrier=sync)
     if not args.no_tdp and not gpu and 2 in args.workers:
         for schedule in ("gpipe", "1f1b"):
-            results[f"tdp-2-{schedule}"] = run_tdp(args, plan_path, schedule)
+            experiments[f"tdp-2-{schedule}"] = lambda schedule=schedule: run_tdp(args, plan_path, schedule)
+    # Rounds run every experiment in turn, so a machine that drifts during the run moves all of them alike.
+    rates: dict[str, list[float]] = {name: [] for name in experiments}
+    for r in range(args.rounds):
+        if args.rounds > 1:
+            print(f"--- round {r + 1}/{args.rounds}\n")
+        for name, run in experiments.items():
+            rates[name].append(run())
+    results = {name: statistics.mean(values) for name, values in rates.items()}
 
     base = results["naive-1"]
     bar = "=" * 24 + "  " + "=" * 19 + "  " + "=" * 7
@@ -240,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'Experiment':<24}  {'Throughput':<19}  Speedup")
     print(bar)
     for name, rate in results.items():
-        print(f"{name:<24}  {rate:8.3f} samples/sec  {rate / base:.3f}x")
+        each = f"  (rounds: {', '.join(f'{v:.3f}' for v in rates[name])})" if args.rounds > 1 else ""
+        print(f"{name:<24}  {rate:8.3f} samples/sec  {rate / base:.3f}x{each}")
     print(bar)
     m = args.chunks
     bound = 2 * m / (m + 1)
