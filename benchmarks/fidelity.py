@@ -8,8 +8,9 @@ backward time per micro-batch with the median measured in the steps (see
 under ``FakeTensorMode`` with this CPU's roofline (``Devices.preset("cpu")``,
 a one-second microbenchmark). ``shared`` is the same measured profile put
 through the simulator with the workers sharing this machine's cores
-(:mod:`fxpipe.cpu_sharing`: cores per worker and the measured slowdown of two
-threads running together), as ``pipe.report()`` predicts. Then ``calibrate=True``: the plan made again on
+(cores per worker from :mod:`fxpipe.cpu_sharing`, and the slowdown of the
+plan's stages running together, measured by :mod:`fxpipe.stage_profile`), as
+``pipe.report()`` predicts. Then ``calibrate=True``: the plan made again on
 stage times measured in two earlier steps, run and compared the same way.
 Peak memory per worker: :mod:`fxpipe.memory_model` against a profiled replay
 (:mod:`fxpipe.memory_probe`). Prints one row per (model, workers, schedule,
@@ -40,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from models import SkipTied  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
+from allocator import keep_freed_memory  # noqa: E402
 from make_problems import UNet  # noqa: E402
 
 
@@ -95,19 +97,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--allocator", default="keep", choices=("keep", "default"),
+                        help="keep: glibc keeps freed memory mapped (benchmarks/allocator.py), so neither the "
+                             "profile nor the steps pay page faults; default: the environment as it is")
     args = parser.parse_args(argv)
+    if args.allocator == "keep" and argv is None:
+        keep_freed_memory()
     torch.set_num_threads(args.threads)
     cpu = calibrate_cpu()
     print(f"CPU roofline: {cpu.flops['float32'] / 1e9:.1f} GFLOP/s, {cpu.memory_bandwidth_Bps / 1e9:.1f} GB/s, "
-          f"{args.threads} thread(s) per worker")
+          f"{args.threads} thread(s) per worker, allocator: {args.allocator}")
     print(f"{'model':<13} {'w':>1} {'sched':<5} {'st':>2}  {'fwd pred':>8} {'meas':>7} {'err':>5}  "
           f"{'bwd pred':>8} {'meas':>7} {'err':>5}  {'analytic f':>10} {'err':>5}  {'shared f/b':>11}  "
           f"{'calibrated':>11}  "
           f"{'mem MiB':>7} {'pred':>7} {'err':>5}")
     measured_err, analytic_err, calibrated_err, memory_err, shared_err = [], [], [], [], []
+    by_workers: dict[int, dict[str, list[float]]] = {}
     sharing = cpu_sharing()
     print(f"CPU sharing: {sharing.cores:g} cores (in units of one worker's threads), "
-          f"{sharing.parallel_efficiency:.0%} parallel efficiency of two workers")
+          f"{sharing.parallel_efficiency:.0%} parallel efficiency of two workers on a synthetic mix; the shared "
+          f"prediction uses the efficiency measured on each plan's own stages (# lines)")
     for name in args.models:
         build, make_x, make_y, loss_fn = MODELS[name]
         for workers in (2, 4):
@@ -129,20 +138,25 @@ def main(argv: list[str] | None = None) -> int:
                                          mode="analytic", spec=cpu)
                 _, shared = predicted_times([st.fwd_s for st in pipe.plan.stages],
                                             [st.bwd_s for st in pipe.plan.stages], pipe.chunks, schedule, workers,
-                                            sharing)
+                                            pipe.cpu_sharing())
+                print(f"# {name} {workers} {schedule}: stages run together at "
+                      f"{pipe.cpu_sharing().parallel_efficiency:.0%} of their speed alone")
                 for st in pipe.plan.stages:
                     fwd, bwd = medians(timings, st.index)
                     sf, sb = shared[st.index]
                     esf, esb = (sf - fwd) / fwd, (sb - bwd) / bwd
                     shared_err += [abs(esf), abs(esb)]
+                    by_workers.setdefault(workers, {}).setdefault("shared", []).extend([abs(esf), abs(esb)])
                     a_fwd = sum(analytic[n].fwd_s for n in st.nodes)
                     ef, eb, ea = (st.fwd_s - fwd) / fwd, (st.bwd_s - bwd) / bwd, (a_fwd - fwd) / fwd
                     measured_err += [abs(ef), abs(eb)]
+                    by_workers[workers].setdefault("measured", []).extend([abs(ef), abs(eb)])
                     analytic_err.append(abs(ea))
                     cst = calibrated.plan.stages[st.index]
                     cf, cb = medians(cal_timings, st.index)
                     ecf, ecb = (cst.fwd_s - cf) / cf, (cst.bwd_s - cb) / cb
                     calibrated_err += [abs(ecf), abs(ecb)]
+                    by_workers[workers].setdefault("calibrated", []).extend([abs(ecf), abs(ecb)])
                     em = (predicted_memory[st.index].activation_bytes - memory[st.index]) / memory[st.index]
                     memory_err.append(abs(em))
                     print(f"{name:<13} {workers:>1} {schedule:<5} {st.index:>2}  {st.fwd_s * 1e3:8.2f} {fwd * 1e3:7.2f} "
@@ -153,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
           f"p90 {percentile(measured_err, 0.9):.1%} over {len(measured_err)}")
     print(f"measured profile with CPU sharing (as pipe.report()): median {statistics.median(shared_err):.1%}, "
           f"p90 {percentile(shared_err, 0.9):.1%} over {len(shared_err)}")
+    for workers, errors in sorted(by_workers.items()):
+        print(f"  {workers} workers: " + ", ".join(f"{kind} median {statistics.median(v):.1%} p90 {percentile(v, 0.9):.1%}"
+                                                for kind, v in errors.items()))
     print(f"analytic (roofline) forward error: median {statistics.median(analytic_err):.1%}, "
           f"p90 {percentile(analytic_err, 0.9):.1%} over {len(analytic_err)}")
     print(f"calibrated plan (calibrate=True) stage time error: median {statistics.median(calibrated_err):.1%}, "

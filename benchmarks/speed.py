@@ -54,6 +54,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fxpipe  # noqa: E402
+from allocator import KEEP_FREED_MEMORY, keep_freed_memory  # noqa: E402
 from make_problems import GPT, Block  # noqa: E402
 
 TRANSFORMER = dict(vocab=2048, width=256, depth=8, heads=4, seq=128)
@@ -174,23 +175,6 @@ def run_tdp(args: argparse.Namespace, plan_path: str, schedule: str) -> float:
     return result.value
 
 
-# glibc returns freed memory to the OS: worker threads' arenas unmap whole heaps as soon as they empty, and
-# the main heap is trimmed above a threshold; every step then faults its activations back in. GPipe, whose
-# peak holds all micro-batches, pays most (measured: steps of 1.2-2.2 s instead of 1.2). These settings keep
-# freed memory mapped for reuse, in every process of the run (torch.distributed.pipelining's too), which is
-# what jemalloc or tcmalloc, the allocators PyTorch's CPU tuning guide recommends, do by default.
-KEEP_FREED_MEMORY = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
-                     "MALLOC_TRIM_THRESHOLD_": str(1 << 32), "MALLOC_TOP_PAD_": str(1 << 28)}
-
-
-def keep_freed_memory() -> None:
-    """Re-run this script with :data:`KEEP_FREED_MEMORY` in its environment (glibc reads it at start)."""
-    if all(os.environ.get(k) == v for k, v in KEEP_FREED_MEMORY.items()):
-        return
-    env = {**os.environ, **KEEP_FREED_MEMORY}
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="transformer")
@@ -207,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every experiment this many times in turn and average (cancels drift)")
     parser.add_argument("--allocator", default="keep", choices=("keep", "default"),
-                        help="keep: glibc keeps freed memory mapped (KEEP_FREED_MEMORY, all processes); "
+                        help=f"keep: glibc keeps freed memory mapped ({' '.join(f'{k}={v}' for k, v in KEEP_FREED_MEMORY.items())}, "
+                             "all processes, benchmarks/allocator.py); "
                              "default: the environment as it is")
     args = parser.parse_args(argv)
     if args.allocator == "keep" and argv is None:

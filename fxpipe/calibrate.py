@@ -44,6 +44,8 @@ def stage_time_factors(pipe: Any, example_inputs: tuple, steps: int = 2) -> list
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     target = next(t for t in inputs if isinstance(t, torch.Tensor))   # batch-sized; the loss ignores it
     grads = {p: p.grad for p in pipe.parameters()}
+    for p in grads:   # the steps accumulate into .grad: into fresh tensors, never into the caller's
+        p.grad = None
     buffers = {name: b.detach().clone() for name, b in pipe.named_buffers()}
     rng = torch.random.get_rng_state()
     forward: dict[int, list[float]] = {}

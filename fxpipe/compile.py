@@ -12,6 +12,7 @@ from torch import nn
 
 from fxpipe.batchnorm import convert_deferred_batch_norm
 from fxpipe.calibrate import scale_costs, stage_time_factors
+from fxpipe.stage_profile import stage_factors
 from fxpipe.codegen import move_stage, split_graph
 from fxpipe.errors import PlanMismatchError
 from fxpipe.fingerprint import graph_fingerprint
@@ -97,6 +98,7 @@ def compile(
     calibrate: bool = False,
     calibration_steps: int = 2,
     profile: str = "measure",
+    stage_profile: bool = True,
     warmup: int = 1,
     repeats: int = 3,
     leaf_modules: Iterable[type | str] = (),
@@ -140,6 +142,10 @@ def compile(
             plan then has ``v·p`` stages, stage ``s`` on device ``s % p`` (Megatron-LM's layout),
             cut by the solver for balance with the placement fixed.
         profile: ``"measure"`` (time every node) or ``"estimate"`` (FLOP count, fast).
+        stage_profile: with ``profile="measure"``, also time every stage of the plan as a whole
+            (a fused group, alone, forward and backward into ``.grad``), scale its nodes' costs
+            to that and solve again until the cuts stop moving (at most 3 rounds;
+            :mod:`fxpipe.stage_profile`); the factors are in ``plan.profile["stage_profile"]``.
         leaf_modules, concrete_args: tracing options (see :func:`fxpipe.trace.trace`).
         optimizer_state_factor: optimizer state per parameter byte (Adam: 2) for the memory limit.
         memory_bytes: per-device memory override for the memory limit.
@@ -227,11 +233,27 @@ def compile(
                           training=model.training, profile_extra={"threads": torch.get_num_threads(),
                                                                   "from_cache": cached})
         the_plan = planner.plan(costs)
+        if profile == "measure" and stage_profile:
+            rounds = []
+            for _ in range(3):
+                measured = stage_factors(_pipeline(gm, the_plan, checkpoint, mode_dependent), example_inputs,
+                                         warmup=warmup, repeats=repeats)
+                measured_on = the_plan
+                costs = scale_costs(costs, measured_on, measured.factors)
+                the_plan = planner.plan(costs)
+                rounds.append({"stage_nodes": [len(s.nodes) for s in measured_on.stages],
+                               "factors": measured.factors, "parallel_efficiency": measured.parallel_efficiency})
+                if the_plan.stage_of() == measured_on.stage_of():
+                    break
+            the_plan.profile["stage_profile"] = rounds
         if calibrate:
             pipe = _pipeline(gm, the_plan, checkpoint, mode_dependent)
             factors = stage_time_factors(pipe, example_inputs, steps=calibration_steps)
             measured_on = the_plan
+            stage_rounds = the_plan.profile.get("stage_profile")
             the_plan = planner.plan(scale_costs(costs, measured_on, factors))
+            if stage_rounds is not None:
+                the_plan.profile["stage_profile"] = stage_rounds
             the_plan.profile["calibration"] = {"steps": calibration_steps, "stage_nodes": [len(s.nodes) for s in
                                                measured_on.stages], "factors": factors}
     return _pipeline(gm, the_plan, checkpoint, mode_dependent)

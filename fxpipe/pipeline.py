@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from fxpipe.batchnorm import commit_statistics, tracking
-from fxpipe.cpu_sharing import cpu_sharing
+from fxpipe.cpu_sharing import CpuSharing, cpu_sharing
 from fxpipe.codegen import StageSpec
 from fxpipe.errors import FxpipeError, StageError
 from fxpipe.microbatch import batch_size_of, gather, scatter
@@ -241,8 +241,17 @@ class Pipeline(nn.Module):
         if self.last_step is None:
             raise FxpipeError("no step to report on yet: run pipe.step(inputs, target, loss_fn) first")
         on_cpu = all(d.type == "cpu" for d in self.devices)
-        text, self.plan.measured = step_report(self.plan, self.last_step, cpu_sharing() if on_cpu else None)
+        text, self.plan.measured = step_report(self.plan, self.last_step, self.cpu_sharing() if on_cpu else None)
         return text
+
+    def cpu_sharing(self) -> CpuSharing:
+        """How this pipeline's CPU workers share the cores: the cores of :func:`fxpipe.cpu_sharing.cpu_sharing`,
+        and the parallel efficiency measured on this model's own stages when the plan has one
+        (:mod:`fxpipe.stage_profile`), else the synthetic one."""
+        machine = cpu_sharing()
+        rounds = self.plan.profile.get("stage_profile") or []
+        measured = rounds[-1].get("parallel_efficiency") if rounds else None
+        return CpuSharing(machine.cores, measured) if measured else machine
 
     def _workers(self, schedule: str) -> int:
         return self.plan.workers if schedule == "interleaved-1f1b" else len(self.specs)

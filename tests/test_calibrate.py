@@ -62,3 +62,14 @@ def test_calibrate_needs_a_profile_and_a_trainable_output(tmp_path):
         p.requires_grad_(False)
     with pytest.raises(fxpipe.StageError, match="no output of the model requires grad"):
         fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, stages=2, profile="estimate", calibrate=True)
+
+
+def test_calibrate_leaves_existing_gradients_untouched():
+    torch.manual_seed(13)
+    model = ConvNet().train()
+    x = torch.randn(8, 3, 16, 16)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 3.0)
+    fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, profile="estimate", calibrate=True,
+                   calibration_steps=1)
+    assert all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in model.parameters())

@@ -18,15 +18,20 @@ def _model():
 
 def test_second_compile_reads_the_cache_and_plans_the_same(tmp_path, monkeypatch):
     x = torch.randn(8, 8)
-    first = fxpipe.compile(_model(), ["cpu", "cpu"], (x,), chunks=2, profile="measure", profile_cache=str(tmp_path))
+    # node costs are what is cached; stage timing (on by default) scales them afresh on every compile
+    first = fxpipe.compile(_model(), ["cpu", "cpu"], (x,), chunks=2, profile="measure", profile_cache=str(tmp_path),
+                           stage_profile=False)
     assert first.plan.profile["from_cache"] is False and len(list(tmp_path.glob("*.json"))) == 1
     calls = []
     compile_module = sys.modules["fxpipe.compile"]   # fxpipe.compile is also the function's name
     monkeypatch.setattr(compile_module, "profile_graph", lambda *a, **k: calls.append(1))
-    second = fxpipe.compile(_model(), ["cpu", "cpu"], (x,), chunks=2, profile="measure", profile_cache=str(tmp_path))
+    second = fxpipe.compile(_model(), ["cpu", "cpu"], (x,), chunks=2, profile="measure", profile_cache=str(tmp_path),
+                            stage_profile=False)
     assert calls == [] and second.plan.profile["from_cache"] is True
     assert second.plan.stage_of() == first.plan.stage_of()
     assert second.plan.problem == first.plan.problem                       # identical costs
+    staged = fxpipe.compile(_model(), ["cpu", "cpu"], (x,), chunks=2, profile="measure", profile_cache=str(tmp_path))
+    assert calls == [] and staged.plan.profile["from_cache"] is True and "stage_profile" in staged.plan.profile
     assert first.plan.profile["threads"] == torch.get_num_threads()
 
 

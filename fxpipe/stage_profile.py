@@ -1,0 +1,190 @@
+"""Profiling per fused group: every stage of a plan timed as a whole, alone, at the micro-batch size.
+
+A per-node profile times each node by itself, its inputs and weights hot in
+cache, with no Python between nodes and no gradient accumulation; summed over a
+stage it is off by 10-30 % on a CPU (more for models of many small operations,
+such as MobileNet). The planner needs per-node costs to place cuts, but once
+the cuts are placed the stage itself can be timed: :func:`stage_factors` runs
+micro-batch 0 through the stages in order to get each stage's real inputs, then
+times each stage's forward (inputs from earlier stages as leaves that require
+grad, as in :mod:`fxpipe.step`) and its backward into ``.grad`` (ones as output
+gradients; accumulation included, as in training), with warm-up, repeats and
+median, alone on its device, on a worker thread like the executor's. The ratios to the node sums scale the node costs
+(:func:`fxpipe.calibrate.scale_costs`) and the planner solves again; the
+compiler repeats until the cuts stop moving, so the plan's stage times are the
+measured ones. On CPU workers it also runs up to one stage per core at once,
+each on its own thread, and records how much slower they go together
+(``parallel_efficiency``: alone over together, median over the stages): the
+contention for caches and memory bandwidth of *this* model, which
+``pipe.report()`` then uses in place of :mod:`fxpipe.cpu_sharing`'s synthetic
+mix. Nothing is left behind: gradients, buffers (BatchNorm statistics) and the
+RNG state are restored. The loss is not in it; ``calibrate=True`` covers what
+only a real step shows.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["stage_factors", "StageProfile"]
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def _args(inputs: list[tuple[Any, bool]]) -> list[Any]:
+    """Fresh leaves of a stage's inputs: those from earlier stages require grad, as in :mod:`fxpipe.step`."""
+    return [tree_map(lambda t, g=grad: t.detach().requires_grad_(g and t.is_floating_point())
+                     if isinstance(t, torch.Tensor) else t, value) for value, grad in inputs]
+
+
+def _once(module: torch.nn.Module, inputs: list[tuple[Any, bool]], sync: Callable[[], None]) -> tuple[float, float]:
+    """One forward and one backward into ``.grad`` (ones as output gradients): their seconds."""
+    args = _args(inputs)
+    sync()
+    t0 = time.perf_counter()
+    out = module(*args)
+    sync()
+    t1 = time.perf_counter()
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not outs:
+        return t1 - t0, 0.0
+    grads = [torch.ones_like(t) for t in outs]
+    sync()
+    t2 = time.perf_counter()
+    torch.autograd.backward(outs, grads)
+    sync()
+    return t1 - t0, time.perf_counter() - t2
+
+
+def _stage_times(module: torch.nn.Module, inputs: list[tuple[Any, bool]], device: torch.device, warmup: int,
+                 repeats: int) -> tuple[float, float]:
+    """Median forward and backward seconds of one stage on ``inputs`` (``(value, requires_grad)`` pairs)."""
+    sync = _sync(device)
+    runs = [_once(module, inputs, sync) for _ in range(warmup + repeats)][warmup:]
+    return statistics.median(f for f, _ in runs), statistics.median(b for _, b in runs)
+
+
+def _together(modules: list[torch.nn.Module], inputs: list[list[tuple[Any, bool]]], warmup: int,
+              repeats: int) -> list[float]:
+    """Median forward-plus-backward seconds of each CPU stage while all of them run at once, one thread each.
+
+    Every thread goes on until all have done ``warmup + repeats`` runs; a thread's runs
+    that end after the first thread's last one started are dropped (it was no longer shared)."""
+    k = len(modules)
+    barrier = threading.Barrier(k)
+    runs: list[list[tuple[float, float]]] = [[] for _ in range(k)]
+    done = [False] * k
+    failure: list[BaseException] = []
+
+    def loop(j: int) -> None:
+        try:
+            barrier.wait()
+            while not all(done) and not failure:
+                start = time.perf_counter()
+                _once(modules[j], inputs[j], lambda: None)
+                runs[j].append((start, time.perf_counter()))
+                done[j] = done[j] or len(runs[j]) >= warmup + repeats
+        except BaseException as exc:   # re-raised on the caller's thread
+            failure.append(exc)
+            barrier.abort()
+    threads = [threading.Thread(target=loop, args=(j,), name=f"fxpipe-stage-profile-{j}") for j in range(k)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failure:
+        raise failure[0]
+    shared_until = min(r[-1][0] for r in runs)
+    medians = []
+    for r in runs:
+        inside = [end - start for start, end in r[warmup:] if end <= shared_until] or \
+                 [end - start for start, end in r[warmup:]]
+        medians.append(statistics.median(inside))
+    return medians
+
+
+def _on_a_worker_thread(run: Callable[[], Any]) -> Any:
+    """``run()`` on a new thread, as the executor runs stages: glibc gives threads their own arenas, which
+    map a tensor above 64 MiB afresh every time where the main thread's heap reuses it."""
+    result: list[Any] = []
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(run())
+        except BaseException as exc:   # re-raised on the caller's thread
+            failure.append(exc)
+    thread = threading.Thread(target=target, name="fxpipe-stage-profile")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return result[0]
+
+
+@dataclass
+class StageProfile:
+    """Each stage's measured/planned ``[forward, backward]`` ratio, and on CPU how fast stages run together."""
+
+    factors: list[list[float]]
+    parallel_efficiency: float | None = None   # alone / together, median over the stages run at once
+
+
+def stage_factors(pipe: Any, example_inputs: tuple, warmup: int = 1, repeats: int = 3) -> StageProfile:
+    """Time every stage of ``pipe`` alone, and (CPU workers) up to one per core at once; see the module doc."""
+    micro = pipe._micro_batches(example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), {})[0]
+    grads = {p: p.grad for p in pipe.parameters()}
+    for p in grads:   # timing accumulates into .grad: into fresh tensors, never into the caller's
+        p.grad = None
+    buffers = {name: b.detach().clone() for name, b in pipe.named_buffers()}
+    rng = torch.random.get_rng_state()
+    env: dict[str, tuple[Any, bool]] = {name: (value, False) for name, value in micro.items()}
+    factors, stage_inputs, alone = [], [], []
+    try:
+        for spec, device, st in zip(pipe.specs, pipe.devices, pipe.plan.stages):
+            inputs = [(tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, env[name][0]),
+                       env[name][1]) for name in spec.inputs]
+            with torch.enable_grad():   # which outputs require grad, as in training
+                outs = spec.module(*[value for value, _ in inputs])
+            for name, value in zip(spec.outputs, outs):
+                flat = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+                env[name] = (tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, value),
+                             any(t.requires_grad for t in flat))
+            del outs
+            fwd, bwd = _on_a_worker_thread(lambda: _stage_times(spec.module, inputs, device, warmup, repeats))
+            factors.append([fwd / st.fwd_s if st.fwd_s > 0 else 1.0, bwd / st.bwd_s if st.bwd_s > 0 else 1.0])
+            stage_inputs.append(inputs)
+            alone.append(fwd + bwd)
+        at_once = min(len(pipe.specs), _cores())
+        efficiency = None
+        if at_once >= 2 and all(d.type == "cpu" for d in pipe.devices):
+            together = _together([s.module for s in pipe.specs[:at_once]], stage_inputs[:at_once], warmup,
+                                 repeats)
+            efficiency = min(1.0, statistics.median(a / t for a, t in zip(alone, together) if t > 0))
+        return StageProfile(factors, efficiency)
+    finally:
+        with torch.no_grad():
+            for name, b in pipe.named_buffers():
+                b.copy_(buffers[name])
+        for p, g in grads.items():
+            p.grad = g
+        torch.random.set_rng_state(rng)
+
+
+def _cores() -> int:
+    """Workers that can run at once here: the processors this process may use over one worker's threads."""
+    try:
+        processors = len(os.sched_getaffinity(0))
+    except AttributeError:   # not on Linux
+        processors = os.cpu_count() or 1
+    return max(1, processors // torch.get_num_threads())

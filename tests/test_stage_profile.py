@@ -1,0 +1,149 @@
+"""Profiling per fused group: stages timed as a whole, the plan re-solved on them, the model untouched."""
+
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe.stage_profile import stage_factors
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.05)
+        return grad
+
+
+class Sleepy(nn.Module):
+    """30 ms in forward, 50 ms in backward: a stage whose time is known from below."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        time.sleep(0.03)
+        return _SlowBackward.apply(self.lin(x))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5))
+        self.b = Sleepy()
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_stage_factors_time_each_stage_whole_forward_and_backward():
+    torch.manual_seed(0)
+    model = Net().train()
+    x = torch.randn(8, 4)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, stages=2, profile="estimate",
+                          leaf_modules=[Sleepy])
+    assert "b" in pipe.plan.stages[1].nodes and "b" not in pipe.plan.stages[0].nodes
+    for st in pipe.plan.stages:            # predicted 1 s each way: the factors are then the measured seconds
+        st.fwd_s = st.bwd_s = 1.0
+    factors = stage_factors(pipe, (x,), warmup=1, repeats=3).factors
+    forward, backward = factors[1]
+    assert 0.03 <= forward < 0.09, forward            # the sleep in forward, and not the backward's
+    assert 0.05 <= backward < 0.15, backward          # the backward of stage 1 (its input requires grad)
+    assert factors[0][0] < 0.02 and factors[0][1] < 0.02   # no sleep in stage 0
+
+
+def test_stage_factors_leave_gradients_buffers_and_rng_as_they_were():
+    torch.manual_seed(1)
+    model = Net().train()
+    x = torch.randn(8, 4)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, stages=2, profile="estimate",
+                          leaf_modules=[Sleepy])
+    model.a[0].weight.grad = torch.full_like(model.a[0].weight, 7.0)
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    rng = torch.random.get_rng_state()
+    stage_factors(pipe, (x,), warmup=1, repeats=2)
+    assert torch.equal(model.a[0].weight.grad, torch.full_like(model.a[0].weight, 7.0))
+    assert all(p.grad is None for name, p in model.named_parameters() if name != "a.0.weight")
+    assert all(torch.equal(b, buffers[n]) for n, b in model.named_buffers())
+    assert torch.equal(torch.random.get_rng_state(), rng)
+
+
+def test_compile_re_solves_on_stage_times_until_the_cuts_stop_moving(tmp_path):
+    torch.manual_seed(2)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)])
+    x = torch.randn(32, 64)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, profile_cache=False)
+    rounds = pipe.plan.profile["stage_profile"]
+    assert 1 <= len(rounds) <= 3
+    assert all(len(r["factors"]) == 2 and all(f > 0 for pair in r["factors"] for f in pair) for r in rounds)
+    if len(rounds) < 3:   # converged: the last measured cut is the plan's
+        assert rounds[-1]["stage_nodes"] == [len(s.nodes) for s in pipe.plan.stages]
+    pipe.plan.save(tmp_path / "plan.json")
+    loaded = fxpipe.load_plan(tmp_path / "plan.json")
+    assert loaded.profile["stage_profile"] == rounds
+    plain = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, stage_profile=False)
+    assert "stage_profile" not in plain.plan.profile
+    estimated = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, profile="estimate")
+    assert "stage_profile" not in estimated.plan.profile
+
+
+class Busy(nn.Module):
+    """20 ms of forward: asleep (other threads run) or spinning in Python (holding the GIL)."""
+
+    def __init__(self, spin: bool) -> None:
+        super().__init__()
+        self.lin, self.spin = nn.Linear(4, 4), spin
+
+    def forward(self, x):
+        end = time.perf_counter() + 0.02
+        if self.spin:
+            while time.perf_counter() < end:
+                pass
+        else:
+            time.sleep(0.02)
+        return self.lin(x)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two processors")
+@pytest.mark.parametrize("spin", [False, True])
+def test_parallel_efficiency_is_measured_on_the_stages_themselves(spin):
+    torch.manual_seed(3)
+    model = nn.Sequential(Busy(spin), Busy(spin))
+    x = torch.randn(8, 4)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, stages=2, profile="estimate", leaf_modules=[Busy])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)    # one intra-op thread per worker: two workers fit two processors
+    try:
+        efficiency = stage_factors(pipe, (x,), warmup=1, repeats=4).parallel_efficiency
+    finally:
+        torch.set_num_threads(threads)
+    if spin:    # two threads that need the GIL all the time take turns: half speed each
+        assert efficiency < 0.75, efficiency
+    else:       # sleeping stages do not slow each other
+        assert efficiency > 0.8, efficiency
+
+
+def test_report_uses_the_efficiency_measured_on_the_plan_stages():
+    torch.manual_seed(4)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(4)])
+    x = torch.randn(16, 32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, profile_cache=False)
+    finally:
+        torch.set_num_threads(threads)
+    measured = pipe.plan.profile["stage_profile"][-1]["parallel_efficiency"]
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert 0 < measured <= 1
+        assert pipe.cpu_sharing().parallel_efficiency == measured
+    else:       # one processor: nothing runs at once, the synthetic figure stands
+        assert measured is None
