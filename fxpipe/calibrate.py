@@ -23,6 +23,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.errors import FxpipeError
+from fxpipe.no_trace import leaving_no_trace
 from fxpipe.plan import Plan
 
 __all__ = ["stage_time_factors", "scale_costs"]
@@ -43,38 +44,28 @@ def stage_time_factors(pipe: Any, example_inputs: tuple, steps: int = 2) -> list
         raise ValueError(f"calibration_steps must be at least 1, got {steps}")
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     target = next(t for t in inputs if isinstance(t, torch.Tensor))   # batch-sized; the loss ignores it
-    grads = {p: p.grad for p in pipe.parameters()}
-    for p in grads:   # the steps accumulate into .grad: into fresh tensors, never into the caller's
-        p.grad = None
-    buffers = {name: b.detach().clone() for name, b in pipe.named_buffers()}
-    rng = torch.random.get_rng_state()
     forward: dict[int, list[float]] = {}
     backward: dict[int, list[float]] = {}
     try:
-        for step in range(steps + 1):
-            pipe.step(inputs, target, _sum_of_outputs, reduction="sum")
-            if step == 0:
-                continue
-            for t in pipe.last_step["timings"]:
-                (forward if t.kind == "F" else backward).setdefault(t.stage, []).append(t.end_s - t.start_s)
+        with leaving_no_trace(pipe):
+            for step in range(steps + 1):
+                pipe.step(inputs, target, _sum_of_outputs, reduction="sum")
+                if step == 0:
+                    continue
+                for t in pipe.last_step["timings"]:
+                    (forward if t.kind == "F" else backward).setdefault(t.stage, []).append(t.end_s - t.start_s)
         m = pipe.last_step["micro_batches"]
-        factors = []
-        for st in pipe.plan.stages:
-            recomputed = sum(pipe._checkpointed(st.index, i, m) for i in range(m)) / m
-            meas_f = statistics.median(forward[st.index])
-            meas_b = sum(backward[st.index]) / (steps * m)      # B and W together, per micro-batch
-            pred_b = st.bwd_s + recomputed * st.fwd_s
-            factors.append([meas_f / st.fwd_s if st.fwd_s > 0 else 1.0,
-                            meas_b / pred_b if pred_b > 0 else 1.0])
-        return factors
     finally:
-        with torch.no_grad():
-            for name, b in pipe.named_buffers():
-                b.copy_(buffers[name])
-        for p, g in grads.items():
-            p.grad = g
-        torch.random.set_rng_state(rng)
         pipe.last_step = None
+    factors = []
+    for st in pipe.plan.stages:
+        recomputed = sum(pipe._checkpointed(st.index, i, m) for i in range(m)) / m
+        meas_f = statistics.median(forward[st.index])
+        meas_b = sum(backward[st.index]) / (steps * m)      # B and W together, per micro-batch
+        pred_b = st.bwd_s + recomputed * st.fwd_s
+        factors.append([meas_f / st.fwd_s if st.fwd_s > 0 else 1.0,
+                        meas_b / pred_b if pred_b > 0 else 1.0])
+    return factors
 
 
 def scale_costs(costs: dict[str, Any], plan: Plan, factors: list[list[float]]) -> dict[str, Any]:

@@ -34,6 +34,8 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from fxpipe.no_trace import leaving_no_trace
+
 __all__ = ["stage_factors", "StageProfile"]
 
 
@@ -143,14 +145,9 @@ class StageProfile:
 def stage_factors(pipe: Any, example_inputs: tuple, warmup: int = 1, repeats: int = 3) -> StageProfile:
     """Time every stage of ``pipe`` alone, and (CPU workers) up to one per core at once; see the module doc."""
     micro = pipe._micro_batches(example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), {})[0]
-    grads = {p: p.grad for p in pipe.parameters()}
-    for p in grads:   # timing accumulates into .grad: into fresh tensors, never into the caller's
-        p.grad = None
-    buffers = {name: b.detach().clone() for name, b in pipe.named_buffers()}
-    rng = torch.random.get_rng_state()
     env: dict[str, tuple[Any, bool]] = {name: (value, False) for name, value in micro.items()}
     factors, stage_inputs, alone = [], [], []
-    try:
+    with leaving_no_trace(pipe):
         for spec, device, st in zip(pipe.specs, pipe.devices, pipe.plan.stages):
             inputs = [(tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, env[name][0]),
                        env[name][1]) for name in spec.inputs]
@@ -172,13 +169,6 @@ def stage_factors(pipe: Any, example_inputs: tuple, warmup: int = 1, repeats: in
                                  repeats)
             efficiency = min(1.0, statistics.median(a / t for a, t in zip(alone, together) if t > 0))
         return StageProfile(factors, efficiency)
-    finally:
-        with torch.no_grad():
-            for name, b in pipe.named_buffers():
-                b.copy_(buffers[name])
-        for p, g in grads.items():
-            p.grad = g
-        torch.random.set_rng_state(rng)
 
 
 def _cores() -> int:

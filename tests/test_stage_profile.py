@@ -44,12 +44,16 @@ class Net(nn.Module):
         return self.b(self.a(x))
 
 
-def test_stage_factors_time_each_stage_whole_forward_and_backward():
-    torch.manual_seed(0)
+def _net_pipe(seed: int):
+    torch.manual_seed(seed)
     model = Net().train()
     x = torch.randn(8, 4)
-    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, stages=2, profile="estimate",
-                          leaf_modules=[Sleepy])
+    return model, x, fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, stages=2, profile="estimate",
+                                    leaf_modules=[Sleepy])
+
+
+def test_stage_factors_time_each_stage_whole_forward_and_backward():
+    _, x, pipe = _net_pipe(0)
     assert "b" in pipe.plan.stages[1].nodes and "b" not in pipe.plan.stages[0].nodes
     for st in pipe.plan.stages:            # predicted 1 s each way: the factors are then the measured seconds
         st.fwd_s = st.bwd_s = 1.0
@@ -61,11 +65,7 @@ def test_stage_factors_time_each_stage_whole_forward_and_backward():
 
 
 def test_stage_factors_leave_gradients_buffers_and_rng_as_they_were():
-    torch.manual_seed(1)
-    model = Net().train()
-    x = torch.randn(8, 4)
-    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, stages=2, profile="estimate",
-                          leaf_modules=[Sleepy])
+    model, x, pipe = _net_pipe(1)
     model.a[0].weight.grad = torch.full_like(model.a[0].weight, 7.0)
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     rng = torch.random.get_rng_state()
