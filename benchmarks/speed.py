@@ -10,7 +10,8 @@ except naive-2, the unpartitioned model on two intra-op threads.
 
 - ``naive-k``: the unpartitioned model.
 - ``pipeline-k-<schedule>``: fxpipe, ``k`` stages on ``k`` CPU worker threads,
-  ``pipe.step`` with GPipe, 1F1B, ZB-H1, or interleaved 1F1B (``2k`` stages, two per worker).
+  ``pipe.step`` with GPipe, 1F1B, ZB-H1 (all three on one plan, made for GPipe), or
+  interleaved 1F1B (its own plan of ``2k`` stages, two per worker).
 - ``tdp-2-<schedule>``: torch.distributed.pipelining's ``ScheduleGPipe`` /
   ``Schedule1F1B`` on the *same two stage modules* (fxpipe's plan, loaded in each
   process), two processes talking over gloo, one thread each.
@@ -228,20 +229,28 @@ def main(argv: list[str] | None = None) -> int:
         experiments["naive-2"] = lambda: naive(2)
     plan_path = str(Path(tempfile.mkdtemp()) / "plan.json")
     for workers in args.workers:
+        shared: tuple | None = None   # one plan for GPipe, 1F1B and ZB-H1: the stages tdp runs too
         for schedule in args.schedules if workers > 1 else ["gpipe"]:
             if workers == 1 and schedule == "interleaved-1f1b":
                 continue
-            model, x, y, loss_fn = on_device(args, build(args))
-            extra = {"virtual_stages": 2} if schedule == "interleaved-1f1b" else {"stages": workers}
-            pipe = fxpipe.compile(model, pipeline_devices(args, workers), (x,), chunks=args.chunks, schedule=schedule,
-                                  checkpoint=args.checkpoint, leaf_modules=leaves(args), **extra)
-            if workers == 2 and schedule == "gpipe":
-                pipe.plan.save(plan_path)
-            opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
+            if schedule == "interleaved-1f1b" or shared is None:
+                model, x, y, loss_fn = on_device(args, build(args))
+                extra = {"virtual_stages": 2} if schedule == "interleaved-1f1b" else {"stages": workers}
+                pipe = fxpipe.compile(model, pipeline_devices(args, workers), (x,), chunks=args.chunks,
+                                      schedule="interleaved-1f1b" if schedule == "interleaved-1f1b" else "gpipe",
+                                      checkpoint=args.checkpoint, leaf_modules=leaves(args), **extra)
+                opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
+                if schedule != "interleaved-1f1b":
+                    shared = (pipe, opt, x, y, loss_fn)
+                    if workers == 2:
+                        pipe.plan.save(plan_path)
+            if schedule != "interleaved-1f1b":
+                pipe, opt, x, y, loss_fn = shared
 
-            def scheduled_step(pipe: fxpipe.Pipeline = pipe, opt: torch.optim.Optimizer = opt) -> None:
+            def scheduled_step(pipe: fxpipe.Pipeline = pipe, opt: torch.optim.Optimizer = opt, x: Any = x,
+                               y: Any = y, loss_fn: Callable = loss_fn, schedule: str = schedule) -> None:
                 opt.zero_grad()
-                pipe.step(x, y, loss_fn)
+                pipe.step(x, y, loss_fn, schedule=schedule)
                 opt.step()
             name = f"pipeline-{workers}" if workers == 1 else f"pipeline-{workers}-{schedule}"
             print(f"{name}: {len(pipe.plan.stages)} stages, predicted stage times (ms): "

@@ -250,7 +250,7 @@ class Pipeline(nn.Module):
         (:mod:`fxpipe.stage_profile`), else the synthetic one."""
         machine = cpu_sharing()
         rounds = self.plan.profile.get("stage_profile") or []
-        measured = rounds[-1].get("parallel_efficiency") if rounds else None
+        measured = next((r["parallel_efficiency"] for r in rounds if r.get("parallel_efficiency")), None)
         return CpuSharing(machine.cores, measured) if measured else machine
 
     def _workers(self, schedule: str) -> int:

@@ -142,8 +142,10 @@ class StageProfile:
     parallel_efficiency: float | None = None   # alone / together, median over the stages run at once
 
 
-def stage_factors(pipe: Any, example_inputs: tuple, warmup: int = 1, repeats: int = 3) -> StageProfile:
-    """Time every stage of ``pipe`` alone, and (CPU workers) up to one per core at once; see the module doc."""
+def stage_factors(pipe: Any, example_inputs: tuple, warmup: int = 1, repeats: int = 3,
+                  together: bool = True) -> StageProfile:
+    """Time every stage of ``pipe`` alone, and (CPU workers, ``together``) up to one per core at once; see the
+    module doc."""
     micro = pipe._micro_batches(example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), {})[0]
     env: dict[str, tuple[Any, bool]] = {name: (value, False) for name, value in micro.items()}
     factors, stage_inputs, alone = [], [], []
@@ -164,10 +166,10 @@ def stage_factors(pipe: Any, example_inputs: tuple, warmup: int = 1, repeats: in
             alone.append(fwd + bwd)
         at_once = min(len(pipe.specs), _cores())
         efficiency = None
-        if at_once >= 2 and all(d.type == "cpu" for d in pipe.devices):
-            together = _together([s.module for s in pipe.specs[:at_once]], stage_inputs[:at_once], warmup,
+        if together and at_once >= 2 and all(d.type == "cpu" for d in pipe.devices):
+            concurrent = _together([s.module for s in pipe.specs[:at_once]], stage_inputs[:at_once], warmup,
                                  repeats)
-            efficiency = min(1.0, statistics.median(a / t for a, t in zip(alone, together) if t > 0))
+            efficiency = min(1.0, statistics.median(a / t for a, t in zip(alone, concurrent) if t > 0))
         return StageProfile(factors, efficiency)
 
 
