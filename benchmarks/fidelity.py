@@ -111,11 +111,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{'bwd pred':>8} {'meas':>7} {'err':>5}  {'analytic f':>10} {'err':>5}  {'shared f/b':>11}  "
           f"{'calibrated':>11}  "
           f"{'mem MiB':>7} {'pred':>7} {'err':>5}")
-    measured_err, analytic_err, calibrated_err, memory_err, shared_err = [], [], [], [], []
-    by_workers: dict[int, dict[str, list[float]]] = {}
-    sharing = cpu_sharing()
-    print(f"CPU sharing: {sharing.cores:g} cores (in units of one worker's threads), "
-          f"{sharing.parallel_efficiency:.0%} parallel efficiency of two workers on a synthetic mix; the shared "
+    analytic_err, memory_err = [], []
+    by_workers: dict[int, dict[str, list[float]]] = {}   # workers -> prediction kind -> absolute errors
+    machine = cpu_sharing()
+    print(f"CPU sharing: {machine.cores:g} cores (in units of one worker's threads), "
+          f"{machine.parallel_efficiency:.0%} parallel efficiency of two workers on a synthetic mix; the shared "
           f"prediction uses the efficiency measured on each plan's own stages (# lines)")
     for name in args.models:
         build, make_x, make_y, loss_fn = MODELS[name]
@@ -136,33 +136,34 @@ def main(argv: list[str] | None = None) -> int:
                 # Analytic costs of the same graph, summed per stage.
                 analytic = profile_graph(fxpipe.trace(model), (x[: x.shape[0] // 4],), torch.device("cpu"),
                                          mode="analytic", spec=cpu)
+                sharing = pipe.cpu_sharing()
                 _, shared = predicted_times([st.fwd_s for st in pipe.plan.stages],
                                             [st.bwd_s for st in pipe.plan.stages], pipe.chunks, schedule, workers,
-                                            pipe.cpu_sharing())
+                                            sharing)
                 print(f"# {name} {workers} {schedule}: stages run together at "
-                      f"{pipe.cpu_sharing().parallel_efficiency:.0%} of their speed alone")
+                      f"{sharing.parallel_efficiency:.0%} of their speed alone")
                 for st in pipe.plan.stages:
                     fwd, bwd = medians(timings, st.index)
                     sf, sb = shared[st.index]
                     esf, esb = (sf - fwd) / fwd, (sb - bwd) / bwd
-                    shared_err += [abs(esf), abs(esb)]
-                    by_workers.setdefault(workers, {}).setdefault("shared", []).extend([abs(esf), abs(esb)])
+                    errors = by_workers.setdefault(workers, {"shared": [], "measured": [], "calibrated": []})
+                    errors["shared"] += [abs(esf), abs(esb)]
                     a_fwd = sum(analytic[n].fwd_s for n in st.nodes)
                     ef, eb, ea = (st.fwd_s - fwd) / fwd, (st.bwd_s - bwd) / bwd, (a_fwd - fwd) / fwd
-                    measured_err += [abs(ef), abs(eb)]
-                    by_workers[workers].setdefault("measured", []).extend([abs(ef), abs(eb)])
+                    errors["measured"] += [abs(ef), abs(eb)]
                     analytic_err.append(abs(ea))
                     cst = calibrated.plan.stages[st.index]
                     cf, cb = medians(cal_timings, st.index)
                     ecf, ecb = (cst.fwd_s - cf) / cf, (cst.bwd_s - cb) / cb
-                    calibrated_err += [abs(ecf), abs(ecb)]
-                    by_workers[workers].setdefault("calibrated", []).extend([abs(ecf), abs(ecb)])
+                    errors["calibrated"] += [abs(ecf), abs(ecb)]
                     em = (predicted_memory[st.index].activation_bytes - memory[st.index]) / memory[st.index]
                     memory_err.append(abs(em))
                     print(f"{name:<13} {workers:>1} {schedule:<5} {st.index:>2}  {st.fwd_s * 1e3:8.2f} {fwd * 1e3:7.2f} "
                           f"{ef:+5.0%}  {st.bwd_s * 1e3:8.2f} {bwd * 1e3:7.2f} {eb:+5.0%}  {a_fwd * 1e3:10.2f} "
                           f"{ea:+5.0%}  {esf:+5.0%} {esb:+5.0%}  {ecf:+5.0%} {ecb:+5.0%}  {memory[st.index] / 2**20:7.1f} "
                           f"{predicted_memory[st.index].activation_bytes / 2**20:7.1f} {em:+5.0%}", flush=True)
+    measured_err, shared_err, calibrated_err = ([e for errors in by_workers.values() for e in errors[kind]]
+                                                for kind in ("measured", "shared", "calibrated"))
     print(f"\nmeasured-profile stage time error (forward and backward): median {statistics.median(measured_err):.1%}, "
           f"p90 {percentile(measured_err, 0.9):.1%} over {len(measured_err)}")
     print(f"measured profile with CPU sharing (as pipe.report()): median {statistics.median(shared_err):.1%}, "

@@ -32,7 +32,7 @@ Epochs are timed between ``torch.cuda.synchronize()`` calls. The issue's GPU
 check (torchgpipe lost 24 % with pipeline-1 and checkpointing)::
 
     python benchmarks/speed.py --device cuda --model resnet101 --image-size 224 --batch 128 --chunks 4 \
-        --workers 1 --schedules gpipe 1f1b
+        --workers 1
 """
 
 from __future__ import annotations

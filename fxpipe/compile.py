@@ -233,6 +233,7 @@ def compile(
                           training=model.training, profile_extra={"threads": torch.get_num_threads(),
                                                                   "from_cache": cached})
         the_plan = planner.plan(costs)
+        rounds: list[dict[str, Any]] | None = None
         if profile == "measure" and stage_profile:
             rounds = []
             for attempt in range(3):   # contention is the model's, not the cut's: measured once
@@ -245,17 +246,15 @@ def compile(
                                "factors": measured.factors, "parallel_efficiency": measured.parallel_efficiency})
                 if the_plan.stage_of() == measured_on.stage_of():
                     break
-            the_plan.profile["stage_profile"] = rounds
         if calibrate:
             pipe = _pipeline(gm, the_plan, checkpoint, mode_dependent)
             factors = stage_time_factors(pipe, example_inputs, steps=calibration_steps)
             measured_on = the_plan
-            stage_rounds = the_plan.profile.get("stage_profile")
             the_plan = planner.plan(scale_costs(costs, measured_on, factors))
-            if stage_rounds is not None:
-                the_plan.profile["stage_profile"] = stage_rounds
             the_plan.profile["calibration"] = {"steps": calibration_steps, "stage_nodes": [len(s.nodes) for s in
                                                measured_on.stages], "factors": factors}
+        if rounds is not None:
+            the_plan.profile["stage_profile"] = rounds
     return _pipeline(gm, the_plan, checkpoint, mode_dependent)
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CpuSharing", "cpu_sharing"]
+__all__ = ["CpuSharing", "cpu_sharing", "cores_per_worker"]
 
 _cached: dict[int, "CpuSharing"] = {}
 
@@ -44,15 +44,24 @@ def _mix(rounds: int) -> float:
     return time.perf_counter() - start
 
 
+def _processors() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # not on Linux
+        return os.cpu_count() or 1
+
+
+def cores_per_worker() -> float:
+    """The processors this process may use, in units of one worker's intra-op threads."""
+    return _processors() / torch.get_num_threads()
+
+
 def cpu_sharing(rounds: int = 40) -> CpuSharing:
     """This process's CPU sharing (measured once per intra-op thread count, about half a second)."""
     threads = torch.get_num_threads()
     if threads in _cached:
         return _cached[threads]
-    try:
-        processors = len(os.sched_getaffinity(0))
-    except AttributeError:   # not on Linux
-        processors = os.cpu_count() or 1
+    cores = cores_per_worker()
     together: list[float] = [0.0, 0.0]
 
     def run(index: int) -> None:
@@ -71,6 +80,6 @@ def cpu_sharing(rounds: int = 40) -> CpuSharing:
             ratios.append(alone / max(together))
     finally:
         torch.set_num_threads(threads)
-    efficiency = sorted(ratios)[1] if processors >= 2 else 1.0
-    _cached[threads] = CpuSharing(processors / threads, min(1.0, efficiency))
+    efficiency = sorted(ratios)[1] if _processors() >= 2 else 1.0
+    _cached[threads] = CpuSharing(cores, min(1.0, efficiency))
     return _cached[threads]

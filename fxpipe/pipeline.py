@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from fxpipe.batchnorm import commit_statistics, tracking
-from fxpipe.cpu_sharing import CpuSharing, cpu_sharing
+from fxpipe.cpu_sharing import CpuSharing, cores_per_worker, cpu_sharing
 from fxpipe.codegen import StageSpec
 from fxpipe.errors import FxpipeError, StageError
 from fxpipe.microbatch import batch_size_of, gather, scatter
@@ -248,10 +248,9 @@ class Pipeline(nn.Module):
         """How this pipeline's CPU workers share the cores: the cores of :func:`fxpipe.cpu_sharing.cpu_sharing`,
         and the parallel efficiency measured on this model's own stages when the plan has one
         (:mod:`fxpipe.stage_profile`), else the synthetic one."""
-        machine = cpu_sharing()
         rounds = self.plan.profile.get("stage_profile") or []
         measured = next((r["parallel_efficiency"] for r in rounds if r.get("parallel_efficiency")), None)
-        return CpuSharing(machine.cores, measured) if measured else machine
+        return CpuSharing(cores_per_worker(), measured) if measured else cpu_sharing()
 
     def _workers(self, schedule: str) -> int:
         return self.plan.workers if schedule == "interleaved-1f1b" else len(self.specs)

@@ -40,7 +40,7 @@ from torch.utils.flop_counter import FlopCounterMode
 if TYPE_CHECKING:
     from fxpipe.devices import DeviceSpec
 
-__all__ = ["NodeCost", "profile_graph", "PROFILE_MODES", "run_node"]
+__all__ = ["NodeCost", "profile_graph", "PROFILE_MODES", "run_node", "device_sync"]
 
 log = logging.getLogger(__name__)
 
@@ -156,10 +156,15 @@ def _never_unpacked(_: None) -> torch.Tensor:
     raise RuntimeError("fxpipe's profiling graph is not meant for backward")
 
 
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """What waits for ``device``'s queued work before a clock is read: CUDA synchronisation, or nothing."""
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
 def _time_node(gm: fx.GraphModule, node: fx.Node, env: dict[str, Any], device: torch.device,
                warmup: int, repeats: int) -> tuple[float, float]:
     """Median forward and backward seconds of one node on its recorded inputs."""
-    sync: Callable[[], None] = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     clone = _is_inplace(gm, node)
     params = [p for p in gm.get_submodule(node.target).parameters() if p.requires_grad] \
         if node.op == "call_module" else []

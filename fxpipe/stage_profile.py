@@ -24,7 +24,6 @@ only a real step shows.
 
 from __future__ import annotations
 
-import os
 import statistics
 import threading
 import time
@@ -34,13 +33,12 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from fxpipe.cpu_sharing import cores_per_worker
 from fxpipe.no_trace import leaving_no_trace
+from fxpipe.profile import device_sync
+from fxpipe.worker import spawn_workers
 
 __all__ = ["stage_factors", "StageProfile"]
-
-
-def _sync(device: torch.device) -> Callable[[], None]:
-    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
 def _args(inputs: list[tuple[Any, bool]]) -> list[Any]:
@@ -71,7 +69,7 @@ def _once(module: torch.nn.Module, inputs: list[tuple[Any, bool]], sync: Callabl
 def _stage_times(module: torch.nn.Module, inputs: list[tuple[Any, bool]], device: torch.device, warmup: int,
                  repeats: int) -> tuple[float, float]:
     """Median forward and backward seconds of one stage on ``inputs`` (``(value, requires_grad)`` pairs)."""
-    sync = _sync(device)
+    sync = device_sync(device)
     runs = [_once(module, inputs, sync) for _ in range(warmup + repeats)][warmup:]
     return statistics.median(f for f, _ in runs), statistics.median(b for _, b in runs)
 
@@ -116,22 +114,14 @@ def _together(modules: list[torch.nn.Module], inputs: list[list[tuple[Any, bool]
 
 
 def _on_a_worker_thread(run: Callable[[], Any]) -> Any:
-    """``run()`` on a new thread, as the executor runs stages: glibc gives threads their own arenas, which
+    """``run()`` on a worker thread, as the executor runs stages: glibc gives threads their own arenas, which
     map a tensor above 64 MiB afresh every time where the main thread's heap reuses it."""
-    result: list[Any] = []
-    failure: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            result.append(run())
-        except BaseException as exc:   # re-raised on the caller's thread
-            failure.append(exc)
-    thread = threading.Thread(target=target, name="fxpipe-stage-profile")
-    thread.start()
-    thread.join()
-    if failure:
-        raise failure[0]
-    return result[0]
+    with spawn_workers(1, "fxpipe-stage-profile") as worker:
+        worker.submit(0, None, run)
+        _, ok, value = worker.collect()
+    if not ok:
+        raise value
+    return value
 
 
 @dataclass
@@ -164,7 +154,7 @@ def stage_factors(pipe: Any, example_inputs: tuple, warmup: int = 1, repeats: in
             factors.append([fwd / st.fwd_s if st.fwd_s > 0 else 1.0, bwd / st.bwd_s if st.bwd_s > 0 else 1.0])
             stage_inputs.append(inputs)
             alone.append(fwd + bwd)
-        at_once = min(len(pipe.specs), _cores())
+        at_once = min(len(pipe.specs), int(cores_per_worker()))
         efficiency = None
         if together and at_once >= 2 and all(d.type == "cpu" for d in pipe.devices):
             concurrent = _together([s.module for s in pipe.specs[:at_once]], stage_inputs[:at_once], warmup,
@@ -172,11 +162,3 @@ def stage_factors(pipe: Any, example_inputs: tuple, warmup: int = 1, repeats: in
             efficiency = min(1.0, statistics.median(a / t for a, t in zip(alone, concurrent) if t > 0))
         return StageProfile(factors, efficiency)
 
-
-def _cores() -> int:
-    """Workers that can run at once here: the processors this process may use over one worker's threads."""
-    try:
-        processors = len(os.sched_getaffinity(0))
-    except AttributeError:   # not on Linux
-        processors = os.cpu_count() or 1
-    return max(1, processors // torch.get_num_threads())
