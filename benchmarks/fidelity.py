@@ -12,9 +12,12 @@ through the simulator with the workers sharing this machine's cores
 plan's stages running together, measured by :mod:`fxpipe.stage_profile`), as
 ``pipe.report()`` predicts. Then ``calibrate=True``: the plan made again on
 stage times measured in two earlier steps, run and compared the same way.
-Peak memory per worker: :mod:`fxpipe.memory_model` against a profiled replay
-(:mod:`fxpipe.memory_probe`). Prints one row per (model, workers, schedule,
-stage) and the median and 90th percentile of the absolute errors.
+Peak memory per worker: :mod:`fxpipe.memory_model` (on the stage sizes
+measured at compile time through the real loss, :mod:`fxpipe.stage_memory`)
+against a profiled replay of the step (:mod:`fxpipe.memory_probe`). Prints one row per (model, workers, schedule,
+stage) and the median and 90th percentile of the absolute errors; ``run-to-run``
+is how far the median of the first half of the measured steps is from that of
+the second half, the measurement's own reproducibility on this machine.
 
     python benchmarks/fidelity.py [--steps 4] [--models resnet18 ...]
 """
@@ -94,7 +97,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=7,
+                        help="training steps per pipeline; the first is a warm-up, the rest are measured")
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--allocator", default="keep", choices=("keep", "default"),
@@ -125,13 +129,15 @@ def main(argv: list[str] | None = None) -> int:
                 model = build().train()
                 x, y = make_x(), make_y()
                 pipe = fxpipe.compile(model, ["cpu"] * workers, (x,), chunks=4, stages=workers,
-                                      schedule=schedule, checkpoint="never", profile_cache=False)
+                                      schedule=schedule, checkpoint="never", profile_cache=False,
+                                      loss_fn=loss_fn, example_target=y)
                 timings = run(pipe, x, y, loss_fn, args.steps)
                 pipe.step(x, y, loss_fn, measure_memory=True)
                 memory = pipe.last_step["memory"]
                 predicted_memory = predict_worker_memory(pipe.plan, schedule)
                 calibrated = fxpipe.compile(model, ["cpu"] * workers, (x,), chunks=4, stages=workers,
-                                            schedule=schedule, checkpoint="never", calibrate=True)
+                                            schedule=schedule, checkpoint="never", calibrate=True,
+                                            loss_fn=loss_fn, example_target=y)
                 cal_timings = run(calibrated, x, y, loss_fn, args.steps)
                 # Analytic costs of the same graph, summed per stage.
                 analytic = profile_graph(fxpipe.trace(model), (x[: x.shape[0] // 4],), torch.device("cpu"),
@@ -146,8 +152,13 @@ def main(argv: list[str] | None = None) -> int:
                     fwd, bwd = medians(timings, st.index)
                     sf, sb = shared[st.index]
                     esf, esb = (sf - fwd) / fwd, (sb - bwd) / bwd
-                    errors = by_workers.setdefault(workers, {"shared": [], "measured": [], "calibrated": []})
+                    errors = by_workers.setdefault(workers, {"shared": [], "measured": [], "calibrated": [],
+                                                             "run-to-run": []})
                     errors["shared"] += [abs(esf), abs(esb)]
+                    half = len(timings) // 2    # how well the measurement reproduces itself: one half vs the other
+                    if half:
+                        (f1, b1), (f2, b2) = medians(timings[:half], st.index), medians(timings[half:], st.index)
+                        errors["run-to-run"] += [abs(f2 - f1) / fwd, abs(b2 - b1) / bwd]
                     a_fwd = sum(analytic[n].fwd_s for n in st.nodes)
                     ef, eb, ea = (st.fwd_s - fwd) / fwd, (st.bwd_s - bwd) / bwd, (a_fwd - fwd) / fwd
                     errors["measured"] += [abs(ef), abs(eb)]
@@ -170,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
           f"p90 {percentile(shared_err, 0.9):.1%} over {len(shared_err)}")
     for workers, errors in sorted(by_workers.items()):
         print(f"  {workers} workers: " + ", ".join(f"{kind} median {statistics.median(v):.1%} p90 {percentile(v, 0.9):.1%}"
-                                                for kind, v in errors.items()))
+                                                for kind, v in errors.items() if v))
     print(f"analytic (roofline) forward error: median {statistics.median(analytic_err):.1%}, "
           f"p90 {percentile(analytic_err, 0.9):.1%} over {len(analytic_err)}")
     print(f"calibrated plan (calibrate=True) stage time error: median {statistics.median(calibrated_err):.1%}, "

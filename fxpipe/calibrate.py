@@ -6,9 +6,12 @@ alone, workers contending for cores and memory bandwidth. After a first plan,
 :func:`stage_time_factors` runs a few real training steps with ``pipe.step`` and
 takes, per stage, the measured forward and backward time over the predicted
 one; :func:`scale_costs` multiplies every node's profiled time by its stage's
-factors, and the planner solves again on those costs. The loss of the
-calibration steps is the sum of the model's floating-point outputs: the
-backward's cost does not depend on the loss, only on the model. Gradients,
+factors, and the planner solves again on those costs; the compiler repeats
+until the cuts stop moving, so the plan's stage times are the ones measured in
+the pipeline (contention with the other workers included). The loss of the
+calibration steps is ``compile``'s ``loss_fn`` on its ``example_target`` when
+given (the last stage's backward then includes the loss's, as in training),
+else the sum of the model's floating-point outputs. Gradients,
 BatchNorm statistics and the RNG state are restored afterwards, so calibrating
 leaves no trace on the model.
 """
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -38,18 +41,23 @@ def _sum_of_outputs(output: Any, _target: Any) -> torch.Tensor:
     return torch.stack(parts).sum()
 
 
-def stage_time_factors(pipe: Any, example_inputs: tuple, steps: int = 2) -> list[list[float]]:
-    """``[forward, backward]`` measured/predicted ratio of every stage over ``steps`` timed steps (after a warm-up)."""
+def stage_time_factors(pipe: Any, example_inputs: tuple, steps: int = 2, target: Any = None,
+                       loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> list[list[float]]:
+    """``[forward, backward]`` measured/predicted ratio of every stage over ``steps`` timed steps (after a warm-up),
+    with ``loss_fn(output, target)`` as the loss (default: the sum of the outputs)."""
     if steps < 1:
         raise ValueError(f"calibration_steps must be at least 1, got {steps}")
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    target = next(t for t in inputs if isinstance(t, torch.Tensor))   # batch-sized; the loss ignores it
+    if loss_fn is None:   # any batch-sized tensor will do as the target: the loss ignores it
+        target, loss_fn, reduction = next(t for t in inputs if isinstance(t, torch.Tensor)), _sum_of_outputs, "sum"
+    else:
+        reduction = "mean"
     forward: dict[int, list[float]] = {}
     backward: dict[int, list[float]] = {}
     try:
         with leaving_no_trace(pipe):
             for step in range(steps + 1):
-                pipe.step(inputs, target, _sum_of_outputs, reduction="sum")
+                pipe.step(inputs, target, loss_fn, reduction=reduction)
                 if step == 0:
                     continue
                 for t in pipe.last_step["timings"]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Any, Iterable, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -13,6 +14,8 @@ from torch import nn
 from fxpipe.batchnorm import convert_deferred_batch_norm
 from fxpipe.calibrate import scale_costs, stage_time_factors
 from fxpipe.stage_profile import stage_factors
+from fxpipe.stage_memory import measure_stage_bytes
+from fxpipe.memory_model import choose_checkpoints
 from fxpipe.codegen import move_stage, split_graph
 from fxpipe.errors import PlanMismatchError
 from fxpipe.fingerprint import graph_fingerprint
@@ -99,6 +102,8 @@ def compile(
     calibration_steps: int = 2,
     profile: str = "measure",
     stage_profile: bool = True,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    example_target: Any = None,
     warmup: int = 1,
     repeats: int = 3,
     leaf_modules: Iterable[type | str] = (),
@@ -131,11 +136,12 @@ def compile(
         deferred_batch_norm: in training, update BatchNorm running statistics once per
             mini-batch from all its micro-batches (:mod:`fxpipe.batchnorm`, as torchgpipe)
             instead of once per micro-batch; the user's buffers are updated in place.
-        calibrate: close the loop: run ``calibration_steps`` training steps of the first plan on
-            ``example_inputs`` (loss: the sum of the outputs; gradients and BatchNorm statistics
-            are restored afterwards), scale every node's forward/backward time by its stage's
-            measured/predicted ratio and solve again (:mod:`fxpipe.calibrate`); the factors are
-            in ``plan.profile["calibration"]``.
+        calibrate: close the loop: run ``calibration_steps`` training steps of the plan on
+            ``example_inputs`` (loss: ``loss_fn`` on ``example_target`` when given, else the sum
+            of the outputs; gradients and BatchNorm statistics are restored afterwards), scale
+            every node's forward/backward time by its stage's measured/predicted ratio and solve
+            again, until the cuts stop moving (at most 3 rounds; :mod:`fxpipe.calibrate`); the
+            factors are in ``plan.profile["calibration"]``.
         stages: a fixed number of stages; default lets the solver choose up to ``len(devices)``.
             With ``interleaved-1f1b``: ``v`` times the number of devices used.
         virtual_stages: ``v``, the stages per device of ``interleaved-1f1b`` (default 2); the
@@ -146,6 +152,12 @@ def compile(
             (a fused group, alone, forward and backward into ``.grad``), scale its nodes' costs
             to that and solve again until the cuts stop moving (at most 3 rounds;
             :mod:`fxpipe.stage_profile`); the factors are in ``plan.profile["stage_profile"]``.
+            Then measure every stage's memory (one micro-batch's forward and backward, with and
+            without checkpointing and split backward, :mod:`fxpipe.stage_memory`) for the memory
+            model (``plan.stages[k].measured_bytes``; ``checkpoint="auto"`` chooses again on it).
+        loss_fn, example_target: the training loss and a full batch's target (both or neither):
+            the last stage's memory is measured, and ``calibrate`` times it, through the real
+            loss; without them the loss's buffers are estimated (a softmax cross-entropy's).
         leaf_modules, concrete_args: tracing options (see :func:`fxpipe.trace.trace`).
         optimizer_state_factor: optimizer state per parameter byte (Adam: 2) for the memory limit.
         memory_bytes: per-device memory override for the memory limit.
@@ -169,6 +181,11 @@ def compile(
         raise ValueError(f"virtual_stages must be at least 1, got {v}")
     if profile not in PROFILE_MODES:
         raise ValueError(f"profile must be one of {', '.join(PROFILE_MODES)}, got {profile!r}")
+    if (loss_fn is None) != (example_target is None):
+        raise ValueError("pass loss_fn and example_target together (the loss and a full batch's target, used to "
+                         "measure the last stage's memory), or neither")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
     gm = trace(model, leaf_modules, concrete_args)
     fingerprint = graph_fingerprint(gm)
     mode_dependent = _mode_dependent(model, leaf_modules, concrete_args, fingerprint)
@@ -235,27 +252,67 @@ def compile(
         the_plan = planner.plan(costs)
         rounds: list[dict[str, Any]] | None = None
         if profile == "measure" and stage_profile:
-            rounds = []
-            for attempt in range(3):   # contention is the model's, not the cut's: measured once
-                measured = stage_factors(_pipeline(gm, the_plan, checkpoint, mode_dependent), example_inputs,
-                                         warmup=warmup, repeats=repeats, together=attempt == 0)
-                measured_on = the_plan
-                costs = scale_costs(costs, measured_on, measured.factors)
-                the_plan = planner.plan(costs)
-                rounds.append({"stage_nodes": [len(s.nodes) for s in measured_on.stages],
-                               "factors": measured.factors, "parallel_efficiency": measured.parallel_efficiency})
-                if the_plan.stage_of() == measured_on.stage_of():
-                    break
+            def timed_alone(measured_on: Plan, _attempt: int) -> tuple[list[list[float]], dict[str, Any]]:
+                found = stage_factors(_pipeline(gm, measured_on, checkpoint, mode_dependent), example_inputs,
+                                      warmup=warmup, repeats=repeats, target=example_target, loss_fn=loss_fn)
+                return found.factors, {"parallel_efficiency": found.parallel_efficiency,
+                                       "stage_efficiency": found.stage_efficiency}
+            with _through_the_loss(loss_fn, "timing the last stage"):
+                the_plan, costs, rounds = _until_cuts_settle(planner, costs, the_plan, timed_alone)
         if calibrate:
-            pipe = _pipeline(gm, the_plan, checkpoint, mode_dependent)
-            factors = stage_time_factors(pipe, example_inputs, steps=calibration_steps)
-            measured_on = the_plan
-            the_plan = planner.plan(scale_costs(costs, measured_on, factors))
-            the_plan.profile["calibration"] = {"steps": calibration_steps, "stage_nodes": [len(s.nodes) for s in
-                                               measured_on.stages], "factors": factors}
+            def timed_in_steps(measured_on: Plan, _attempt: int) -> tuple[list[list[float]], dict[str, Any]]:
+                return stage_time_factors(_pipeline(gm, measured_on, checkpoint, mode_dependent), example_inputs,
+                                          steps=calibration_steps, target=example_target, loss_fn=loss_fn), {}
+            with _through_the_loss(loss_fn, "calibrating"):
+                the_plan, costs, calibration = _until_cuts_settle(planner, costs, the_plan, timed_in_steps)
+            the_plan.profile["calibration"] = {"steps": calibration_steps, **calibration[-1], "rounds": calibration,
+                                               "loss": "loss_fn" if loss_fn is not None else "sum of outputs"}
         if rounds is not None:
             the_plan.profile["stage_profile"] = rounds
+            pipe = _pipeline(gm, the_plan, checkpoint, mode_dependent)
+            _measure_memory(pipe, example_inputs, example_target, loss_fn)
+            return pipe
     return _pipeline(gm, the_plan, checkpoint, mode_dependent)
+
+
+def _until_cuts_settle(planner: Planner, costs: dict[str, Any], plan: Plan,
+                       measure: Callable[[Plan, int], tuple[list[list[float]], dict[str, Any]]],
+                       limit: int = 3) -> tuple[Plan, dict[str, Any], list[dict[str, Any]]]:
+    """Measure the plan's stages (``[forward, backward]`` measured/planned per stage, and what else to record),
+    scale the node costs to them and plan again, until the cuts stop moving (at most ``limit`` rounds), so the
+    final plan's stage times are measured ones. Returns the plan, its costs and a record per round."""
+    records = []
+    for attempt in range(limit):
+        factors, extra = measure(plan, attempt)
+        measured_on = plan
+        costs = scale_costs(costs, measured_on, factors)
+        plan = planner.plan(costs)
+        records.append({"stage_nodes": [len(st.nodes) for st in measured_on.stages], "factors": factors, **extra})
+        if plan.stage_of() == measured_on.stage_of():
+            break
+    return plan, costs, records
+
+
+@contextmanager
+def _through_the_loss(loss_fn: Any, what: str) -> Iterator[None]:
+    """Name ``loss_fn`` and ``example_target`` when ``what`` (which runs them) fails."""
+    try:
+        yield
+    except Exception as exc:
+        if loss_fn is None:
+            raise
+        raise ValueError(f"{what} through loss_fn(output, example_target) failed: {type(exc).__name__}: {exc}; "
+                         "check that example_target matches example_inputs and the model's output") from exc
+
+
+def _measure_memory(pipe: Pipeline, example_inputs: tuple, target: Any, loss_fn: Any) -> None:
+    """Put each stage's measured memory sizes into the plan; ``checkpoint="auto"`` chooses again on them."""
+    with _through_the_loss(loss_fn, "measuring the last stage's memory"):
+        sizes = measure_stage_bytes(pipe, example_inputs, target, loss_fn)
+    for st, measured in zip(pipe.plan.stages, sizes):
+        st.measured_bytes = measured
+    if pipe.plan.checkpoint == "auto":
+        choose_checkpoints(pipe.plan)     # MemoryError when even "always" does not fit
 
 
 def _pipeline(gm: Any, plan: Plan, checkpoint: str, mode_dependent: bool) -> Pipeline:

@@ -31,6 +31,7 @@ _cached: dict[int, "CpuSharing"] = {}
 class CpuSharing:
     cores: float                 # processors per worker (in units of one worker's intra-op threads)
     parallel_efficiency: float   # each thread's speed when two run at once, relative to alone
+    stage_efficiency: tuple[tuple[float, float], ...] | None = None   # per stage: forward, backward
 
 
 def _mix(rounds: int) -> float:

@@ -5,7 +5,11 @@ was made with: Adam 2, SGD with momentum 1, SGD 0) stay for the whole step.
 Activations follow :func:`solvers.activation_memory.worker_peak_bytes`: each
 stage's saved bytes per micro-batch, only its inputs for a checkpointed
 micro-batch (and one recomputation at a time during backward), gradients held
-until a split backward's weight pass, and the stage's workspace on top.
+until a split backward's weight pass, and each operation's transient buffers on
+top. The stage sizes are measured by :mod:`fxpipe.stage_memory` when the plan
+was compiled with ``profile="measure"``; otherwise they are estimated from the
+profile's node sizes (saved activations, boundary values, twice the largest
+node output as workspace, twice the model output for the loss).
 :mod:`fxpipe.memory_probe` measures the activation part, so the two can be
 compared term for term (``benchmarks/memory.py``, ``benchmarks/fidelity.py``).
 """
@@ -29,9 +33,12 @@ def checkpointed(mode: str, micro_batch: int, micro_batches: int) -> bool:
 
 
 def stage_bytes(st: PlanStage) -> StageBytes:
-    """The memory model's sizes of one plan stage."""
+    """The memory model's sizes of one plan stage: measured when the plan has them
+    (:mod:`fxpipe.stage_memory`), else estimated from the profile's node sizes."""
+    if st.measured_bytes:
+        return StageBytes(**st.measured_bytes)
     boundary = st.input_bytes + st.output_bytes
-    return StageBytes(
+    return StageBytes.estimate(
         full=st.act_bytes + boundary - st.overlap_bytes, checkpointed=boundary, recompute=st.act_bytes,
         workspace=st.workspace_bytes, loss=st.loss_bytes,
         # a split backward keeps the saved activations and received inputs (the graph holds them) and,
@@ -72,13 +79,17 @@ def predict_worker_memory(plan: Plan, schedule: str | None = None, checkpoint: s
     return out
 
 
-def choose_checkpoints(plan: Plan, memory_bytes: list[float]) -> list[str]:
+def choose_checkpoints(plan: Plan, memory_bytes: list[float] | None = None) -> list[str]:
     """Give every worker of ``plan`` the cheapest checkpoint mode whose predicted peak fits its
-    ``memory_bytes``; set it on the worker's stages and return the modes per worker.
+    ``memory_bytes`` (default: the memory the plan gives its stages); set it on the worker's stages and
+    return the modes per worker.
 
     Raises ``MemoryError`` naming the worker, its need and its memory when even ``"always"`` does not fit.
     """
     workers = plan.workers if plan.schedule == "interleaved-1f1b" else len(plan.stages)
+    if memory_bytes is None:
+        memory_bytes = [sum(st.memory_bytes for st in plan.stages if stage_worker(plan.schedule, st.index, workers) == w)
+                        for w in range(workers)]
     predictions = {mode: predict_worker_memory(plan, checkpoint=mode) for mode in PREFERENCE}
     chosen = []
     for w in range(workers):

@@ -19,8 +19,9 @@ change. BatchNorm running statistics are restored after the replay.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -32,7 +33,7 @@ from fxpipe.microbatch import scatter
 from fxpipe.split_backward import WeightPass, backward_inputs, full_backward
 from solvers.schedules import SPLIT_BACKWARD, worker_orders
 
-__all__ = ["WorkerMemory", "measure_worker_memory"]
+__all__ = ["WorkerMemory", "measure_worker_memory", "Allocations", "allocations", "Replay", "stage_values"]
 
 
 @dataclass(frozen=True)
@@ -43,35 +44,73 @@ class WorkerMemory:
     events: int            # allocator events seen (0 means the measurement saw nothing)
 
 
-def _peak(prof: Any) -> tuple[int, int]:
+@dataclass
+class Allocations:
+    """What the allocator did inside :func:`allocations`: the peak and the net of its running total."""
+
+    peak_bytes: int = 0
+    net_bytes: int = 0
+    events: int = 0
+
+
+@contextmanager
+def allocations(device: torch.device) -> Iterator[Allocations]:
+    """Measure the allocations of the block on ``device`` (CUDA: the caching allocator's counters; CPU:
+    ``torch.profiler``'s memory events of the calling thread, summed in time order)."""
+    found = Allocations()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        yield found
+        torch.cuda.synchronize(device)
+        found.peak_bytes = torch.cuda.max_memory_allocated(device) - base
+        found.net_bytes = torch.cuda.memory_allocated(device) - base
+        found.events = 1
+        return
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield found
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                     if e.name() == "[memory]")
     live = peak = 0
     for _, nbytes in events:
         live += nbytes
         peak = max(peak, live)
-    return peak, len(events)
+    found.peak_bytes, found.net_bytes, found.events = peak, live, len(events)
+
+
+def stage_values(pipe: Any, micro: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every stage's inputs and outputs per micro-batch, by name, from one forward without autograd."""
+    seen: list[dict[str, Any]] = []
+    with torch.no_grad():
+        for mb in micro:
+            env = dict(mb)
+            for spec, device in zip(pipe.specs, pipe.devices):
+                env.update(zip(spec.outputs, spec.module(*[_to(env[n], device) for n in spec.inputs])))
+            seen.append(env)
+    return seen
+
+
+def _to(value: Any, device: torch.device, copy: bool = False) -> Any:
+    """``value`` on ``device``; with ``copy`` fresh leaves that require grad where they can, as a transfer
+    delivers them."""
+    def move(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t.detach().to(device, copy=True).requires_grad_(t.is_floating_point()) if copy else t.to(device)
+    return tree_map(move, value)
 
 
 def measure_worker_memory(pipe: Any, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
                           schedule: str | None = None, worker: int | None = None) -> list[WorkerMemory]:
     """Peak memory of each worker (or only ``worker``) for one :meth:`Pipeline.step` of ``inputs``."""
     schedule = schedule or pipe.schedule
-    specs, p = pipe.specs, len(pipe.specs)
     micro = pipe._micro_batches(inputs if isinstance(inputs, tuple) else (inputs,), {})
     targets = [t[0] for t in scatter([target], pipe.chunks)]
     m = len(micro)
     workers = pipe._workers(schedule)
-    orders = worker_orders(schedule, p, m, workers)
-    output_arg = pipe._output.args[0]
-    # every stage's inputs and outputs per micro-batch, from one forward without autograd
-    seen: list[dict[str, Any]] = []
-    with torch.no_grad():
-        for mb in micro:
-            env = dict(mb)
-            for spec in specs:
-                env.update(zip(spec.outputs, spec.module(*[env[n] for n in spec.inputs])))
-            seen.append(env)
+    orders = worker_orders(schedule, len(pipe.specs), m, workers)
+    seen = stage_values(pipe, micro)
     created = [q for q in pipe.parameters() if q.requires_grad and q.grad is None]
     for q in created:           # parameter gradients exist before the measurement, as after a first step
         q.grad = torch.zeros_like(q)
@@ -79,10 +118,12 @@ def measure_worker_memory(pipe: Any, inputs: Any, target: Any, loss_fn: Callable
     results = []
     try:
         for w in range(workers) if worker is None else [worker]:
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-                _replay(pipe, orders[w], seen, targets, loss_fn, output_arg, schedule, m)
-            peak, count = _peak(prof)
-            results.append(WorkerMemory(w, sorted({k for _, k, _ in orders[w]}), peak, count))
+            replay = Replay(pipe, seen, targets, loss_fn, lambda k, i: pipe._checkpointed(k, i, m),
+                            split_backward=schedule in SPLIT_BACKWARD)
+            with allocations(torch.device("cpu")) as found:
+                for op in orders[w]:
+                    replay.run(*op)
+            results.append(WorkerMemory(w, sorted({k for _, k, _ in orders[w]}), found.peak_bytes, found.events))
     finally:
         with torch.no_grad():
             for name, b in pipe.named_buffers():
@@ -92,44 +133,50 @@ def measure_worker_memory(pipe: Any, inputs: Any, target: Any, loss_fn: Callable
     return results
 
 
-def _fresh(value: Any) -> Any:
-    return tree_map(lambda t: t.detach().clone().requires_grad_(t.is_floating_point())
-                    if isinstance(t, torch.Tensor) else t, value)
+class Replay:
+    """A worker's operations run one by one on the calling thread, as :func:`fxpipe.step.run_step` runs them:
+    ``run("F", k, i)`` keeps the stage's inputs (fresh copies, as a transfer delivers them) and outputs until
+    ``run("B", k, i)``; the last stage's backward starts at ``loss_fn(output, target)`` (without ``loss_fn``,
+    at gradients of ones like the other stages); with ``split_backward`` the weight gradients wait for
+    ``run("W", k, i)``."""
 
+    def __init__(self, pipe: Any, seen: list[dict[str, Any]], targets: list[Any] | None,
+                 loss_fn: Callable | None, checkpointed: Callable[[int, int], bool], split_backward: bool) -> None:
+        self.pipe, self.seen, self.targets, self.loss_fn = pipe, seen, targets, loss_fn
+        self.checkpointed, self.split_backward = checkpointed, split_backward
+        self.produced = {name for spec in pipe.specs for name in spec.outputs}
+        self.held: dict[tuple[int, int], tuple[list[Any], list[Any]]] = {}
+        self.weights: dict[tuple[int, int], WeightPass] = {}
 
-def _replay(pipe: Any, order: list[tuple[str, int, int]], seen: list[dict[str, Any]], targets: list[Any],
-            loss_fn: Callable, output_arg: Any, schedule: str, m: int) -> None:
-    specs, p = pipe.specs, len(pipe.specs)
-    produced = {name for spec in specs for name in spec.outputs}
-    held: dict[tuple[int, int], tuple[list[Any], list[Any]]] = {}
-    weights: dict[tuple[int, int], WeightPass] = {}
-    for kind, k, i in order:
-        spec = specs[k]
+    def run(self, kind: str, k: int, i: int) -> None:
+        spec = self.pipe.specs[k]
         if kind == "F":
-            args = [_fresh(seen[i][n]) if n in produced else seen[i][n] for n in spec.inputs]
-            if pipe._checkpointed(k, i, m):
+            device = self.pipe.devices[k]
+            args = [_to(self.seen[i][n], device, copy=n in self.produced) for n in spec.inputs]
+            if self.checkpointed(k, i):
                 outs = torch_checkpoint(spec.module, *args, use_reentrant=False, preserve_rng_state=False)
             else:
                 outs = spec.module(*args)
-            held[(k, i)] = (args, list(outs))
+            self.held[(k, i)] = (args, list(outs))
         elif kind == "B":
-            args, outs = held.pop((k, i))
+            args, outs = self.held.pop((k, i))
             roots, grads = [], []
-            if k == p - 1:
+            if k == len(self.pipe.specs) - 1 and self.loss_fn is not None:
                 by_name = dict(zip(spec.outputs, outs))
-                structure = fx.node.map_arg(output_arg, lambda n: by_name[n.name] if n.name in by_name
-                                            else seen[i][n.name])
-                roots, grads = [loss_fn(structure, targets[i])], [torch.ones(())]
+                structure = fx.node.map_arg(self.pipe._output.args[0], lambda n: by_name[n.name]
+                                            if n.name in by_name else self.seen[i][n.name])
+                target = _to(self.targets[i], self.pipe.devices[k])
+                roots, grads = [self.loss_fn(structure, target)], [torch.ones((), device=self.pipe.devices[k])]
             else:
                 for t in tree_flatten(outs)[0]:
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         roots.append(t)
                         grads.append(torch.ones_like(t))
-            if schedule in SPLIT_BACKWARD and not pipe._checkpointed(k, i, m):
+            if self.split_backward and not self.checkpointed(k, i):
                 leaves = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
-                weights[(k, i)] = backward_inputs(roots, grads, leaves, list(spec.module.parameters()))
+                self.weights[(k, i)] = backward_inputs(roots, grads, leaves, list(spec.module.parameters()))
             else:
-                weights[(k, i)] = full_backward(roots, grads)
+                self.weights[(k, i)] = full_backward(roots, grads)
             del args, outs, roots, grads
         else:
-            weights.pop((k, i)).run()
+            self.weights.pop((k, i)).run()

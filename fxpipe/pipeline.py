@@ -37,6 +37,7 @@ from fxpipe.plan import Plan
 from fxpipe.report import step_report
 from fxpipe.rng import is_random, rng_guard
 from fxpipe.step import REDUCTIONS, OpTiming, StepFailure, run_step
+from fxpipe.core_turns import CoreTurns
 from fxpipe.streams import DeviceStreams, Event
 from fxpipe.worker import spawn_workers
 from solvers.schedules import SCHEDULES, worker_orders
@@ -134,13 +135,14 @@ class Pipeline(nn.Module):
         m, p = len(micro), len(self.specs)
         random = self._random_stages()
         streams = DeviceStreams(self.devices)
+        turns = CoreTurns.for_devices(self.devices, p)
         ready: list[dict[str, Event]] = [{} for _ in range(m)]   # micro-batch -> value name -> producer's event
         with spawn_workers(p) as workers:
             for clock in range(m + p - 1):
                 tasks = [(k, clock - k) for k in range(p) if 0 <= clock - k < m]
                 for k, i in tasks:
                     workers.submit(k, (k, i), self._task(k, i, micro[i], grad, self._checkpointed(k, i, m),
-                                                         random[k], streams, ready[i]))
+                                                         random[k], streams, turns, ready[i]))
                 failures = []
                 for _ in tasks:
                     (k, i), ok, value = workers.collect()
@@ -247,10 +249,19 @@ class Pipeline(nn.Module):
     def cpu_sharing(self) -> CpuSharing:
         """How this pipeline's CPU workers share the cores: the cores of :func:`fxpipe.cpu_sharing.cpu_sharing`,
         and the parallel efficiency measured on this model's own stages when the plan has one
-        (:mod:`fxpipe.stage_profile`), else the synthetic one."""
-        rounds = self.plan.profile.get("stage_profile") or []
-        measured = next((r["parallel_efficiency"] for r in rounds if r.get("parallel_efficiency")), None)
-        return CpuSharing(cores_per_worker(), measured) if measured else cpu_sharing()
+        (:mod:`fxpipe.stage_profile`: per stage when measured on the plan's cuts), else the synthetic
+        one; 1 for a calibrated plan, whose stage times were measured in the pipeline."""
+        if "calibration" in self.plan.profile:   # stage times measured in the pipeline, contention included
+            return CpuSharing(cores_per_worker(), 1.0)
+        rounds = [r for r in self.plan.profile.get("stage_profile") or [] if r.get("parallel_efficiency")]
+        if not rounds:
+            return cpu_sharing()
+        measured = rounds[-1]
+        stages = measured.get("stage_efficiency")
+        if measured.get("stage_nodes") != [len(st.nodes) for st in self.plan.stages]:
+            stages = None    # measured on other cuts (the rounds ran out before they settled): the median only
+        return CpuSharing(cores_per_worker(), measured["parallel_efficiency"],
+                          tuple((f, b) for f, b in stages) if stages else None)
 
     def _workers(self, schedule: str) -> int:
         return self.plan.workers if schedule == "interleaved-1f1b" else len(self.specs)
@@ -275,12 +286,12 @@ class Pipeline(nn.Module):
         return [is_random(spec.module) for spec in self.specs]
 
     def _task(self, k: int, i: int, env: dict[str, Any], grad: bool, checkpointed: bool, random: bool,
-              streams: DeviceStreams, ready: dict[str, Event]):
+              streams: DeviceStreams, turns: CoreTurns, ready: dict[str, Event]):
         spec, device = self.specs[k], self.devices[k]
         use_checkpoint = grad and checkpointed
 
         def run() -> None:
-            with streams.computing(device):
+            with turns.turn(device), streams.computing(device):
                 moved = [streams.move(env[name], device, ready.get(name)) for name in spec.inputs]
                 streams.wait(device, [event for _, event in moved])
                 inputs = [value for value, _ in moved]

@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from fxpipe.errors import PlanFormatError
+from solvers.activation_memory import StageBytes
 from solvers.schedules import inflight
 
 __all__ = ["Plan", "PlanStage", "load_plan", "PLAN_FORMAT", "aligned_table"]
 
 PLAN_FORMAT = "fxpipe-plan/1"
+STAGE_BYTES_FIELDS = set(StageBytes.__dataclass_fields__)
 
 
 def aligned_table(head: list[str], rows: list[list[str]]) -> list[str]:
@@ -48,6 +50,8 @@ class PlanStage:
     workspace_bytes: float = 0.0   # transient buffers of an operation's forward/backward
     loss_bytes: float = 0.0        # the loss's transient buffers, on the stage that computes it
     checkpoint: str = ""           # this stage's checkpoint mode ("" = the plan's)
+    memory_bytes: float = 0.0      # the memory of its device the plan gives it (interleaved: a share)
+    measured_bytes: dict[str, float] | None = None   # solvers.activation_memory.StageBytes, measured
 
 
 @dataclass
@@ -168,6 +172,11 @@ class Plan:
             if not isinstance(s, dict) or not isinstance(s.get("nodes"), list) or not isinstance(s.get("device"), str):
                 raise PlanFormatError(f"plan stages[{i}] needs 'device' (str) and 'nodes' (list)")
             known = {k: s[k] for k in PlanStage.__dataclass_fields__ if k in s}
+            sizes = known.get("measured_bytes")
+            if sizes is not None and (not isinstance(sizes, dict) or set(sizes) != STAGE_BYTES_FIELDS or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) for v in sizes.values())):
+                raise PlanFormatError(f"plan stages[{i}].measured_bytes must map {sorted(STAGE_BYTES_FIELDS)} "
+                                      f"to numbers, got {sizes!r}; compile the plan again")
             known.setdefault("index", i)
             stages.append(PlanStage(**known))
         kwargs = {k: doc[k] for k in cls.__dataclass_fields__ if k in doc and k != "stages"}

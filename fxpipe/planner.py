@@ -104,11 +104,11 @@ class Planner:
             plan.predicted["throughput_samples_per_s"] = self.batch / simulated.iteration_s
         plan.schedule, plan.virtual_stages = self.schedule, v
         stage_buffers(self.gm, costs, plan)
+        memory_of = {d.id: d.memory_bytes for d in problem.devices}
+        for st, chosen in zip(plan.stages, solution.stages):   # interleaved: each stage's share of its device
+            st.memory_bytes = float(memory_of[chosen.devices[0]])
         if self.checkpoint == "auto":
-            memory_of = {d.id: d.memory_bytes for d in problem.devices}
-            limits = list(self.memory_bytes[:workers]) if v > 1 else \
-                [memory_of[st.devices[0]] for st in solution.stages]
-            choose_checkpoints(plan, limits)     # MemoryError when even "always" does not fit
+            choose_checkpoints(plan)     # MemoryError when even "always" does not fit
         return plan
 
 

@@ -15,7 +15,8 @@ the parameters' (:mod:`fxpipe.split_backward`). The order never deadlocks: its
 needs are implied by the simulator's dependencies, under which it runs to the
 end (tested for every schedule). On GPUs each worker enqueues on its device's
 compute stream and values cross devices on copy streams, ordered by events
-(:mod:`fxpipe.streams`); on CPU the same calls do nothing. The loss of micro-batch ``i`` is computed on the last stage before
+(:mod:`fxpipe.streams`); on CPU the same calls do nothing, and CPU workers
+beyond the cores take turns, one operation at a time (:mod:`fxpipe.core_turns`). The loss of micro-batch ``i`` is computed on the last stage before
 ``B(p-1, i)``; micro-batch losses are weighted ``n_i / N`` (``reduction="mean"``,
 for a loss that averages over its batch) or 1 (``"sum"``), so the accumulated
 gradients are those of one full-batch backward.
@@ -37,6 +38,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from fxpipe.batchnorm import tracking
 from fxpipe.codegen import StageSpec
+from fxpipe.core_turns import CoreTurns
 from fxpipe.microbatch import batch_size_of
 from fxpipe.rng import is_random, rng_guard
 from fxpipe.split_backward import WeightPass, backward_inputs, full_backward
@@ -137,6 +139,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
     grads: dict[tuple[int, int], dict[str, dict[int, list[tuple[torch.Tensor, Event]]]]] = {}
     grad_lock = threading.Lock()
     streams = DeviceStreams(devices)
+    turns = CoreTurns.for_devices(devices, n_workers)
     events: dict[tuple[str, int, int], Event] = {}   # op -> its compute stream's event when it ended
     losses: list[torch.Tensor | None] = [None] * m
     outputs: list[Any] = [None] * m
@@ -263,16 +266,18 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         for kind, k, i in orders[w]:
             if not board.wait(needs(kind, k, i)):
                 return
-            start = time.perf_counter()
-            try:
-                with streams.computing(devices[k]):
-                    run_op[kind](k, i)
-                    events[(kind, k, i)] = streams.record(devices[k])
-            except BaseException as exc:  # handed to the caller
-                board.fail(StepFailure(k, i, pass_name[kind], exc))
-                return
+            with turns.turn(devices[k]):   # CPU workers beyond the cores take turns (fxpipe.core_turns)
+                start = time.perf_counter()
+                try:
+                    with streams.computing(devices[k]):
+                        run_op[kind](k, i)
+                        events[(kind, k, i)] = streams.record(devices[k])
+                except BaseException as exc:  # handed to the caller
+                    board.fail(StepFailure(k, i, pass_name[kind], exc))
+                    return
+                end = time.perf_counter()
             if timings is not None:
-                timings.append(OpTiming(kind, k, i, start - origin, time.perf_counter() - origin, checkpoint(k, i)))
+                timings.append(OpTiming(kind, k, i, start - origin, end - origin, checkpoint(k, i)))
             board.finish((kind, k, i))
 
     threads = [threading.Thread(target=work, args=(w,), name=f"fxpipe-step-{w}", daemon=True)

@@ -9,10 +9,15 @@ micro-batch whose weight pass is pending keeps its activations and, past the
 first stage, the gradients at the weight frontier). :func:`worker_peak_bytes`
 follows the worker's operations in order and returns the largest total:
 
-- ``F(i)``: ``+ full`` (``+ checkpointed`` when checkpointed), ``workspace`` on top while it runs;
-- ``B(i)``: first the loss (``loss`` on top, on the stage that computes it), then the backward
-  with ``workspace`` on top, plus ``recompute`` for a checkpointed micro-batch; then what ``F``
-  added is released, and a split backward keeps ``weight_pending`` until ``W(i)``.
+- ``F(i)``: ``forward_peak`` on top of what is held while it runs, then ``+ full``
+  (``checkpointed`` variants for a checkpointed micro-batch);
+- ``B(i)``: ``backward_peak`` on top while it runs (the loss first, on the stage that computes it;
+  the recomputation too when checkpointed; ``backward_peak_split`` for a split backward's input
+  pass); then what ``F`` added is released, and a split backward keeps ``weight_pending``
+  until ``W(i)`` (``weight_peak`` on top while it runs).
+
+The sizes come measured (:mod:`fxpipe.stage_memory`: one forward and backward of
+every stage under the allocator's eye) or estimated (:meth:`StageBytes.estimate`).
 """
 
 from __future__ import annotations
@@ -27,14 +32,29 @@ __all__ = ["StageBytes", "worker_peak_bytes"]
 
 @dataclass(frozen=True)
 class StageBytes:
-    """What one micro-batch of a stage holds and needs, in bytes."""
+    """What one micro-batch of a stage holds and needs, in bytes; a ``*_peak`` is the most an operation
+    has allocated at once above what the worker held when it started (its own ``full`` included)."""
 
-    full: float               # in flight, not checkpointed: saved activations, received inputs, outputs
-    checkpointed: float       # in flight, checkpointed: received inputs and outputs
-    recompute: float          # rebuilt by a checkpointed backward
-    workspace: float = 0.0    # transient buffers of one operation
-    loss: float = 0.0         # the loss's transient buffers (the stage that computes it)
-    weight_pending: float = 0.0   # held from a split backward's B to its W
+    full: float                     # kept from F to B, not checkpointed: saved activations, inputs, outputs
+    checkpointed: float             # kept from F to B, checkpointed: received inputs and outputs
+    forward_peak: float             # F
+    forward_peak_checkpointed: float
+    backward_peak: float            # B, the loss first on the stage that computes it
+    backward_peak_checkpointed: float   # B with the recomputation
+    backward_peak_split: float      # B of a split backward (input gradients only)
+    weight_pending: float = 0.0     # kept from a split backward's B to its W
+    weight_peak: float = 0.0        # W
+
+    @classmethod
+    def estimate(cls, full: float, checkpointed: float, recompute: float, workspace: float = 0.0,
+                 loss: float = 0.0, weight_pending: float = 0.0) -> "StageBytes":
+        """Sizes from a model of the stage: ``workspace`` (an operation's transient buffers) on top of
+        every operation, the ``loss``'s buffers on top of a backward, or ``recompute`` (the
+        activations a checkpointed backward rebuilds) if larger."""
+        return cls(full=full, checkpointed=checkpointed, forward_peak=full + workspace,
+                   forward_peak_checkpointed=checkpointed + workspace, backward_peak=workspace + loss,
+                   backward_peak_checkpointed=workspace + max(loss, recompute), backward_peak_split=workspace + loss,
+                   weight_pending=weight_pending, weight_peak=workspace)
 
 
 def worker_peak_bytes(order: Sequence[Op], stage_bytes: Callable[[int], StageBytes],
@@ -44,18 +64,18 @@ def worker_peak_bytes(order: Sequence[Op], stage_bytes: Callable[[int], StageByt
     pending: dict[tuple[int, int], float] = {}
     for kind, stage, i in order:
         b, ckpt = stage_bytes(stage), checkpointed(stage, i)
-        held = b.checkpointed if ckpt else b.full
         if kind == "F":
-            live += held
-            peak = max(peak, live + b.workspace)
+            peak = max(peak, live + (b.forward_peak_checkpointed if ckpt else b.forward_peak))
+            live += b.checkpointed if ckpt else b.full
         elif kind == "B":
-            peak = max(peak, live + b.workspace + max(b.loss, b.recompute if ckpt else 0.0))
-            live -= held
+            peak = max(peak, live + (b.backward_peak_checkpointed if ckpt else
+                                     b.backward_peak_split if split_backward else b.backward_peak))
+            live -= b.checkpointed if ckpt else b.full
             if split_backward and not ckpt:
                 pending[(stage, i)] = b.weight_pending
                 live += b.weight_pending
         elif kind == "W":
-            peak = max(peak, live + b.workspace)
+            peak = max(peak, live + b.weight_peak)
             live -= pending.pop((stage, i), 0.0)
         else:
             raise ValueError(f"unknown operation kind {kind!r}")

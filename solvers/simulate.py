@@ -16,6 +16,7 @@ equals the reference formula ``sum t_s + (m - 1) max t_s``; tests check that.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from solvers.problem import Problem
 from solvers.groups import GroupTable
@@ -47,7 +48,8 @@ class Simulation:
 def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedule: str,
              sends: dict[tuple[int, int], float] | None = None,
              allreduce_s: list[float] | None = None, workers: int | None = None,
-             weight_share: float = 0.5, cores: int | None = None, parallel_efficiency: float = 1.0) -> Simulation:
+             weight_share: float = 0.5, cores: float | None = None, parallel_efficiency: float = 1.0,
+             stage_efficiency: Sequence[Sequence[float]] | None = None) -> Simulation:
     """Simulate stages with per-micro-batch times ``fwd_s[s]``, ``bwd_s[s]``.
 
     ``sends[(a, b)]`` is the one-way transfer time of one micro-batch from stage
@@ -59,10 +61,13 @@ def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedul
     (``zb-h1``) gives ``weight_share`` of ``bwd_s`` to the weight pass ``W``.
 
     ``cores`` makes the workers share that many processors (CPU workers of one
-    machine): while ``k`` operations run, each advances at ``min(1, cores / k)``
-    of its speed, times ``parallel_efficiency`` when ``k > 1`` (the slowdown of
-    threads that share caches and memory bandwidth); ``None`` gives every worker
-    its own device. Busy and idle times are per worker.
+    machine), as :class:`fxpipe.core_turns.CoreTurns` makes them: at most
+    ``floor(cores)`` operations run at once, a ready operation waits for a free
+    core (first ready, first served), and while ``k > 1`` run each advances at
+    ``parallel_efficiency`` of its speed alone (the slowdown of threads that
+    share caches and memory bandwidth; ``stage_efficiency[s]`` gives stage
+    ``s``'s own, ``(forward, backward)``, the backward's also for ``W``); ``None`` gives every worker its own
+    device. Busy and idle times are per worker; waiting for a core is idle.
     """
     p, m = len(fwd_s), micro_batches
     n_workers = p if workers is None else workers
@@ -80,30 +85,39 @@ def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedul
         feeds[a].append(b)
         fed_by[b].append(a)
 
-    def rate(active: int) -> float:
-        if cores is None:
+    slots = None if cores is None else max(1, int(cores))
+
+    def rate(active: int, kind: str, stage: int) -> float:
+        if cores is None or active < 2:
             return 1.0
-        return min(1.0, cores / active) * (parallel_efficiency if active > 1 else 1.0)
+        return stage_efficiency[stage][0 if kind == "F" else 1] if stage_efficiency else parallel_efficiency
 
     done: dict[Op, float] = {}                            # (kind, stage, mb) -> end time
     arrived: dict[tuple[str, int, int, int], float] = {}  # (kind, src, dst, mb) -> arrival
     link_free: dict[tuple[int, int], float] = {}
     running: list[list | None] = [None] * n_workers       # [op, work left, start]
+    ready_since: dict[int, float] = {}                    # worker -> when its next operation's inputs were here
     position = [0] * n_workers
     timeline: list[Event] = []
     busy = [0.0] * n_workers
     remaining = sum(len(o) for o in orders)
     now = 0.0
     while remaining:
-        for w in range(n_workers):   # start every operation whose inputs are here
-            if running[w] is not None or position[w] == len(orders[w]):
+        for w in range(n_workers):   # whose next operation has its inputs here
+            if running[w] is not None or position[w] == len(orders[w]) or w in ready_since:
                 continue
             kind, s, i = orders[w][position[w]]
             deps = ([("F", a, s, i) for a in fed_by[s]] if kind == "F" else
                     [("B", b, s, i) for b in feeds[s]] if kind == "B" else [])
             local = [] if kind == "F" else [("F", s, i)] if kind == "B" else [("B", s, i)]
             if all(arrived.get(d, float("inf")) <= now for d in deps) and all(d in done for d in local):
-                running[w] = [(kind, s, i), length[kind][s], now]
+                ready_since[w] = now
+        # start them: all at once on devices of their own; on shared cores while one is free, first come first
+        free = n_workers if slots is None else slots - sum(r is not None for r in running)
+        for w in sorted(ready_since, key=lambda w: (ready_since[w], w))[:max(0, free)]:
+            op = orders[w][position[w]]
+            running[w] = [op, length[op[0]][op[1]], now]
+            del ready_since[w]
         active = [w for w in range(n_workers) if running[w] is not None]
         upcoming = min((t for t in arrived.values() if t > now), default=float("inf"))
         if not active:
@@ -111,12 +125,12 @@ def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedul
                 raise RuntimeError("the schedule deadlocked: a worker waits for an operation that never runs")
             now = upcoming
             continue
-        speed = rate(len(active))
-        step = min(min(running[w][1] for w in active) / speed, upcoming - now)
+        speed = {w: rate(len(active), running[w][0][0], running[w][0][1]) for w in active}
+        step = min(min(running[w][1] / speed[w] for w in active), upcoming - now)
         now += step
         for w in active:
             op, left, start = running[w]
-            left -= speed * step
+            left -= speed[w] * step
             if left > 1e-12 * max(1.0, length[op[0]][op[1]]):
                 running[w][1] = left
                 continue

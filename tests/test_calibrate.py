@@ -73,3 +73,21 @@ def test_calibrate_leaves_existing_gradients_untouched():
     fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, profile="estimate", calibrate=True,
                    calibration_steps=1)
     assert all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in model.parameters())
+
+
+def test_calibration_repeats_until_the_cuts_settle_and_uses_the_given_loss():
+    torch.manual_seed(14)
+    model = ConvNet().train()
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 5, (8,))
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, profile="estimate", calibrate=True,
+                          calibration_steps=1, loss_fn=nn.functional.cross_entropy, example_target=y)
+    calibration = pipe.plan.profile["calibration"]
+    assert calibration["loss"] == "loss_fn" and 1 <= len(calibration["rounds"]) <= 3
+    assert calibration["factors"] == calibration["rounds"][-1]["factors"]
+    if len(calibration["rounds"]) < 3:     # settled: the stages measured last are the plan's
+        assert calibration["rounds"][-1]["stage_nodes"] == [len(s.nodes) for s in pipe.plan.stages]
+    # the stage times were measured in the pipeline, contention included: the report does not stretch them again
+    assert pipe.cpu_sharing().parallel_efficiency == 1.0
+    plain = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, profile="estimate", calibrate=True,
+                           calibration_steps=1)
+    assert plain.plan.profile["calibration"]["loss"] == "sum of outputs"

@@ -12,7 +12,7 @@ from solvers.schedules import worker_orders
 
 
 def _peak(schedule, stage, p, m, ckpt=lambda s, i: False, act=10.0, inputs=1.0, work=0.0, outs=0.0, loss=0.0):
-    sizes = StageBytes(full=act + outs, checkpointed=inputs + outs, recompute=act, workspace=work, loss=loss,
+    sizes = StageBytes.estimate(full=act + outs, checkpointed=inputs + outs, recompute=act, workspace=work, loss=loss,
                        weight_pending=2 * act if stage > 0 else act)
     return worker_peak_bytes(worker_orders(schedule, p, m)[stage], lambda s: sizes, ckpt,
                              split_backward=schedule == "zb-h1")

@@ -96,17 +96,18 @@ def test_compile_re_solves_on_stage_times_until_the_cuts_stop_moving(tmp_path):
 
 
 class Busy(nn.Module):
-    """20 ms of forward: asleep (other threads run) or spinning in Python (holding the GIL)."""
+    """About 20 ms of forward: asleep (other threads run) or a fixed count of Python steps (holding the GIL,
+    so two at once take twice as long each)."""
 
     def __init__(self, spin: bool) -> None:
         super().__init__()
         self.lin, self.spin = nn.Linear(4, 4), spin
 
     def forward(self, x):
-        end = time.perf_counter() + 0.02
         if self.spin:
-            while time.perf_counter() < end:
-                pass
+            total = 0
+            for step in range(400_000):
+                total += step
         else:
             time.sleep(0.02)
         return self.lin(x)
@@ -149,3 +150,20 @@ def test_report_uses_the_efficiency_measured_on_the_plan_stages():
         assert pipe.cpu_sharing().parallel_efficiency == measured
     else:       # one processor: nothing runs at once, the synthetic figure stands
         assert measured is None
+
+
+def _slow_loss(out, target):
+    """A loss whose own backward takes 50 ms: the last stage's backward in a step includes it."""
+    return _SlowBackward.apply(nn.functional.mse_loss(out, target))
+
+
+def test_with_a_loss_the_last_stage_backward_starts_at_it():
+    _, x, pipe = _net_pipe(5)
+    for st in pipe.plan.stages:
+        st.fwd_s = st.bwd_s = 1.0
+    y = torch.randn(8, 4)
+    without = stage_factors(pipe, (x,), warmup=1, repeats=3, together=False).factors[1][1]
+    with_loss = stage_factors(pipe, (x,), warmup=1, repeats=3, together=False, target=y,
+                              loss_fn=_slow_loss).factors[1][1]
+    assert 0.05 <= without < 0.09, without                 # the stage's own 50 ms
+    assert 0.10 <= with_loss < 0.18, with_loss             # and the loss's 50 ms before it

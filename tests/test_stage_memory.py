@@ -1,0 +1,131 @@
+"""Measured stage memory (fxpipe.stage_memory): the memory model on measured sizes equals the profiled replay."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe.memory_model import choose_checkpoints, predict_worker_memory
+from fxpipe.memory_probe import measure_worker_memory
+
+
+class Net(nn.Module):
+    """A skip connection (two gradients meet), a wide branch and a classifier head."""
+
+    def __init__(self, width=128, classes=512):
+        super().__init__()
+        self.inp = nn.Linear(32, width)
+        self.wide = nn.Linear(width, 4 * width)
+        self.narrow = nn.Linear(4 * width, width)
+        self.mid = nn.Linear(width, width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        h = h + self.narrow(torch.relu(self.wide(h)))
+        return self.head(torch.tanh(self.mid(h)))
+
+
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+
+
+@pytest.fixture(scope="module")
+def data():
+    torch.manual_seed(0)
+    return Net().train(), torch.randn(64, 32), torch.randint(0, 512, (64,))
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+def test_prediction_on_measured_sizes_equals_the_replay(data, checkpoint):
+    model, x, y = data
+    loss = nn.functional.cross_entropy
+    pipe = fxpipe.compile(model, ["cpu"] * 3, (x,), chunks=4, stages=3, checkpoint=checkpoint, profile_cache=False,
+                          loss_fn=loss, example_target=y)
+    assert all(st.measured_bytes for st in pipe.plan.stages)
+    for schedule in SCHEDULES:
+        measured = measure_worker_memory(pipe, x, y, loss, schedule=schedule)
+        predicted = predict_worker_memory(pipe.plan, schedule)
+        for w, pred in zip(measured, predicted):
+            assert pred.activation_bytes == pytest.approx(w.peak_bytes, rel=0.01), (schedule, w.worker)
+
+
+def test_without_a_loss_the_cross_entropy_estimate_covers_the_last_stage(data):
+    """An estimate, not a measurement: within 10 % wherever the timing puts the cut."""
+    model, x, y = data
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, checkpoint="never", profile_cache=False)
+    for schedule in ("gpipe", "1f1b"):
+        measured = measure_worker_memory(pipe, x, y, nn.functional.cross_entropy, schedule=schedule)
+        predicted = predict_worker_memory(pipe.plan, schedule)
+        assert predicted[-1].activation_bytes == pytest.approx(measured[-1].peak_bytes, rel=0.10), schedule
+
+
+def test_measuring_leaves_gradients_buffers_and_rng_alone(data):
+    model, x, y = data
+    grads = [torch.full_like(p, 0.5) for p in model.parameters()]
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g
+    state = torch.random.get_rng_state()
+    try:
+        fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, profile_cache=False,
+                       loss_fn=nn.functional.cross_entropy, example_target=y)
+        assert all(p.grad is g and bool((g == 0.5).all()) for p, g in zip(model.parameters(), grads))
+        assert torch.equal(torch.random.get_rng_state(), state)
+    finally:
+        for p in model.parameters():
+            p.grad = None
+
+
+def test_measured_sizes_travel_with_the_plan(data, tmp_path):
+    model, x, y = data
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, profile_cache=False)
+    path = tmp_path / "plan.json"
+    pipe.plan.save(path)
+    loaded = fxpipe.load_plan(path)
+    assert [st.measured_bytes for st in loaded.stages] == [st.measured_bytes for st in pipe.plan.stages]
+    doc = json.loads(path.read_text())
+    doc["stages"][0]["measured_bytes"] = {"full": "a lot"}
+    path.write_text(json.dumps(doc))
+    with pytest.raises(fxpipe.PlanFormatError, match=r"stages\[0\]\.measured_bytes must map"):
+        fxpipe.load_plan(path)
+
+
+def test_estimate_profile_measures_nothing(data):
+    model, x, _ = data
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, profile="estimate")
+    assert all(st.measured_bytes is None for st in pipe.plan.stages)
+
+
+def test_loss_and_target_go_together_and_must_match(data):
+    model, x, y = data
+    with pytest.raises(ValueError, match="loss_fn and example_target together"):
+        fxpipe.compile(model, ["cpu"] * 2, (x,), loss_fn=nn.functional.cross_entropy)
+    with pytest.raises(ValueError, match="loss_fn and example_target together"):
+        fxpipe.compile(model, ["cpu"] * 2, (x,), example_target=y)
+    with pytest.raises(ValueError, match="loss_fn must be callable"):
+        fxpipe.compile(model, ["cpu"] * 2, (x,), loss_fn="cross_entropy", example_target=y)
+    with pytest.raises(ValueError, match="check that example_target matches"):
+        fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, profile_cache=False,
+                       loss_fn=nn.functional.cross_entropy, example_target=torch.randint(0, 512, (64, 3)))
+
+
+def test_auto_checkpointing_chooses_on_the_measured_sizes(data):
+    model, x, y = data
+    loss = nn.functional.cross_entropy
+    plan = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, checkpoint="never", profile_cache=False,
+                          loss_fn=loss, example_target=y).plan
+    never = predict_worker_memory(plan, checkpoint="never")
+    except_last = predict_worker_memory(plan, checkpoint="except_last")
+    assert except_last[1].peak_bytes < never[1].peak_bytes     # the head's activations are worth recomputing
+    # worker 1 has room for except_last but not for never; worker 0 for anything
+    plan.stages[0].memory_bytes = 10 * never[0].peak_bytes
+    plan.stages[1].memory_bytes = (except_last[1].peak_bytes + never[1].peak_bytes) / 2
+    assert choose_checkpoints(plan) == ["never", "except_last"]
+    assert [st.checkpoint for st in plan.stages] == ["never", "except_last"]
+
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, checkpoint="auto", profile_cache=False,
+                          loss_fn=loss, example_target=y)
+    assert all(st.measured_bytes for st in pipe.plan.stages)
+    for st, pred in zip(pipe.plan.stages, predict_worker_memory(pipe.plan)):
+        assert st.checkpoint == "never" and 0 < pred.peak_bytes <= st.memory_bytes
