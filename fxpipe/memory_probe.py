@@ -11,10 +11,11 @@ weight pass) is summed in time order, and the peak of that running sum is the
 worker's peak memory above what existed before. Its inputs arrive as fresh
 copies at each forward (as a transfer would deliver them) and are dropped after
 its backward; the gradients it receives are tensors of the right shape (memory
-does not depend on their values); parameter gradients already exist (a warm-up
-backward allocates ``.grad``), so the number is activation memory plus the
+does not depend on their values); parameter gradients already exist (fresh
+zeros, as after a first step), so the number is activation memory plus the
 transient buffers of forward and backward: what the schedule and checkpointing
-change. BatchNorm running statistics are restored after the replay.
+change. The caller's gradients, BatchNorm statistics and the RNG state are
+left as they were (:func:`fxpipe.no_trace.leaving_no_trace`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from fxpipe.microbatch import scatter
+from fxpipe.no_trace import leaving_no_trace
 from fxpipe.split_backward import WeightPass, backward_inputs, full_backward
 from solvers.schedules import SPLIT_BACKWARD, worker_orders
 
@@ -110,13 +112,12 @@ def measure_worker_memory(pipe: Any, inputs: Any, target: Any, loss_fn: Callable
     m = len(micro)
     workers = pipe._workers(schedule)
     orders = worker_orders(schedule, len(pipe.specs), m, workers)
-    seen = stage_values(pipe, micro)
-    created = [q for q in pipe.parameters() if q.requires_grad and q.grad is None]
-    for q in created:           # parameter gradients exist before the measurement, as after a first step
-        q.grad = torch.zeros_like(q)
-    buffers = {name: b.clone() for name, b in pipe.named_buffers()}
     results = []
-    try:
+    with leaving_no_trace(pipe):   # the caller's gradients, buffers and RNG come back as they were
+        for q in pipe.parameters():
+            if q.requires_grad:    # parameter gradients exist before the measurement, as after a first step
+                q.grad = torch.zeros_like(q)
+        seen = stage_values(pipe, micro)
         for w in range(workers) if worker is None else [worker]:
             replay = Replay(pipe, seen, targets, loss_fn, lambda k, i: pipe._checkpointed(k, i, m),
                             split_backward=schedule in SPLIT_BACKWARD)
@@ -124,12 +125,6 @@ def measure_worker_memory(pipe: Any, inputs: Any, target: Any, loss_fn: Callable
                 for op in orders[w]:
                     replay.run(*op)
             results.append(WorkerMemory(w, sorted({k for _, k, _ in orders[w]}), found.peak_bytes, found.events))
-    finally:
-        with torch.no_grad():
-            for name, b in pipe.named_buffers():
-                b.copy_(buffers[name])
-        for q in created:
-            q.grad = None
     return results
 
 

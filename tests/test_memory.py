@@ -80,3 +80,19 @@ def test_predicted_activation_memory_is_within_10_percent_on_an_mlp(compiled):
             for w, pred in zip(measured, predicted):
                 assert pred.activation_bytes == pytest.approx(w.peak_bytes, rel=tolerance), (ck, schedule, w.worker)
                 assert pred.peak_bytes > pred.activation_bytes      # parameters and gradients on top
+
+
+def test_measuring_memory_in_a_step_leaves_its_gradients_as_the_step_made_them(compiled):
+    model, x, y, pipes = compiled
+    pipe, loss = pipes["never"], nn.MSELoss()
+    for schedule in ("gpipe", "zb-h1"):
+        for p in model.parameters():
+            p.grad = None
+        pipe.step(x, y, loss, schedule=schedule)
+        plain = [p.grad.clone() for p in model.parameters()]
+        for p in model.parameters():
+            p.grad = None
+        pipe.step(x, y, loss, schedule=schedule, measure_memory=True)
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), plain)), schedule
+    for p in model.parameters():
+        p.grad = None
