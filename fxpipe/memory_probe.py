@@ -35,7 +35,7 @@ from fxpipe.no_trace import leaving_no_trace
 from fxpipe.split_backward import WeightPass, backward_inputs, full_backward
 from solvers.schedules import SPLIT_BACKWARD, worker_orders
 
-__all__ = ["WorkerMemory", "measure_worker_memory", "Allocations", "allocations", "Replay", "stage_values"]
+__all__ = ["WorkerMemory", "measure_worker_memory", "Allocations", "allocations", "Replay", "replaying", "stage_values"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,17 @@ def _to(value: Any, device: torch.device, copy: bool = False) -> Any:
     return tree_map(move, value)
 
 
+@contextmanager
+def replaying(pipe: Any, micro: list[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+    """Ready ``pipe`` for replays of ``micro``'s operations: yields :func:`stage_values`; parameter gradients
+    exist (zeros, as after a first step); the caller's gradients, buffers and RNG come back as they were."""
+    with leaving_no_trace(pipe):
+        for q in pipe.parameters():
+            if q.requires_grad:
+                q.grad = torch.zeros_like(q)
+        yield stage_values(pipe, micro)
+
+
 def measure_worker_memory(pipe: Any, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
                           schedule: str | None = None, worker: int | None = None) -> list[WorkerMemory]:
     """Peak memory of each worker (or only ``worker``) for one :meth:`Pipeline.step` of ``inputs``."""
@@ -113,11 +124,7 @@ def measure_worker_memory(pipe: Any, inputs: Any, target: Any, loss_fn: Callable
     workers = pipe._workers(schedule)
     orders = worker_orders(schedule, len(pipe.specs), m, workers)
     results = []
-    with leaving_no_trace(pipe):   # the caller's gradients, buffers and RNG come back as they were
-        for q in pipe.parameters():
-            if q.requires_grad:    # parameter gradients exist before the measurement, as after a first step
-                q.grad = torch.zeros_like(q)
-        seen = stage_values(pipe, micro)
+    with replaying(pipe, micro) as seen:
         for w in range(workers) if worker is None else [worker]:
             replay = Replay(pipe, seen, targets, loss_fn, lambda k, i: pipe._checkpointed(k, i, m),
                             split_backward=schedule in SPLIT_BACKWARD)

@@ -24,7 +24,7 @@ counted. The last stage's backward starts at ``loss_fn(output, target)`` when
 ``compile`` is given them; otherwise at gradients of ones, with the loss's
 buffers estimated as a softmax cross-entropy's (three model-output sizes: the
 saved softmax, its gradient and the output's gradient). Gradients, buffers and
-the RNG are left as they were (:func:`fxpipe.no_trace.leaving_no_trace`).
+the RNG are left as they were (:func:`fxpipe.memory_probe.replaying`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,8 @@ from typing import Any, Callable
 
 import torch
 
-from fxpipe.memory_probe import Replay, allocations, stage_values
+from fxpipe.memory_probe import Replay, allocations, replaying
 from fxpipe.microbatch import scatter
-from fxpipe.no_trace import leaving_no_trace
 
 __all__ = ["measure_stage_bytes"]
 
@@ -51,12 +50,7 @@ def measure_stage_bytes(pipe: Any, example_inputs: Any, target: Any = None,
     targets = [scatter([target], pipe.chunks)[0][0]] if target is not None else None
     last = len(pipe.specs) - 1
     sizes = []
-    with leaving_no_trace(pipe):
-        for q in pipe.parameters():
-            if q.requires_grad:    # accumulated into, as after the first step
-                q.grad = torch.zeros_like(q)
-        seen = stage_values(pipe, micro)
-
+    with replaying(pipe, micro) as seen:
         def measured(k: int, checkpointed: bool, split: bool, kinds: str) -> list[Any]:
             replay = Replay(pipe, seen, targets, loss_fn, lambda _k, _i: checkpointed, split_backward=split)
             found = []

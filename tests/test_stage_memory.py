@@ -51,6 +51,17 @@ def test_prediction_on_measured_sizes_equals_the_replay(data, checkpoint):
             assert pred.activation_bytes == pytest.approx(w.peak_bytes, rel=0.01), (schedule, w.worker)
 
 
+def test_interleaved_workers_walk_their_stages_on_measured_sizes_too(data):
+    model, x, y = data
+    loss = nn.functional.cross_entropy
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, schedule="interleaved-1f1b", checkpoint="except_last",
+                          profile_cache=False, loss_fn=loss, example_target=y)
+    assert len(pipe.plan.stages) == 4
+    measured = measure_worker_memory(pipe, x, y, loss)
+    for w, pred in zip(measured, predict_worker_memory(pipe.plan)):
+        assert pred.activation_bytes == pytest.approx(w.peak_bytes, rel=0.01), w.worker
+
+
 def test_without_a_loss_the_cross_entropy_estimate_covers_the_last_stage(data):
     """An estimate, not a measurement: within 10 % wherever the timing puts the cut."""
     model, x, y = data
