@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CpuSharing", "cpu_sharing", "cores_per_worker"]
+__all__ = ["CpuSharing", "cpu_sharing", "cores_per_worker", "processors"]
 
 _cached: dict[int, "CpuSharing"] = {}
 
@@ -32,6 +32,7 @@ class CpuSharing:
     cores: float                 # processors per worker (in units of one worker's intra-op threads)
     parallel_efficiency: float   # each thread's speed when two run at once, relative to alone
     stage_efficiency: tuple[tuple[float, float], ...] | None = None   # per stage: forward, backward
+    slots: int | None = None     # operations that run at once (fxpipe.core_turns: one per processor)
 
 
 def _mix(rounds: int) -> float:
@@ -45,7 +46,8 @@ def _mix(rounds: int) -> float:
     return time.perf_counter() - start
 
 
-def _processors() -> int:
+def processors() -> int:
+    """The processors this process may use."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:   # not on Linux
@@ -54,7 +56,7 @@ def _processors() -> int:
 
 def cores_per_worker() -> float:
     """The processors this process may use, in units of one worker's intra-op threads."""
-    return _processors() / torch.get_num_threads()
+    return processors() / torch.get_num_threads()
 
 
 def cpu_sharing(rounds: int = 40) -> CpuSharing:
@@ -81,6 +83,6 @@ def cpu_sharing(rounds: int = 40) -> CpuSharing:
             ratios.append(alone / max(together))
     finally:
         torch.set_num_threads(threads)
-    efficiency = sorted(ratios)[1] if _processors() >= 2 else 1.0
-    _cached[threads] = CpuSharing(cores, min(1.0, efficiency))
+    efficiency = sorted(ratios)[1] if processors() >= 2 else 1.0
+    _cached[threads] = CpuSharing(cores, min(1.0, efficiency), slots=processors())
     return _cached[threads]

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from fxpipe.batchnorm import commit_statistics, tracking
-from fxpipe.cpu_sharing import CpuSharing, cores_per_worker, cpu_sharing
+from fxpipe.cpu_sharing import CpuSharing, cores_per_worker, cpu_sharing, processors
 from fxpipe.codegen import StageSpec
 from fxpipe.errors import FxpipeError, StageError
 from fxpipe.microbatch import batch_size_of, gather, scatter
@@ -252,7 +252,7 @@ class Pipeline(nn.Module):
         (:mod:`fxpipe.stage_profile`: per stage when measured on the plan's cuts), else the synthetic
         one; 1 for a calibrated plan, whose stage times were measured in the pipeline."""
         if "calibration" in self.plan.profile:   # stage times measured in the pipeline, contention included
-            return CpuSharing(cores_per_worker(), 1.0)
+            return CpuSharing(cores_per_worker(), 1.0, slots=processors())
         rounds = [r for r in self.plan.profile.get("stage_profile") or [] if r.get("parallel_efficiency")]
         if not rounds:
             return cpu_sharing()
@@ -261,7 +261,7 @@ class Pipeline(nn.Module):
         if measured.get("stage_nodes") != [len(st.nodes) for st in self.plan.stages]:
             stages = None    # measured on other cuts (the rounds ran out before they settled): the median only
         return CpuSharing(cores_per_worker(), measured["parallel_efficiency"],
-                          tuple((f, b) for f, b in stages) if stages else None)
+                          tuple((f, b) for f, b in stages) if stages else None, slots=processors())
 
     def _workers(self, schedule: str) -> int:
         return self.plan.workers if schedule == "interleaved-1f1b" else len(self.specs)

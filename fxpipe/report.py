@@ -50,7 +50,8 @@ def predicted_times(fwd_s: list[float], bwd_s: list[float], micro_batches: int, 
     sim = simulate(fwd_s, bwd_s, micro_batches, schedule, workers=workers,
                    cores=sharing.cores if sharing else None,
                    parallel_efficiency=sharing.parallel_efficiency if sharing else 1.0,
-                   stage_efficiency=sharing.stage_efficiency if sharing else None)
+                   stage_efficiency=sharing.stage_efficiency if sharing else None,
+                   slots=sharing.slots if sharing else None)
     per_stage = []
     for s in range(len(fwd_s)):
         fwd, bwd = per_micro_batch([(e.kind, e.micro_batch, e.end - e.start) for e in sim.timeline

@@ -16,7 +16,7 @@ needs are implied by the simulator's dependencies, under which it runs to the
 end (tested for every schedule). On GPUs each worker enqueues on its device's
 compute stream and values cross devices on copy streams, ordered by events
 (:mod:`fxpipe.streams`); on CPU the same calls do nothing, and CPU workers
-beyond the cores take turns, one operation at a time (:mod:`fxpipe.core_turns`). The loss of micro-batch ``i`` is computed on the last stage before
+beyond the processors take turns, one operation at a time (:mod:`fxpipe.core_turns`). The loss of micro-batch ``i`` is computed on the last stage before
 ``B(p-1, i)``; micro-batch losses are weighted ``n_i / N`` (``reduction="mean"``,
 for a loss that averages over its batch) or 1 (``"sum"``), so the accumulated
 gradients are those of one full-batch backward.
@@ -266,7 +266,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         for kind, k, i in orders[w]:
             if not board.wait(needs(kind, k, i)):
                 return
-            with turns.turn(devices[k]):   # CPU workers beyond the cores take turns (fxpipe.core_turns)
+            with turns.turn(devices[k]):   # CPU workers beyond the processors take turns (fxpipe.core_turns)
                 start = time.perf_counter()
                 try:
                     with streams.computing(devices[k]):

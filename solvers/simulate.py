@@ -49,7 +49,7 @@ def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedul
              sends: dict[tuple[int, int], float] | None = None,
              allreduce_s: list[float] | None = None, workers: int | None = None,
              weight_share: float = 0.5, cores: float | None = None, parallel_efficiency: float = 1.0,
-             stage_efficiency: Sequence[Sequence[float]] | None = None) -> Simulation:
+             stage_efficiency: Sequence[Sequence[float]] | None = None, slots: int | None = None) -> Simulation:
     """Simulate stages with per-micro-batch times ``fwd_s[s]``, ``bwd_s[s]``.
 
     ``sends[(a, b)]`` is the one-way transfer time of one micro-batch from stage
@@ -61,13 +61,15 @@ def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedul
     (``zb-h1``) gives ``weight_share`` of ``bwd_s`` to the weight pass ``W``.
 
     ``cores`` makes the workers share that many processors (CPU workers of one
-    machine), as :class:`fxpipe.core_turns.CoreTurns` makes them: at most
-    ``floor(cores)`` operations run at once, a ready operation waits for a free
-    core (first ready, first served), and while ``k > 1`` run each advances at
-    ``parallel_efficiency`` of its speed alone (the slowdown of threads that
-    share caches and memory bandwidth; ``stage_efficiency[s]`` gives stage
-    ``s``'s own, ``(forward, backward)``, the backward's also for ``W``); ``None`` gives every worker its own
-    device. Busy and idle times are per worker; waiting for a core is idle.
+    machine, in units of one worker's threads): while ``k`` operations run, each
+    advances at ``min(1, cores / k)`` of its speed, times ``parallel_efficiency``
+    when ``k > 1`` (the slowdown of threads that share caches and memory
+    bandwidth; ``stage_efficiency[s]`` gives stage ``s``'s own, ``(forward,
+    backward)``, the backward's also for ``W``); ``None`` gives every worker its
+    own device. ``slots`` lets at most that many operations run at once, as
+    :class:`fxpipe.core_turns.CoreTurns` makes CPU workers beyond the processors
+    take turns: a ready operation waits for a free slot, first ready first
+    served. Busy and idle times are per worker; waiting for a slot is idle.
     """
     p, m = len(fwd_s), micro_batches
     n_workers = p if workers is None else workers
@@ -85,12 +87,13 @@ def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedul
         feeds[a].append(b)
         fed_by[b].append(a)
 
-    slots = None if cores is None else max(1, int(cores))
-
     def rate(active: int, kind: str, stage: int) -> float:
-        if cores is None or active < 2:
+        if cores is None:
             return 1.0
-        return stage_efficiency[stage][0 if kind == "F" else 1] if stage_efficiency else parallel_efficiency
+        shared = min(1.0, cores / active)
+        if active < 2:
+            return shared
+        return shared * (stage_efficiency[stage][0 if kind == "F" else 1] if stage_efficiency else parallel_efficiency)
 
     done: dict[Op, float] = {}                            # (kind, stage, mb) -> end time
     arrived: dict[tuple[str, int, int, int], float] = {}  # (kind, src, dst, mb) -> arrival
@@ -112,8 +115,8 @@ def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedul
             local = [] if kind == "F" else [("F", s, i)] if kind == "B" else [("B", s, i)]
             if all(arrived.get(d, float("inf")) <= now for d in deps) and all(d in done for d in local):
                 ready_since[w] = now
-        # start them: all at once on devices of their own; on shared cores while one is free, first come first
-        free = n_workers if slots is None else slots - sum(r is not None for r in running)
+        # start them: all at once, or while a slot is free, first come first served
+        free = n_workers if slots is None else max(1, slots) - sum(r is not None for r in running)
         for w in sorted(ready_since, key=lambda w: (ready_since[w], w))[:max(0, free)]:
             op = orders[w][position[w]]
             running[w] = [op, length[op[0]][op[1]], now]

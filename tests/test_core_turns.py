@@ -1,4 +1,4 @@
-"""CPU workers beyond the cores take turns (fxpipe.core_turns), and the simulator follows the same rule."""
+"""CPU workers beyond the processors take turns (fxpipe.core_turns), and the simulator follows the same rule."""
 
 import threading
 import time
@@ -26,7 +26,7 @@ def _most_at_once(intervals):
 
 
 def test_at_most_cores_operations_run_and_turns_go_first_come_first_served():
-    turns = CoreTurns(workers=4, cores=2)
+    turns = CoreTurns(workers=4, slots=2)
     assert turns.active and turns.slots == 2
     intervals, granted, lock = [], [], threading.Lock()
     inside = threading.Semaphore(0)
@@ -61,15 +61,15 @@ def test_at_most_cores_operations_run_and_turns_go_first_come_first_served():
 
 
 def test_no_turns_when_the_cores_are_enough_or_the_device_is_a_gpu():
-    assert not CoreTurns(workers=2, cores=2).active
-    turns = CoreTurns(workers=3, cores=1)
+    assert not CoreTurns(workers=2, slots=2).active
+    turns = CoreTurns(workers=3, slots=1)
     with turns.turn(torch.device("cuda", 0)), turns.turn(torch.device("cuda", 0)):
         pass                               # GPU work never waits for a CPU core
     assert CoreTurns.for_devices([CPU, torch.device("cuda", 0), CPU], 3).slots >= 1
 
 
 def test_a_failing_operation_gives_its_turn_back():
-    turns = CoreTurns(workers=2, cores=1)
+    turns = CoreTurns(workers=2, slots=1)
     with pytest.raises(RuntimeError):
         with turns.turn(CPU):
             raise RuntimeError("boom")
@@ -91,7 +91,7 @@ class Sleepy(nn.Module):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_four_cpu_workers_on_two_cores_take_turns_and_compute_the_same(monkeypatch, schedule):
-    monkeypatch.setattr(fxpipe.core_turns, "cores_per_worker", lambda: 2.0)
+    monkeypatch.setattr(fxpipe.core_turns, "processors", lambda: 2)
     torch.manual_seed(0)
     model = nn.Sequential(*[Sleepy() for _ in range(4)])
     x, y = torch.randn(16, 8), torch.randn(16, 8)
@@ -112,12 +112,22 @@ def test_four_cpu_workers_on_two_cores_take_turns_and_compute_the_same(monkeypat
         assert torch.allclose(pipe(x), model(x), rtol=1e-5)
 
 
-def test_the_simulator_gives_each_operation_its_own_time_and_at_most_cores_at_once():
+def test_the_simulator_gives_each_operation_its_own_time_and_at_most_slots_at_once():
     f, b, p, m = 1.0, 2.0, 4, 6
     for schedule in ("gpipe", "1f1b", "zb-h1"):
-        sim = simulate([f] * p, [b] * p, m, schedule, cores=2)
+        sim = simulate([f] * p, [b] * p, m, schedule, cores=2, slots=2)
         ops = [e for e in sim.timeline if e.kind in ("F", "B", "W")]
         assert _most_at_once([(e.start, e.end) for e in ops]) <= 2
         lengths = {"F": f, "B": b / 2 if schedule == "zb-h1" else b, "W": b / 2}
         assert all(e.end - e.start == pytest.approx(lengths[e.kind]) for e in ops)
         assert sim.iteration_s >= p * m * (f + b) / 2
+
+
+def test_workers_of_several_threads_share_the_processors_without_turns(monkeypatch):
+    """Two workers of two threads on two processors: the OS shares them (faster for small operations), and the
+    simulator stretches both operations instead of queueing one."""
+    monkeypatch.setattr(fxpipe.core_turns, "processors", lambda: 2)
+    assert not CoreTurns(workers=2).active and CoreTurns(workers=3).active
+    sim = simulate([1.0, 1.0], [1.0, 1.0], 4, "gpipe", cores=1.0, slots=2)
+    assert _most_at_once([(e.start, e.end) for e in sim.timeline if e.kind in ("F", "B")]) == 2
+    assert sim.iteration_s == pytest.approx(2 * 4 * 2.0)   # one processor's worth of work, never idle
