@@ -252,7 +252,7 @@ def compile(
         the_plan = planner.plan(costs)
         rounds: list[dict[str, Any]] | None = None
         if profile == "measure" and stage_profile:
-            def timed_alone(measured_on: Plan, _attempt: int) -> tuple[list[list[float]], dict[str, Any]]:
+            def timed_alone(measured_on: Plan) -> tuple[list[list[float]], dict[str, Any]]:
                 found = stage_factors(_pipeline(gm, measured_on, checkpoint, mode_dependent), example_inputs,
                                       warmup=warmup, repeats=repeats, target=example_target, loss_fn=loss_fn)
                 return found.factors, {"parallel_efficiency": found.parallel_efficiency,
@@ -260,7 +260,7 @@ def compile(
             with _through_the_loss(loss_fn, "timing the last stage"):
                 the_plan, costs, rounds = _until_cuts_settle(planner, costs, the_plan, timed_alone)
         if calibrate:
-            def timed_in_steps(measured_on: Plan, _attempt: int) -> tuple[list[list[float]], dict[str, Any]]:
+            def timed_in_steps(measured_on: Plan) -> tuple[list[list[float]], dict[str, Any]]:
                 return stage_time_factors(_pipeline(gm, measured_on, checkpoint, mode_dependent), example_inputs,
                                           steps=calibration_steps, target=example_target, loss_fn=loss_fn), {}
             with _through_the_loss(loss_fn, "calibrating"):
@@ -276,14 +276,14 @@ def compile(
 
 
 def _until_cuts_settle(planner: Planner, costs: dict[str, Any], plan: Plan,
-                       measure: Callable[[Plan, int], tuple[list[list[float]], dict[str, Any]]],
+                       measure: Callable[[Plan], tuple[list[list[float]], dict[str, Any]]],
                        limit: int = 3) -> tuple[Plan, dict[str, Any], list[dict[str, Any]]]:
     """Measure the plan's stages (``[forward, backward]`` measured/planned per stage, and what else to record),
     scale the node costs to them and plan again, until the cuts stop moving (at most ``limit`` rounds), so the
     final plan's stage times are measured ones. Returns the plan, its costs and a record per round."""
     records = []
-    for attempt in range(limit):
-        factors, extra = measure(plan, attempt)
+    for _ in range(limit):
+        factors, extra = measure(plan)
         measured_on = plan
         costs = scale_costs(costs, measured_on, factors)
         plan = planner.plan(costs)

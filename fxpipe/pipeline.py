@@ -19,6 +19,7 @@ import linecache
 import re
 import time
 import traceback
+from contextlib import ExitStack
 from typing import Any, Callable
 
 import torch
@@ -32,7 +33,7 @@ from fxpipe.codegen import StageSpec
 from fxpipe.errors import FxpipeError, StageError
 from fxpipe.microbatch import batch_size_of, gather, scatter
 from fxpipe.memory_model import checkpointed
-from fxpipe.memory_probe import measure_worker_memory
+from fxpipe.memory_probe import allocations, measure_worker_memory
 from fxpipe.plan import Plan
 from fxpipe.report import step_report
 from fxpipe.rng import is_random, rng_guard
@@ -198,34 +199,33 @@ class Pipeline(nn.Module):
         timings: list[OpTiming] = []
         cuda = sorted({d for d in self.devices if d.type == "cuda"}, key=str)
         on_gpu = measure_memory and len(cuda) == len(set(self.devices))
-        base = {}
-        for d in cuda if on_gpu else []:
-            torch.cuda.reset_peak_memory_stats(d)
-            base[d] = torch.cuda.memory_allocated(d)
-        started = time.perf_counter()
-        try:
-            loss, outs = run_step(self.specs, self.devices, self._output.args[0], micro, [t[0] for t in targets],
-                                  loss_fn, schedule, ckpt, reduction, timings, workers=self._workers(schedule), random=self._random_stages())
-        except BaseException as failure:
-            commit_statistics(self.modules(), discard=True)
-            if not isinstance(failure, StepFailure):
-                raise
-            node = failing_node(failure.exc)
-            where = f"at node {node!r}" if node is not None else (
-                "(autograd does not say which node; torch.autograd.set_detect_anomaly(True) shows the "
-                "forward operation)" if failure.kind == "backward" else "")
-            raise StageError(
-                f"stage {failure.stage} (device {self.devices[failure.stage]}) failed in {failure.kind} of "
-                f"micro-batch {failure.micro_batch} {where}: {type(failure.exc).__name__}: {failure.exc}",
-                stage=failure.stage, micro_batch=failure.micro_batch, node=node,
-            ) from failure.exc
+        with ExitStack() as measuring:   # each GPU's peak above what it held before the step
+            gpu_memory = {d: measuring.enter_context(allocations(d)) for d in (cuda if on_gpu else [])}
+            started = time.perf_counter()
+            try:
+                loss, outs = run_step(self.specs, self.devices, self._output.args[0], micro, [t[0] for t in targets],
+                                      loss_fn, schedule, ckpt, reduction, timings, workers=self._workers(schedule), random=self._random_stages())
+            except BaseException as failure:
+                commit_statistics(self.modules(), discard=True)
+                if not isinstance(failure, StepFailure):
+                    raise
+                node = failing_node(failure.exc)
+                where = f"at node {node!r}" if node is not None else (
+                    "(autograd does not say which node; torch.autograd.set_detect_anomaly(True) shows the "
+                    "forward operation)" if failure.kind == "backward" else "")
+                raise StageError(
+                    f"stage {failure.stage} (device {self.devices[failure.stage]}) failed in {failure.kind} of "
+                    f"micro-batch {failure.micro_batch} {where}: {type(failure.exc).__name__}: {failure.exc}",
+                    stage=failure.stage, micro_batch=failure.micro_batch, node=node,
+                ) from failure.exc
+            wall_s = time.perf_counter() - started
         commit_statistics(self.modules())
-        self.last_step = {"schedule": schedule, "micro_batches": m, "wall_s": time.perf_counter() - started,
+        self.last_step = {"schedule": schedule, "micro_batches": m, "wall_s": wall_s,
                           "timings": timings, "workers": self._workers(schedule)}
         if on_gpu:
-            by_device = {d: torch.cuda.max_memory_allocated(d) - base[d] for d in cuda}
             owner = [self.devices[w] for w in range(self._workers(schedule))]
-            self.last_step.update(memory=[by_device[d] for d in owner], memory_method="torch.cuda.max_memory_allocated")
+            self.last_step.update(memory=[gpu_memory[d].peak_bytes for d in owner],
+                                  memory_method="torch.cuda.max_memory_allocated")
         elif measure_memory:
             found = measure_worker_memory(self, inputs, target, loss_fn, schedule=schedule)
             self.last_step.update(memory=[w.peak_bytes for w in found],
