@@ -280,17 +280,25 @@ def _until_cuts_settle(planner: Planner, costs: dict[str, Any], plan: Plan,
                        limit: int = 3) -> tuple[Plan, dict[str, Any], list[dict[str, Any]]]:
     """Measure the plan's stages (``[forward, backward]`` measured/planned per stage, and what else to record),
     scale the node costs to them and plan again, until the cuts stop moving (at most ``limit`` rounds), so the
-    final plan's stage times are measured ones. Returns the plan, its costs and a record per round."""
-    records = []
+    final plan's stage times are measured ones. Cuts that still move after ``limit`` rounds (two plans about
+    as good, each looking better on the other's measurement) end on the measured plan that is fastest on its
+    own measured times, never on one that was not measured. Returns the plan, its costs and a record per
+    round (``round`` says in which order they were measured); the chosen plan's record is the last."""
+    measured: list[tuple[Plan, dict[str, Any], dict[str, Any]]] = []
     for _ in range(limit):
         factors, extra = measure(plan)
         measured_on = plan
         costs = scale_costs(costs, measured_on, factors)
+        record = {"round": len(measured), "stage_nodes": [len(st.nodes) for st in measured_on.stages],
+                  "factors": factors, **extra}
         plan = planner.plan(costs)
-        records.append({"stage_nodes": [len(st.nodes) for st in measured_on.stages], "factors": factors, **extra})
         if plan.stage_of() == measured_on.stage_of():
-            break
-    return plan, costs, records
+            return plan, costs, [r for _, _, r in measured] + [record]
+        measured.append((planner.costed(costs, measured_on), costs, record))
+    best = min(range(len(measured)), key=lambda r: measured[r][0].predicted["iteration_s"])
+    plan, costs, record = measured[best]
+    record["chosen_of_unsettled"] = True
+    return plan, costs, [r for k, (_, _, r) in enumerate(measured) if k != best] + [record]
 
 
 @contextmanager

@@ -20,6 +20,7 @@ left as they were (:func:`fxpipe.no_trace.leaving_no_trace`).
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -34,6 +35,11 @@ from fxpipe.microbatch import scatter
 from fxpipe.no_trace import leaving_no_trace
 from fxpipe.split_backward import WeightPass, backward_inputs, full_backward
 from solvers.schedules import SPLIT_BACKWARD, worker_orders
+
+# Kineto, the profiler's backend, writes two lines to stderr ("profiler_start", "profiler_stop") for every
+# session, and compile opens hundreds; level 6 is above all its messages. Read once, when the profiler first
+# starts, so a user's own KINETO_LOG_LEVEL (or a profiler they started before) wins.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 __all__ = ["WorkerMemory", "measure_worker_memory", "Allocations", "allocations", "Replay", "replaying", "stage_values"]
 

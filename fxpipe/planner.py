@@ -63,7 +63,7 @@ class Planner:
         self._solver_devices = [devs[k % len(devs)] for k in range(v * len(devs))]
         self._links = virtual_links(links_for_devices(devs), v)
 
-    def _solve(self, costs: dict[str, Any], recompute: bool) -> tuple[solvers.Problem, solvers.Solution]:
+    def _problem(self, costs: dict[str, Any], recompute: bool) -> solvers.Problem:
         v, devs, mem = self.virtual_stages, self.devices, self.memory_bytes
         problem = build_problem(self.gm, costs, self._solver_devices, self._links, self.chunks,
                                 [mem[k % len(devs)] / v for k in range(len(self._solver_devices))],
@@ -71,18 +71,19 @@ class Planner:
                                 optimizer_state_factor=self.optimizer_state_factor,
                                 schedule="1f1b" if v > 1 else self.schedule, name=self.model_name)
         problem.recompute = recompute
-        return problem, solve_dp(problem, placement=False) if v > 1 else solvers.solve(problem, "dp")
+        return problem
+
+    def _solve(self, costs: dict[str, Any], recompute: bool) -> tuple[solvers.Problem, solvers.Solution]:
+        problem = self._problem(costs, recompute)
+        return problem, solve_dp(problem, placement=False) if self.virtual_stages > 1 else solvers.solve(problem, "dp")
 
     def plan(self, costs: dict[str, Any]) -> Plan:
         """The best plan for ``costs`` (node name -> :class:`fxpipe.profile.NodeCost`)."""
         attempts = (False, True) if self.checkpoint == "auto" else (False,)
         failure: Exception | None = None
         for recompute in attempts:
-            # recomputing stages pay the forward again in their backward
-            used = {n: dataclasses.replace(c, bwd_s=c.bwd_s + c.fwd_s) for n, c in costs.items()} \
-                if recompute else costs
             try:
-                problem, solution = self._solve(used, recompute)
+                problem, solution = self._solve(_recomputing(costs, recompute), recompute)
                 return self._finish(problem, solution, costs)
             except (solvers.InfeasibleError, MemoryError) as exc:
                 failure = exc
@@ -91,11 +92,22 @@ class Planner:
                 else "checkpoint='auto' would also consider recomputation")
         raise InfeasiblePlanError(f"{failure} ({hint})", getattr(failure, "min_peak_bytes", None)) from failure
 
+    def costed(self, costs: dict[str, Any], like: Plan) -> Plan:
+        """``like``'s stages (the same nodes on the same devices) costed with ``costs``: what a plan made
+        earlier is worth on times measured since (:func:`fxpipe.compile` picks among measured plans)."""
+        recompute = bool((like.problem or {}).get("recompute", False))
+        problem = self._problem(_recomputing(costs, recompute), recompute)
+        solution = solvers.Solution([solvers.Stage(list(st.nodes), list(devices)) for st, devices
+                                     in zip(like.stages, like.solver["stage_devices"])], solver=dict(like.solver))
+        solution.predicted = solvers.score(problem, solution).as_predicted()
+        return self._finish(problem, solution, costs)
+
     def _finish(self, problem: solvers.Problem, solution: solvers.Solution, costs: dict[str, Any]) -> Plan:
         v, workers = self.virtual_stages, len(self.devices)
         plan = plan_from_solution(problem, solution, self._solver_devices, self.fingerprint, self.model_name, self.chunks,
                                   self.checkpoint, self.batch, self.profile, str(self.devices[0]), self.training,
                                   self.profile_extra)
+        plan.solver["stage_devices"] = [list(st.devices) for st in solution.stages]   # the solver's device ids
         if v > 1:
             plan.devices = [str(d) for d in self.all_devices]
         if v > 1 or self.schedule == "zb-h1":   # the solver's formula is 1F1B's bubble
@@ -110,6 +122,13 @@ class Planner:
         if self.checkpoint == "auto":
             choose_checkpoints(plan)     # MemoryError when even "always" does not fit
         return plan
+
+
+def _recomputing(costs: dict[str, Any], recompute: bool) -> dict[str, Any]:
+    """``costs`` as a recomputing (checkpointed) stage pays them: the forward again in the backward."""
+    if not recompute:
+        return costs
+    return {n: dataclasses.replace(c, bwd_s=c.bwd_s + c.fwd_s) for n, c in costs.items()}
 
 
 def stage_buffers(gm: Any, costs: dict[str, Any], plan: Plan) -> None:

@@ -84,8 +84,7 @@ def test_calibration_repeats_until_the_cuts_settle_and_uses_the_given_loss():
     calibration = pipe.plan.profile["calibration"]
     assert calibration["loss"] == "loss_fn" and 1 <= len(calibration["rounds"]) <= 3
     assert calibration["factors"] == calibration["rounds"][-1]["factors"]
-    if len(calibration["rounds"]) < 3:     # settled: the stages measured last are the plan's
-        assert calibration["rounds"][-1]["stage_nodes"] == [len(s.nodes) for s in pipe.plan.stages]
+    assert calibration["rounds"][-1]["stage_nodes"] == [len(s.nodes) for s in pipe.plan.stages]   # measured
     # the stage times were measured in the pipeline, contention included: the report does not stretch them again
     assert pipe.cpu_sharing().parallel_efficiency == 1.0
     plain = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, profile="estimate", calibrate=True,

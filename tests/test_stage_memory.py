@@ -1,6 +1,9 @@
 """Measured stage memory (fxpipe.stage_memory): the memory model on measured sizes equals the profiled replay."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -140,3 +143,14 @@ def test_auto_checkpointing_chooses_on_the_measured_sizes(data):
     assert all(st.measured_bytes for st in pipe.plan.stages)
     for st, pred in zip(pipe.plan.stages, predict_worker_memory(pipe.plan)):
         assert st.checkpoint == "never" and 0 < pred.peak_bytes <= st.memory_bytes
+
+
+def test_compile_writes_nothing_to_stderr():
+    """Measuring memory opens hundreds of profiler sessions; the profiler's backend must not log each one."""
+    code = ("import torch, fxpipe\n"
+            "m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))\n"
+            "fxpipe.compile(m, ['cpu', 'cpu'], (torch.randn(8, 8),), profile_cache=False)\n")
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""

@@ -1,6 +1,7 @@
 """Profiling per fused group: stages timed as a whole, the plan re-solved on them, the model untouched."""
 
 import os
+import sys
 import time
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.stage_profile import stage_factors
+from fxpipe.stage_profile import StageProfile, stage_factors
 
 
 class _SlowBackward(torch.autograd.Function):
@@ -84,8 +85,7 @@ def test_compile_re_solves_on_stage_times_until_the_cuts_stop_moving(tmp_path):
     rounds = pipe.plan.profile["stage_profile"]
     assert 1 <= len(rounds) <= 3
     assert all(len(r["factors"]) == 2 and all(f > 0 for pair in r["factors"] for f in pair) for r in rounds)
-    if len(rounds) < 3:   # converged: the last measured cut is the plan's
-        assert rounds[-1]["stage_nodes"] == [len(s.nodes) for s in pipe.plan.stages]
+    assert rounds[-1]["stage_nodes"] == [len(s.nodes) for s in pipe.plan.stages]   # settled or chosen: measured
     pipe.plan.save(tmp_path / "plan.json")
     loaded = fxpipe.load_plan(tmp_path / "plan.json")
     assert loaded.profile["stage_profile"] == rounds
@@ -93,6 +93,34 @@ def test_compile_re_solves_on_stage_times_until_the_cuts_stop_moving(tmp_path):
     assert "stage_profile" not in plain.plan.profile
     estimated = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, profile="estimate")
     assert "stage_profile" not in estimated.plan.profile
+
+
+def test_cuts_that_never_settle_end_on_the_fastest_measured_plan(monkeypatch):
+    """A measurement that always finds the first stage 3x slower than planned moves the cut every round; the
+    compiler must end on a plan it measured, with the measured times, the fastest of them, not the last re-plan."""
+    seen: dict[tuple[int, ...], list[list[float]]] = {}   # stage sizes -> [fwd, bwd] seconds "measured"
+
+    def first_stage_slow(pipe, example_inputs, **kwargs):
+        factors = [[3.0, 3.0]] + [[1.0, 1.0] for _ in pipe.plan.stages[1:]]
+        seen[tuple(len(st.nodes) for st in pipe.plan.stages)] = [[st.fwd_s * f, st.bwd_s * b] for st, (f, b)
+                                                                 in zip(pipe.plan.stages, factors)]
+        return StageProfile(factors)
+    monkeypatch.setattr(sys.modules["fxpipe.compile"], "stage_factors", first_stage_slow)
+    torch.manual_seed(3)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(8)])
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(32, 64),), chunks=4, stages=2, profile_cache=False)
+    rounds = pipe.plan.profile["stage_profile"]
+    assert len(rounds) == 3 and len(seen) == 3 and rounds[-1].get("chosen_of_unsettled") is True
+    assert sorted(r["round"] for r in rounds) == [0, 1, 2]
+    sizes = tuple(len(st.nodes) for st in pipe.plan.stages)
+    assert list(sizes) == rounds[-1]["stage_nodes"]
+    for st, (fwd, bwd) in zip(pipe.plan.stages, seen[sizes]):   # the plan's times are its measured ones
+        assert st.fwd_s == pytest.approx(fwd, rel=1e-9) and st.bwd_s == pytest.approx(bwd, rel=1e-9)
+
+    def iteration(times: list[list[float]]) -> float:   # no transfers between CPU workers of one process
+        stage = [f + b for f, b in times]
+        return sum(stage) + (pipe.chunks - 1) * max(stage)
+    assert iteration(seen[sizes]) == pytest.approx(min(iteration(t) for t in seen.values()), rel=1e-9)
 
 
 class Busy(nn.Module):
