@@ -8,9 +8,10 @@ backward time per micro-batch with the median measured in the steps (see
 under ``FakeTensorMode`` with this CPU's roofline (``Devices.preset("cpu")``,
 a one-second microbenchmark). ``shared`` is the same measured profile put
 through the simulator with the workers sharing this machine's cores
-(cores per worker from :mod:`fxpipe.cpu_sharing`, and the slowdown of the
-plan's stages running together, measured by :mod:`fxpipe.stage_profile`), as
-``pipe.report()`` predicts. Then ``calibrate=True``: the plan made again on
+(cores per worker from :mod:`fxpipe.cpu_sharing`, and each stage's speed beside
+the others, fitted at compile time to a few steps of the plan's schedule by
+:mod:`fxpipe.contention`), as ``pipe.report()`` predicts: the steps measured
+here are later ones, after the compile. Then ``calibrate=True``: the plan made again on
 stage times measured in two earlier steps, run and compared the same way.
 Peak memory per worker: :mod:`fxpipe.memory_model` (on the stage sizes
 measured at compile time through the real loss, :mod:`fxpipe.stage_memory`)
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = cpu_sharing()
     print(f"CPU sharing: {machine.cores:g} cores (in units of one worker's threads), "
           f"{machine.parallel_efficiency:.0%} parallel efficiency of two workers on a synthetic mix; the shared "
-          f"prediction uses the efficiency measured on each plan's own stages (# lines)")
+          f"prediction uses each plan's own stage speeds beside the others, measured at compile time (# lines)")
     for name in args.models:
         build, make_x, make_y, loss_fn = MODELS[name]
         for workers in (2, 4):
@@ -146,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                 _, shared = predicted_times([st.fwd_s for st in pipe.plan.stages],
                                             [st.bwd_s for st in pipe.plan.stages], pipe.chunks, schedule, workers,
                                             sharing)
-                print(f"# {name} {workers} {schedule}: stages run together at "
-                      f"{sharing.parallel_efficiency:.0%} of their speed alone")
+                print(f"# {name} {workers} {schedule}: stages run beside the others at "
+                      f"{sharing.parallel_efficiency:.0%} of their speed alone (median)")
                 for st in pipe.plan.stages:
                     fwd, bwd = medians(timings, st.index)
                     sf, sb = shared[st.index]

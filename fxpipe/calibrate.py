@@ -28,8 +28,9 @@ from torch.utils._pytree import tree_flatten
 from fxpipe.errors import FxpipeError
 from fxpipe.no_trace import leaving_no_trace
 from fxpipe.plan import Plan
+from solvers.simulate import per_micro_batch
 
-__all__ = ["stage_time_factors", "scale_costs"]
+__all__ = ["stage_time_factors", "step_stage_times", "scale_costs"]
 
 
 def _sum_of_outputs(output: Any, _target: Any) -> torch.Tensor:
@@ -41,10 +42,11 @@ def _sum_of_outputs(output: Any, _target: Any) -> torch.Tensor:
     return torch.stack(parts).sum()
 
 
-def stage_time_factors(pipe: Any, example_inputs: tuple, steps: int = 2, target: Any = None,
-                       loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> list[list[float]]:
-    """``[forward, backward]`` measured/predicted ratio of every stage over ``steps`` timed steps (after a warm-up),
-    with ``loss_fn(output, target)`` as the loss (default: the sum of the outputs)."""
+def step_stage_times(pipe: Any, example_inputs: tuple, steps: int = 2, target: Any = None,
+                     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> list[tuple[list[float], list[float]]]:
+    """Per stage, the forward seconds of every micro-batch and the backward (B plus W) seconds of every
+    micro-batch in ``steps`` timed ``pipe.step`` runs after a warm-up, with ``loss_fn(output, target)`` as the
+    loss (default: the sum of the outputs); the pipeline and the model are left as they were."""
     if steps < 1:
         raise ValueError(f"calibration_steps must be at least 1, got {steps}")
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
@@ -52,24 +54,34 @@ def stage_time_factors(pipe: Any, example_inputs: tuple, steps: int = 2, target:
         target, loss_fn, reduction = next(t for t in inputs if isinstance(t, torch.Tensor)), _sum_of_outputs, "sum"
     else:
         reduction = "mean"
-    forward: dict[int, list[float]] = {}
-    backward: dict[int, list[float]] = {}
+    times: list[tuple[list[float], list[float]]] = [([], []) for _ in pipe.plan.stages]
     try:
         with leaving_no_trace(pipe):
             for step in range(steps + 1):
                 pipe.step(inputs, target, loss_fn, reduction=reduction)
                 if step == 0:
                     continue
-                for t in pipe.last_step["timings"]:
-                    (forward if t.kind == "F" else backward).setdefault(t.stage, []).append(t.end_s - t.start_s)
-        m = pipe.last_step["micro_batches"]
+                for st in pipe.plan.stages:
+                    fwd, bwd = per_micro_batch([(t.kind, t.micro_batch, t.end_s - t.start_s)
+                                                for t in pipe.last_step["timings"] if t.stage == st.index])
+                    times[st.index][0].extend(fwd)
+                    times[st.index][1].extend(bwd)
     finally:
         pipe.last_step = None
+    return times
+
+
+def stage_time_factors(pipe: Any, example_inputs: tuple, steps: int = 2, target: Any = None,
+                       loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> list[list[float]]:
+    """``[forward, backward]`` measured/predicted ratio of every stage over ``steps`` timed steps (after a warm-up),
+    with ``loss_fn(output, target)`` as the loss (default: the sum of the outputs)."""
+    times = step_stage_times(pipe, example_inputs, steps, target, loss_fn)
+    m = len(times[0][0]) // steps    # micro-batches per step (fewer than chunks for a small batch)
     factors = []
-    for st in pipe.plan.stages:
+    for st, (forward, backward) in zip(pipe.plan.stages, times):
         recomputed = sum(pipe._checkpointed(st.index, i, m) for i in range(m)) / m
-        meas_f = statistics.median(forward[st.index])
-        meas_b = sum(backward[st.index]) / (steps * m)      # B and W together, per micro-batch
+        meas_f = statistics.median(forward)
+        meas_b = statistics.median(backward)     # B and W together, per micro-batch
         pred_b = st.bwd_s + recomputed * st.fwd_s
         factors.append([meas_f / st.fwd_s if st.fwd_s > 0 else 1.0,
                         meas_b / pred_b if pred_b > 0 else 1.0])

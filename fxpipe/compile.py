@@ -13,6 +13,7 @@ from torch import nn
 
 from fxpipe.batchnorm import convert_deferred_batch_norm
 from fxpipe.calibrate import scale_costs, stage_time_factors
+from fxpipe.contention import measure_contention
 from fxpipe.stage_profile import stage_factors
 from fxpipe.stage_memory import measure_stage_bytes
 from fxpipe.memory_model import choose_checkpoints
@@ -154,7 +155,10 @@ def compile(
             :mod:`fxpipe.stage_profile`); the factors are in ``plan.profile["stage_profile"]``.
             Then measure every stage's memory (one micro-batch's forward and backward, with and
             without checkpointing and split backward, :mod:`fxpipe.stage_memory`) for the memory
-            model (``plan.stages[k].measured_bytes``; ``checkpoint="auto"`` chooses again on it).
+            model (``plan.stages[k].measured_bytes``; ``checkpoint="auto"`` chooses again on it),
+            and, for CPU workers that share the processors, how much slower each stage runs
+            beside the others in a few steps of the plan's schedule (:mod:`fxpipe.contention`,
+            ``plan.profile["contention"]``), which ``pipe.report()`` predicts with.
         loss_fn, example_target: the training loss and a full batch's target (both or neither):
             the last stage's memory is measured, and ``calibrate`` times it, through the real
             loss; without them the loss's buffers are estimated (a softmax cross-entropy's).
@@ -253,10 +257,8 @@ def compile(
         rounds: list[dict[str, Any]] | None = None
         if profile == "measure" and stage_profile:
             def timed_alone(measured_on: Plan) -> tuple[list[list[float]], dict[str, Any]]:
-                found = stage_factors(_pipeline(gm, measured_on, checkpoint, mode_dependent), example_inputs,
-                                      warmup=warmup, repeats=repeats, target=example_target, loss_fn=loss_fn)
-                return found.factors, {"parallel_efficiency": found.parallel_efficiency,
-                                       "stage_efficiency": found.stage_efficiency}
+                return stage_factors(_pipeline(gm, measured_on, checkpoint, mode_dependent), example_inputs,
+                                     warmup=warmup, repeats=repeats, target=example_target, loss_fn=loss_fn), {}
             with _through_the_loss(loss_fn, "timing the last stage"):
                 the_plan, costs, rounds = _until_cuts_settle(planner, costs, the_plan, timed_alone)
         if calibrate:
@@ -271,6 +273,11 @@ def compile(
             the_plan.profile["stage_profile"] = rounds
             pipe = _pipeline(gm, the_plan, checkpoint, mode_dependent)
             _measure_memory(pipe, example_inputs, example_target, loss_fn)
+            if not calibrate:   # a calibrated plan's stage times were measured in steps, contention included
+                with _through_the_loss(loss_fn, "measuring the stages' contention"):
+                    contention = measure_contention(pipe, example_inputs, target=example_target, loss_fn=loss_fn)
+                if contention is not None:
+                    the_plan.profile["contention"] = contention
             return pipe
     return _pipeline(gm, the_plan, checkpoint, mode_dependent)
 

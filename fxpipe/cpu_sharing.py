@@ -8,7 +8,9 @@ the intra-op threads of one worker (the unit a profile was timed with), and
 ``parallel_efficiency`` is the speed of each of two single-threaded workers
 running at once, relative to one alone, on a mix of about four parts matrix
 product to one part copy beyond the caches (the proportions of a typical
-convolutional or transformer stage's time).
+convolutional or transformer stage's time): the fallback for a plan without
+its own measurement (:mod:`fxpipe.contention` measures each stage's speed in
+steps of the plan, ``stage_efficiency``).
 :func:`solvers.simulate.simulate` takes both (``cores``, ``parallel_efficiency``)
 and lets the operations that run at once share the processors.
 """

@@ -247,21 +247,17 @@ class Pipeline(nn.Module):
         return text
 
     def cpu_sharing(self) -> CpuSharing:
-        """How this pipeline's CPU workers share the cores: the cores of :func:`fxpipe.cpu_sharing.cpu_sharing`,
-        and the parallel efficiency measured on this model's own stages when the plan has one
-        (:mod:`fxpipe.stage_profile`: per stage when measured on the plan's cuts), else the synthetic
-        one; 1 for a calibrated plan, whose stage times were measured in the pipeline."""
+        """How this pipeline's CPU workers share the processors: the cores of
+        :func:`fxpipe.cpu_sharing.cpu_sharing`, and each stage's speed beside the others as measured at
+        compile time in steps of the plan's schedule (:mod:`fxpipe.contention`), else the synthetic
+        parallel efficiency; 1 for a calibrated plan, whose stage times were measured in the pipeline."""
         if "calibration" in self.plan.profile:   # stage times measured in the pipeline, contention included
             return CpuSharing(cores_per_worker(), 1.0, slots=processors())
-        rounds = [r for r in self.plan.profile.get("stage_profile") or [] if r.get("parallel_efficiency")]
-        if not rounds:
+        measured = self.plan.profile.get("contention")
+        if not measured or measured.get("stage_nodes") != [len(st.nodes) for st in self.plan.stages]:
             return cpu_sharing()
-        measured = rounds[-1]
-        stages = measured.get("stage_efficiency")
-        if measured.get("stage_nodes") != [len(st.nodes) for st in self.plan.stages]:
-            stages = None    # measured on other cuts (the rounds ran out before they settled): the median only
         return CpuSharing(cores_per_worker(), measured["parallel_efficiency"],
-                          tuple((f, b) for f, b in stages) if stages else None, slots=processors())
+                          tuple((f, b) for f, b in measured["stage_efficiency"]), slots=processors())
 
     def _workers(self, schedule: str) -> int:
         return self.plan.workers if schedule == "interleaved-1f1b" else len(self.specs)

@@ -25,22 +25,13 @@ from fxpipe.cpu_sharing import CpuSharing
 from fxpipe.memory_model import predict_worker_memory
 from fxpipe.plan import Plan, aligned_table
 from solvers.schedules import stage_worker
-from solvers.simulate import simulate
+from solvers.simulate import per_micro_batch, simulate, stage_medians
 
 __all__ = ["step_report", "predicted_times", "per_micro_batch"]
 
 
 def _error(measured: float, predicted: float) -> float:
     return (predicted - measured) / measured if measured > 0 else float("nan")
-
-
-def per_micro_batch(ops: list[tuple[str, int, float]]) -> tuple[list[float], list[float]]:
-    """One stage's ``(kind, micro_batch, seconds)`` operations as forward times and backward times per
-    micro-batch (``B`` and, when the backward is split, ``W`` added together)."""
-    fwd = [seconds for kind, _, seconds in ops if kind == "F"]
-    bwd = [sum(seconds for kind, mb, seconds in ops if kind != "F" and mb == i)
-           for i in sorted({mb for _, mb, _ in ops})]
-    return fwd, bwd
 
 
 def predicted_times(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedule: str, workers: int,
@@ -52,12 +43,7 @@ def predicted_times(fwd_s: list[float], bwd_s: list[float], micro_batches: int, 
                    parallel_efficiency=sharing.parallel_efficiency if sharing else 1.0,
                    stage_efficiency=sharing.stage_efficiency if sharing else None,
                    slots=sharing.slots if sharing else None)
-    per_stage = []
-    for s in range(len(fwd_s)):
-        fwd, bwd = per_micro_batch([(e.kind, e.micro_batch, e.end - e.start) for e in sim.timeline
-                                    if e.stage == s and e.kind in ("F", "B", "W")])
-        per_stage.append((statistics.median(fwd), statistics.median(bwd)))
-    return sim.iteration_s, per_stage
+    return sim.iteration_s, stage_medians(sim.timeline, len(fwd_s))
 
 
 def step_report(plan: Plan, last_step: dict[str, Any], sharing: CpuSharing | None = None) -> tuple[str, dict[str, Any]]:

@@ -16,6 +16,7 @@ equals the reference formula ``sum t_s + (m - 1) max t_s``; tests check that.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from statistics import median
 from typing import Sequence
 
 from solvers.problem import Problem
@@ -24,7 +25,7 @@ from solvers.groups import allreduce_s as allreduce
 from solvers.schedules import SPLIT_BACKWARD, Op, stage_worker, worker_orders
 from solvers.solution import Solution
 
-__all__ = ["Event", "Simulation", "simulate", "simulate_solution"]
+__all__ = ["Event", "Simulation", "simulate", "simulate_solution", "per_micro_batch", "stage_medians"]
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,25 @@ def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedul
             busy[w] += ar
     total = max(e.end for e in timeline)
     return Simulation(total, busy, [total - b for b in busy], sorted(timeline, key=lambda e: (e.start, e.stage)))
+
+
+def per_micro_batch(ops: list[tuple[str, int, float]]) -> tuple[list[float], list[float]]:
+    """One stage's ``(kind, micro_batch, seconds)`` operations as forward times and backward times per
+    micro-batch (``B`` and, when the backward is split, ``W`` added together)."""
+    fwd = [seconds for kind, _, seconds in ops if kind == "F"]
+    bwd = [sum(seconds for kind, mb, seconds in ops if kind != "F" and mb == i)
+           for i in sorted({mb for _, mb, _ in ops})]
+    return fwd, bwd
+
+
+def stage_medians(timeline: list[Event], stages: int) -> list[tuple[float, float]]:
+    """Per stage, the median forward and backward (B plus W) duration of one micro-batch in ``timeline``."""
+    out = []
+    for s in range(stages):
+        fwd, bwd = per_micro_batch([(e.kind, e.micro_batch, e.end - e.start) for e in timeline
+                                    if e.stage == s and e.kind in ("F", "B", "W")])
+        out.append((median(fwd) if fwd else 0.0, median(bwd) if bwd else 0.0))
+    return out
 
 
 def simulate_solution(problem: Problem, solution: Solution, schedule: str | None = None,

@@ -1,0 +1,60 @@
+"""How much slower each stage runs beside the others when CPU workers share the processors, measured in steps.
+
+CPU "devices" are threads of one process on the same processors. Stage
+timing (:mod:`fxpipe.stage_profile`) times every stage alone; in the pipeline
+it runs beside other stages and is slowed by what they share: the processors
+themselves (four workers on two cores take turns, :mod:`fxpipe.core_turns`),
+caches and memory bandwidth, and the interpreter lock that a model of many
+small operations holds between them. How much depends on the stage and on what
+runs beside it, and what runs beside it is the schedule's doing, so
+:func:`measure_contention` measures it the way it will happen: the compiled
+plan's own schedule run for a few training steps (after a warm-up, through
+``compile``'s ``loss_fn`` when given, else the sum of the outputs; the model is
+left as it was, :func:`fxpipe.calibrate.step_stage_times`), and
+:func:`solvers.contention.fit_stage_speeds` finds each stage's forward and
+backward speed beside the others for which the simulator, sharing processors
+and turns as the executor does, reproduces the measured medians. The result is
+stored in the plan (``plan.profile["contention"]``) and ``pipe.report()``
+predicts with it (:meth:`fxpipe.Pipeline.cpu_sharing`); the stage times the
+planner balances stay the times alone. Without it (GPU workers, one worker,
+``stage_profile=False``, a plan from elsewhere) the report falls back on
+:func:`fxpipe.cpu_sharing.cpu_sharing`'s synthetic figure.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Callable
+
+import torch
+
+from fxpipe.calibrate import step_stage_times
+from fxpipe.cpu_sharing import cores_per_worker, processors
+from solvers.contention import fit_stage_speeds
+
+__all__ = ["measure_contention", "CONTENTION_STEPS"]
+
+CONTENTION_STEPS = 4    # timed steps; each stage's medians over steps x micro-batches operations
+
+
+def measure_contention(pipe: Any, example_inputs: tuple, steps: int = CONTENTION_STEPS, target: Any = None,
+                       loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> dict[str, Any] | None:
+    """The record of ``plan.profile["contention"]`` for ``pipe`` (see the module doc), or None where its
+    workers do not share processors (fewer than two, or not all on the CPU)."""
+    if len(pipe.specs) < 2 or any(d.type != "cpu" for d in pipe.devices):
+        return None
+    times = step_stage_times(pipe, example_inputs, steps, target, loss_fn)
+    m = len(times[0][0]) // steps
+    measured = [[statistics.median(fwd), statistics.median(bwd)] for fwd, bwd in times]
+    stages = pipe.plan.stages
+    if any(x <= 0 for pair in measured for x in pair):
+        return None    # a stage without a backward (nothing trains in it): nothing to fit
+    workers = pipe._workers(pipe.schedule)
+    recomputed = [sum(pipe._checkpointed(st.index, i, m) for i in range(m)) / m for st in stages]
+    speeds = fit_stage_speeds([st.fwd_s for st in stages],   # as the report predicts: recomputation in B
+                              [st.bwd_s + r * st.fwd_s for st, r in zip(stages, recomputed)], measured, m,
+                              pipe.schedule, cores=cores_per_worker(), workers=workers, slots=processors())
+    return {"schedule": pipe.schedule, "steps": steps, "micro_batches": m,
+            "stage_nodes": [len(st.nodes) for st in stages], "measured_s": measured,
+            "stage_efficiency": speeds,
+            "parallel_efficiency": statistics.median(x for pair in speeds for x in pair)}
