@@ -13,7 +13,7 @@ from torch import nn
 
 from fxpipe.batchnorm import convert_deferred_batch_norm
 from fxpipe.calibrate import scale_costs, stage_time_factors
-from fxpipe.contention import measure_contention
+from fxpipe.contention import CONTENTION_STEPS, measure_contention
 from fxpipe.stage_profile import stage_factors
 from fxpipe.stage_memory import measure_stage_bytes
 from fxpipe.memory_model import choose_checkpoints
@@ -103,6 +103,7 @@ def compile(
     calibration_steps: int = 2,
     profile: str = "measure",
     stage_profile: bool = True,
+    contention_steps: int = CONTENTION_STEPS,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     example_target: Any = None,
     warmup: int = 1,
@@ -157,8 +158,11 @@ def compile(
             without checkpointing and split backward, :mod:`fxpipe.stage_memory`) for the memory
             model (``plan.stages[k].measured_bytes``; ``checkpoint="auto"`` chooses again on it),
             and, for CPU workers that share the processors, how much slower each stage runs
-            beside the others in a few steps of the plan's schedule (:mod:`fxpipe.contention`,
-            ``plan.profile["contention"]``), which ``pipe.report()`` predicts with.
+            beside the others in ``contention_steps`` steps of the plan's schedule after a
+            warm-up (:mod:`fxpipe.contention`, ``plan.profile["contention"]``), which
+            ``pipe.report()`` predicts with.
+        contention_steps: timed steps of that measurement (default 3; each costs one training
+            step of the full batch); 0 skips it and the report falls back on a synthetic figure.
         loss_fn, example_target: the training loss and a full batch's target (both or neither):
             the last stage's memory is measured, and ``calibrate`` times it, through the real
             loss; without them the loss's buffers are estimated (a softmax cross-entropy's).
@@ -188,6 +192,8 @@ def compile(
     if (loss_fn is None) != (example_target is None):
         raise ValueError("pass loss_fn and example_target together (the loss and a full batch's target, used to "
                          "measure the last stage's memory), or neither")
+    if isinstance(contention_steps, bool) or not isinstance(contention_steps, int) or contention_steps < 0:
+        raise ValueError(f"contention_steps must be a whole number of steps, 0 or more, got {contention_steps!r}")
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
     gm = trace(model, leaf_modules, concrete_args)
@@ -273,9 +279,9 @@ def compile(
             the_plan.profile["stage_profile"] = rounds
             pipe = _pipeline(gm, the_plan, checkpoint, mode_dependent)
             _measure_memory(pipe, example_inputs, example_target, loss_fn)
-            if not calibrate:   # a calibrated plan's stage times were measured in steps, contention included
+            if not calibrate and contention_steps:   # a calibrated plan's times were measured in steps already
                 with _through_the_loss(loss_fn, "measuring the stages' contention"):
-                    contention = measure_contention(pipe, example_inputs, target=example_target, loss_fn=loss_fn)
+                    contention = measure_contention(pipe, example_inputs, contention_steps, example_target, loss_fn)
                 if contention is not None:
                     the_plan.profile["contention"] = contention
             return pipe

@@ -34,7 +34,7 @@ from solvers.contention import fit_stage_speeds
 
 __all__ = ["measure_contention", "CONTENTION_STEPS"]
 
-CONTENTION_STEPS = 4    # timed steps; each stage's medians over steps x micro-batches operations
+CONTENTION_STEPS = 3    # timed steps: each stage's medians over steps x micro-batches operations
 
 
 def measure_contention(pipe: Any, example_inputs: tuple, steps: int = CONTENTION_STEPS, target: Any = None,

@@ -182,6 +182,17 @@ def test_the_report_predicts_with_the_contention_of_the_plan_it_was_measured_on(
     assert "contention" not in one.plan.profile          # nothing runs beside a single worker
     assert "contention" not in fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2,
                                               stage_profile=False).plan.profile
+    skipped = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, contention_steps=0)
+    assert "contention" not in skipped.plan.profile and skipped.cpu_sharing().stage_efficiency is None
+    longer = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, contention_steps=5)
+    assert longer.plan.profile["contention"]["steps"] == 5
+
+
+@pytest.mark.parametrize("steps", [-1, 2.5, True, "3"])
+def test_contention_steps_must_be_a_whole_number(steps):
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    with pytest.raises(ValueError, match="contention_steps must be a whole number of steps, 0 or more"):
+        fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(8, 8),), contention_steps=steps)
 
 
 def _slow_loss(out, target):
