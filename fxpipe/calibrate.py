@@ -30,7 +30,7 @@ from fxpipe.no_trace import leaving_no_trace
 from fxpipe.plan import Plan
 from solvers.simulate import per_micro_batch
 
-__all__ = ["stage_time_factors", "step_stage_times", "scale_costs"]
+__all__ = ["stage_time_factors", "step_stage_times", "recomputed_share", "scale_costs"]
 
 
 def _sum_of_outputs(output: Any, _target: Any) -> torch.Tensor:
@@ -71,6 +71,11 @@ def step_stage_times(pipe: Any, example_inputs: tuple, steps: int = 2, target: A
     return times
 
 
+def recomputed_share(pipe: Any, stage: int, micro_batches: int) -> float:
+    """The share of ``stage``'s micro-batches whose backward recomputes the forward (checkpointed)."""
+    return sum(pipe._checkpointed(stage, i, micro_batches) for i in range(micro_batches)) / micro_batches
+
+
 def stage_time_factors(pipe: Any, example_inputs: tuple, steps: int = 2, target: Any = None,
                        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> list[list[float]]:
     """``[forward, backward]`` measured/predicted ratio of every stage over ``steps`` timed steps (after a warm-up),
@@ -79,7 +84,7 @@ def stage_time_factors(pipe: Any, example_inputs: tuple, steps: int = 2, target:
     m = len(times[0][0]) // steps    # micro-batches per step (fewer than chunks for a small batch)
     factors = []
     for st, (forward, backward) in zip(pipe.plan.stages, times):
-        recomputed = sum(pipe._checkpointed(st.index, i, m) for i in range(m)) / m
+        recomputed = recomputed_share(pipe, st.index, m)
         meas_f = statistics.median(forward)
         meas_b = statistics.median(backward)     # B and W together, per micro-batch
         pred_b = st.bwd_s + recomputed * st.fwd_s

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from fxpipe.calibrate import step_stage_times
+from fxpipe.calibrate import recomputed_share, step_stage_times
 from fxpipe.cpu_sharing import cores_per_worker, processors
 from solvers.contention import fit_stage_speeds
 
@@ -40,17 +40,18 @@ CONTENTION_STEPS = 3    # timed steps: each stage's medians over steps x micro-b
 def measure_contention(pipe: Any, example_inputs: tuple, steps: int = CONTENTION_STEPS, target: Any = None,
                        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> dict[str, Any] | None:
     """The record of ``plan.profile["contention"]`` for ``pipe`` (see the module doc), or None where its
-    workers do not share processors (fewer than two, or not all on the CPU)."""
+    workers do not share processors (fewer than two, or not all on the CPU) or nothing in it trains."""
     if len(pipe.specs) < 2 or any(d.type != "cpu" for d in pipe.devices):
         return None
+    if not any(p.requires_grad for p in pipe.parameters()):
+        return None    # nothing trains: the pipeline will only run forward (pipe(x)), not steps
     times = step_stage_times(pipe, example_inputs, steps, target, loss_fn)
     m = len(times[0][0]) // steps
-    measured = [[statistics.median(fwd), statistics.median(bwd)] for fwd, bwd in times]
+    measured = [[statistics.median(fwd) if fwd else 0.0, statistics.median(bwd) if bwd else 0.0]
+                for fwd, bwd in times]
     stages = pipe.plan.stages
-    if any(x <= 0 for pair in measured for x in pair):
-        return None    # a stage without a backward (nothing trains in it): nothing to fit
     workers = pipe._workers(pipe.schedule)
-    recomputed = [sum(pipe._checkpointed(st.index, i, m) for i in range(m)) / m for st in stages]
+    recomputed = [recomputed_share(pipe, st.index, m) for st in stages]
     speeds = fit_stage_speeds([st.fwd_s for st in stages],   # as the report predicts: recomputation in B
                               [st.bwd_s + r * st.fwd_s for st, r in zip(stages, recomputed)], measured, m,
                               pipe.schedule, cores=cores_per_worker(), workers=workers, slots=processors())

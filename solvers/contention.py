@@ -12,7 +12,7 @@ every stage's forward and backward while others run (the ``stage_efficiency``
 of :func:`solvers.simulate.simulate`) for which the simulated step reproduces
 those medians: a fixed point of ``speed *= simulated / measured``, one
 simulation per round. An operation that never runs beside another in the
-simulation keeps speed 1 (nothing to fit). Speeds above 1 are kept: they say
+simulation, or takes no time, keeps speed 1 (nothing to fit). Speeds above 1 are kept: they say
 the stage ran faster inside the step than it was timed alone (warm caches),
 which the prediction should repeat.
 
@@ -43,8 +43,11 @@ def fit_stage_speeds(fwd_s: Sequence[float], bwd_s: Sequence[float], measured: S
     p = len(fwd_s)
     if len(bwd_s) != p or len(measured) != p or any(len(pair) != 2 for pair in measured):
         raise ValueError(f"fit_stage_speeds needs a (forward, backward) measurement for each of the {p} stages")
-    if any(x <= 0 for pair in measured for x in pair):
-        raise ValueError("measured stage times must be positive")
+    if any(x < 0 for pair in measured for x in pair):
+        raise ValueError("measured stage times cannot be negative")
+    alone = [[fwd_s[s], bwd_s[s]] for s in range(p)]
+    # an operation that takes no time (the backward of a stage where nothing trains) has no speed to fit
+    fitted_ops = [(s, j) for s in range(p) for j in (0, 1) if measured[s][j] > 0 and alone[s][j] > 0]
 
     def predict(speeds: list[list[float]]) -> list[tuple[float, float]]:
         sim = simulate(list(fwd_s), list(bwd_s), micro_batches, schedule, workers=workers, cores=cores,
@@ -54,13 +57,14 @@ def fit_stage_speeds(fwd_s: Sequence[float], bwd_s: Sequence[float], measured: S
     best, best_error = [list(s) for s in speeds], float("inf")
     for _ in range(rounds):
         predicted = predict(speeds)
-        ratios = [[predicted[s][j] / measured[s][j] for j in (0, 1)] for s in range(p)]
-        error = max(abs(r - 1.0) for pair in ratios for r in pair)
+        ratios = {(s, j): predicted[s][j] / measured[s][j] for s, j in fitted_ops}
+        error = max((abs(r - 1.0) for r in ratios.values()), default=0.0)
         if error < best_error:
             best, best_error = [list(s) for s in speeds], error
         if error <= tolerance:
             break
-        speeds = [[min(_HIGHEST, max(_LOWEST, speeds[s][j] * ratios[s][j])) for j in (0, 1)] for s in range(p)]
+        for (s, j), r in ratios.items():
+            speeds[s][j] = min(_HIGHEST, max(_LOWEST, speeds[s][j] * r))
     # an operation the simulation never runs beside another cannot be fitted: its speed there is 1
     fitted = predict(best)
     for s in range(p):

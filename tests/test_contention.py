@@ -46,5 +46,18 @@ def test_an_operation_that_never_runs_beside_another_keeps_speed_one():
 def test_measurements_that_cannot_be_fitted_are_refused():
     with pytest.raises(ValueError, match="for each of the 2 stages"):
         fit_stage_speeds([1.0, 1.0], [1.0, 1.0], [[1.0, 1.0]], 4, "gpipe", cores=2)
-    with pytest.raises(ValueError, match="positive"):
-        fit_stage_speeds([1.0, 1.0], [1.0, 1.0], [[1.0, 0.0], [1.0, 1.0]], 4, "gpipe", cores=2)
+    with pytest.raises(ValueError, match="cannot be negative"):
+        fit_stage_speeds([1.0, 1.0], [1.0, 1.0], [[1.0, -1.0], [1.0, 1.0]], 4, "gpipe", cores=2)
+
+
+def test_an_operation_that_takes_no_time_keeps_speed_one_and_the_others_are_still_fitted():
+    """The backward of a stage where nothing trains: zero alone, zero measured."""
+    fwd, bwd = [1.0, 2.0], [0.0, 3.0]
+    true = [[0.6, 1.0], [0.7, 0.8]]
+    measured = stage_medians(simulate(fwd, bwd, 4, "gpipe", cores=1.5, stage_efficiency=true).timeline, 2)
+    assert measured[0][1] == 0.0
+    found = fit_stage_speeds(fwd, bwd, measured, 4, "gpipe", cores=1.5)
+    assert found[0][1] == 1.0
+    again = stage_medians(simulate(fwd, bwd, 4, "gpipe", cores=1.5, stage_efficiency=found).timeline, 2)
+    for got, want in zip(again, measured):
+        assert got == pytest.approx(want, rel=2e-3)

@@ -188,6 +188,20 @@ def test_the_report_predicts_with_the_contention_of_the_plan_it_was_measured_on(
     assert longer.plan.profile["contention"]["steps"] == 5
 
 
+def test_a_model_where_nothing_trains_compiles_without_contention_steps():
+    """A frozen model only runs forward (pipe(x)); there is no training step to time, and no error."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    x = torch.randn(8, 8)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), stages=2, profile_cache=False)
+    assert "contention" not in pipe.plan.profile
+    torch.testing.assert_close(pipe(x), model(x))
+    model[0].weight.requires_grad_(True)     # partly frozen: the last stage's backward does nothing
+    partly = fxpipe.compile(model, ["cpu", "cpu"], (x,), stages=2, profile_cache=False)
+    assert len(partly.plan.profile["contention"]["stage_efficiency"]) == 2
+
+
 @pytest.mark.parametrize("steps", [-1, 2.5, True, "3"])
 def test_contention_steps_must_be_a_whole_number(steps):
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
