@@ -262,15 +262,15 @@ def compile(
         the_plan = planner.plan(costs)
         rounds: list[dict[str, Any]] | None = None
         if profile == "measure" and stage_profile:
-            def timed_alone(measured_on: Plan) -> tuple[list[list[float]], dict[str, Any]]:
+            def timed_alone(measured_on: Plan) -> list[list[float]]:
                 return stage_factors(_pipeline(gm, measured_on, checkpoint, mode_dependent), example_inputs,
-                                     warmup=warmup, repeats=repeats, target=example_target, loss_fn=loss_fn), {}
+                                     warmup=warmup, repeats=repeats, target=example_target, loss_fn=loss_fn)
             with _through_the_loss(loss_fn, "timing the last stage"):
                 the_plan, costs, rounds = _until_cuts_settle(planner, costs, the_plan, timed_alone)
         if calibrate:
-            def timed_in_steps(measured_on: Plan) -> tuple[list[list[float]], dict[str, Any]]:
+            def timed_in_steps(measured_on: Plan) -> list[list[float]]:
                 return stage_time_factors(_pipeline(gm, measured_on, checkpoint, mode_dependent), example_inputs,
-                                          steps=calibration_steps, target=example_target, loss_fn=loss_fn), {}
+                                          steps=calibration_steps, target=example_target, loss_fn=loss_fn)
             with _through_the_loss(loss_fn, "calibrating"):
                 the_plan, costs, calibration = _until_cuts_settle(planner, costs, the_plan, timed_in_steps)
             the_plan.profile["calibration"] = {"steps": calibration_steps, **calibration[-1], "rounds": calibration,
@@ -289,21 +289,21 @@ def compile(
 
 
 def _until_cuts_settle(planner: Planner, costs: dict[str, Any], plan: Plan,
-                       measure: Callable[[Plan], tuple[list[list[float]], dict[str, Any]]],
+                       measure: Callable[[Plan], list[list[float]]],
                        limit: int = 3) -> tuple[Plan, dict[str, Any], list[dict[str, Any]]]:
-    """Measure the plan's stages (``[forward, backward]`` measured/planned per stage, and what else to record),
-    scale the node costs to them and plan again, until the cuts stop moving (at most ``limit`` rounds), so the
-    final plan's stage times are measured ones. Cuts that still move after ``limit`` rounds (two plans about
-    as good, each looking better on the other's measurement) end on the measured plan that is fastest on its
-    own measured times, never on one that was not measured. Returns the plan, its costs and a record per
-    round (``round`` says in which order they were measured); the chosen plan's record is the last."""
+    """Measure the plan's stages (``[forward, backward]`` measured/planned per stage), scale the node costs to
+    them and plan again, until the cuts stop moving (at most ``limit`` rounds), so the final plan's stage times
+    are measured ones. Cuts that still move after ``limit`` rounds (two plans about as good, each looking
+    better on the other's measurement) end on the measured plan that is fastest on its own measured times,
+    never on one that was not measured. Returns the plan, its costs and a record per round (``round`` says in
+    which order they were measured); the chosen plan's record is the last."""
     measured: list[tuple[Plan, dict[str, Any], dict[str, Any]]] = []
     for _ in range(limit):
-        factors, extra = measure(plan)
+        factors = measure(plan)
         measured_on = plan
         costs = scale_costs(costs, measured_on, factors)
         record = {"round": len(measured), "stage_nodes": [len(st.nodes) for st in measured_on.stages],
-                  "factors": factors, **extra}
+                  "factors": factors}
         plan = planner.plan(costs)
         if plan.stage_of() == measured_on.stage_of():
             return plan, costs, [r for _, _, r in measured] + [record]

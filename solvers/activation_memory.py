@@ -14,7 +14,8 @@ follows the worker's operations in order and returns the largest total:
 - ``B(i)``: ``backward_peak`` on top while it runs (the loss first, on the stage that computes it;
   the recomputation too when checkpointed; ``backward_peak_split`` for a split backward's input
   pass); then what ``F`` added is released, and a split backward keeps ``weight_pending``
-  until ``W(i)`` (``weight_peak`` on top while it runs).
+  until ``W(i)`` (``weight_peak`` on top while it runs; a checkpointed micro-batch's backward is
+  whole, :mod:`fxpipe.split_backward`, and its ``W`` does nothing).
 
 The sizes come measured (:mod:`fxpipe.stage_memory`: one forward and backward of
 every stage under the allocator's eye) or estimated (:meth:`StageBytes.estimate`).
@@ -74,9 +75,10 @@ def worker_peak_bytes(order: Sequence[Op], stage_bytes: Callable[[int], StageByt
             if split_backward and not ckpt:
                 pending[(stage, i)] = b.weight_pending
                 live += b.weight_pending
-        elif kind == "W":
-            peak = max(peak, live + b.weight_peak)
-            live -= pending.pop((stage, i), 0.0)
+        elif kind == "W":   # a checkpointed micro-batch did its whole backward in B: its W does nothing
+            if (stage, i) in pending:
+                peak = max(peak, live + b.weight_peak)
+                live -= pending.pop((stage, i))
         else:
             raise ValueError(f"unknown operation kind {kind!r}")
     return peak
