@@ -30,7 +30,7 @@ from fxpipe.no_trace import leaving_no_trace
 from fxpipe.plan import Plan
 from solvers.simulate import per_micro_batch
 
-__all__ = ["stage_time_factors", "step_stage_times", "recomputed_share", "scale_costs"]
+__all__ = ["stage_time_factors", "step_stage_times", "predicted_backward_s", "scale_costs"]
 
 
 def _sum_of_outputs(output: Any, _target: Any) -> torch.Tensor:
@@ -71,9 +71,11 @@ def step_stage_times(pipe: Any, example_inputs: tuple, steps: int = 2, target: A
     return times
 
 
-def recomputed_share(pipe: Any, stage: int, micro_batches: int) -> float:
-    """The share of ``stage``'s micro-batches whose backward recomputes the forward (checkpointed)."""
-    return sum(pipe._checkpointed(stage, i, micro_batches) for i in range(micro_batches)) / micro_batches
+def predicted_backward_s(pipe: Any, stage: Any, micro_batches: int) -> float:
+    """A plan stage's backward per micro-batch as a step runs it: ``bwd_s``, plus ``fwd_s`` again for the
+    share of its micro-batches that are checkpointed (their backward recomputes the forward)."""
+    share = sum(pipe._checkpointed(stage.index, i, micro_batches) for i in range(micro_batches)) / micro_batches
+    return stage.bwd_s + share * stage.fwd_s
 
 
 def stage_time_factors(pipe: Any, example_inputs: tuple, steps: int = 2, target: Any = None,
@@ -84,10 +86,9 @@ def stage_time_factors(pipe: Any, example_inputs: tuple, steps: int = 2, target:
     m = len(times[0][0]) // steps    # micro-batches per step (fewer than chunks for a small batch)
     factors = []
     for st, (forward, backward) in zip(pipe.plan.stages, times):
-        recomputed = recomputed_share(pipe, st.index, m)
         meas_f = statistics.median(forward)
         meas_b = statistics.median(backward)     # B and W together, per micro-batch
-        pred_b = st.bwd_s + recomputed * st.fwd_s
+        pred_b = predicted_backward_s(pipe, st, m)
         factors.append([meas_f / st.fwd_s if st.fwd_s > 0 else 1.0,
                         meas_b / pred_b if pred_b > 0 else 1.0])
     return factors

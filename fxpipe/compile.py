@@ -307,11 +307,13 @@ def _until_cuts_settle(planner: Planner, costs: dict[str, Any], plan: Plan,
         plan = planner.plan(costs)
         if plan.stage_of() == measured_on.stage_of():
             return plan, costs, [r for _, _, r in measured] + [record]
-        measured.append((planner.costed(costs, measured_on), costs, record))
-    best = min(range(len(measured)), key=lambda r: measured[r][0].predicted["iteration_s"])
-    plan, costs, record = measured[best]
+        measured.append((measured_on, costs, record))
+    # unsettled: each measured plan on its own measurement, its stage times the measured ones
+    candidates = [planner.costed(costs, measured_on) for measured_on, costs, _ in measured]
+    best = min(range(len(measured)), key=lambda r: candidates[r].predicted["iteration_s"])
+    _, costs, record = measured[best]
     record["chosen_of_unsettled"] = True
-    return plan, costs, [r for k, (_, _, r) in enumerate(measured) if k != best] + [record]
+    return candidates[best], costs, [r for k, (_, _, r) in enumerate(measured) if k != best] + [record]
 
 
 @contextmanager

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from fxpipe.calibrate import recomputed_share, step_stage_times
+from fxpipe.calibrate import predicted_backward_s, step_stage_times
 from fxpipe.cpu_sharing import cores_per_worker, processors
 from solvers.contention import fit_stage_speeds
 
@@ -47,13 +47,11 @@ def measure_contention(pipe: Any, example_inputs: tuple, steps: int = CONTENTION
         return None    # nothing trains: the pipeline will only run forward (pipe(x)), not steps
     times = step_stage_times(pipe, example_inputs, steps, target, loss_fn)
     m = len(times[0][0]) // steps
-    measured = [[statistics.median(fwd) if fwd else 0.0, statistics.median(bwd) if bwd else 0.0]
-                for fwd, bwd in times]
+    measured = [[statistics.median(fwd), statistics.median(bwd)] for fwd, bwd in times]
     stages = pipe.plan.stages
     workers = pipe._workers(pipe.schedule)
-    recomputed = [recomputed_share(pipe, st.index, m) for st in stages]
     speeds = fit_stage_speeds([st.fwd_s for st in stages],   # as the report predicts: recomputation in B
-                              [st.bwd_s + r * st.fwd_s for st, r in zip(stages, recomputed)], measured, m,
+                              [predicted_backward_s(pipe, st, m) for st in stages], measured, m,
                               pipe.schedule, cores=cores_per_worker(), workers=workers, slots=processors())
     return {"schedule": pipe.schedule, "steps": steps, "micro_batches": m,
             "stage_nodes": [len(st.nodes) for st in stages], "measured_s": measured,

@@ -10,11 +10,11 @@ times each stage's forward (inputs from earlier stages as leaves that require
 grad, as in :mod:`fxpipe.step`) and its backward into ``.grad`` (ones as output
 gradients; accumulation included, as in training), with warm-up, repeats and
 their lower quartile (:func:`_typical`), alone on its device, on a worker
-thread like the executor's; the last stage's backward starts at the training loss when ``compile`` has ``loss_fn``,
-as it does in a step. The ratios to the node sums scale the node costs
-(:func:`fxpipe.calibrate.scale_costs`) and the planner solves again; the
-compiler repeats until the cuts stop moving, so the plan's stage times are the
-measured ones. How much slower a stage runs beside the others when CPU workers
+thread like the executor's; the last stage's backward starts at the training
+loss when ``compile`` has ``loss_fn``, as it does in a step. The ratios to the
+node sums scale the node costs (:func:`fxpipe.calibrate.scale_costs`) and the
+planner solves again; the compiler repeats until the cuts stop moving, so the
+plan's stage times are the measured ones. How much slower a stage runs beside the others when CPU workers
 share the processors is measured afterwards, on the final plan, in steps of its
 schedule (:mod:`fxpipe.contention`). Nothing is left behind: gradients, buffers
 (BatchNorm statistics) and the RNG state are restored. ``calibrate=True``
