@@ -8,14 +8,14 @@ backward time per micro-batch with the median measured in the steps (see
 under ``FakeTensorMode`` with this CPU's roofline (``Devices.preset("cpu")``,
 a one-second microbenchmark). ``shared`` is the same measured profile put
 through the simulator with the workers sharing this machine's cores
-(cores per worker from :mod:`fxpipe.cpu_sharing`, and each stage's speed beside
+(cores per worker from :mod:`fxpipe.cost.cpu.sharing`, and each stage's speed beside
 the others, fitted at compile time to a few steps of the plan's schedule by
-:mod:`fxpipe.contention`), as ``pipe.report()`` predicts: the steps measured
+:mod:`fxpipe.refine.contention`), as ``pipe.report()`` predicts: the steps measured
 here are later ones, after the compile. Then ``calibrate=True``: the plan made again on
 stage times measured in two earlier steps, run and compared the same way.
-Peak memory per worker: :mod:`fxpipe.memory_model` (on the stage sizes
-measured at compile time through the real loss, :mod:`fxpipe.stage_memory`)
-against a profiled replay of the step (:mod:`fxpipe.memory_probe`). Prints one row per (model, workers, schedule,
+Peak memory per worker: :mod:`fxpipe.planning.memory_model` (on the stage sizes
+measured at compile time through the real loss, :mod:`fxpipe.refine.stage_memory`)
+against a profiled replay of the step (:mod:`fxpipe.runtime.memory_probe`). Prints one row per (model, workers, schedule,
 stage) and the median and 90th percentile of the absolute errors; ``run-to-run``
 is how far the median of the first half of the measured steps is from that of
 the second half, the measurement's own reproducibility on this machine.
@@ -35,11 +35,11 @@ import torchvision
 from torch import nn
 
 import fxpipe
-from fxpipe.devices import calibrate_cpu
-from fxpipe.cpu_sharing import cpu_sharing
-from fxpipe.memory_model import predict_worker_memory
-from fxpipe.report import per_micro_batch, predicted_times
-from fxpipe.profile import profile_graph
+from fxpipe.cost.devices import calibrate_cpu
+from fxpipe.cost.cpu.sharing import cpu_sharing
+from fxpipe.planning.memory_model import predict_worker_memory
+from fxpipe.planning.report import per_micro_batch, predicted_times
+from fxpipe.cost.profile import profile_graph
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from models import SkipTied  # noqa: E402
@@ -129,16 +129,17 @@ def main(argv: list[str] | None = None) -> int:
                 torch.manual_seed(0)
                 model = build().train()
                 x, y = make_x(), make_y()
-                pipe = fxpipe.compile(model, ["cpu"] * workers, (x,), chunks=4, stages=workers,
-                                      schedule=schedule, checkpoint="never", profile_cache=False,
-                                      loss_fn=loss_fn, example_target=y)
+                pipe = fxpipe.compile(model, ["cpu"] * workers, (x,), chunks=4, stages=workers, schedule=schedule,
+                                      checkpoint="never", loss_fn=loss_fn, example_target=y,
+                                      profile=fxpipe.ProfileOptions(cache=False))
                 timings = run(pipe, x, y, loss_fn, args.steps)
                 pipe.step(x, y, loss_fn, measure_memory=True)
                 memory = pipe.last_step["memory"]
                 predicted_memory = predict_worker_memory(pipe.plan, schedule)
                 calibrated = fxpipe.compile(model, ["cpu"] * workers, (x,), chunks=4, stages=workers,
-                                            schedule=schedule, checkpoint="never", calibrate=True,
-                                            loss_fn=loss_fn, example_target=y)
+                                            schedule=schedule, checkpoint="never",
+                                            loss_fn=loss_fn, example_target=y,
+                                            profile=fxpipe.ProfileOptions(calibrate=True))
                 cal_timings = run(calibrated, x, y, loss_fn, args.steps)
                 # Analytic costs of the same graph, summed per stage.
                 analytic = profile_graph(fxpipe.trace(model), (x[: x.shape[0] // 4],), torch.device("cpu"),

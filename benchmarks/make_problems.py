@@ -24,10 +24,10 @@ import torchvision
 from torch import nn
 
 import solvers
-from fxpipe.lowering import solver_order
-from fxpipe.profile import profile_graph
-from fxpipe.topology import links_from_classes, parse_nvidia_smi_topo
-from fxpipe.trace import trace
+from fxpipe.planning.lowering import solver_order
+from fxpipe.cost.profile import profile_graph
+from fxpipe.planning.topology import links_from_classes, parse_nvidia_smi_topo
+from fxpipe.frontend.trace import trace
 
 HERE = Path(__file__).parent
 TITAN_TOPOLOGY = HERE.parent / "tests" / "data" / "titan-v-8gpu-2socket.txt"

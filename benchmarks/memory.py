@@ -2,11 +2,11 @@
 
 For each model, schedule and checkpoint mode, one training step's operations of
 every worker are replayed alone under ``torch.profiler`` with ``profile_memory``
-(:mod:`fxpipe.memory_probe`): the peak of the allocator's running total is that
+(:mod:`fxpipe.runtime.memory_probe`): the peak of the allocator's running total is that
 worker's peak memory above its parameters and gradients, i.e. activations plus
 the transient buffers of forward, loss and backward. Beside it, the planner's
-prediction (:mod:`fxpipe.memory_model`): the worker's schedule walked with each
-stage's sizes measured at compile time (:mod:`fxpipe.stage_memory`: what one
+prediction (:mod:`fxpipe.planning.memory_model`): the worker's schedule walked with each
+stage's sizes measured at compile time (:mod:`fxpipe.refine.stage_memory`: what one
 micro-batch keeps from forward to backward, what each operation allocates on
 top, with and without checkpointing and split backward; the loss is the real
 one, passed to ``compile``), and the error of the estimate made from per-node
@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fxpipe  # noqa: E402
-from fxpipe.memory_model import predict_worker_memory  # noqa: E402
-from fxpipe.memory_probe import measure_worker_memory  # noqa: E402
+from fxpipe.planning.memory_model import predict_worker_memory  # noqa: E402
+from fxpipe.runtime.memory_probe import measure_worker_memory  # noqa: E402
 from speed import build, leaves  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")

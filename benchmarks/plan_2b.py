@@ -1,7 +1,7 @@
 """A 2-billion-parameter GPT planned for 8 x 16 GiB V100s on this machine, without allocating it.
 
 The model is built on the ``meta`` device (no weights exist), traced, costed
-under ``FakeTensorMode`` and planned by ``fxpipe.plan``; the script prints the
+under ``FakeTensorMode`` and planned by ``fxpipe.planning.plan``; the script prints the
 plan and its memory table (parameter memory with gradients and Adam state,
 activation memory at the 1F1B peak, per stage), like torchgpipe's AmoebaNet-D
 memory table, and the peak resident memory of this process.

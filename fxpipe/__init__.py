@@ -1,26 +1,27 @@
 """fxpipe: a pipeline-parallel compiler for PyTorch.
 
-``fxpipe.compile(model, devices, example_inputs=...)`` traces the model with
-torch.fx, profiles every node, solves for the optimal contiguous stages with
-:mod:`solvers`, emits one stage module per device and returns a
-:class:`Pipeline` that runs micro-batches through them.
-``fxpipe.plan(model, fxpipe.Devices.preset("h100", 8), example_inputs=...)``
-plans for devices this machine does not have, from shapes alone.
+``fxpipe.compile(model, devices, example_inputs=...)`` traces the model (:mod:`fxpipe.frontend`), costs
+every node (:mod:`fxpipe.cost`), solves for the stages with :mod:`solvers` (:mod:`fxpipe.planning`), emits
+one stage module per device and returns a :class:`Pipeline` that runs micro-batches through them
+(:mod:`fxpipe.runtime`), after refining the plan on measurements of its own stages (:mod:`fxpipe.refine`).
+``fxpipe.plan(model, fxpipe.Devices.preset("h100", 8), example_inputs=...)`` plans for devices this
+machine does not have, from shapes alone. ``docs/architecture.md`` walks through the packages.
 """
 
-__version__ = "0.1.0"
-
-from fxpipe.analytic import plan  # noqa: E402
-from fxpipe.compile import compile, parse_devices  # noqa: E402
-from fxpipe.devices import Devices, DeviceSpec  # noqa: E402
-from fxpipe.errors import (  # noqa: E402
+from fxpipe._version import __version__
+from fxpipe.analytic import plan
+from fxpipe.compile import compile, parse_devices
+from fxpipe.cost.devices import Devices, DeviceSpec
+from fxpipe.errors import (
     FxpipeError, InfeasiblePlanError, PlanFormatError, PlanMismatchError, StageError, TraceError,
 )
-from fxpipe.pipeline import Pipeline  # noqa: E402
-from fxpipe.plan import Plan, PlanStage, load_plan  # noqa: E402
-from fxpipe.trace import trace  # noqa: E402
+from fxpipe.frontend.trace import trace
+from fxpipe.options import CompileOptions, ProfileOptions
+from fxpipe.planning.plan import Plan, PlanStage, load_plan
+from fxpipe.runtime.pipeline import Pipeline
 
 __all__ = [
-    "DeviceSpec", "Devices", "FxpipeError", "InfeasiblePlanError", "Pipeline", "Plan", "PlanFormatError", "PlanMismatchError",
-    "PlanStage", "StageError", "TraceError", "__version__", "compile", "load_plan", "parse_devices", "plan", "trace",
+    "CompileOptions", "DeviceSpec", "Devices", "FxpipeError", "InfeasiblePlanError", "Pipeline", "Plan",
+    "PlanFormatError", "PlanMismatchError", "PlanStage", "ProfileOptions", "StageError", "TraceError",
+    "__version__", "compile", "load_plan", "parse_devices", "plan", "trace",
 ]

@@ -74,7 +74,7 @@ def _main(argv: list[str] | None = None) -> int:
     model = torchvision.models.get_model(args.model).eval()
     x = torch.randn(args.batch, 3, args.image_size, args.image_size)
     pipe = fxpipe.compile(model, list(devices), example_inputs=(x,), chunks=args.chunks,
-                          profile=args.profile, progress=True)
+                          profile=fxpipe.ProfileOptions(mode=args.profile, progress=True))
     print(pipe.plan.summary())
     if args.save:
         pipe.plan.save(args.save)

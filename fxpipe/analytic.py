@@ -1,10 +1,10 @@
-"""``fxpipe.plan``: a plan for devices described by numbers, without allocating the model.
+"""``fxpipe.planning.plan``: a plan for devices described by numbers, without allocating the model.
 
 The model is traced and costed under ``FakeTensorMode`` (see ``profile`` mode
 ``"analytic"``): FLOPs, saved-activation bytes and parameter bytes come from
 shapes only, so a model built on the ``meta`` device — billions of parameters
 on a laptop — plans as well as a real one. Times come from the target devices'
-roofline (:class:`fxpipe.devices.Devices`), links from their link classes; the
+roofline (:class:`fxpipe.cost.devices.Devices`), links from their link classes; the
 solver and the :class:`fxpipe.Plan` are the same as :func:`fxpipe.compile`'s,
 so the plan can later run on the real devices with ``compile(model, ..., plan=plan)``.
 """
@@ -17,15 +17,15 @@ import torch
 from torch import nn
 
 import solvers
-from fxpipe.devices import Devices
+from fxpipe.cost.devices import Devices
 from fxpipe.errors import InfeasiblePlanError
-from fxpipe.fingerprint import graph_fingerprint
-from fxpipe.lowering import build_problem
-from fxpipe.microbatch import batch_size_of, scatter
-from fxpipe.plan import Plan
-from fxpipe.profile import profile_graph
-from fxpipe.topology import links_from_classes
-from fxpipe.trace import trace
+from fxpipe.frontend.fingerprint import graph_fingerprint
+from fxpipe.planning.lowering import build_problem
+from fxpipe.runtime.microbatch import batch_size_of, scatter
+from fxpipe.planning.plan import Plan
+from fxpipe.cost.profile import profile_graph
+from fxpipe.planning.topology import links_from_classes
+from fxpipe.frontend.trace import trace
 
 __all__ = ["plan", "OPTIMIZER_STATE"]
 
@@ -52,7 +52,7 @@ def plan(
     the memory kept per parameter (``OPTIMIZER_STATE``: Adam keeps gradients and two
     moments). Raises :class:`fxpipe.InfeasiblePlanError` when nothing fits.
     """
-    from fxpipe.planner import plan_from_solution, stage_buffers
+    from fxpipe.planning.planner import plan_from_solution, stage_buffers
 
     if not isinstance(devices, Devices):
         raise TypeError("devices must be fxpipe.Devices, e.g. fxpipe.Devices.preset('h100', 8)")

@@ -36,7 +36,8 @@ def run_demo(model_name: str = "resnet50", devices: tuple[str, ...] = ("cpu", "c
     print(f"compiling torchvision {model_name} onto {list(devices)} (batch {batch}, chunks {chunks}, "
           f"profile {profile}) ...")
     started = time.perf_counter()
-    pipe = fxpipe.compile(model, list(devices), example_inputs=(x,), chunks=chunks, profile=profile, progress=True)
+    pipe = fxpipe.compile(model, list(devices), example_inputs=(x,), chunks=chunks,
+                          profile=fxpipe.ProfileOptions(mode=profile, progress=True))
     print(f"compiled in {time.perf_counter() - started:.1f}s\n")
     print(pipe.plan.summary())
 

@@ -15,9 +15,9 @@ follows the worker's operations in order and returns the largest total:
   the recomputation too when checkpointed; ``backward_peak_split`` for a split backward's input
   pass); then what ``F`` added is released, and a split backward keeps ``weight_pending``
   until ``W(i)`` (``weight_peak`` on top while it runs; a checkpointed micro-batch's backward is
-  whole, :mod:`fxpipe.split_backward`, and its ``W`` does nothing).
+  whole, :mod:`fxpipe.runtime.split_backward`, and its ``W`` does nothing).
 
-The sizes come measured (:mod:`fxpipe.stage_memory`: one forward and backward of
+The sizes come measured (:mod:`fxpipe.refine.stage_memory`: one forward and backward of
 every stage under the allocator's eye) or estimated (:meth:`StageBytes.estimate`).
 """
 

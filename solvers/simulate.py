@@ -68,7 +68,7 @@ def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedul
     bandwidth; ``stage_efficiency[s]`` gives stage ``s``'s own, ``(forward,
     backward)``, the backward's also for ``W``); ``None`` gives every worker its
     own device. ``slots`` lets at most that many operations run at once, as
-    :class:`fxpipe.core_turns.CoreTurns` makes CPU workers beyond the processors
+    :class:`fxpipe.cost.cpu.turns.CoreTurns` makes CPU workers beyond the processors
     take turns: a ready operation waits for a free slot, first ready first
     served. Busy and idle times are per worker; waiting for a slot is idle.
     """

@@ -1,4 +1,4 @@
-"""Planning without allocating: fake-tensor costs, device presets, fxpipe.plan on meta models."""
+"""Planning without allocating: fake-tensor costs, device presets, fxpipe.planning.plan on meta models."""
 
 import pytest
 import torch
@@ -6,8 +6,8 @@ import torchvision
 from torch import nn
 
 import fxpipe
-from fxpipe.devices import PRESETS, DeviceSpec
-from fxpipe.profile import profile_graph
+from fxpipe.cost.devices import PRESETS, DeviceSpec
+from fxpipe.cost.profile import profile_graph
 from models import SkipTied
 
 

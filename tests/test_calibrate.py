@@ -5,9 +5,9 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.calibrate import scale_costs
-from fxpipe.plan import PlanStage
-from fxpipe.profile import NodeCost
+from fxpipe.refine.calibrate import scale_costs
+from fxpipe.planning.plan import PlanStage
+from fxpipe.cost.profile import NodeCost
 
 
 class ConvNet(nn.Module):
@@ -26,8 +26,8 @@ def test_calibrated_plan_records_factors_and_the_model_is_untouched():
     model = ConvNet().train()
     x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 5, (8,))
     buffers = {n: b.clone() for n, b in model.named_buffers()}
-    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, profile="estimate", calibrate=True,
-                          calibration_steps=1)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2,
+                          profile=fxpipe.ProfileOptions(mode="estimate", calibrate=True, calibration_steps=1))
     calibration = pipe.plan.profile["calibration"]
     assert calibration["steps"] == 1 and len(calibration["factors"]) == 2
     assert all(f > 0 and f == f and f != float("inf") for pair in calibration["factors"] for f in pair)
@@ -57,11 +57,12 @@ def test_calibrate_needs_a_profile_and_a_trainable_output(tmp_path):
     x = torch.randn(4, 3, 8, 8)
     pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, stages=2, profile="estimate")
     with pytest.raises(ValueError, match="cannot refine a loaded plan"):
-        fxpipe.compile(model, ["cpu"] * 2, (x,), plan=pipe.plan, calibrate=True)
+        fxpipe.compile(model, ["cpu"] * 2, (x,), plan=pipe.plan, profile=fxpipe.ProfileOptions(calibrate=True))
     for p in model.parameters():
         p.requires_grad_(False)
     with pytest.raises(fxpipe.StageError, match="no output of the model requires grad"):
-        fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, stages=2, profile="estimate", calibrate=True)
+        fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, stages=2,
+                       profile=fxpipe.ProfileOptions(mode="estimate", calibrate=True))
 
 
 def test_calibrate_leaves_existing_gradients_untouched():
@@ -70,8 +71,8 @@ def test_calibrate_leaves_existing_gradients_untouched():
     x = torch.randn(8, 3, 16, 16)
     for p in model.parameters():
         p.grad = torch.full_like(p, 3.0)
-    fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, profile="estimate", calibrate=True,
-                   calibration_steps=1)
+    fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2,
+                   profile=fxpipe.ProfileOptions(mode="estimate", calibrate=True, calibration_steps=1))
     assert all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in model.parameters())
 
 
@@ -79,14 +80,15 @@ def test_calibration_repeats_until_the_cuts_settle_and_uses_the_given_loss():
     torch.manual_seed(14)
     model = ConvNet().train()
     x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 5, (8,))
-    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, profile="estimate", calibrate=True,
-                          calibration_steps=1, loss_fn=nn.functional.cross_entropy, example_target=y)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, loss_fn=nn.functional.cross_entropy,
+                          example_target=y,
+                          profile=fxpipe.ProfileOptions(mode="estimate", calibrate=True, calibration_steps=1))
     calibration = pipe.plan.profile["calibration"]
     assert calibration["loss"] == "loss_fn" and 1 <= len(calibration["rounds"]) <= 3
     assert calibration["factors"] == calibration["rounds"][-1]["factors"]
     assert calibration["rounds"][-1]["stage_nodes"] == [len(s.nodes) for s in pipe.plan.stages]   # measured
     # the stage times were measured in the pipeline, contention included: the report does not stretch them again
     assert pipe.cpu_sharing().parallel_efficiency == 1.0
-    plain = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, profile="estimate", calibrate=True,
-                           calibration_steps=1)
+    plain = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2,
+                           profile=fxpipe.ProfileOptions(mode="estimate", calibrate=True, calibration_steps=1))
     assert plain.plan.profile["calibration"]["loss"] == "sum of outputs"

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.memory_model import choose_checkpoints, predict_worker_memory
+from fxpipe.planning.memory_model import choose_checkpoints, predict_worker_memory
 
 
 def _mlp():
@@ -15,8 +15,9 @@ def _mlp():
 
 def _compile(memory, schedule="gpipe"):
     x = torch.randn(256, 512)
-    return fxpipe.compile(_mlp(), ["cpu"] * 2, (x,), chunks=8, stages=2, checkpoint="auto", profile="estimate",
-                          memory_bytes=None if memory is None else [memory] * 2, schedule=schedule)
+    return fxpipe.compile(_mlp(), ["cpu"] * 2, (x,), chunks=8, stages=2, checkpoint="auto", schedule=schedule,
+                          profile="estimate",
+                          options=fxpipe.CompileOptions(memory_bytes=None if memory is None else [memory] * 2))
 
 
 def test_auto_keeps_everything_when_memory_is_plenty_and_checkpoints_what_does_not_fit():

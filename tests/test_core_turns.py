@@ -1,4 +1,4 @@
-"""CPU workers beyond the processors take turns (fxpipe.core_turns), and the simulator follows the same rule."""
+"""CPU workers beyond the processors take turns (fxpipe.cost.cpu.turns), and the simulator follows the same rule."""
 
 import threading
 import time
@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 import fxpipe
-import fxpipe.core_turns
+import fxpipe.cost.cpu.turns
 from equivalence import max_relative_error
-from fxpipe.core_turns import CoreTurns
+from fxpipe.cost.cpu.turns import CoreTurns
 from solvers.simulate import simulate
 
 CPU = torch.device("cpu")
@@ -91,7 +91,7 @@ class Sleepy(nn.Module):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_four_cpu_workers_on_two_cores_take_turns_and_compute_the_same(monkeypatch, schedule):
-    monkeypatch.setattr(fxpipe.core_turns, "processors", lambda: 2)
+    monkeypatch.setattr(fxpipe.cost.cpu.turns, "processors", lambda: 2)
     torch.manual_seed(0)
     model = nn.Sequential(*[Sleepy() for _ in range(4)])
     x, y = torch.randn(16, 8), torch.randn(16, 8)
@@ -126,7 +126,7 @@ def test_the_simulator_gives_each_operation_its_own_time_and_at_most_slots_at_on
 def test_workers_of_several_threads_share_the_processors_without_turns(monkeypatch):
     """Two workers of two threads on two processors: the OS shares them (faster for small operations), and the
     simulator stretches both operations instead of queueing one."""
-    monkeypatch.setattr(fxpipe.core_turns, "processors", lambda: 2)
+    monkeypatch.setattr(fxpipe.cost.cpu.turns, "processors", lambda: 2)
     assert not CoreTurns(workers=2).active and CoreTurns(workers=3).active
     sim = simulate([1.0, 1.0], [1.0, 1.0], 4, "gpipe", cores=1.0, slots=2)
     assert _most_at_once([(e.start, e.end) for e in sim.timeline if e.kind in ("F", "B")]) == 2

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.memory_model import predict_worker_memory
-from fxpipe.memory_probe import measure_worker_memory
+from fxpipe.planning.memory_model import predict_worker_memory
+from fxpipe.runtime.memory_probe import measure_worker_memory
 from solvers.activation_memory import StageBytes, worker_peak_bytes
 from solvers.schedules import worker_orders
 
@@ -35,7 +35,7 @@ def test_activation_peaks_by_hand():
 
 
 def test_the_weight_pass_of_a_checkpointed_micro_batch_allocates_nothing():
-    """A checkpointed stage does its whole backward in B (fxpipe.split_backward), so W's peak, however large,
+    """A checkpointed stage does its whole backward in B (fxpipe.runtime.split_backward), so W's peak, however large,
     must not count for it (found on a 3-stage net where one stage's W peak alone was 0.5 MB: predicted 543 KB,
     measured 377 KB)."""
     sizes = StageBytes(full=10, checkpointed=1, forward_peak=0, forward_peak_checkpointed=0, backward_peak=0,

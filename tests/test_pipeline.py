@@ -154,7 +154,7 @@ def test_infeasible_memory_names_what_would_fit():
     model = mlp(width=64)
     with pytest.raises(fxpipe.InfeasiblePlanError) as info:
         fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(8, 64),), chunks=2, profile="estimate",
-                       memory_bytes=[1000, 1000])
+                       options=fxpipe.CompileOptions(memory_bytes=[1000, 1000]))
     assert info.value.min_peak_bytes > 1000
     assert "smallest possible stage peak" in str(info.value)
 
@@ -194,7 +194,8 @@ def test_compiling_and_training_keep_no_reference_to_the_model(profile):
     import weakref
     model = torchvision.models.resnet18().eval()
     x = torch.randn(2, 3, 32, 32)
-    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, profile=profile, repeats=1, warmup=0)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2,
+                          profile=fxpipe.ProfileOptions(mode=profile, repeats=1, warmup=0))
     pipe(x).sum().backward()
     alive = weakref.ref(model)
     del pipe, model

@@ -8,7 +8,7 @@ import torch
 import torchvision
 
 import fxpipe
-from fxpipe.plan import PLAN_FORMAT
+from fxpipe.planning.plan import PLAN_FORMAT
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from fxpipe.profile import profile_graph
-from fxpipe.trace import trace
+from fxpipe.cost.profile import profile_graph
+from fxpipe.frontend.trace import trace
 
 
 class LinearReLU(nn.Module):

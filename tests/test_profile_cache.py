@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe import profile_cache
-from fxpipe.profile_cache import ProfileCache, profile_key
+from fxpipe.cost import profile_cache
+from fxpipe.cost.profile_cache import ProfileCache, profile_key
 
 
 def _model():
@@ -19,27 +19,29 @@ def _model():
 def test_second_compile_reads_the_cache_and_plans_the_same(tmp_path, monkeypatch):
     x = torch.randn(8, 8)
     # node costs are what is cached; stage timing (on by default) scales them afresh on every compile
-    first = fxpipe.compile(_model(), ["cpu", "cpu"], (x,), chunks=2, profile="measure", profile_cache=str(tmp_path),
-                           stage_profile=False)
+    first = fxpipe.compile(_model(), ["cpu", "cpu"], (x,), chunks=2,
+                           profile=fxpipe.ProfileOptions(mode="measure", cache=str(tmp_path), stage_timing=False))
     assert first.plan.profile["from_cache"] is False and len(list(tmp_path.glob("*.json"))) == 1
     calls = []
-    compile_module = sys.modules["fxpipe.compile"]   # fxpipe.compile is also the function's name
+    compile_module = sys.modules["fxpipe.cost.node_costs"]   # where compile reads the cache or profiles
     monkeypatch.setattr(compile_module, "profile_graph", lambda *a, **k: calls.append(1))
-    second = fxpipe.compile(_model(), ["cpu", "cpu"], (x,), chunks=2, profile="measure", profile_cache=str(tmp_path),
-                            stage_profile=False)
+    second = fxpipe.compile(_model(), ["cpu", "cpu"], (x,), chunks=2,
+                            profile=fxpipe.ProfileOptions(mode="measure", cache=str(tmp_path), stage_timing=False))
     assert calls == [] and second.plan.profile["from_cache"] is True
     assert second.plan.stage_of() == first.plan.stage_of()
     assert second.plan.problem == first.plan.problem                       # identical costs
-    staged = fxpipe.compile(_model(), ["cpu", "cpu"], (x,), chunks=2, profile="measure", profile_cache=str(tmp_path))
+    staged = fxpipe.compile(_model(), ["cpu", "cpu"], (x,), chunks=2,
+                            profile=fxpipe.ProfileOptions(mode="measure", cache=str(tmp_path)))
     assert calls == [] and staged.plan.profile["from_cache"] is True and "stage_profile" in staged.plan.profile
     assert first.plan.profile["threads"] == torch.get_num_threads()
 
 
 def test_anything_different_is_a_miss_and_a_broken_file_is_reprofiled(tmp_path):
     x = torch.randn(8, 8)
-    fxpipe.compile(_model(), ["cpu", "cpu"], (x,), chunks=2, profile="estimate", profile_cache=str(tmp_path))
+    fxpipe.compile(_model(), ["cpu", "cpu"], (x,), chunks=2,
+                   profile=fxpipe.ProfileOptions(mode="estimate", cache=str(tmp_path)))
     gm = fxpipe.trace(_model())
-    fp = fxpipe.fingerprint.graph_fingerprint(gm)
+    fp = fxpipe.frontend.fingerprint.graph_fingerprint(gm)
     cache = ProfileCache(tmp_path)
     key = profile_key(fp, torch.device("cpu"), (x[:4],), "estimate", 1, 3)
     assert cache.load(key, gm) is not None
@@ -61,12 +63,14 @@ def test_anything_different_is_a_miss_and_a_broken_file_is_reprofiled(tmp_path):
     assert cache.load(key, gm) is None
     path.write_text("{ not json")
     assert cache.load(key, gm) is None
-    pipe = fxpipe.compile(_model(), ["cpu", "cpu"], (x,), chunks=2, profile="estimate", profile_cache=str(tmp_path))
+    pipe = fxpipe.compile(_model(), ["cpu", "cpu"], (x,), chunks=2,
+                          profile=fxpipe.ProfileOptions(mode="estimate", cache=str(tmp_path)))
     assert pipe.plan.profile["from_cache"] is False and cache.load(key, gm) is not None   # rewritten
 
 
 def test_cache_can_be_turned_off(tmp_path, monkeypatch):
     monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path))
     assert profile_cache.default_cache_dir() == tmp_path
-    fxpipe.compile(_model(), ["cpu"], (torch.randn(4, 8),), chunks=2, profile="estimate", profile_cache=False)
+    fxpipe.compile(_model(), ["cpu"], (torch.randn(4, 8),), chunks=2,
+                   profile=fxpipe.ProfileOptions(mode="estimate", cache=False))
     assert list(tmp_path.glob("*.json")) == []

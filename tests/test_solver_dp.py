@@ -88,7 +88,7 @@ def test_placement_dp_equals_brute_force_over_device_mappings(seed):
 def test_placement_puts_the_heavy_boundary_on_the_fast_link():
     from pathlib import Path
 
-    from fxpipe.topology import link_class_bandwidth, parse_nvidia_smi_topo
+    from fxpipe.planning.topology import link_class_bandwidth, parse_nvidia_smi_topo
     from solvers import Problem
     from solvers.dp import device_classes
     classes = parse_nvidia_smi_topo((Path(__file__).parent / "data" / "titan-v-8gpu-2socket.txt").read_text())

@@ -65,7 +65,7 @@ def test_version_rules_for_replicas():
 
 
 def test_hierarchical_order_keeps_fast_clusters_contiguous():
-    from fxpipe.topology import link_class_bandwidth, parse_nvidia_smi_topo
+    from fxpipe.planning.topology import link_class_bandwidth, parse_nvidia_smi_topo
     classes = parse_nvidia_smi_topo((Path(__file__).parent / "data" / "titan-v-8gpu-2socket.txt").read_text())
     perm = [5, 0, 7, 2, 4, 1, 6, 3]   # scramble the GPU numbering
     n = 8
@@ -132,7 +132,7 @@ def test_time_limit_reports_a_proven_lower_bound():
 @pytest.mark.parametrize("seed", range(10))
 def test_placement_relaxation_is_a_lower_bound_per_stage_count(seed):
     from solvers.brute import brute_force_contiguous
-    from solvers.dp import _placement_floor
+    from solvers.dp.bounds import placement_floor as _placement_floor
     rng = random.Random(f"floor-{seed}")
     problem = random_problem(rng, n=6, devices=3, skips=True, schedule="1f1b", tight_memory=False)
     floor = _placement_floor(problem, math.inf, math.inf)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.stage_profile import stage_factors
+from fxpipe.refine.stage_profile import stage_factors
 
 
 class _SlowBackward(torch.autograd.Function):
@@ -81,7 +81,7 @@ def test_compile_re_solves_on_stage_times_until_the_cuts_stop_moving(tmp_path):
     torch.manual_seed(2)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)])
     x = torch.randn(32, 64)
-    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, profile_cache=False)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, profile=fxpipe.ProfileOptions(cache=False))
     rounds = pipe.plan.profile["stage_profile"]
     assert 1 <= len(rounds) <= 3
     assert all(len(r["factors"]) == 2 and all(f > 0 for pair in r["factors"] for f in pair) for r in rounds)
@@ -89,7 +89,8 @@ def test_compile_re_solves_on_stage_times_until_the_cuts_stop_moving(tmp_path):
     pipe.plan.save(tmp_path / "plan.json")
     loaded = fxpipe.load_plan(tmp_path / "plan.json")
     assert loaded.profile["stage_profile"] == rounds
-    plain = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, stage_profile=False)
+    plain = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2,
+                           profile=fxpipe.ProfileOptions(stage_timing=False))
     assert "stage_profile" not in plain.plan.profile
     estimated = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, profile="estimate")
     assert "stage_profile" not in estimated.plan.profile
@@ -105,10 +106,11 @@ def test_cuts_that_never_settle_end_on_the_fastest_measured_plan(monkeypatch):
         seen[tuple(len(st.nodes) for st in pipe.plan.stages)] = [[st.fwd_s * f, st.bwd_s * b] for st, (f, b)
                                                                  in zip(pipe.plan.stages, factors)]
         return factors
-    monkeypatch.setattr(sys.modules["fxpipe.compile"], "stage_factors", first_stage_slow)
+    monkeypatch.setattr(sys.modules["fxpipe.refine.rounds"], "stage_factors", first_stage_slow)
     torch.manual_seed(3)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(8)])
-    pipe = fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(32, 64),), chunks=4, stages=2, profile_cache=False)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(32, 64),), chunks=4, stages=2,
+                          profile=fxpipe.ProfileOptions(cache=False))
     rounds = pipe.plan.profile["stage_profile"]
     assert len(rounds) == 3 and len(seen) == 3 and rounds[-1].get("chosen_of_unsettled") is True
     assert sorted(r["round"] for r in rounds) == [0, 1, 2]
@@ -151,7 +153,7 @@ def test_contention_is_measured_in_steps_of_the_plan_on_its_own_stages(spin):
     torch.set_num_threads(1)    # one intra-op thread per worker: two workers fit two processors
     try:
         pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=8, stages=2, leaf_modules=[Busy],
-                              profile_cache=False)
+                              profile=fxpipe.ProfileOptions(cache=False))
     finally:
         torch.set_num_threads(threads)
     found = pipe.plan.profile["contention"]
@@ -168,7 +170,7 @@ def test_the_report_predicts_with_the_contention_of_the_plan_it_was_measured_on(
     torch.manual_seed(4)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(4)])
     x = torch.randn(16, 32)
-    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, profile_cache=False)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, profile=fxpipe.ProfileOptions(cache=False))
     found = pipe.plan.profile["contention"]
     assert found["steps"] >= 1 and found["micro_batches"] == 4
     assert all(len(pair) == 2 and all(0 < v <= 4 for v in pair) for pair in found["stage_efficiency"])
@@ -178,13 +180,15 @@ def test_the_report_predicts_with_the_contention_of_the_plan_it_was_measured_on(
     assert loaded.cpu_sharing().stage_efficiency == pipe.cpu_sharing().stage_efficiency
     pipe.plan.profile["contention"]["stage_nodes"] = [1, 2]     # measured on other cuts: not this plan's
     assert pipe.cpu_sharing().stage_efficiency is None
-    one = fxpipe.compile(model, ["cpu"], (x,), chunks=4, profile_cache=False)
+    one = fxpipe.compile(model, ["cpu"], (x,), chunks=4, profile=fxpipe.ProfileOptions(cache=False))
     assert "contention" not in one.plan.profile          # nothing runs beside a single worker
     assert "contention" not in fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2,
-                                              stage_profile=False).plan.profile
-    skipped = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, contention_steps=0)
+                                              profile=fxpipe.ProfileOptions(stage_timing=False)).plan.profile
+    skipped = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2,
+                             profile=fxpipe.ProfileOptions(contention_steps=0))
     assert "contention" not in skipped.plan.profile and skipped.cpu_sharing().stage_efficiency is None
-    longer = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, contention_steps=5)
+    longer = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2,
+                            profile=fxpipe.ProfileOptions(contention_steps=5))
     assert longer.plan.profile["contention"]["steps"] == 5
 
 
@@ -194,11 +198,11 @@ def test_a_model_where_nothing_trains_compiles_without_contention_steps():
     for p in model.parameters():
         p.requires_grad_(False)
     x = torch.randn(8, 8)
-    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), stages=2, profile_cache=False)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), stages=2, profile=fxpipe.ProfileOptions(cache=False))
     assert "contention" not in pipe.plan.profile
     torch.testing.assert_close(pipe(x), model(x))
     model[0].weight.requires_grad_(True)     # partly frozen: the last stage's backward does nothing
-    partly = fxpipe.compile(model, ["cpu", "cpu"], (x,), stages=2, profile_cache=False)
+    partly = fxpipe.compile(model, ["cpu", "cpu"], (x,), stages=2, profile=fxpipe.ProfileOptions(cache=False))
     assert len(partly.plan.profile["contention"]["stage_efficiency"]) == 2
 
 
@@ -206,7 +210,8 @@ def test_a_model_where_nothing_trains_compiles_without_contention_steps():
 def test_contention_steps_must_be_a_whole_number(steps):
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
     with pytest.raises(ValueError, match="contention_steps must be a whole number of steps, 0 or more"):
-        fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(8, 8),), contention_steps=steps)
+        fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(8, 8),),
+                       profile=fxpipe.ProfileOptions(contention_steps=steps))
 
 
 def _slow_loss(out, target):

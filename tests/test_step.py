@@ -10,8 +10,8 @@ from torch import nn
 
 import fxpipe
 from equivalence import max_relative_error
-from fxpipe.codegen import split_graph
-from fxpipe.step import run_step
+from fxpipe.runtime.codegen import split_graph
+from fxpipe.runtime.step import run_step
 from models import SkipTied
 from solvers.schedules import worker_orders
 
@@ -319,7 +319,7 @@ def test_deferred_batch_norm_updates_running_statistics_like_one_full_batch_step
         for batch in steps:
             first(model.c1(batch))
     pipe = fxpipe.compile(model, ["cpu"] * 3, (x,), chunks=4, stages=3, schedule=schedule, checkpoint=checkpoint,
-                          deferred_batch_norm=True, profile="estimate")
+                          profile="estimate", options=fxpipe.CompileOptions(deferred_batch_norm=True))
     for batch in steps:
         pipe.step(batch, target, nn.MSELoss())
     got = _bn_state(model)      # the user's own buffers were updated in place
@@ -342,7 +342,8 @@ def test_deferred_batch_norm_through_pipe_call_and_a_failed_step_leaves_no_parti
     model = ConvBN().train()
     x = torch.randn(8, 3, 8, 8)
     want = _full_batch_reference(model, [x], 4)
-    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, deferred_batch_norm=True, profile="estimate")
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, profile="estimate",
+                          options=fxpipe.CompileOptions(deferred_batch_norm=True))
     pipe(x).sum().backward()     # checkpoint except_last: recomputation in backward must not count twice
     for name, got in model.named_buffers():
         assert max_relative_error(got, want[name]) <= 1e-5, name

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxpipe.topology import link_class_bandwidth, links_for_devices, parse_nvidia_smi_topo
+from fxpipe.planning.topology import link_class_bandwidth, links_for_devices, parse_nvidia_smi_topo
 
 TOPO = (Path(__file__).parent / "data" / "titan-v-8gpu-2socket.txt").read_text()
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.trace import trace
+from fxpipe.frontend.trace import trace
 
 
 class DataDependent(nn.Module):

@@ -11,12 +11,12 @@ GPipe, 1F1B, interleaved 1F1B with several stages per worker, ZB-H1), waiting
 only for the data it needs: ``F(k, i)`` after the producers' forwards of
 micro-batch ``i``, ``B(k, i)`` after its consumers' backwards. A zero-bubble
 schedule's ``B`` computes only the gradients of the stage's inputs and its ``W``
-the parameters' (:mod:`fxpipe.split_backward`). The order never deadlocks: its
+the parameters' (:mod:`fxpipe.runtime.split_backward`). The order never deadlocks: its
 needs are implied by the simulator's dependencies, under which it runs to the
 end (tested for every schedule). On GPUs each worker enqueues on its device's
 compute stream and values cross devices on copy streams, ordered by events
-(:mod:`fxpipe.streams`); on CPU the same calls do nothing, and CPU workers
-beyond the processors take turns, one operation at a time (:mod:`fxpipe.core_turns`). The loss of micro-batch ``i`` is computed on the last stage before
+(:mod:`fxpipe.runtime.streams`); on CPU the same calls do nothing, and CPU workers
+beyond the processors take turns, one operation at a time (the host's turns, :mod:`fxpipe.runtime.host`). The loss of micro-batch ``i`` is computed on the last stage before
 ``B(p-1, i)``; micro-batch losses are weighted ``n_i / N`` (``reduction="mean"``,
 for a loss that averages over its batch) or 1 (``"sum"``), so the accumulated
 gradients are those of one full-batch backward.
@@ -36,13 +36,13 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from fxpipe.batchnorm import tracking
-from fxpipe.codegen import StageSpec
-from fxpipe.core_turns import CoreTurns
-from fxpipe.microbatch import batch_size_of
-from fxpipe.rng import is_random, rng_guard
-from fxpipe.split_backward import WeightPass, backward_inputs, full_backward
-from fxpipe.streams import DeviceStreams, Event
+from fxpipe.runtime.batchnorm import tracking
+from fxpipe.runtime.codegen import StageSpec
+from fxpipe.runtime.host import UNSHARED, Host
+from fxpipe.runtime.microbatch import batch_size_of
+from fxpipe.runtime.rng import is_random, rng_guard
+from fxpipe.runtime.split_backward import WeightPass, backward_inputs, full_backward
+from fxpipe.runtime.streams import DeviceStreams, Event
 from solvers.schedules import SPLIT_BACKWARD, worker_orders
 
 __all__ = ["run_step", "StepFailure", "REDUCTIONS", "OpTiming"]
@@ -108,13 +108,14 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
              micro_inputs: list[dict[str, Any]], micro_targets: list[Any], loss_fn: Callable[[Any, Any], torch.Tensor],
              schedule: str, checkpoint: Callable[[int, int], bool], reduction: str = "mean",
              timings: list[OpTiming] | None = None, workers: int | None = None,
-             random: list[bool] | None = None) -> tuple[torch.Tensor, list[Any]]:
+             random: list[bool] | None = None, host: Host = UNSHARED) -> tuple[torch.Tensor, list[Any]]:
     """Run forward and backward of every micro-batch; return the weighted loss and per-micro-batch outputs.
 
     ``workers`` threads (default: one per stage; fewer for ``interleaved-1f1b``) run
     the operations of :func:`solvers.schedules.worker_orders`. ``timings``, if given,
     receives an :class:`OpTiming` per operation. ``random[k]`` says that stage ``k`` draws
-    random numbers (:mod:`fxpipe.rng`; default: found from its graph).
+    random numbers (:mod:`fxpipe.runtime.rng`; default: found from its graph). Every operation runs
+    inside a turn of ``host`` (:mod:`fxpipe.runtime.host`: CPU workers beyond the processors take turns).
 
     Raises :class:`StepFailure` for the first operation that failed (all workers stop).
     """
@@ -139,7 +140,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
     grads: dict[tuple[int, int], dict[str, dict[int, list[tuple[torch.Tensor, Event]]]]] = {}
     grad_lock = threading.Lock()
     streams = DeviceStreams(devices)
-    turns = CoreTurns.for_devices(devices, n_workers)
+    turns = host.turns(devices, n_workers)
     events: dict[tuple[str, int, int], Event] = {}   # op -> its compute stream's event when it ended
     losses: list[torch.Tensor | None] = [None] * m
     outputs: list[Any] = [None] * m
@@ -266,7 +267,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         for kind, k, i in orders[w]:
             if not board.wait(needs(kind, k, i)):
                 return
-            with turns.turn(devices[k]):   # CPU workers beyond the processors take turns (fxpipe.core_turns)
+            with turns.turn(devices[k]):   # may this operation run now (fxpipe.runtime.host)
                 start = time.perf_counter()
                 try:
                     with streams.computing(devices[k]):

@@ -5,13 +5,13 @@ plan (``plan.measured``), so a saved plan carries how far its predictions were
 from a real run. The prediction for the step's schedule comes from the
 simulator (:mod:`solvers.simulate`) on the plan's stage times, with a
 checkpointed micro-batch's recomputed forward added to its backward; on CPU
-workers, which share the machine's cores (:mod:`fxpipe.cpu_sharing`), the
+workers, which share the machine's cores (:mod:`fxpipe.cost.cpu.sharing`), the
 simulator lets concurrent operations share them, and the predicted time of an
 operation is its simulated duration, not its time alone. Memory,
 when the step measured it (``pipe.step(..., measure_memory=True)``), is the
 peak above parameters and gradients per worker: ``torch.cuda.max_memory_allocated``
-on a GPU, a profiled replay of the worker on CPU (:mod:`fxpipe.memory_probe`),
-against :mod:`fxpipe.memory_model`. Transfers happen inside the consumer's
+on a GPU, a profiled replay of the worker on CPU (:mod:`fxpipe.runtime.memory_probe`),
+against :mod:`fxpipe.planning.memory_model`. Transfers happen inside the consumer's
 forward and the producer's backward on CPU workers, so they are part of the
 measured times, not a column of their own.
 """
@@ -21,9 +21,9 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from fxpipe.cpu_sharing import CpuSharing
-from fxpipe.memory_model import predict_worker_memory
-from fxpipe.plan import Plan, aligned_table
+from fxpipe.cost.cpu.sharing import CpuSharing
+from fxpipe.planning.memory_model import predict_worker_memory
+from fxpipe.planning.plan import Plan, aligned_table
 from solvers.schedules import stage_worker
 from solvers.simulate import per_micro_batch, simulate, stage_medians
 

@@ -1,24 +1,24 @@
 """How much slower each stage runs beside the others when CPU workers share the processors, measured in steps.
 
 CPU "devices" are threads of one process on the same processors. Stage
-timing (:mod:`fxpipe.stage_profile`) times every stage alone; in the pipeline
+timing (:mod:`fxpipe.refine.stage_profile`) times every stage alone; in the pipeline
 it runs beside other stages and is slowed by what they share: the processors
-themselves (four workers on two cores take turns, :mod:`fxpipe.core_turns`),
+themselves (four workers on two cores take turns, :mod:`fxpipe.cost.cpu.turns`),
 caches and memory bandwidth, and the interpreter lock that a model of many
 small operations holds between them. How much depends on the stage and on what
 runs beside it, and what runs beside it is the schedule's doing, so
 :func:`measure_contention` measures it the way it will happen: the compiled
 plan's own schedule run for a few training steps (after a warm-up, through
 ``compile``'s ``loss_fn`` when given, else the sum of the outputs; the model is
-left as it was, :func:`fxpipe.calibrate.step_stage_times`), and
+left as it was, :func:`fxpipe.refine.calibrate.step_stage_times`), and
 :func:`solvers.contention.fit_stage_speeds` finds each stage's forward and
 backward speed beside the others for which the simulator, sharing processors
 and turns as the executor does, reproduces the measured medians. The result is
 stored in the plan (``plan.profile["contention"]``) and ``pipe.report()``
 predicts with it (:meth:`fxpipe.Pipeline.cpu_sharing`); the stage times the
 planner balances stay the times alone. Without it (GPU workers, one worker,
-``stage_profile=False``, a plan from elsewhere) the report falls back on
-:func:`fxpipe.cpu_sharing.cpu_sharing`'s synthetic figure.
+``ProfileOptions(stage_timing=False)``, a plan from elsewhere) the report falls back on
+:func:`fxpipe.cost.cpu.sharing.cpu_sharing`'s synthetic figure.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from typing import Any, Callable
 
 import torch
 
-from fxpipe.calibrate import predicted_backward_s, step_stage_times
-from fxpipe.cpu_sharing import cores_per_worker, processors
+from fxpipe.options import CONTENTION_STEPS   # timed steps: medians over steps x micro-batches
+from fxpipe.refine.calibrate import predicted_backward_s, step_stage_times
+from fxpipe.cost.cpu.sharing import cores_per_worker, processors
 from solvers.contention import fit_stage_speeds
 
 __all__ = ["measure_contention", "CONTENTION_STEPS"]
 
-CONTENTION_STEPS = 3    # timed steps: each stage's medians over steps x micro-batches operations
 
 
 def measure_contention(pipe: Any, example_inputs: tuple, steps: int = CONTENTION_STEPS, target: Any = None,

@@ -13,8 +13,8 @@ import torch
 import torch.fx as fx
 
 import solvers
-from fxpipe.profile import NodeCost
-from fxpipe.topology import Links
+from fxpipe.cost.profile import NodeCost
+from fxpipe.planning.topology import Links
 
 __all__ = ["solver_order", "build_problem", "device_memory_bytes", "problem_device_ids"]
 

@@ -2,7 +2,7 @@
 
 ``pipe.step(inputs, target, loss_fn)`` is the training step: forward and
 backward of every micro-batch per stage, in the plan's schedule (GPipe or
-1F1B), each stage on its own thread (:mod:`fxpipe.step`).
+1F1B), each stage on its own thread (:mod:`fxpipe.runtime.step`).
 
 ``pipe(x)`` is the call of the model (GPipe fill-drain forward), one worker
 thread per stage. At clock ``c`` stage ``k`` processes micro-batch ``c - k``;
@@ -27,20 +27,19 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from fxpipe.batchnorm import commit_statistics, tracking
-from fxpipe.cpu_sharing import CpuSharing, cores_per_worker, cpu_sharing, processors
-from fxpipe.codegen import StageSpec
+from fxpipe.runtime.batchnorm import commit_statistics, tracking
+from fxpipe.runtime.codegen import StageSpec
 from fxpipe.errors import FxpipeError, StageError
-from fxpipe.microbatch import batch_size_of, gather, scatter
-from fxpipe.memory_model import checkpointed
-from fxpipe.memory_probe import allocations, measure_worker_memory
-from fxpipe.plan import Plan
-from fxpipe.report import step_report
-from fxpipe.rng import is_random, rng_guard
-from fxpipe.step import REDUCTIONS, OpTiming, StepFailure, run_step
-from fxpipe.core_turns import CoreTurns
-from fxpipe.streams import DeviceStreams, Event
-from fxpipe.worker import spawn_workers
+from fxpipe.runtime.microbatch import batch_size_of, gather, scatter
+from fxpipe.planning.memory_model import checkpointed
+from fxpipe.runtime.memory_probe import allocations, measure_worker_memory
+from fxpipe.planning.plan import Plan
+from fxpipe.planning.report import step_report
+from fxpipe.runtime.host import UNSHARED, Host, Turns
+from fxpipe.runtime.rng import is_random, rng_guard
+from fxpipe.runtime.step import REDUCTIONS, OpTiming, StepFailure, run_step
+from fxpipe.runtime.streams import DeviceStreams, Event
+from fxpipe.runtime.worker import spawn_workers
 from solvers.schedules import SCHEDULES, worker_orders
 
 __all__ = ["Pipeline", "CHECKPOINT_MODES", "STEP_SCHEDULES"]
@@ -65,7 +64,8 @@ class Pipeline(nn.Module):
     """A model split into stages on devices; call it like the model."""
 
     def __init__(self, graph_module: fx.GraphModule, stages: list[StageSpec], devices: list[torch.device],
-                 plan: Plan, checkpoint: str = "except_last", mode_dependent: bool = False) -> None:
+                 plan: Plan, checkpoint: str = "except_last", mode_dependent: bool = False,
+                 host: Host = UNSHARED) -> None:
         super().__init__()
         chosen = all(st.checkpoint in CHECKPOINT_MODES for st in plan.stages)
         if checkpoint not in CHECKPOINT_MODES and not (checkpoint == "auto" and chosen):
@@ -80,6 +80,7 @@ class Pipeline(nn.Module):
         self.checkpoint = checkpoint
         self._traced_training = bool(graph_module.meta.get("fxpipe_traced_training", False))
         self._mode_dependent = mode_dependent
+        self.host = host   # CPU workers take turns through it (fxpipe.cost.cpu.CpuHost); GPUs never wait
         self._placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
         self._output = next(n for n in graph_module.graph.nodes if n.op == "output")
         self.train(self._traced_training)
@@ -136,7 +137,7 @@ class Pipeline(nn.Module):
         m, p = len(micro), len(self.specs)
         random = self._random_stages()
         streams = DeviceStreams(self.devices)
-        turns = CoreTurns.for_devices(self.devices, p)
+        turns = self.host.turns(self.devices, p)
         ready: list[dict[str, Event]] = [{} for _ in range(m)]   # micro-batch -> value name -> producer's event
         with spawn_workers(p) as workers:
             for clock in range(m + p - 1):
@@ -178,7 +179,7 @@ class Pipeline(nn.Module):
         device, or ``"zb-h1"``). With ``return_outputs`` returns ``(loss, output)``.
         ``measure_memory`` records each worker's peak memory for :meth:`report`
         (``torch.cuda.max_memory_allocated`` on GPUs; on CPU a profiled replay of each
-        worker after the step, :mod:`fxpipe.memory_probe`, which costs about one more step).
+        worker after the step, :mod:`fxpipe.runtime.memory_probe`, which costs about one more step).
         """
         schedule = schedule or self.schedule
         if schedule not in STEP_SCHEDULES:
@@ -204,7 +205,8 @@ class Pipeline(nn.Module):
             started = time.perf_counter()
             try:
                 loss, outs = run_step(self.specs, self.devices, self._output.args[0], micro, [t[0] for t in targets],
-                                      loss_fn, schedule, ckpt, reduction, timings, workers=self._workers(schedule), random=self._random_stages())
+                                      loss_fn, schedule, ckpt, reduction, timings, workers=self._workers(schedule), random=self._random_stages(),
+                                      host=self.host)
             except BaseException as failure:
                 commit_statistics(self.modules(), discard=True)
                 if not isinstance(failure, StepFailure):
@@ -238,26 +240,18 @@ class Pipeline(nn.Module):
         Times are per micro-batch (median over the step); a checkpointed micro-batch's
         predicted backward includes its recomputed forward. ``idle`` is the stage's share of
         the step spent waiting (bubble and transfers). The same numbers go into
-        ``plan.measured`` (saved with the plan). See :mod:`fxpipe.report`.
+        ``plan.measured`` (saved with the plan). See :mod:`fxpipe.planning.report`.
         """
         if self.last_step is None:
             raise FxpipeError("no step to report on yet: run pipe.step(inputs, target, loss_fn) first")
-        on_cpu = all(d.type == "cpu" for d in self.devices)
-        text, self.plan.measured = step_report(self.plan, self.last_step, self.cpu_sharing() if on_cpu else None)
+        text, self.plan.measured = step_report(self.plan, self.last_step, self.cpu_sharing())
         return text
 
-    def cpu_sharing(self) -> CpuSharing:
-        """How this pipeline's CPU workers share the processors: the cores of
-        :func:`fxpipe.cpu_sharing.cpu_sharing`, and each stage's speed beside the others as measured at
-        compile time in steps of the plan's schedule (:mod:`fxpipe.contention`), else the synthetic
-        parallel efficiency; 1 for a calibrated plan, whose stage times were measured in the pipeline."""
-        if "calibration" in self.plan.profile:   # stage times measured in the pipeline, contention included
-            return CpuSharing(cores_per_worker(), 1.0, slots=processors())
-        measured = self.plan.profile.get("contention")
-        if not measured or measured.get("stage_nodes") != [len(st.nodes) for st in self.plan.stages]:
-            return cpu_sharing()
-        return CpuSharing(cores_per_worker(), measured["parallel_efficiency"],
-                          tuple((f, b) for f, b in measured["stage_efficiency"]), slots=processors())
+    def cpu_sharing(self) -> Any:
+        """How this pipeline's workers share the machine, as the report simulates it: the host's answer
+        (:meth:`fxpipe.runtime.host.Host.sharing`; for CPU workers :class:`fxpipe.cost.cpu.CpuSharing`, with
+        each stage's speed beside the others measured at compile time); ``None`` where devices run on their own."""
+        return self.host.sharing(self.plan, self.devices)
 
     def _workers(self, schedule: str) -> int:
         return self.plan.workers if schedule == "interleaved-1f1b" else len(self.specs)
@@ -278,11 +272,11 @@ class Pipeline(nn.Module):
         return "\n".join(lines)
 
     def _random_stages(self) -> list[bool]:
-        """Which stages draw random numbers in the current train/eval mode (:mod:`fxpipe.rng`)."""
+        """Which stages draw random numbers in the current train/eval mode (:mod:`fxpipe.runtime.rng`)."""
         return [is_random(spec.module) for spec in self.specs]
 
     def _task(self, k: int, i: int, env: dict[str, Any], grad: bool, checkpointed: bool, random: bool,
-              streams: DeviceStreams, turns: CoreTurns, ready: dict[str, Event]):
+              streams: DeviceStreams, turns: Turns, ready: dict[str, Event]):
         spec, device = self.specs[k], self.devices[k]
         use_checkpoint = grad and checkpointed
 

@@ -9,7 +9,7 @@ the intra-op threads of one worker (the unit a profile was timed with), and
 running at once, relative to one alone, on a mix of about four parts matrix
 product to one part copy beyond the caches (the proportions of a typical
 convolutional or transformer stage's time): the fallback for a plan without
-its own measurement (:mod:`fxpipe.contention` measures each stage's speed in
+its own measurement (:mod:`fxpipe.refine.contention` measures each stage's speed in
 steps of the plan, ``stage_efficiency``).
 :func:`solvers.simulate.simulate` takes both (``cores``, ``parallel_efficiency``)
 and lets the operations that run at once share the processors.
@@ -34,7 +34,7 @@ class CpuSharing:
     cores: float                 # processors per worker (in units of one worker's intra-op threads)
     parallel_efficiency: float   # each thread's speed when two run at once, relative to alone
     stage_efficiency: tuple[tuple[float, float], ...] | None = None   # per stage: forward, backward
-    slots: int | None = None     # operations that run at once (fxpipe.core_turns: one per processor)
+    slots: int | None = None     # operations that run at once (fxpipe.cost.cpu.turns: one per processor)
 
 
 def _mix(rounds: int) -> float:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fxpipe.errors import PlanFormatError
+from fxpipe.planning.memory_model import predict_worker_memory
 from solvers.activation_memory import StageBytes
 from solvers.schedules import inflight
 
@@ -111,10 +112,8 @@ class Plan:
 
     def memory_table(self) -> str:
         """Per stage: parameter memory (with gradients and optimizer state), activation memory
-        at the schedule's peak (:mod:`fxpipe.memory_model`: in-flight micro-batches,
+        at the schedule's peak (:mod:`fxpipe.planning.memory_model`: in-flight micro-batches,
         checkpointing, workspace), their sum and the device's memory, in GiB (torchgpipe's table)."""
-        from fxpipe.memory_model import predict_worker_memory
-
         problem = self.problem or {}
         memory = {d["id"]: d["memory_bytes"] for d in problem.get("devices", [])}
         p, m = len(self.stages), self.chunks

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from fxpipe.profile import NodeCost
+from fxpipe.cost.profile import NodeCost
 
 __all__ = ["ProfileCache", "profile_key", "default_cache_dir", "CACHE_FORMAT"]
 
@@ -52,7 +52,7 @@ COST_MODEL = 3   # bump when what a profile measures changes (3: view bytes, inp
 def profile_key(fingerprint: str, device: torch.device, micro_inputs: tuple, mode: str, warmup: int,
                 repeats: int, spec_name: str | None = None) -> dict[str, Any]:
     """Everything the costs depend on, as a JSON-able dict."""
-    from fxpipe import __version__
+    from fxpipe._version import __version__
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {

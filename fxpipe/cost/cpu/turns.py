@@ -30,7 +30,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from fxpipe.cpu_sharing import processors
+from fxpipe.cost.cpu.sharing import processors
 
 __all__ = ["CoreTurns"]
 

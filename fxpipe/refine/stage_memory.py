@@ -6,8 +6,8 @@ only the whole stage shows: autograd's own buffers, gradients that meet in a
 skip connection, the loss (a cross-entropy keeps its softmax and makes two
 gradients the size of the logits). :func:`measure_stage_bytes` measures the
 sizes instead, on micro-batch 0 and the stage's real inputs, by running the
-operations the executor runs (:class:`fxpipe.memory_probe.Replay`) each under
-:func:`fxpipe.memory_probe.allocations` (CPU: ``torch.profiler``'s allocator
+operations the executor runs (:class:`fxpipe.runtime.memory_probe.Replay`) each under
+:func:`fxpipe.runtime.memory_probe.allocations` (CPU: ``torch.profiler``'s allocator
 events; CUDA: the caching allocator's counters):
 
 - a forward and its backward: ``full`` (what the forward leaves allocated, fresh
@@ -24,7 +24,7 @@ counted. The last stage's backward starts at ``loss_fn(output, target)`` when
 ``compile`` is given them; otherwise at gradients of ones, with the loss's
 buffers estimated as a softmax cross-entropy's (three model-output sizes: the
 saved softmax, its gradient and the output's gradient). Gradients, buffers and
-the RNG are left as they were (:func:`fxpipe.memory_probe.replaying`).
+the RNG are left as they were (:func:`fxpipe.runtime.memory_probe.replaying`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import Any, Callable
 
 import torch
 
-from fxpipe.memory_probe import Replay, allocations, replaying
-from fxpipe.microbatch import scatter
+from fxpipe.runtime.memory_probe import Replay, allocations, replaying
+from fxpipe.runtime.microbatch import scatter
 
 __all__ = ["measure_stage_bytes"]
 

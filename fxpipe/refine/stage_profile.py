@@ -7,16 +7,16 @@ such as MobileNet). The planner needs per-node costs to place cuts, but once
 the cuts are placed the stage itself can be timed: :func:`stage_factors` runs
 micro-batch 0 through the stages in order to get each stage's real inputs, then
 times each stage's forward (inputs from earlier stages as leaves that require
-grad, as in :mod:`fxpipe.step`) and its backward into ``.grad`` (ones as output
+grad, as in :mod:`fxpipe.runtime.step`) and its backward into ``.grad`` (ones as output
 gradients; accumulation included, as in training), with warm-up, repeats and
 their lower quartile (:func:`_typical`), alone on its device, on a worker
 thread like the executor's; the last stage's backward starts at the training
 loss when ``compile`` has ``loss_fn``, as it does in a step. The ratios to the
-node sums scale the node costs (:func:`fxpipe.calibrate.scale_costs`) and the
+node sums scale the node costs (:func:`fxpipe.refine.calibrate.scale_costs`) and the
 planner solves again; the compiler repeats until the cuts stop moving, so the
 plan's stage times are the measured ones. How much slower a stage runs beside the others when CPU workers
 share the processors is measured afterwards, on the final plan, in steps of its
-schedule (:mod:`fxpipe.contention`). Nothing is left behind: gradients, buffers
+schedule (:mod:`fxpipe.refine.contention`). Nothing is left behind: gradients, buffers
 (BatchNorm statistics) and the RNG state are restored. ``calibrate=True``
 covers what only a real step shows.
 """
@@ -30,10 +30,10 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fxpipe.microbatch import scatter
-from fxpipe.no_trace import leaving_no_trace
-from fxpipe.profile import device_sync
-from fxpipe.worker import spawn_workers
+from fxpipe.runtime.microbatch import scatter
+from fxpipe.runtime.no_trace import leaving_no_trace
+from fxpipe.cost.profile import device_sync
+from fxpipe.runtime.worker import spawn_workers
 
 __all__ = ["stage_factors"]
 
@@ -41,7 +41,7 @@ MIN_REPEATS = 5       # a stage's time is the lower quartile of at least this ma
 
 
 def _args(inputs: list[tuple[Any, bool]]) -> list[Any]:
-    """Fresh leaves of a stage's inputs: those from earlier stages require grad, as in :mod:`fxpipe.step`."""
+    """Fresh leaves of a stage's inputs: those from earlier stages require grad, as in :mod:`fxpipe.runtime.step`."""
     return [tree_map(lambda t, g=grad: t.detach().requires_grad_(g and t.is_floating_point())
                      if isinstance(t, torch.Tensor) else t, value) for value, grad in inputs]
 

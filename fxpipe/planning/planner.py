@@ -7,7 +7,7 @@ again from other costs (``calibrate=True``). It builds the ``solvers.Problem``
 share of the memory, placement fixed), solves it, and fills in what only the
 torch side knows: each stage's boundary, workspace and loss bytes
 (:func:`stage_buffers`), the schedule's simulated iteration time, and with
-``checkpoint="auto"`` the mode of each device (:func:`fxpipe.memory_model.choose_checkpoints`).
+``checkpoint="auto"`` the mode of each device (:func:`fxpipe.planning.memory_model.choose_checkpoints`).
 When no plan fits without checkpointing, ``"auto"`` plans again with every stage
 recomputing (``Problem.recompute``: one micro-batch's activations at a time,
 backward time plus forward).
@@ -23,12 +23,12 @@ import torch
 from torch import nn
 
 import solvers
-from fxpipe import __version__
+from fxpipe._version import __version__
 from fxpipe.errors import InfeasiblePlanError
-from fxpipe.lowering import build_problem, problem_device_ids
-from fxpipe.memory_model import choose_checkpoints
-from fxpipe.plan import Plan, PlanStage
-from fxpipe.topology import Links, links_for_devices, links_from_classes
+from fxpipe.planning.lowering import build_problem, problem_device_ids
+from fxpipe.planning.memory_model import choose_checkpoints
+from fxpipe.planning.plan import Plan, PlanStage
+from fxpipe.planning.topology import Links, links_for_devices, links_from_classes
 from solvers.dp import solve_dp
 from solvers.simulate import simulate_solution
 
@@ -78,7 +78,7 @@ class Planner:
         return problem, solve_dp(problem, placement=False) if self.virtual_stages > 1 else solvers.solve(problem, "dp")
 
     def plan(self, costs: dict[str, Any]) -> Plan:
-        """The best plan for ``costs`` (node name -> :class:`fxpipe.profile.NodeCost`)."""
+        """The best plan for ``costs`` (node name -> :class:`fxpipe.cost.profile.NodeCost`)."""
         attempts = (False, True) if self.checkpoint == "auto" else (False,)
         failure: Exception | None = None
         for recompute in attempts:

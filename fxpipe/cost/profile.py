@@ -11,7 +11,7 @@ Two modes:
   twice forward. Fast, for sweeps and tests; the ranking is what it is good for.
 * ``"analytic"``: the same counts taken under ``FakeTensorMode`` — nothing is
   allocated or computed, the model may live on ``meta`` — turned into time by
-  the roofline of a target :class:`fxpipe.devices.DeviceSpec` (plan for GPUs
+  the roofline of a target :class:`fxpipe.cost.devices.DeviceSpec` (plan for GPUs
   this machine does not have).
 
 Both modes record, from one real run of the graph: bytes that autograd saves for
@@ -38,7 +38,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.flop_counter import FlopCounterMode
 
 if TYPE_CHECKING:
-    from fxpipe.devices import DeviceSpec
+    from fxpipe.cost.devices import DeviceSpec
 
 __all__ = ["NodeCost", "profile_graph", "PROFILE_MODES", "run_node", "device_sync"]
 
@@ -218,7 +218,7 @@ def profile_graph(
     if mode not in PROFILE_MODES:
         raise ValueError(f"unknown profile mode {mode!r}; expected one of {', '.join(PROFILE_MODES)}")
     if mode == "analytic" and spec is None:
-        raise ValueError("analytic profiling needs spec=DeviceSpec (e.g. fxpipe.devices.PRESETS['h100'][0])")
+        raise ValueError("analytic profiling needs spec=DeviceSpec (e.g. fxpipe.cost.devices.PRESETS['h100'][0])")
     if repeats < 1 or warmup < 0:
         raise ValueError(f"profiling needs repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
     saved_buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}

@@ -6,21 +6,24 @@ Activations follow :func:`solvers.activation_memory.worker_peak_bytes`: each
 stage's saved bytes per micro-batch, only its inputs for a checkpointed
 micro-batch (and one recomputation at a time during backward), gradients held
 until a split backward's weight pass, and each operation's transient buffers on
-top. The stage sizes are measured by :mod:`fxpipe.stage_memory` when the plan
+top. The stage sizes are measured by :mod:`fxpipe.refine.stage_memory` when the plan
 was compiled with ``profile="measure"``; otherwise they are estimated from the
 profile's node sizes (saved activations, boundary values, twice the largest
 node output as workspace, twice the model output for the loss).
-:mod:`fxpipe.memory_probe` measures the activation part, so the two can be
+:mod:`fxpipe.runtime.memory_probe` measures the activation part, so the two can be
 compared term for term (``benchmarks/memory.py``, ``benchmarks/fidelity.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from fxpipe.plan import Plan, PlanStage
 from solvers.activation_memory import StageBytes, worker_peak_bytes
 from solvers.schedules import SPLIT_BACKWARD, stage_worker, worker_orders
+
+if TYPE_CHECKING:   # the plan is data this model reads; plan.py imports this module for memory_table
+    from fxpipe.planning.plan import Plan, PlanStage
 
 __all__ = ["WorkerPrediction", "predict_worker_memory", "checkpointed", "stage_bytes", "choose_checkpoints"]
 
@@ -34,7 +37,7 @@ def checkpointed(mode: str, micro_batch: int, micro_batches: int) -> bool:
 
 def stage_bytes(st: PlanStage) -> StageBytes:
     """The memory model's sizes of one plan stage: measured when the plan has them
-    (:mod:`fxpipe.stage_memory`), else estimated from the profile's node sizes."""
+    (:mod:`fxpipe.refine.stage_memory`), else estimated from the profile's node sizes."""
     if st.measured_bytes:
         return StageBytes(**st.measured_bytes)
     boundary = st.input_bytes + st.output_bytes

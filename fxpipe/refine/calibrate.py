@@ -26,8 +26,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.errors import FxpipeError
-from fxpipe.no_trace import leaving_no_trace
-from fxpipe.plan import Plan
+from fxpipe.runtime.no_trace import leaving_no_trace
+from fxpipe.planning.plan import Plan
 from solvers.simulate import per_micro_batch
 
 __all__ = ["stage_time_factors", "step_stage_times", "predicted_backward_s", "scale_costs"]

@@ -1,0 +1,248 @@
+"""The label-setting search: contiguous cuts for a fixed stage count, in one space of stage-to-device choices.
+
+A state is ``(cut position, stages so far, pending senders)``; each keeps the Pareto set of
+:class:`Label` s (see :mod:`solvers.dp`). :func:`deepening` runs :func:`solve_fixed_p` under
+rising upper bounds."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from solvers.groups import GroupTable, allreduce_s
+from solvers.problem import Problem
+from solvers.dp.tables import REL_TOL, Tables
+
+__all__ = ['analytic_lower', 'Label', 'Space', 'Timeout', 'deepening', 'insert_label', 'solve_fixed_p']
+
+
+@dataclass
+class Label:
+    total: float               # sum of stage times so far (pending stages included)
+    max_done: float            # max over stages whose time can no longer grow
+    pending_t: tuple           # times of stages that still have pending senders
+    parent: "Label | None"
+    start: int                 # segment of the stage this label closed: [start, end)
+    end: int
+    device: int                # device index of that stage
+
+
+class Timeout(Exception):
+    """The deadline passed inside a search."""
+
+
+class Space:
+    """Which device group stage ``k`` may take, given the devices used so far.
+
+    * ``"order"``: stage ``k`` on device ``order[k]`` (``order = 0, 1, ...`` is topology-blind).
+    * ``"classes"``: any unused device, one per group of interchangeable devices
+      (any injective mapping, up to relabelling).
+    * ``"runs"``: the next ``r = 1..max_replicas`` devices of ``order`` as one replica group.
+    """
+
+    def __init__(self, kind: str, table: GroupTable, order: list[int] | None = None,
+                 classes: list[list[int]] | None = None, max_replicas: int = 1) -> None:
+        self.kind, self.table, self.order, self.classes = kind, table, order, classes
+        self.max_replicas = max_replicas
+        n = len(table.problem.devices)
+        self._runs: dict[tuple[int, int], int] = {}
+        if kind == "runs":
+            for start in range(n):
+                for r in range(1, min(max_replicas, n - start) + 1):
+                    self._runs[(start, r)] = table.add(tuple(order[start:start + r]))
+
+    def start(self) -> tuple:
+        return (0,) * len(self.classes) if self.kind == "classes" else ()
+
+    def candidates(self, used: tuple, k: int, p: int) -> list[tuple[int, tuple]]:
+        if self.kind == "order":
+            return [(self.order[k], used)]
+        if self.kind == "classes":
+            return [(group[used[c]], used[:c] + (used[c] + 1,) + used[c + 1:])
+                    for c, group in enumerate(self.classes) if used[c] < len(group)]
+        taken = used[0] if used else 0
+        room = len(self.order) - taken - (p - k - 1)
+        return [(self._runs[(taken, r)], (taken + r,)) for r in range(1, min(self.max_replicas, room) + 1)]
+
+    def speeds(self, p: int) -> tuple[float, float]:
+        """(fastest stage speed, largest total speed of ``p`` stages) over this space."""
+        devs = self.table.problem.devices
+        if self.kind == "order":
+            sp = [devs[d].speed for d in self.order[:p]]
+            return max(sp), sum(sp)
+        if self.kind == "classes":
+            sp = sorted((d.speed for d in devs), reverse=True)[:p]
+            return max(sp), sum(sp)
+        return max(self.table.groups[g].speed for g in self._runs.values()), sum(d.speed for d in devs)
+
+
+def insert_label(front: list[Label], new: Label, weight: float) -> None:
+    """Add ``new`` to a Pareto set unless dominated; drop labels it dominates.
+
+    ``a`` dominates ``b`` (same state) when, whatever the future stages add,
+    ``a`` ends no worse: ``total + weight * max`` with ``weight = m - 1`` is
+    no larger for every future maximum ``X`` iff ``a.total <= b.total`` and
+    ``a.total + weight a.max_done <= b.total + weight b.max_done``; pending
+    stages grow by the same amounts in both, so theirs must be no larger.
+    """
+    def leq(a: Label, b: Label) -> bool:
+        return (a.total <= b.total
+                and a.total + weight * a.max_done <= b.total + weight * b.max_done
+                and all(x <= y for x, y in zip(a.pending_t, b.pending_t)))
+    for old in front:
+        if leq(old, new):
+            return
+    front[:] = [old for old in front if not leq(new, old)]
+    front.append(new)
+
+
+def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Space,
+                   deadline: float) -> tuple[Label | None, float, float]:
+    """Best label for exactly ``p`` stages with iteration time below ``ub``, its time, and the
+    smallest lower bound of the labels the bound cut off (a proven bound when none is found)."""
+    n, m = tables.n, problem.micro_batches
+    groups = space.table.groups
+    factor = 1.0 + problem.optimizer_state_factor
+    cap = ub / m * (1 + REL_TOL) if math.isfinite(ub) else math.inf
+    ub_limit = ub * (1 + REL_TOL) if math.isfinite(ub) else math.inf
+    max_speed = space.speeds(p)[0]
+    # frontier[(j, k)] maps (used devices, pending senders) to Pareto sets of labels.
+    frontier: dict[tuple[int, int], dict[tuple, list[Label]]] = {
+        (0, 0): {(space.start(), ()): [Label(0.0, 0.0, (), None, 0, 0, -1)]}
+    }
+    best: Label | None = None
+    best_t = math.inf
+    pruned = math.inf   # smallest lower bound of anything cut off by the bound: what a failure proves
+    for j in range(n):
+        if time.perf_counter() > deadline:
+            raise Timeout
+        for k in range(p):
+            by_key = frontier.pop((j, k), None)
+            if not by_key:
+                continue
+            inflight = problem.inflight(k, p)
+            last_stage = k == p - 1
+            stages_left = p - k - 1
+            j_max = n - stages_left
+            for (used, pending), labels in by_key.items():
+                pend_stage = {u: a for u, a, _ in pending}
+                pend_dev = {u: d for u, _, d in pending}
+                pend_stages = sorted(set(pend_stage.values()))
+                slot = {a: i for i, a in enumerate(pend_stages)}
+                for d, new_used in space.candidates(used, k, p):
+                    group = groups[d]
+                    act_scale = inflight / group.replicas
+                    for label in labels:
+                        compute = params = acts = 0.0
+                        recv: dict[int, float] = {}        # pending node -> bytes received
+                        recv_cost: dict[int, float] = {}   # pending node -> 2 x one-way time
+                        comm_in = 0.0
+                        alive_seg: list[int] = []
+                        for j2 in range(j + 1, j_max + 1):
+                            x = j2 - 1
+                            compute += tables.fb[x]
+                            params += tables.param[x]
+                            acts += tables.act[x]
+                            for u, nbytes in tables.inputs[x]:
+                                if u < j and nbytes >= recv.get(u, -1.0):
+                                    recv[u] = nbytes
+                                    c = 2.0 * space.table.transfer_s(nbytes, pend_dev[u], d)
+                                    comm_in += c - recv_cost.get(u, 0.0)
+                                    recv_cost[u] = c
+                            if params * factor + acts * act_scale > group.memory_bytes:
+                                break
+                            ar = allreduce_s(group, params) / m
+                            t_k = compute / group.speed + comm_in + ar
+                            alive_seg = [u for u in alive_seg if tables.last_use[u] >= j2]
+                            if tables.last_use[x] >= j2:
+                                alive_seg.append(x)
+                            # Grow the pending stages by what they sent to this stage.
+                            grown = list(label.pending_t)
+                            for u, c in recv_cost.items():
+                                grown[slot[pend_stage[u]]] += c
+                            new_pending = tuple(
+                                [(u, a, da) for u, a, da in pending if tables.last_use[u] >= j2]
+                                + [(u, k, d) for u in alive_seg]
+                            )
+                            still = {a for _, a, _ in new_pending}
+                            max_done = label.max_done
+                            for a, t_a in zip(pend_stages, grown):
+                                if a not in still:
+                                    max_done = max(max_done, t_a)
+                            if k not in still:
+                                max_done = max(max_done, t_k)
+                            new_t = tuple(
+                                [t_a for a, t_a in zip(pend_stages, grown) if a in still]
+                                + ([t_k] if k in still else [])
+                            )
+                            biggest = max((max_done, *new_t))
+                            if biggest > cap:
+                                pruned = min(pruned, m * biggest)  # T >= m max t_s
+                                break  # every quantity here only grows with j2
+                            total = label.total + compute / group.speed + 2.0 * comm_in + ar
+                            rest = tables.suffix_fb[j2] / max_speed
+                            future_max = rest / stages_left if stages_left else 0.0
+                            if total + rest + (m - 1) * biggest > ub_limit:
+                                pruned = min(pruned, total + rest + (m - 1) * biggest)
+                                break  # grows with j2
+                            bound = total + rest + (m - 1) * max(biggest, future_max)
+                            if stages_left:
+                                bound += tables.future_transfer_lb(j2, stages_left)
+                            if bound > ub_limit:
+                                pruned = min(pruned, bound)
+                                continue  # may shrink with j2: a longer stage may still do
+                            if last_stage and j2 < n:
+                                continue
+                            new_label = Label(total, max_done, new_t, label, j, j2, d)
+                            if j2 == n:
+                                t_iter = total + (m - 1) * max_done
+                                if t_iter < best_t:
+                                    best, best_t = new_label, t_iter
+                                    ub_limit = min(ub_limit, t_iter * (1 + REL_TOL))
+                                    cap = min(cap, t_iter / m * (1 + REL_TOL))
+                                continue
+                            insert_label(frontier.setdefault((j2, k + 1), {}).setdefault((new_used, new_pending), []),
+                                    new_label, m - 1)
+    return best, best_t, pruned
+
+
+def analytic_lower(problem: Problem, tables: Tables, p: int, space: Space) -> float:
+    """No plan of ``p`` stages in ``space`` is faster: all the work on the fastest stage, plus the rest at full speed."""
+    fastest, together = space.speeds(p)
+    total = tables.suffix_fb[0]
+    return total / fastest + (problem.micro_batches - 1) * total / together
+
+
+def deepening(problem: Problem, tables: Tables, p: int, ub: float, space: Space,
+               deadline: float, proven: dict[int, float]) -> tuple[Label | None, float]:
+    """Run the search under growing bounds ``G``, starting just above a lower bound.
+
+    A search bounded by ``G`` finds the optimum whenever it is ``<= G`` (only
+    labels whose lower bound exceeds ``G`` are pruned), so the first bound
+    that yields a solution yields the optimal one, and tight bounds prune hard.
+    ``proven[p]`` records the best lower bound on ``p`` stages proven so far,
+    which is what a timed-out search can still certify.
+    """
+    lower = analytic_lower(problem, tables, p, space)
+    proven[p] = lower
+    if lower > ub * (1 + REL_TOL):
+        return None, math.inf
+    bound = lower * 1.02
+    for _ in range(60):   # past that many failed bounds, one search at the incumbent
+        bound = min(bound, ub)
+        label, t, pruned = solve_fixed_p(problem, tables, p, bound, space, deadline)
+        if label is not None:
+            proven[p] = t
+            return label, t
+        proven[p] = min(pruned, ub)   # nothing at or below the bound; all else was pruned above it
+        if bound >= ub:
+            return None, math.inf
+        # Step at least to what the failed search proved; close to the incumbent, search at it
+        # (a search just below costs nearly as much).
+        bound = max(pruned, bound * 1.15)
+        if bound >= 0.95 * ub:
+            bound = ub
+    label, t, _ = solve_fixed_p(problem, tables, p, ub, space, deadline)
+    proven[p] = t if label is not None else ub
+    return label, t

@@ -1,0 +1,188 @@
+"""The order of the searches: incumbents from balanced and anchor cuts, then exact searches cheapest first."""
+
+from __future__ import annotations
+
+import math
+import time
+
+from solvers.cuts import CUT_ANCHORS, QUADRATIC_ANCHORS
+from solvers.errors import InfeasibleError
+from solvers.groups import GroupTable, hierarchical_order
+from solvers.placement import improve_placement
+from solvers.problem import Problem
+from solvers.score import Score, score_assignment
+from solvers.solution import Solution, Stage, assignment_from_cuts
+from solvers.dp.tables import REL_TOL, Tables, balanced_cuts, device_classes, stage_counts
+from solvers.dp.labels import analytic_lower, Space, Timeout, deepening
+from solvers.dp.bounds import min_peak_bytes, placement_floor
+
+__all__ = ['ANCHOR_SEED_LIMIT', 'MAX_EXACT_PLACEMENT_DEVICES', 'Search', 'solve_dp']
+
+
+MAX_EXACT_PLACEMENT_DEVICES = 16
+"""Beyond this many devices placement is heuristic (hierarchical order + local search)."""
+
+
+ANCHOR_SEED_LIMIT = 2e7
+"""Seed with the anchors' quadratic partitioners only up to ``nodes^2 x stages`` this large."""
+
+
+class Search:
+    """The incumbent and what the searches so far certify about the optimum."""
+
+    def __init__(self, problem: Problem, tables: Tables, table: GroupTable, deadline: float) -> None:
+        self.problem, self.tables, self.table, self.deadline = problem, tables, table, deadline
+        self.ub = math.inf
+        self.incumbent: tuple[int, list[int], list[tuple[int, ...]]] | None = None
+        self.lower = math.inf          # lower bound from searches cut short by the deadline
+        self.complete = True
+
+    def offer(self, p: int, cuts: list[int], groups: list[tuple[int, ...]]) -> None:
+        sc = score_assignment(self.problem, assignment_from_cuts(self.tables.order, cuts), groups)
+        if sc.feasible and sc.iteration_s < self.ub * (1 - 1e-12):
+            self.ub, self.incumbent = sc.iteration_s, (p, list(cuts), list(groups))
+
+    def exact(self, space: Space, certifies: bool, floor: dict[int, float] | None = None,
+              share: float = 1.0) -> None:
+        """Search ``space`` for every stage count; if cut short and ``certifies``, keep its lower bound.
+
+        ``floor[p]`` is a known lower bound for ``p`` stages (from a relaxation): counts whose
+        floor already reaches the incumbent are skipped. ``share`` is the fraction of the
+        remaining time this search may take (the rest is left to later searches).
+        """
+        floor = floor or {}
+        deadline = self.deadline
+        if share < 1.0 and math.isfinite(deadline):
+            deadline = time.perf_counter() + share * max(0.0, deadline - time.perf_counter())
+        counts = stage_counts(self.problem)
+        for i, p in enumerate(counts):
+            if floor.get(p, 0.0) >= self.ub * (1 + REL_TOL):
+                continue
+            proven: dict[int, float] = {}
+            try:
+                label, t = deepening(self.problem, self.tables, p, self.ub, space, deadline, proven)
+            except Timeout:
+                if certifies:
+                    self.complete = False
+                    rest = [max(proven.get(p, 0.0), floor.get(p, 0.0))] + [
+                        max(analytic_lower(self.problem, self.tables, q, space), floor.get(q, 0.0))
+                        for q in counts[i + 1:]]
+                    self.lower = min([self.lower] + rest)
+                return
+            if label is not None and t <= self.ub * (1 + REL_TOL):
+                cuts, groups = [], []
+                while label is not None and label.parent is not None:
+                    if label.start > 0:
+                        cuts.append(label.start)
+                    groups.append(self.table.groups[label.device].devices)
+                    label = label.parent
+                self.ub, self.incumbent = t, (p, sorted(cuts), groups[::-1])
+
+
+def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | None = None) -> Solution:
+    """Optimal contiguous plan (see the module docstring for the exact search space).
+
+    ``placement=True`` also chooses which device runs each stage: any injective
+    mapping for up to 16 devices (interchangeable devices collapsed), found
+    after fast incumbents from the hierarchical device order and a local search;
+    beyond 16 devices only those heuristics run and the solution says it is not
+    certified. ``placement=False`` runs stage ``k`` on device ``k``, the
+    topology-blind baseline. With ``max_replicas > 1`` stages may also take runs
+    of consecutive devices of the hierarchical order as replica groups.
+    ``time_limit_s`` stops the exact searches (with placement: the topology-blind
+    search, then the placement searches, each within the limit); the solution then
+    reports ``optimal: false`` with a proven lower bound.
+    """
+    started = time.perf_counter()
+    deadline = started + time_limit_s if time_limit_s is not None else math.inf
+    tables = Tables(problem)
+    table = GroupTable(problem)
+    n_dev = len(problem.devices)
+    identity = list(range(n_dev))
+    search = Search(problem, tables, table, deadline)
+    for p in stage_counts(problem):
+        search.offer(p, balanced_cuts(tables, p), [(k,) for k in range(p)])
+    anchor_p = max(stage_counts(problem))
+    for cutter, weights in CUT_ANCHORS:  # the anchors' plans are in our space: never end worse than one
+        if cutter in QUADRATIC_ANCHORS and tables.n ** 2 * anchor_p > ANCHOR_SEED_LIMIT:
+            continue  # their O(n^2 p) DPs would cost more than they save here
+        search.offer(anchor_p, cutter(weights(problem), anchor_p), [(k,) for k in range(anchor_p)])
+    exhaustive = placement and n_dev <= MAX_EXACT_PLACEMENT_DEVICES
+    classes = device_classes(problem) if placement else [[d] for d in identity]
+    blind_is_all = not placement or len(classes) == 1
+    order = hierarchical_order(problem) if placement else identity
+    if placement and not blind_is_all:
+        # Stage k on device k gets the whole limit, as the topology-blind baseline would (so it
+        # is never better than ours); the placement searches then get a limit of their own.
+        search.exact(Space("order", table, order=identity), certifies=False)
+        if time_limit_s is not None:
+            search.deadline = time.perf_counter() + time_limit_s
+        deadline = search.deadline
+        if order != identity:
+            search.exact(Space("order", table, order=order), certifies=False, share=0.5)
+    else:
+        search.exact(Space("order", table, order=identity), certifies=blind_is_all)
+    if placement and not blind_is_all:
+        for _ in range(4):  # alternate: better mapping for these cuts, then best cuts for that order
+            if search.incumbent is None or time.perf_counter() > deadline:
+                break
+            p, cuts, groups = search.incumbent
+            before = search.ub
+            devices, _ = improve_placement(problem, assignment_from_cuts(tables.order, cuts),
+                                           [g[0] for g in groups], deadline)
+            search.offer(p, cuts, [(d,) for d in devices])
+            if search.ub >= before * (1 - 1e-12):
+                break
+            search.exact(Space("order", table, order=devices + [d for d in order if d not in devices]),
+                         certifies=False, share=0.25)
+    if problem.max_replicas > 1:
+        search.exact(Space("runs", table, order=order, max_replicas=problem.max_replicas), certifies=True,
+                     share=0.5 if exhaustive and not blind_is_all else 1.0)
+    if exhaustive and not blind_is_all and len(problem.devices) > 1:
+        floor = (placement_floor(problem, search.ub, time.perf_counter() + 0.5 * max(0.0, deadline - time.perf_counter()))
+                 if search.incumbent is not None else {})
+        search.exact(Space("classes", table, classes=classes), certifies=True, floor=floor)
+    if search.incumbent is None:
+        need = min_peak_bytes(problem)
+        have = max(d.memory_bytes for d in problem.devices)
+        if not search.complete and need <= have:
+            raise InfeasibleError(
+                f"no plan that fits in memory was found within the time limit of {time_limit_s} s (the smallest "
+                f"stage peak, {need:.4g} bytes, would fit on the largest device, {have:.4g} bytes); "
+                "raise the time limit or add memory", min_peak_bytes=need)
+        raise InfeasibleError(
+            f"no contiguous partition of {tables.n} nodes over {n_dev} devices fits in memory: "
+            f"the smallest possible stage peak is {need:.4g} bytes, the largest device has {have:.4g} bytes; "
+            "add devices, use devices with at least that much memory, or lower micro_batches/activation memory",
+            min_peak_bytes=need,
+        )
+    p, cuts, groups = search.incumbent
+    stage_of = assignment_from_cuts(tables.order, cuts)
+    sc: Score = score_assignment(problem, stage_of, groups)
+    stages = [Stage([v for v in tables.order if stage_of[v] == s], [problem.devices[d].id for d in groups[s]])
+              for s in range(p)]
+    if not placement:
+        space = "contiguous stages of a topological order, stage k on device k"
+    elif exhaustive:
+        space = "contiguous stages of a topological order, any stage-to-device mapping"
+    else:
+        space = (f"contiguous stages of a topological order; placement by hierarchical order and local search "
+                 f"(not certified beyond {MAX_EXACT_PLACEMENT_DEVICES} devices)")
+    if problem.max_replicas > 1:
+        space += f"; or replica groups of up to {problem.max_replicas} consecutive devices of the hierarchical order"
+    certified = search.complete and (exhaustive or not placement or blind_is_all)
+    if certified:
+        lower = sc.iteration_s
+    elif search.complete:   # placement beyond exact reach: only the compute bound holds
+        classes_space = Space("classes", table, classes=[[d] for d in identity])
+        lower = min(analytic_lower(problem, tables, q, classes_space) for q in stage_counts(problem))
+    else:
+        lower = min(search.lower, sc.iteration_s)
+    return Solution(
+        stages,
+        predicted=sc.as_predicted(),
+        solver={"method": "dp", "optimal": certified, "lower_bound_s": lower,
+                "gap": (sc.iteration_s - lower) / sc.iteration_s if sc.iteration_s > 0 else 0.0,
+                "time_s": time.perf_counter() - started, "search_space": space,
+                "timed_out": not search.complete},
+    )
