@@ -21,6 +21,7 @@ from fxpipe.planning.planner import Planner
 from fxpipe.refine.rounds import refine
 from fxpipe.runtime.assemble import build_pipeline
 from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
+from fxpipe.runtime.guards import ModelGuard, input_signature
 from fxpipe.runtime.host import UNSHARED
 from fxpipe.runtime.microbatch import batch_size_of, scatter
 from fxpipe.runtime.pipeline import Pipeline
@@ -87,7 +88,9 @@ def compile(
     host = CpuHost() if any(d.type == "cpu" for d in devs) else UNSHARED
 
     def build(chosen: Plan) -> Pipeline:                                                # 4. codegen, run
-        return build_pipeline(captured.graph, chosen, checkpoint, captured.mode_dependent, host)
+        pipe = build_pipeline(captured.graph, chosen, checkpoint, captured.mode_dependent, host)
+        pipe.guard = ModelGuard(model)   # after the moves: .to(device) replaces buffer tensors
+        return pipe
     if plan is not None:
         check_plan(plan, captured, model, devs, chunks)
         return build(plan)
@@ -106,7 +109,8 @@ def compile(
                       chunks=chunks, stages=stages, virtual_stages=v, schedule=schedule, checkpoint=checkpoint,
                       optimizer_state_factor=options.optimizer_state_factor, batch=batch, profile=profiling.mode,
                       training=model.training,
-                      profile_extra={"threads": torch.get_num_threads(), "from_cache": cached})
+                      profile_extra={"threads": torch.get_num_threads(), "from_cache": cached,
+                                     "inputs": input_signature(captured.graph, example_inputs)})
     first_plan = planner.plan(costs)                                                    # 3. plan
     return refine(planner, costs, first_plan, build, example_inputs, profiling,         # 5. refine
                   loss_fn=loss_fn, example_target=example_target)

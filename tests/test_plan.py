@@ -74,7 +74,7 @@ def test_loading_is_json_only(tmp_path):
 
 @pytest.mark.parametrize("doc,message", [
     ({"format": "fxpipe-plan/0"}, "this fxpipe reads 'fxpipe-plan/1'"),
-    ({"format": PLAN_FORMAT, "fingerprint": "x"}, "plan field 'model' must be a str"),
+    ({"format": PLAN_FORMAT, "fingerprint": "x"}, "'model' is a required property"),
     ([], "must be a JSON object"),
 ])
 def test_malformed_plans_are_named(tmp_path, doc, message):

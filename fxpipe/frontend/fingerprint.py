@@ -22,7 +22,7 @@ def _target_name(node: fx.Node) -> str:
 
 
 def graph_fingerprint(gm: fx.GraphModule) -> str:
-    """SHA-256 of nodes (op, target, argument structure) and of parameter/buffer shapes."""
+    """SHA-256 of nodes (op, target, a called module's class, argument structure) and of parameter/buffer shapes."""
     index = {n: i for i, n in enumerate(gm.graph.nodes)}
 
     def encode(a: object) -> object:
@@ -36,7 +36,13 @@ def graph_fingerprint(gm: fx.GraphModule) -> str:
             return a
         return repr(type(a).__name__)
 
-    nodes = [[n.op, n.name, _target_name(n), encode(n.args), encode(n.kwargs)] for n in gm.graph.nodes]
+    def module_type(n: fx.Node) -> str:   # a leaf's class: ReLU and Tanh under the same name differ
+        if n.op != "call_module":
+            return ""
+        kind = type(gm.get_submodule(n.target))
+        return f"{kind.__module__}.{kind.__qualname__}"
+
+    nodes = [[n.op, n.name, _target_name(n), module_type(n), encode(n.args), encode(n.kwargs)] for n in gm.graph.nodes]
     tensors = sorted([name, list(p.shape), str(p.dtype)] for name, p in
                      list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers()))
     blob = json.dumps({"nodes": nodes, "tensors": tensors}, sort_keys=True, default=str)

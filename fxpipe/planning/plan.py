@@ -13,15 +13,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fxpipe.errors import PlanFormatError
 from fxpipe.planning.memory_model import predict_worker_memory
-from solvers.activation_memory import StageBytes
+from fxpipe.planning.plan_format import PLAN_FORMAT, check_plan_document, read_plan_document
 from solvers.schedules import inflight
 
 __all__ = ["Plan", "PlanStage", "load_plan", "PLAN_FORMAT", "aligned_table"]
 
-PLAN_FORMAT = "fxpipe-plan/1"
-STAGE_BYTES_FIELDS = set(StageBytes.__dataclass_fields__)
 
 
 def aligned_table(head: list[str], rows: list[list[str]]) -> list[str]:
@@ -154,39 +151,13 @@ class Plan:
 
     @classmethod
     def from_dict(cls, doc: Any) -> "Plan":
-        if not isinstance(doc, dict):
-            raise PlanFormatError("a plan must be a JSON object")
-        if doc.get("format") != PLAN_FORMAT:
-            raise PlanFormatError(
-                f"plan format is {doc.get('format')!r}; this fxpipe reads {PLAN_FORMAT!r}. "
-                "Re-create the plan with fxpipe.compile(..., example_inputs=...) and save it again"
-            )
-        required = {"fingerprint": str, "model": str, "devices": list, "chunks": int, "schedule": str,
-                    "checkpoint": str, "batch_size": int, "stages": list}
-        for key, typ in required.items():
-            if not isinstance(doc.get(key), typ):
-                raise PlanFormatError(f"plan field {key!r} must be a {typ.__name__}, got {doc.get(key)!r}")
-        stages = []
-        for i, s in enumerate(doc["stages"]):
-            if not isinstance(s, dict) or not isinstance(s.get("nodes"), list) or not isinstance(s.get("device"), str):
-                raise PlanFormatError(f"plan stages[{i}] needs 'device' (str) and 'nodes' (list)")
-            known = {k: s[k] for k in PlanStage.__dataclass_fields__ if k in s}
-            sizes = known.get("measured_bytes")
-            if sizes is not None and (not isinstance(sizes, dict) or set(sizes) != STAGE_BYTES_FIELDS or not all(
-                    isinstance(v, (int, float)) and not isinstance(v, bool) for v in sizes.values())):
-                raise PlanFormatError(f"plan stages[{i}].measured_bytes must map {sorted(STAGE_BYTES_FIELDS)} "
-                                      f"to numbers, got {sizes!r}; compile the plan again")
-            known.setdefault("index", i)
-            stages.append(PlanStage(**known))
+        """A plan from its JSON document, checked against the plan schema (:mod:`fxpipe.planning.plan_format`)."""
+        doc = check_plan_document(doc)
+        stages = [PlanStage(**{"index": i, **{k: v for k, v in s.items()}}) for i, s in enumerate(doc["stages"])]
         kwargs = {k: doc[k] for k in cls.__dataclass_fields__ if k in doc and k != "stages"}
         return cls(stages=stages, **kwargs)
 
 
 def load_plan(path: str | Path) -> Plan:
-    """Read a plan saved by :meth:`Plan.save`. Parses JSON only; never executes code."""
-    try:
-        doc = json.loads(Path(path).read_bytes().decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise PlanFormatError(f"{path} is not JSON: {exc}") from exc
-    return Plan.from_dict(doc)
-
+    """Read a plan saved by :meth:`Plan.save`. Parses JSON only, with bounded memory; never executes code."""
+    return Plan.from_dict(read_plan_document(path))

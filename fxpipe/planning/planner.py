@@ -74,7 +74,10 @@ class Planner:
         return problem
 
     def _solve(self, costs: dict[str, Any], recompute: bool) -> tuple[solvers.Problem, solvers.Solution]:
-        problem = self._problem(costs, recompute)
+        try:
+            problem = self._problem(costs, recompute)
+        except solvers.InvalidProblemError as exc:   # said in the solvers' JSON words: say it in compile's
+            raise ValueError(f"{str(exc).replace('use null', 'pass stages=None')}") from exc
         return problem, solve_dp(problem, placement=False) if self.virtual_stages > 1 else solvers.solve(problem, "dp")
 
     def plan(self, costs: dict[str, Any]) -> Plan:

@@ -58,6 +58,9 @@ def parse_nvidia_smi_topo(text: str) -> list[list[str]]:
         cells = ln.split()
         if not cells or not re.fullmatch(r"GPU\d+", cells[0]):
             continue
+        if len(cells) < 1 + len(gpu_cols):   # the GPU columns come first; CPU/NUMA affinity cells may be absent
+            raise ValueError(f"nvidia-smi topo -m: row {cells[0]} has {len(cells) - 1} cells for {len(gpu_cols)} "
+                             f"GPU columns; pass the whole output of `nvidia-smi topo -m`")
         row = [cells[1 + i] for i in gpu_cols]
         matrix.append(row)
     if len(matrix) != len(gpu_cols):

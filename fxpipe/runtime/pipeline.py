@@ -35,8 +35,9 @@ from fxpipe.planning.memory_model import checkpointed
 from fxpipe.runtime.memory_probe import allocations, measure_worker_memory
 from fxpipe.planning.plan import Plan
 from fxpipe.planning.report import step_report
+from fxpipe.runtime.guards import ModelGuard, check_inputs
 from fxpipe.runtime.host import UNSHARED, Host, Turns
-from fxpipe.runtime.rng import is_random, rng_guard
+from fxpipe.runtime.rng import is_random, rng_guard, step_seed
 from fxpipe.runtime.step import REDUCTIONS, OpTiming, StepFailure, run_step
 from fxpipe.runtime.streams import DeviceStreams, Event
 from fxpipe.runtime.worker import spawn_workers
@@ -65,7 +66,7 @@ class Pipeline(nn.Module):
 
     def __init__(self, graph_module: fx.GraphModule, stages: list[StageSpec], devices: list[torch.device],
                  plan: Plan, checkpoint: str = "except_last", mode_dependent: bool = False,
-                 host: Host = UNSHARED) -> None:
+                 host: Host = UNSHARED, guard: ModelGuard | None = None) -> None:
         super().__init__()
         chosen = all(st.checkpoint in CHECKPOINT_MODES for st in plan.stages)
         if checkpoint not in CHECKPOINT_MODES and not (checkpoint == "auto" and chosen):
@@ -81,6 +82,7 @@ class Pipeline(nn.Module):
         self._traced_training = bool(graph_module.meta.get("fxpipe_traced_training", False))
         self._mode_dependent = mode_dependent
         self.host = host   # CPU workers take turns through it (fxpipe.cost.cpu.CpuHost); GPUs never wait
+        self.guard = guard   # the compiled model's parameters, checked unchanged at every call
         self._placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
         self._output = next(n for n in graph_module.graph.nodes if n.op == "output")
         self.train(self._traced_training)
@@ -109,6 +111,9 @@ class Pipeline(nn.Module):
     def _micro_batches(self, args: tuple, kwargs: dict) -> list[dict[str, Any]]:
         """The bound inputs split into ``chunks`` micro-batches, each a dict by placeholder name."""
         env0 = self._bind(args, kwargs)
+        if self.guard is not None:
+            self.guard.check()
+        check_inputs(self.plan.profile.get("inputs", []), env0)
         names = list(env0)
         return [dict(zip(names, values)) for values in scatter(list(env0.values()), self.chunks)]
 
@@ -136,6 +141,7 @@ class Pipeline(nn.Module):
         grad = torch.is_grad_enabled()
         m, p = len(micro), len(self.specs)
         random = self._random_stages()
+        seed = step_seed(random)
         streams = DeviceStreams(self.devices)
         turns = self.host.turns(self.devices, p)
         ready: list[dict[str, Event]] = [{} for _ in range(m)]   # micro-batch -> value name -> producer's event
@@ -144,7 +150,7 @@ class Pipeline(nn.Module):
                 tasks = [(k, clock - k) for k in range(p) if 0 <= clock - k < m]
                 for k, i in tasks:
                     workers.submit(k, (k, i), self._task(k, i, micro[i], grad, self._checkpointed(k, i, m),
-                                                         random[k], streams, turns, ready[i]))
+                                                         random[k], seed, streams, turns, ready[i]))
                 failures = []
                 for _ in tasks:
                     (k, i), ok, value = workers.collect()
@@ -276,7 +282,7 @@ class Pipeline(nn.Module):
         return [is_random(spec.module) for spec in self.specs]
 
     def _task(self, k: int, i: int, env: dict[str, Any], grad: bool, checkpointed: bool, random: bool,
-              streams: DeviceStreams, turns: Turns, ready: dict[str, Event]):
+              seed: int | None, streams: DeviceStreams, turns: Turns, ready: dict[str, Event]):
         spec, device = self.specs[k], self.devices[k]
         use_checkpoint = grad and checkpointed
 
@@ -285,7 +291,7 @@ class Pipeline(nn.Module):
                 moved = [streams.move(env[name], device, ready.get(name)) for name in spec.inputs]
                 streams.wait(device, [event for _, event in moved])
                 inputs = [value for value, _ in moved]
-                with torch.set_grad_enabled(grad), tracking(), rng_guard(device, random):
+                with torch.set_grad_enabled(grad), tracking(), rng_guard(device, random, seed, k, i):
                     if use_checkpoint:
                         outs = torch_checkpoint(spec.module, *inputs, use_reentrant=False,
                                                 preserve_rng_state=random)

@@ -15,18 +15,27 @@ runs its forward, and its backward when that recomputes, holding the lock of
 its device's generator (:func:`rng_guard`); a stage without one checkpoints
 with ``preserve_rng_state=False`` and never touches the generator. Random
 stages on one device therefore take turns; stages on distinct GPUs never wait.
+
+Which stage takes its turn first is up to the threads, so drawing in turn from
+one stream would give run-to-run different masks. Instead each step draws one
+number from the caller's generator (:func:`step_seed`, as the unpartitioned
+model would advance it), and stage ``k``'s forward of micro-batch ``i`` draws
+from the generator seeded with ``(seed, k, i)`` and put back as it was after
+(:func:`rng_guard` with ``seed``): the same seed gives bit-identical results,
+whatever order the workers run in.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
-from contextlib import nullcontext
-from typing import ContextManager
+from contextlib import contextmanager, nullcontext
+from typing import ContextManager, Iterator
 
 import torch
 import torch.fx as fx
 
-__all__ = ["is_random", "rng_guard"]
+__all__ = ["is_random", "rng_guard", "step_seed"]
 
 _RANDOM_PARTS = ("dropout", "bernoulli", "rand", "multinomial", "normal_", "uniform_", "exponential_",
                  "geometric_", "cauchy_", "random_", "poisson")
@@ -58,11 +67,37 @@ def is_random(gm: fx.GraphModule) -> bool:
     return False
 
 
-def rng_guard(device: torch.device, random: bool) -> ContextManager[object]:
-    """Hold ``device``'s generator lock when ``random`` (re-entrant: a nested guard on one thread passes)."""
+def step_seed(random: list[bool]) -> int | None:
+    """One draw from the caller's CPU generator for a step or call whose stages ``random`` say draw at all."""
+    return int(torch.randint(0, 2**62, (1,)).item()) if any(random) else None
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
+
+
+@contextmanager
+def _seeded(lock: threading.RLock, device: torch.device, seed: int, stage: int, micro_batch: int) -> Iterator[None]:
+    generator = _generator(device)
+    with lock:
+        state = generator.get_state()
+        digest = hashlib.sha256(f"{seed}/{stage}/{micro_batch}".encode()).digest()
+        generator.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        try:
+            yield
+        finally:
+            generator.set_state(state)
+
+
+def rng_guard(device: torch.device, random: bool, seed: int | None = None, stage: int = 0,
+              micro_batch: int = 0) -> ContextManager[object]:
+    """Hold ``device``'s generator lock when ``random`` (re-entrant: a nested guard on one thread passes);
+    with ``seed`` (:func:`step_seed`), draw from the generator seeded for ``(seed, stage, micro_batch)``."""
     if not random:
         return nullcontext()
     key = str(device) if device.type != "cuda" else f"cuda:{device.index or 0}"
     with _locks_guard:
         lock = _locks.setdefault(key, threading.RLock())
-    return lock
+    return lock if seed is None else _seeded(lock, device, seed, stage, micro_batch)

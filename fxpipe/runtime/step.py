@@ -40,7 +40,7 @@ from fxpipe.runtime.batchnorm import tracking
 from fxpipe.runtime.codegen import StageSpec
 from fxpipe.runtime.host import UNSHARED, Host
 from fxpipe.runtime.microbatch import batch_size_of
-from fxpipe.runtime.rng import is_random, rng_guard
+from fxpipe.runtime.rng import is_random, rng_guard, step_seed
 from fxpipe.runtime.split_backward import WeightPass, backward_inputs, full_backward
 from fxpipe.runtime.streams import DeviceStreams, Event
 from solvers.schedules import SPLIT_BACKWARD, worker_orders
@@ -125,6 +125,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
     split = schedule in SPLIT_BACKWARD
     weight_passes: dict[tuple[int, int], WeightPass] = {}
     random = [is_random(spec.module) for spec in specs] if random is None else random
+    seed = step_seed(random)   # masks depend on (seed, stage, micro-batch), not on which thread ran first
     producer = {name: k for k, spec in enumerate(specs) for name in spec.outputs}
     consumers: dict[int, set[int]] = {k: set() for k in range(p)}
     for k, spec in enumerate(specs):
@@ -176,7 +177,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         inputs = stage_inputs(k, i)
         args = [inputs[name] for name in spec.inputs]
         # deferred BatchNorm counts this forward (not a checkpoint's recomputation)
-        with tracking(), rng_guard(device, random[k]):
+        with tracking(), rng_guard(device, random[k], seed, k, i):
             if checkpoint(k, i):
                 result = torch_checkpoint(spec.module, *args, use_reentrant=False, preserve_rng_state=random[k])
             else:
@@ -285,8 +286,14 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
                for w in range(n_workers)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.join()
+    except BaseException as interrupt:   # Ctrl-C in the caller: stop every worker at its next operation, so
+        board.fail(StepFailure(-1, -1, "step", interrupt))   # none writes .grad after the caller got the error
+        for t in threads:
+            t.join()
+        raise
     if board.failure is not None:
         raise board.failure
     return torch.stack([x.to(devices[-1]) for x in losses]).sum(), outputs

@@ -1,0 +1,192 @@
+"""The bad-input catalogue: every wrong input gets the right exception, naming the cause and a fix.
+
+Loading a plan executes no code and allocates bounded memory, whatever the file holds.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe.planning.plan_format import MAX_PLAN_BYTES, plan_schema
+from fxpipe.planning.topology import links_from_classes, parse_nvidia_smi_topo
+from solvers.schedules import SCHEDULES
+
+ESTIMATE = fxpipe.ProfileOptions(mode="estimate")
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    model = _mlp()
+    return model, fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(8, 8),), chunks=2, stages=2, profile=ESTIMATE)
+
+
+# ---------------------------------------------------------------- devices, stages, batches
+@pytest.mark.parametrize("devices,message", [
+    ([], "non-empty list"), ("cpu", "non-empty list"), (["tpu:0"], "not a torch device string"),
+    (["cuda:7"] if not torch.cuda.is_available() else ["cuda:99"], "does not exist"),
+    (["meta"], "runs stages on 'cpu' and 'cuda'"),
+])
+def test_devices_that_cannot_run_stages_are_refused(devices, message):
+    with pytest.raises(ValueError, match=message):
+        fxpipe.compile(_mlp(), devices, (torch.randn(8, 8),), profile=ESTIMATE)
+
+
+def test_more_stages_than_nodes_names_the_range():
+    with pytest.raises(ValueError, match=r"stages=8 but it must lie in 1\.\.4 .* pass stages=None"):
+        fxpipe.compile(_mlp(), ["cpu"] * 8, (torch.randn(8, 8),), stages=8, profile=ESTIMATE)
+
+
+def test_a_batch_smaller_than_chunks_says_what_would_work():
+    with pytest.raises(ValueError, match="cannot be split into 4 micro-batches; use a batch of at least 4"):
+        fxpipe.compile(_mlp(), ["cpu"] * 2, (torch.randn(2, 8),), chunks=4, profile=ESTIMATE)
+
+
+# ---------------------------------------------------------------- run-time inputs
+def test_an_input_of_another_dtype_is_refused_before_any_stage_runs(compiled):
+    _, pipe = compiled
+    with pytest.raises(fxpipe.FxpipeError, match=r"is float64 but the pipeline was compiled for float32; cast it"):
+        pipe(torch.randn(8, 8, dtype=torch.float64))
+
+
+def test_an_input_of_another_rank_is_refused_instead_of_broadcast(compiled):
+    model, pipe = compiled
+    x = torch.randn(2, 8, 8)
+    assert model(x).shape == (2, 8, 4)          # the model itself would broadcast it ...
+    with pytest.raises(fxpipe.FxpipeError, match=r"has 3 dimensions .* compiled for 2"):
+        pipe(x)                                 # ... the pipeline's micro-batches would split it wrongly
+
+
+def test_other_sizes_run_and_warn_once_that_the_plan_was_balanced_for_others():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 3, padding=1)).eval()
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(4, 3, 8, 8),), chunks=2, profile=ESTIMATE)
+    x = torch.randn(4, 3, 12, 12)
+    with pytest.warns(UserWarning, match=r"costed for \(4, 3, 8, 8\).*compile again"):
+        out = pipe(x)
+    assert torch.equal(out, model(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe(x)                                  # once per shape
+        pipe(torch.randn(6, 3, 8, 8))            # another batch size is no news
+
+
+# ---------------------------------------------------------------- the model changed after compile
+def test_a_parameter_replaced_after_compile_is_refused():
+    model = _mlp()
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(8, 8),), chunks=2, profile=ESTIMATE)
+    model[2].weight = nn.Parameter(torch.randn(4, 8))
+    with pytest.raises(fxpipe.FxpipeError, match=r"parameter '2.weight' of Sequential was replaced after fxpipe.compile.*Compile the model again"):
+        pipe(torch.randn(8, 8))
+    with pytest.raises(fxpipe.FxpipeError, match="was replaced"):
+        pipe.step(torch.randn(8, 8), torch.randn(8, 4), nn.functional.mse_loss)
+
+
+def test_a_parameter_reshaped_in_place_is_refused_and_an_in_place_update_is_fine():
+    model = _mlp()
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(8, 8),), chunks=2, profile=ESTIMATE)
+    with torch.no_grad():
+        model[0].weight.mul_(2)                 # what optimizers do: fine
+    x = torch.randn(8, 8)
+    assert torch.allclose(pipe(x), model(x))
+    model[0].weight.data = torch.randn(8, 16)
+    with pytest.raises(fxpipe.FxpipeError, match=r"changed shape from \(8, 8\) to \(8, 16\)"):
+        pipe(x)
+
+
+# ---------------------------------------------------------------- plans
+def test_a_plan_for_another_model_is_refused(tmp_path, compiled):
+    _, pipe = compiled
+    pipe.plan.save(tmp_path / "p.json")
+    other = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    with pytest.raises(fxpipe.PlanMismatchError, match="made for another model .* compile without plan="):
+        fxpipe.compile(other, ["cpu", "cpu"], plan=fxpipe.load_plan(tmp_path / "p.json"))
+
+
+def _saved(compiled, tmp_path, change) -> str:
+    doc = compiled[1].plan.to_dict()
+    change(doc)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc) if not isinstance(doc, str) else doc)
+    return str(path)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda d: d.update(format="fxpipe-plan/9"), "this fxpipe reads 'fxpipe-plan/1'"),
+    (lambda d: d.update(chunks="4"), r"chunks: '4' is not of type 'integer'"),
+    (lambda d: d.update(chunks=10**18), "chunks: .* is greater than the maximum"),
+    (lambda d: d.update(batch_size=-3), "batch_size: -3 is less than the minimum"),
+    (lambda d: d.update(schedule="rm -rf /"), "schedule: 'rm -rf /' is not one of"),
+    (lambda d: d.update(surprise=1), r"Additional properties are not allowed \('surprise'"),
+    (lambda d: d["stages"][0].update(fwd_s=-1.0), "stages/0/fwd_s: -1.0 is less than the minimum"),
+    (lambda d: d["stages"][0].update(nodes="all"), "stages/0/nodes: 'all' is not of type 'array'"),
+    (lambda d: d["stages"][1].update(index=5), "stages/1/index is 5; stages are listed in order"),
+    (lambda d: d["stages"][1].update(device="cuda:3"), "stages/1/device 'cuda:3' is not among devices"),
+    (lambda d: d["stages"][1]["nodes"].append(d["stages"][0]["nodes"][0]), "belong to more than one place"),
+    (lambda d: d.pop("stages"), "'stages' is a required property"),
+    (lambda d: d.update(stages=[]), "stages: .* should be non-empty"),
+])
+def test_malformed_plan_fields_are_named(tmp_path, compiled, change, message):
+    with pytest.raises(fxpipe.PlanFormatError, match=message):
+        fxpipe.load_plan(_saved(compiled, tmp_path, change))
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"format": "fxpipe-plan/1", "chunks": 1e999}', "not finite"),
+    ('{"format": "fxpipe-plan/1", "chunks": NaN}', "NaN is not a number a plan may hold"),
+    ('{"format": "fxpipe-plan/1", "chunks": ' + "9" * 5000 + "}", "not JSON that a plan can hold"),
+    ("[" * 100000 + "]" * 100000, "nests JSON too deeply"),
+    ('{"format": "fxpipe-plan/1", "stages": [', "not JSON that a plan can hold"),   # truncated
+    ("\x80\x03}q\x00.", "not JSON that a plan can hold"),
+])
+def test_hostile_plan_files_are_refused_while_parsing(tmp_path, text, message):
+    path = tmp_path / "hostile.json"
+    path.write_text(text, encoding="latin-1")
+    with pytest.raises(fxpipe.PlanFormatError, match=message):
+        fxpipe.load_plan(path)
+
+
+def test_a_plan_file_too_large_is_refused_before_it_is_read(tmp_path):
+    path = tmp_path / "huge.json"
+    with path.open("wb") as f:
+        f.truncate(MAX_PLAN_BYTES + 1)           # sparse: no memory, no disk
+    with pytest.raises(fxpipe.PlanFormatError, match="a plan has at most"):
+        fxpipe.load_plan(path)
+
+
+def test_the_schema_knows_every_schedule_and_every_field():
+    schema = plan_schema()
+    assert schema["properties"]["schedule"]["enum"] == list(SCHEDULES)
+    assert set(schema["properties"]) == {"format", *fxpipe.Plan.__dataclass_fields__}
+    assert set(schema["$defs"]["stage"]["properties"]) == set(fxpipe.PlanStage.__dataclass_fields__)
+
+
+# ---------------------------------------------------------------- topology, memory
+@pytest.mark.parametrize("text,message", [
+    ("hello\nworld", "no header row starting with GPU0"),
+    ("\tGPU0\tGPU1\nGPU0\tX\nGPU1\tPIX\tX\n", "row GPU0 has 1 cells for 2 GPU columns"),
+    ("\tGPU0\tGPU1\tGPU2\nGPU0\tX\tPIX\tSYS\nGPU1\tPIX\tX\tSYS\n", "3 GPU columns but 2 GPU rows"),
+])
+def test_a_topology_that_is_not_a_matrix_is_refused(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_nvidia_smi_topo(text)
+
+
+def test_an_unknown_link_class_is_named():
+    with pytest.raises(ValueError, match="unknown link class 'WARP'"):
+        links_from_classes([["X", "WARP"], ["WARP", "X"]])
+
+
+def test_memory_too_small_for_any_plan_gives_the_smallest_peak_that_fits():
+    with pytest.raises(fxpipe.InfeasiblePlanError, match=r"smallest possible stage peak is \d+ bytes"):
+        fxpipe.compile(_mlp(), ["cpu"] * 2, (torch.randn(8, 8),), profile=ESTIMATE,
+                       options=fxpipe.CompileOptions(memory_bytes=[100, 100]))
