@@ -284,15 +284,16 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
 
     threads = [threading.Thread(target=work, args=(w,), name=f"fxpipe-step-{w}", daemon=True)
                for w in range(n_workers)]
-    for t in threads:
-        t.start()
-    try:
+    try:   # Ctrl-C may land while the first workers already run and the last are being started
+        for t in threads:
+            t.start()
         for t in threads:
             t.join()
     except BaseException as interrupt:   # Ctrl-C in the caller: stop every worker at its next operation, so
         board.fail(StepFailure(-1, -1, "step", interrupt))   # none writes .grad after the caller got the error
         for t in threads:
-            t.join()
+            if t.is_alive():
+                t.join()
         raise
     if board.failure is not None:
         raise board.failure
