@@ -201,3 +201,24 @@ def test_compiling_and_training_keep_no_reference_to_the_model(profile):
     del pipe, model
     gc.collect()
     assert alive() is None
+
+
+def test_dict_and_list_outputs_come_back_as_plain_python_containers():
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.a(x)
+            return {"hidden": h, "both": [h, self.b(h)]}
+    model = Heads()
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(4, 4),), chunks=2, stages=2,
+                          profile=fxpipe.ProfileOptions(mode="estimate"))
+    x = torch.randn(4, 4)
+    out = pipe(x)
+    assert type(out) is dict and type(out["both"]) is list
+    out["extra"] = 1                                   # an fx immutable_dict would refuse this
+    assert torch.allclose(out["both"][1], model(x)["both"][1])
+    loss, stepped = pipe.step(x, torch.randn(4, 2), lambda o, t: ((o["both"][1] - t) ** 2).mean(), return_outputs=True)
+    assert type(stepped) is dict and type(stepped["both"]) is list

@@ -129,3 +129,35 @@ def test_custom_autograd_function_is_refused_instead_of_losing_its_backward():
     assert torch.autograd.function.Function.__dict__["apply"] is not None
     y = _StraightThrough.apply(torch.tensor([0.4], requires_grad=True))   # outside tracing: untouched
     assert y.item() == 0.0
+
+
+class _Counting(nn.Module):
+    """Buffers updated in place in forward, one of them by an operation with no traced input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        self.calls.add_(1)                               # fx used to run this once, while tracing
+        self.ema.mul_(0.9).add_(0.1 * x.detach().mean(0))   # ... and this mul_ too
+        return self.lin(x)
+
+
+def test_buffer_updates_run_at_every_call_not_once_while_tracing():
+    import fxpipe
+    model, twin = _Counting(), _Counting()
+    twin.load_state_dict(model.state_dict())
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(4, 4),), chunks=2,
+                          profile=fxpipe.ProfileOptions(mode="estimate", cache=False))
+    model.load_state_dict(twin.state_dict())   # whatever the compile ran
+    xs = [torch.randn(4, 4) for _ in range(3)]
+    with torch.no_grad():
+        for x in xs:
+            pipe(x)
+            for half in x.chunk(2):   # the pipeline runs micro-batches in order
+                twin(half)
+    assert model.calls.item() == twin.calls.item() == 6
+    assert torch.allclose(model.ema, twin.ema, rtol=1e-6, atol=1e-7)

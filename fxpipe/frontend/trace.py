@@ -29,6 +29,10 @@ __all__ = ["trace", "shared_parameter_owners"]
 class _Tracer(fx.Tracer):
     def __init__(self, leaf_types: tuple[type, ...], leaf_names: set[str], through: set[str]) -> None:
         super().__init__()
+        # A buffer read as a plain tensor is constant-folded by fx: ``self.count.add_(1)`` or
+        # ``self.ema.mul_(0.9)`` would run once while tracing and never again. As get_attr nodes they run
+        # at every call, in the stage that owns them.
+        self.proxy_buffer_attributes = True
         self.leaf_types = leaf_types
         self.leaf_names = leaf_names
         self.through = through

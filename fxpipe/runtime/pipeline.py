@@ -38,6 +38,7 @@ from fxpipe.planning.report import step_report
 from fxpipe.runtime.guards import ModelGuard, check_inputs
 from fxpipe.runtime.host import UNSHARED, Host, Turns
 from fxpipe.runtime.rng import is_random, rng_guard, step_seed
+from fxpipe.runtime.structure import user_structure
 from fxpipe.runtime.step import REDUCTIONS, OpTiming, StepFailure, run_step
 from fxpipe.runtime.streams import DeviceStreams, Event
 from fxpipe.runtime.worker import spawn_workers
@@ -166,7 +167,7 @@ class Pipeline(nn.Module):
                     ) from exc
         commit_statistics(self.modules())
         outputs = [fx.node.map_arg(self._output.args[0], lambda n, e=env: e[n.name]) for env in micro]
-        return gather(outputs)
+        return user_structure(gather(outputs))
 
     # ------------------------------------------------------------------ training step
     def step(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
@@ -238,7 +239,7 @@ class Pipeline(nn.Module):
             found = measure_worker_memory(self, inputs, target, loss_fn, schedule=schedule)
             self.last_step.update(memory=[w.peak_bytes for w in found],
                                   memory_method="profiled replay of each worker, torch.profiler")
-        return (loss, gather(outs)) if return_outputs else loss
+        return (loss, user_structure(gather(outs))) if return_outputs else loss
 
     def report(self) -> str:
         """Predicted against measured, per stage (and per worker's memory), for the last :meth:`step`.
