@@ -85,7 +85,9 @@ class Pipeline(nn.Module):
         self.guard = guard   # the compiled model's parameters, checked unchanged at every call
         self._placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
         self._output = next(n for n in graph_module.graph.nodes if n.op == "output")
-        self.train(self._traced_training)
+        # Only the pipeline's own flag (what _check_mode compares): self.train() would recurse into the
+        # stages and reset every submodule the user had set apart, e.g. a frozen BatchNorm in eval mode.
+        self.training = self._traced_training
 
     # ------------------------------------------------------------------ inputs
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
