@@ -9,6 +9,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.frontend.fingerprint import graph_fingerprint
+from fxpipe.frontend.modes import keeping_modes
 from fxpipe.frontend.trace import trace
 
 __all__ = ["Captured", "capture"]
@@ -25,13 +26,11 @@ class Captured:
 
 def capture(model: nn.Module, leaf_modules: Iterable[Any] = (), concrete_args: Any = None) -> Captured:
     """Trace ``model`` (see :func:`fxpipe.frontend.trace.trace`) and find whether its graph depends on
-    ``model.training``, by tracing it once more in the other mode (its mode is restored either way)."""
+    ``model.training``, by tracing it once more in the other mode. Every submodule's own flag is restored
+    either way (:func:`fxpipe.frontend.modes.keeping_modes`): a frozen BatchNorm stays in eval mode."""
     gm = trace(model, leaf_modules, concrete_args)
     fingerprint = graph_fingerprint(gm)
-    was = model.training
-    try:
-        model.train(not was)
+    with keeping_modes(model):
+        model.train(not model.training)
         other = trace(model, leaf_modules, concrete_args)
-    finally:
-        model.train(was)
     return Captured(gm, fingerprint, graph_fingerprint(other) != fingerprint)

@@ -6,6 +6,11 @@ place (tied weights, or one module called twice) is traced *through*, so that
 each shared parameter becomes a single ``get_attr`` node that the partitioner
 can place once and hand to every stage that reads it: that keeps its gradient
 correct when the readers land on different devices.
+
+Code that fx cannot represent is refused with a :class:`fxpipe.TraceError` naming the
+module, the operation and the fix: untraceable control flow, a custom
+``torch.autograd.Function`` (its backward would be lost), a grad-mode or autocast
+region (:mod:`fxpipe.frontend.grad_regions`: the region would be lost).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.errors import TraceError
+from fxpipe.frontend.grad_regions import DroppedRegion, refusing_grad_regions
 
 __all__ = ["trace", "shared_parameter_owners"]
 
@@ -107,14 +113,38 @@ def _refuse_autograd_functions() -> Iterator[None]:
         base.apply = original
 
 
+def _dropped_region(exc: BaseException | None) -> DroppedRegion | None:
+    """The :class:`DroppedRegion` behind ``exc``, if tracing failed on one (user code may have wrapped it)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, DroppedRegion):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _trace_once(model: nn.Module, tracer: _Tracer, concrete_args: dict[str, Any] | None) -> fx.GraphModule:
     try:
-        with _refuse_autograd_functions():
+        with _refuse_autograd_functions(), refusing_grad_regions():
             graph = tracer.trace(model, concrete_args=concrete_args)
     except Exception as exc:  # fx raises TraceError, TypeError, RuntimeError, AttributeError...
         module = tracer.failed_in or ""
         kind = type(model.get_submodule(module)).__name__ if module else type(model).__name__
         where = f"submodule {module!r} ({kind})" if module else f"the model's own forward ({kind})"
+        region = _dropped_region(exc)
+        if region is not None:
+            fix = (f"make the module that holds it a leaf: fxpipe.compile(..., leaf_modules=[{kind}]) runs its "
+                   "forward as written, region included, inside one stage" if module else
+                   "move the region into a submodule and make that a leaf (fxpipe.compile(..., "
+                   "leaf_modules=[ThatModule]) runs its forward as written, region included)")
+            raise TraceError(
+                f"the torch.fx front end cannot keep the {region.operation} in {where}: tracing records the "
+                "operations inside it but not the region, so the pipeline would compute other gradients or "
+                f"dtypes than the model\n  operation: {region.where}\n  fix: {fix}, or move the region out of "
+                "the model's forward (around the whole call, `with torch.autocast(...): pipe(x)`, it is kept)",
+                module=module or None, operation=region.where,
+            ) from exc
         fix = (f"make it a leaf: fxpipe.compile(..., leaf_modules=[{kind}]) keeps it whole inside one stage"
                if module else "pass concrete_args for the input that drives the control flow, "
                "or move the untraceable code into a submodule and make that a leaf")

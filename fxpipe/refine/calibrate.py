@@ -56,7 +56,7 @@ def step_stage_times(pipe: Any, example_inputs: tuple, steps: int = 2, target: A
         reduction = "mean"
     times: list[tuple[list[float], list[float]]] = [([], []) for _ in pipe.plan.stages]
     try:
-        with leaving_no_trace(pipe):
+        with leaving_no_trace(pipe), torch.enable_grad():   # they train, even if compile runs under no_grad
             for step in range(steps + 1):
                 pipe.step(inputs, target, loss_fn, reduction=reduction)
                 if step == 0:

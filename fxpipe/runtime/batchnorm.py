@@ -52,6 +52,7 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
         self.register_buffer("running_var", source.running_var)
         self.register_buffer("num_batches_tracked", source.num_batches_tracked)
         self._source_type = type(source)
+        self.training = source.training   # a frozen BatchNorm (eval inside a training model) stays frozen
         self._lock = threading.Lock()
         self._sum: torch.Tensor | None = None
         self._sum_squares: torch.Tensor | None = None

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from fxpipe.runtime.batchnorm import commit_statistics, tracking
+from fxpipe.runtime.caller_state import CallerState
 from fxpipe.runtime.codegen import StageSpec
 from fxpipe.errors import FxpipeError, StageError
 from fxpipe.runtime.microbatch import batch_size_of, gather, scatter
@@ -86,7 +87,9 @@ class Pipeline(nn.Module):
         self.guard = guard   # the compiled model's parameters, checked unchanged at every call
         self._placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
         self._output = next(n for n in graph_module.graph.nodes if n.op == "output")
-        self.train(self._traced_training)
+        # Only the pipeline's own flag (what _check_mode compares): self.train() would recurse into the
+        # stages and reset every submodule the user had set apart, e.g. a frozen BatchNorm in eval mode.
+        self.training = self._traced_training
 
     # ------------------------------------------------------------------ inputs
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -139,7 +142,7 @@ class Pipeline(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_mode()
         micro = self._micro_batches(args, kwargs)
-        grad = torch.is_grad_enabled()
+        caller = CallerState.capture()   # grad mode and autocast are thread-local: the workers enter the caller's
         m, p = len(micro), len(self.specs)
         random = self._random_stages()
         seed = step_seed(random)
@@ -150,7 +153,7 @@ class Pipeline(nn.Module):
             for clock in range(m + p - 1):
                 tasks = [(k, clock - k) for k in range(p) if 0 <= clock - k < m]
                 for k, i in tasks:
-                    workers.submit(k, (k, i), self._task(k, i, micro[i], grad, self._checkpointed(k, i, m),
+                    workers.submit(k, (k, i), self._task(k, i, micro[i], caller, self._checkpointed(k, i, m),
                                                          random[k], seed, streams, turns, ready[i]))
                 failures = []
                 for _ in tasks:
@@ -194,6 +197,11 @@ class Pipeline(nn.Module):
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
         self._check_mode()
+        caller = CallerState.capture()   # the workers run in the caller's autocast, as the model would
+        if not caller.grad:
+            raise FxpipeError(f"pipe.step computes gradients, but it is called under {caller.describe()} "
+                              "(gradients are off in this thread): call it outside that block, or use pipe(x) "
+                              "to run the model without training it")
         micro = self._micro_batches(inputs if isinstance(inputs, tuple) else (inputs,), {})
         targets = scatter([target], self.chunks)
         if len(targets) != len(micro) or any(batch_size_of(t) != batch_size_of(list(mb.values()))
@@ -213,7 +221,7 @@ class Pipeline(nn.Module):
             try:
                 loss, outs = run_step(self.specs, self.devices, self._output.args[0], micro, [t[0] for t in targets],
                                       loss_fn, schedule, ckpt, reduction, timings, workers=self._workers(schedule), random=self._random_stages(),
-                                      host=self.host)
+                                      host=self.host, caller=caller)
             except BaseException as failure:
                 commit_statistics(self.modules(), discard=True)
                 if not isinstance(failure, StepFailure):
@@ -282,17 +290,17 @@ class Pipeline(nn.Module):
         """Which stages draw random numbers in the current train/eval mode (:mod:`fxpipe.runtime.rng`)."""
         return [is_random(spec.module) for spec in self.specs]
 
-    def _task(self, k: int, i: int, env: dict[str, Any], grad: bool, checkpointed: bool, random: bool,
+    def _task(self, k: int, i: int, env: dict[str, Any], caller: CallerState, checkpointed: bool, random: bool,
               seed: int | None, streams: DeviceStreams, turns: Turns, ready: dict[str, Event]):
         spec, device = self.specs[k], self.devices[k]
-        use_checkpoint = grad and checkpointed
+        use_checkpoint = caller.grad and checkpointed
 
         def run() -> None:
             with turns.turn(device), streams.computing(device):
                 moved = [streams.move(env[name], device, ready.get(name)) for name in spec.inputs]
                 streams.wait(device, [event for _, event in moved])
                 inputs = [value for value, _ in moved]
-                with torch.set_grad_enabled(grad), tracking(), rng_guard(device, random, seed, k, i):
+                with caller.entered(), tracking(), rng_guard(device, random, seed, k, i):
                     if use_checkpoint:
                         outs = torch_checkpoint(spec.module, *inputs, use_reentrant=False,
                                                 preserve_rng_state=random)

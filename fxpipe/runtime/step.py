@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from fxpipe.runtime.batchnorm import tracking
+from fxpipe.runtime.caller_state import CallerState
 from fxpipe.runtime.codegen import StageSpec
 from fxpipe.runtime.host import UNSHARED, Host
 from fxpipe.runtime.microbatch import batch_size_of
@@ -108,18 +109,21 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
              micro_inputs: list[dict[str, Any]], micro_targets: list[Any], loss_fn: Callable[[Any, Any], torch.Tensor],
              schedule: str, checkpoint: Callable[[int, int], bool], reduction: str = "mean",
              timings: list[OpTiming] | None = None, workers: int | None = None,
-             random: list[bool] | None = None, host: Host = UNSHARED) -> tuple[torch.Tensor, list[Any]]:
+             random: list[bool] | None = None, host: Host = UNSHARED,
+             caller: CallerState | None = None) -> tuple[torch.Tensor, list[Any]]:
     """Run forward and backward of every micro-batch; return the weighted loss and per-micro-batch outputs.
 
     ``workers`` threads (default: one per stage; fewer for ``interleaved-1f1b``) run
     the operations of :func:`solvers.schedules.worker_orders`. ``timings``, if given,
     receives an :class:`OpTiming` per operation. ``random[k]`` says that stage ``k`` draws
     random numbers (:mod:`fxpipe.runtime.rng`; default: found from its graph). Every operation runs
-    inside a turn of ``host`` (:mod:`fxpipe.runtime.host`: CPU workers beyond the processors take turns).
+    inside a turn of ``host`` (:mod:`fxpipe.runtime.host`: CPU workers beyond the processors take turns) and in
+    ``caller``'s grad mode and autocast (:mod:`fxpipe.runtime.caller_state`; default: this thread's now).
 
     Raises :class:`StepFailure` for the first operation that failed (all workers stop).
     """
     p, m = len(specs), len(micro_inputs)
+    caller = CallerState.capture() if caller is None else caller
     n_workers = p if workers is None else workers
     orders = worker_orders(schedule, p, m, n_workers)   # raises ValueError for a shape it cannot run
     split = schedule in SPLIT_BACKWARD
@@ -271,7 +275,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
             with turns.turn(devices[k]):   # may this operation run now (fxpipe.runtime.host)
                 start = time.perf_counter()
                 try:
-                    with streams.computing(devices[k]):
+                    with streams.computing(devices[k]), caller.entered():   # new threads have torch's defaults
                         run_op[kind](k, i)
                         events[(kind, k, i)] = streams.record(devices[k])
                 except BaseException as exc:  # handed to the caller
