@@ -8,6 +8,7 @@ from typing import Any, Iterable
 import torch.fx as fx
 from torch import nn
 
+from fxpipe.errors import TraceError
 from fxpipe.frontend.fingerprint import graph_fingerprint
 from fxpipe.frontend.trace import trace
 
@@ -25,13 +26,19 @@ class Captured:
 
 def capture(model: nn.Module, leaf_modules: Iterable[Any] = (), concrete_args: Any = None) -> Captured:
     """Trace ``model`` (see :func:`fxpipe.frontend.trace.trace`) and find whether its graph depends on
-    ``model.training``, by tracing it once more in the other mode (its mode is restored either way)."""
+    ``model.training``, by tracing it once more in the other mode (its mode is restored either way).
+
+    Only the mode the user compiles in must trace: code that runs only in the other mode (a training-only
+    branch fx cannot follow) makes the graph mode-dependent, so the pipeline refuses to run in that mode
+    (with "compile again in the mode you want") rather than failing this compile."""
     gm = trace(model, leaf_modules, concrete_args)
     fingerprint = graph_fingerprint(gm)
     was = model.training
     try:
         model.train(not was)
-        other = trace(model, leaf_modules, concrete_args)
+        other = graph_fingerprint(trace(model, leaf_modules, concrete_args))
+    except TraceError:
+        other = None   # the other mode does not trace: the graph holds for this mode only
     finally:
         model.train(was)
-    return Captured(gm, fingerprint, graph_fingerprint(other) != fingerprint)
+    return Captured(gm, fingerprint, other != fingerprint)
