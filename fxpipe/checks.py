@@ -5,20 +5,24 @@ Every check raises with a message that names what is wrong and how to fix it.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import warnings
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 from fxpipe.errors import PlanMismatchError
 from fxpipe.frontend.capture import Captured
-from fxpipe.options import ProfileOptions
+from fxpipe.options import CompileOptions, ProfileOptions
 from fxpipe.planning.lowering import device_memory_bytes
 from fxpipe.planning.plan import Plan
+from fxpipe.runtime.microbatch import BatchLayout
 from fxpipe.runtime.pipeline import CHECKPOINT_MODES
 from solvers.schedules import SCHEDULES, check_schedule
 
-__all__ = ["check_arguments", "check_plan", "memory_limits", "parse_devices", "worker_devices"]
+__all__ = ["batch_layout", "check_arguments", "check_plan", "check_plan_layout", "memory_limits", "parse_devices",
+           "warn_batch_norm", "worker_devices"]
 
 
 def parse_devices(devices: Sequence[str | torch.device]) -> list[torch.device]:
@@ -99,6 +103,18 @@ def check_plan(plan: Plan, captured: Captured, model: nn.Module, devices: list[t
         raise PlanMismatchError("the plan was made in the other train/eval mode of this mode-dependent model")
 
 
+def check_plan_layout(plan: Plan, layout: BatchLayout, options: CompileOptions) -> None:
+    """Refuse batch dimensions given in ``options`` that differ from those a loaded plan was made for (without
+    any, the plan's are used)."""
+    if options.batch_dim == 0 and options.output_batch_dim is None and options.target_batch_dim is None:
+        return
+    planned, arguments = BatchLayout.of(plan.batch_dims), list(layout.inputs)
+    if (planned.input_dims(arguments), planned.output, planned.target) != \
+            (layout.input_dims(arguments), layout.output, layout.target):
+        raise PlanMismatchError(f"the plan was made for batch dimensions {planned.to_dict()} but options give "
+                                f"{layout.to_dict()}; compile without plan= to plan for this layout, or drop batch_dim")
+
+
 def memory_limits(devices: list[torch.device], v: int,
                   memory_bytes: Sequence[float] | None) -> list[float]:
     """Each worker device's memory for the planner: the user's override or what the device has."""
@@ -106,3 +122,43 @@ def memory_limits(devices: list[torch.device], v: int,
     if len(mem) < len(devices) or (len(mem) > len(devices) and v == 1):
         raise ValueError(f"memory_bytes has {len(mem)} entries for {len(devices)} devices")
     return mem
+
+
+def batch_layout(options: CompileOptions, gm: fx.GraphModule) -> BatchLayout:
+    """``options.batch_dim`` (one number, a sequence or a dict) as a :class:`BatchLayout` by forward argument."""
+    arguments = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    dims = options.batch_dim
+    if isinstance(dims, int):
+        inputs = {a: dims for a in arguments}
+    elif isinstance(dims, Mapping):
+        unknown = sorted(set(dims) - set(arguments))
+        if unknown:
+            raise ValueError(f"batch_dim names {unknown}, which are not arguments of the model's forward "
+                             f"{arguments}")
+        inputs = {a: dims.get(a, 0) for a in arguments}
+    else:
+        if len(dims) > len(arguments):
+            raise ValueError(f"batch_dim gives {len(dims)} dimensions for the {len(arguments)} forward arguments "
+                             f"{arguments}")
+        inputs = {a: (list(dims)[i] if i < len(dims) else 0) for i, a in enumerate(arguments)}
+    common = set(inputs.values())
+    output = options.output_batch_dim if options.output_batch_dim is not None else (
+        common.pop() if len(common) == 1 else 0)
+    target = options.target_batch_dim if options.target_batch_dim is not None else output
+    return BatchLayout(inputs, output, target)
+
+
+def warn_batch_norm(model: nn.Module, chunks: int, deferred: bool = False) -> None:
+    """Warn once when a train-mode BatchNorm meets micro-batches: each micro-batch is normalised by its own
+    statistics (as in torchgpipe), so the output and gradients differ from one full-batch step's."""
+    found = [name or type(model).__name__ for name, m in model.named_modules()
+             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    if chunks <= 1 or not found:
+        return
+    shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+    warnings.warn(
+        f"train-mode BatchNorm ({shown}) with chunks={chunks}: each micro-batch is normalised by its own "
+        "statistics, so outputs and gradients differ from one full-batch step's (pipe.step is not a full-batch "
+        "backward for these layers). Use the BatchNorm in eval mode, chunks=1, or GroupNorm/LayerNorm, which do "
+        "not mix samples" + ("" if deferred else "; options=fxpipe.CompileOptions(deferred_batch_norm=True) at "
+                             "least keeps the running statistics those of a full batch"), UserWarning, stacklevel=3)

@@ -10,8 +10,10 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
-from fxpipe.checks import check_arguments, check_plan, memory_limits, parse_devices, worker_devices
+from fxpipe.checks import (batch_layout, check_arguments, check_plan, check_plan_layout, memory_limits, parse_devices, warn_batch_norm,
+                           worker_devices)
 from fxpipe.cost.cpu import CpuHost
 from fxpipe.cost.node_costs import node_costs
 from fxpipe.frontend.capture import capture
@@ -20,10 +22,12 @@ from fxpipe.planning.plan import Plan
 from fxpipe.planning.planner import Planner
 from fxpipe.refine.rounds import refine
 from fxpipe.runtime.assemble import build_pipeline
+from fxpipe.runtime.batch_check import check_micro_batching
 from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
 from fxpipe.runtime.guards import ModelGuard, input_signature
 from fxpipe.runtime.host import UNSHARED
-from fxpipe.runtime.microbatch import batch_size_of, scatter
+from fxpipe.runtime.losses import scalar_of
+from fxpipe.runtime.microbatch import batch_size_of, check_micro_batches, scatter
 from fxpipe.runtime.pipeline import Pipeline
 
 __all__ = ["compile", "parse_devices"]
@@ -77,7 +81,13 @@ def compile(
             :class:`fxpipe.ProfileOptions` for the measurement's knobs (repeats, stage timing, contention
             steps, calibration, the profile cache, progress).
         options: :class:`fxpipe.CompileOptions`, settings most users never touch (``concrete_args``,
-            ``deferred_batch_norm``, the memory limit's ``optimizer_state_factor`` and ``memory_bytes``).
+            ``deferred_batch_norm``, ``batch_dim``, the memory limit's ``optimizer_state_factor`` and
+            ``memory_bytes``).
+
+    With ``chunks > 1`` the example batch is run once whole and once as micro-batches, in eval mode
+    (:mod:`fxpipe.runtime.batch_check`): a model whose outputs change when its batch is split (a
+    sequence-first layout split along time, a batch-level operation) is refused. A train-mode BatchNorm
+    with ``chunks > 1`` gets a warning: micro-batch statistics are not a full batch's.
     """
     devs = parse_devices(devices)
     profiling, options = ProfileOptions.of(profile), options or CompileOptions()
@@ -91,26 +101,35 @@ def compile(
         pipe = build_pipeline(captured.graph, chosen, checkpoint, captured.mode_dependent, host)
         pipe.guard = ModelGuard(model)   # after the moves: .to(device) replaces buffer tensors
         return pipe
+    layout = batch_layout(options, captured.graph)
     if plan is not None:
         check_plan(plan, captured, model, devs, chunks)
+        check_plan_layout(plan, layout, options)
+        warn_batch_norm(model, plan.chunks, options.deferred_batch_norm)
         return build(plan)
     if example_inputs is None:
         raise ValueError("example_inputs is required to profile the model (or pass plan=fxpipe.load_plan(...))")
     example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    batch = batch_size_of(list(example_inputs))
+    dims = layout.input_dims([n.target for n in captured.graph.graph.nodes if n.op == "placeholder"])
+    dims = dims[:len(example_inputs)] + [0] * (len(example_inputs) - len(dims))
+    batch = batch_size_of(list(example_inputs), dims)
     chunks = chunks if chunks is not None else min(batch, 4 * len(devs))
     workers = worker_devices(devs, schedule, v, stages, chunks)
-    first = tuple(x.to(workers[0]) if isinstance(x, torch.Tensor) else x
-                  for x in scatter(list(example_inputs), chunks)[0])
+    check_micro_batches(schedule, len(workers), batch, chunks)
+    warn_batch_norm(model, chunks, options.deferred_batch_norm)
+    check_micro_batching(captured.graph, example_inputs, layout, chunks)
+    first = tuple(tree_map(lambda x: x.to(workers[0]) if isinstance(x, torch.Tensor) else x, part)
+                  for part in scatter(list(example_inputs), chunks, dims)[0])
     captured.graph.to(workers[0])
     costs, cached = node_costs(captured.graph, captured.fingerprint, first, workers[0], profiling)   # 2. cost
     planner = Planner(gm=captured.graph, fingerprint=captured.fingerprint, model_name=type(model).__name__,
                       devices=workers, all_devices=devs, memory_bytes=memory_limits(workers, v, options.memory_bytes),
                       chunks=chunks, stages=stages, virtual_stages=v, schedule=schedule, checkpoint=checkpoint,
                       optimizer_state_factor=options.optimizer_state_factor, batch=batch, profile=profiling.mode,
-                      training=model.training,
+                      training=model.training, batch_dims=layout.to_dict(),
                       profile_extra={"threads": torch.get_num_threads(), "from_cache": cached,
                                      "inputs": input_signature(captured.graph, example_inputs)})
     first_plan = planner.plan(costs)                                                    # 3. plan
+    measured_loss = (lambda out, target: scalar_of(loss_fn(out, target))) if loss_fn is not None else None
     return refine(planner, costs, first_plan, build, example_inputs, profiling,         # 5. refine
-                  loss_fn=loss_fn, example_target=example_target)
+                  loss_fn=measured_loss, example_target=example_target)

@@ -9,7 +9,7 @@ before anything runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 __all__ = ["COMPILE_MODES", "CONTENTION_STEPS", "CompileOptions", "ProfileOptions"]
 
@@ -91,13 +91,32 @@ class CompileOptions:
             per micro-batch; the user's buffers are updated in place.
         optimizer_state_factor: optimizer state per parameter byte (Adam: 2) for the memory limit.
         memory_bytes: per-device memory override for the memory limit.
+        batch_dim: the dimension of the inputs that holds the samples, split into micro-batches: one
+            number for every input (``1`` for a sequence-first ``nn.LSTM``/``nn.TransformerEncoder``,
+            ``batch_first=False``), a sequence (one per forward argument, in order) or a dict by forward
+            argument name (missing ones: 0).
+        output_batch_dim, target_batch_dim: the dimension the outputs are gathered along and the one
+            ``pipe.step``'s target is split along; default: ``batch_dim`` when all inputs share one, else 0
+            (the target: the output's).
     """
 
     concrete_args: dict[str, Any] | None = None
     deferred_batch_norm: bool = False
     optimizer_state_factor: float = 0.0
     memory_bytes: Sequence[float] | None = None
+    batch_dim: int | Sequence[int] | Mapping[str, int] = 0
+    output_batch_dim: int | None = None
+    target_batch_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.optimizer_state_factor < 0:
             raise ValueError(f"optimizer_state_factor must be 0 or more, got {self.optimizer_state_factor!r}")
+        dims = self.batch_dim
+        values = (list(dims.values()) if isinstance(dims, Mapping) else
+                  [dims] if isinstance(dims, int) else list(dims) if isinstance(dims, (list, tuple)) else [dims])
+        if isinstance(dims, Mapping) and not all(isinstance(k, str) for k in dims):
+            raise ValueError(f"batch_dim as a dict maps forward argument names to dimensions, got {dims!r}")
+        for name, value in [("batch_dim", v) for v in values] + [("output_batch_dim", self.output_batch_dim),
+                                                                 ("target_batch_dim", self.target_batch_dim)]:
+            if value is not None:
+                _whole(name, value, 0, " (a dimension; negative ones are not accepted)")

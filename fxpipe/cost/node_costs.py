@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from fxpipe.cost.profile import profile_graph
 from fxpipe.cost.profile_cache import ProfileCache, profile_key
+from fxpipe.frontend.trace import run_failure
 from fxpipe.options import ProfileOptions
 
 __all__ = ["node_costs"]
@@ -48,10 +49,7 @@ def node_costs(gm: fx.GraphModule, fingerprint: str, first_micro_batch: tuple, d
             costs = profile_graph(gm, first_micro_batch, device, mode=options.mode, warmup=options.warmup,
                                   repeats=options.repeats, progress=_progress(options.progress))
     except Exception as exc:
-        raise ValueError(
-            f"running the model on example_inputs failed while profiling: {type(exc).__name__}: {exc}; "
-            "check that example_inputs match the model's forward()"
-        ) from exc
+        raise run_failure(exc, gm, len(first_micro_batch)) from exc
     if cache is not None and not cached:
         cache.store(key, costs)
     return costs, cached

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from fxpipe.errors import TraceError
 from fxpipe.frontend.grad_regions import DroppedRegion, refusing_grad_regions
 
-__all__ = ["trace", "shared_parameter_owners"]
+__all__ = ["trace", "shared_parameter_owners", "run_failure"]
 
 
 class _Tracer(fx.Tracer):
@@ -205,3 +205,20 @@ def _param_owners(model: nn.Module, name: str) -> Iterable[tuple[str, nn.Module]
         if any(True for _ in mod.parameters(recurse=False)):
             yield sub, mod
     yield name, root
+
+
+def run_failure(exc: BaseException, gm: fx.GraphModule, given: int) -> ValueError:
+    """The error for a traced model that fails on its example inputs. An optional argument left out of
+    them (``mask=None``) was traced as an input all the same: its ``if mask is not None:`` branch is in the
+    graph, which then fails on ``None``; ``concrete_args`` makes the trace take the ``None`` branch."""
+    left = [n.target for n in gm.graph.nodes if n.op == "placeholder"][given:]
+    defaults = {n.target: n.args[0] for n in gm.graph.nodes if n.op == "placeholder" and n.args}
+    optional = [a for a in left if a in defaults and defaults[a] is None]
+    if optional:
+        fix = (f"the forward's optional argument(s) {optional} were left at None, but torch.fx traced them as "
+               "inputs, so code under `if <arg> is not None:` is in the graph and runs on None; compile with "
+               f"options=fxpipe.CompileOptions(concrete_args={{{', '.join(f'{a!r}: None' for a in optional)}}}) "
+               "to trace the model as called without them (or pass them in example_inputs)")
+    else:
+        fix = "check that example_inputs match the model's forward()"
+    return ValueError(f"running the model on example_inputs failed: {type(exc).__name__}: {exc}; {fix}")

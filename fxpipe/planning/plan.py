@@ -72,6 +72,8 @@ class Plan:
     fxpipe_version: str = ""
     virtual_stages: int = 1     # stages per device (interleaved-1f1b): stage s runs on worker s % (stages / v)
     measured: dict[str, Any] = field(default_factory=dict)   # pipe.report(): predicted vs measured of a real step
+    # where the samples are: {"inputs": {argument: dim}, "output": dim, "target": dim}; missing means dim 0
+    batch_dims: dict[str, Any] = field(default_factory=dict)
 
     @property
     def workers(self) -> int:

@@ -55,6 +55,7 @@ class Planner:
     profile: str
     training: bool
     profile_extra: dict[str, Any] = field(default_factory=dict)
+    batch_dims: dict[str, Any] = field(default_factory=dict)   # fxpipe.runtime.microbatch.BatchLayout, as data
 
     def __post_init__(self) -> None:
         # one solver device per (chunk, device) for interleaved-1f1b; the links are read once
@@ -118,6 +119,7 @@ class Planner:
             plan.predicted["iteration_s"] = simulated.iteration_s
             plan.predicted["throughput_samples_per_s"] = self.batch / simulated.iteration_s
         plan.schedule, plan.virtual_stages = self.schedule, v
+        plan.batch_dims = dict(self.batch_dims)
         stage_buffers(self.gm, costs, plan)
         memory_of = {d.id: d.memory_bytes for d in problem.devices}
         for st, chosen in zip(plan.stages, solution.stages):   # interleaved: each stage's share of its device

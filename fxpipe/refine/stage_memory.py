@@ -34,7 +34,6 @@ from typing import Any, Callable
 import torch
 
 from fxpipe.runtime.memory_probe import Replay, allocations, replaying
-from fxpipe.runtime.microbatch import scatter
 
 __all__ = ["measure_stage_bytes"]
 
@@ -47,7 +46,7 @@ def measure_stage_bytes(pipe: Any, example_inputs: Any, target: Any = None,
         raise ValueError("pass both loss_fn and example_target (a full batch's target), or neither")
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     micro = pipe._micro_batches(inputs, {})[:1]
-    targets = [scatter([target], pipe.chunks)[0][0]] if target is not None else None
+    targets = pipe._micro_targets(target)[:1] if target is not None else None
     last = len(pipe.specs) - 1
     sizes = []
     with replaying(pipe, micro) as seen:

@@ -30,7 +30,6 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fxpipe.runtime.microbatch import scatter
 from fxpipe.runtime.no_trace import leaving_no_trace
 from fxpipe.cost.profile import device_sync
 from fxpipe.runtime.worker import spawn_workers
@@ -95,7 +94,7 @@ def _loss(pipe: Any, spec: Any, env: dict[str, tuple[Any, bool]], device: torch.
     """The training loss of micro-batch 0 from the last stage's outputs (None without ``loss_fn``)."""
     if loss_fn is None:
         return None
-    mine = scatter([target], pipe.chunks)[0][0]
+    mine = pipe._micro_targets(target)[0]
     mine = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, mine)
 
     def loss(out: Any) -> torch.Tensor:

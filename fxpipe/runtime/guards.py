@@ -34,9 +34,9 @@ def input_signature(gm: torch.fx.GraphModule, example_inputs: tuple) -> list[dic
 _warned: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = set()
 
 
-def check_inputs(signature: list[dict[str, Any]], bound: dict[str, Any], batch_dim: int = 0) -> None:
+def check_inputs(signature: list[dict[str, Any]], bound: dict[str, Any], batch_dim: int | dict[str, int] = 0) -> None:
     """Refuse an input of another dtype or rank than ``signature`` (by input name); warn once per shape
-    about other sizes outside ``batch_dim``."""
+    about other sizes outside ``batch_dim`` (one for all, or by input name)."""
     for expected in signature:
         value = bound.get(expected["name"])
         if not isinstance(value, torch.Tensor):
@@ -52,8 +52,9 @@ def check_inputs(signature: list[dict[str, Any]], bound: dict[str, Any], batch_d
                 f"input {name!r} has {value.dim()} dimensions {tuple(value.shape)} but the pipeline was compiled "
                 f"for {len(shape)} {shape} (a stage could broadcast it into a wrong answer); pass inputs shaped "
                 "like the example inputs, or compile again with these")
-        others = tuple(s for d, s in enumerate(value.shape) if d != batch_dim)
-        planned = tuple(s for d, s in enumerate(shape) if d != batch_dim)
+        dim = batch_dim.get(name, 0) if isinstance(batch_dim, dict) else batch_dim
+        others = tuple(s for d, s in enumerate(value.shape) if d != dim)
+        planned = tuple(s for d, s in enumerate(shape) if d != dim)
         if others != planned and (name, planned, others) not in _warned:
             _warned.add((name, planned, others))
             warnings.warn(f"input {name!r} has shape {tuple(value.shape)} but the plan was costed for {shape}: the "

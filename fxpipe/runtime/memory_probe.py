@@ -31,7 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from fxpipe.runtime.microbatch import scatter
+from fxpipe.runtime.losses import scalar_of
 from fxpipe.runtime.no_trace import leaving_no_trace
 from fxpipe.runtime.split_backward import WeightPass, backward_inputs, full_backward
 from solvers.schedules import SPLIT_BACKWARD, worker_orders
@@ -125,7 +125,7 @@ def measure_worker_memory(pipe: Any, inputs: Any, target: Any, loss_fn: Callable
     """Peak memory of each worker (or only ``worker``) for one :meth:`Pipeline.step` of ``inputs``."""
     schedule = schedule or pipe.schedule
     micro = pipe._micro_batches(inputs if isinstance(inputs, tuple) else (inputs,), {})
-    targets = [t[0] for t in scatter([target], pipe.chunks)]
+    targets = pipe._micro_targets(target)
     m = len(micro)
     workers = pipe._workers(schedule)
     orders = worker_orders(schedule, len(pipe.specs), m, workers)
@@ -174,7 +174,7 @@ class Replay:
                 structure = fx.node.map_arg(self.pipe._output.args[0], lambda n: by_name[n.name]
                                             if n.name in by_name else self.seen[i][n.name])
                 target = _to(self.targets[i], self.pipe.devices[k])
-                roots, grads = [self.loss_fn(structure, target)], [torch.ones((), device=self.pipe.devices[k])]
+                roots, grads = [scalar_of(self.loss_fn(structure, target))], [torch.ones((), device=self.pipe.devices[k])]
             else:
                 for t in tree_flatten(outs)[0]:
                     if isinstance(t, torch.Tensor) and t.requires_grad:

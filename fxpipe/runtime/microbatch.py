@@ -1,59 +1,141 @@
-"""Splitting a batch into micro-batches and gathering the outputs back (as torchgpipe does)."""
+"""Splitting a batch into micro-batches and gathering the outputs back (as torchgpipe does), along a batch
+dimension that need not be 0.
+
+Inputs, targets and outputs are pytrees (tuples, lists, dicts of tensors, nested): every tensor leaf that
+has the batch dimension is split along it with ``torch.chunk`` semantics and every other leaf (a 0-dim
+tensor, a number, a string, ``None``) is shared by all micro-batches. ``dims`` gives the batch dimension of
+each top-level value (one int for all): a sequence-first ``nn.LSTM`` input ``(T, B, F)`` has batch
+dimension 1.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-__all__ = ["scatter", "gather", "batch_size_of"]
+__all__ = ["BatchLayout", "scatter", "gather", "batch_size_of", "micro_batch_count", "check_micro_batches"]
 
 
-def batch_size_of(values: list[Any]) -> int:
-    """The common size of dimension 0 of every tensor input; raises if they disagree."""
-    sizes = {v.size(0) for v in values if isinstance(v, torch.Tensor) and v.dim() > 0}
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where the samples are: each input's batch dimension by forward-argument name (missing: 0), the
+    dimension the outputs are gathered along and the one the target is split along (``plan.batch_dims``)."""
+
+    inputs: dict[str, int] = field(default_factory=dict)
+    output: int = 0
+    target: int = 0
+
+    @classmethod
+    def of(cls, doc: dict[str, Any] | None) -> "BatchLayout":
+        doc = doc or {}
+        return cls(dict(doc.get("inputs", {})), int(doc.get("output", 0)), int(doc.get("target", 0)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"inputs": dict(self.inputs), "output": self.output, "target": self.target}
+
+    def input_dims(self, arguments: Sequence[str]) -> list[int]:
+        return [self.inputs.get(a, 0) for a in arguments]
+
+
+def _per_value(values: list[Any], dims: int | Sequence[int]) -> list[int]:
+    out = [dims] * len(values) if isinstance(dims, int) else list(dims)
+    if len(out) != len(values):
+        raise ValueError(f"{len(out)} batch dimensions for {len(values)} values")
+    return out
+
+
+def _batched(leaf: Any, dim: int) -> bool:
+    return isinstance(leaf, torch.Tensor) and leaf.dim() > dim
+
+
+def batch_size_of(values: list[Any], dims: int | Sequence[int] = 0) -> int:
+    """The common size of the batch dimension of every tensor leaf of ``values``; raises if they disagree."""
+    sizes: dict[str, int] = {}
+    for index, (value, dim) in enumerate(zip(values, _per_value(values, dims))):
+        for path, leaf in tree_flatten_with_path(value)[0]:
+            if _batched(leaf, dim):
+                sizes[f"[{index}]{keystr(path)}"] = leaf.size(dim)
     if not sizes:
-        raise ValueError("the pipeline needs at least one tensor input with a batch dimension (dim 0)")
-    if len(sizes) > 1:
-        raise ValueError(f"tensor inputs disagree on the batch size (dim 0): {sorted(sizes)}")
-    return sizes.pop()
+        kinds = ", ".join(type(v).__name__ for v in values) or "nothing"
+        raise ValueError(f"the pipeline needs at least one tensor (inside tuples, lists or dicts too) with a batch "
+                         f"dimension to split into micro-batches; got {kinds} (batch dimension "
+                         f"{_per_value(values, dims)}): pass the batch as tensors, or set "
+                         "CompileOptions(batch_dim=...) to the dimension that holds the samples")
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"tensors disagree on the batch size (batch dimension {_per_value(values, dims)}): "
+                         f"{sizes}; every tensor with a batch dimension must hold the same samples, or give each "
+                         "input its own dimension with CompileOptions(batch_dim={name: dim})")
+    return next(iter(sizes.values()))
 
 
-def scatter(values: list[Any], chunks: int) -> list[list[Any]]:
-    """Split every batched tensor along dim 0 with ``torch.chunk``; other values are shared.
+def micro_batch_count(batch: int, chunks: int) -> int:
+    """How many micro-batches ``torch.chunk`` makes of ``batch`` samples in ``chunks`` (an uneven batch may
+    give fewer: 6 in 4 chunks is 3 of 2)."""
+    size = -(-batch // chunks)
+    return -(-batch // size)
+
+
+def scatter(values: list[Any], chunks: int, dims: int | Sequence[int] = 0) -> list[list[Any]]:
+    """Split every batched tensor leaf of ``values`` along its batch dimension with ``torch.chunk``; other
+    leaves are shared.
 
     Like ``torch.chunk``, an uneven batch gives smaller last micro-batches and
     possibly fewer than ``chunks`` of them. A batch smaller than ``chunks`` is an error.
     """
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
-    batch = batch_size_of(values)
+    per = _per_value(values, dims)
+    batch = batch_size_of(values, per)
     if batch < chunks:
         raise ValueError(
             f"a batch of {batch} samples cannot be split into {chunks} micro-batches; "
             f"use a batch of at least {chunks} samples or chunks <= {batch}"
         )
-    pieces = [v.chunk(chunks) if isinstance(v, torch.Tensor) and v.dim() > 0 else None for v in values]
-    count = min(len(p) for p in pieces if p is not None)
-    return [[p[i] if p is not None else v for v, p in zip(values, pieces)] for i in range(count)]
+    count = micro_batch_count(batch, chunks)
+    split = []
+    for value, dim in zip(values, per):
+        leaves, spec = tree_flatten(value)
+        pieces = [leaf.chunk(chunks, dim) if _batched(leaf, dim) else None for leaf in leaves]
+        split.append([tree_unflatten([p[i] if p is not None else leaf for leaf, p in zip(leaves, pieces)], spec)
+                      for i in range(count)])
+    return [[column[i] for column in split] for i in range(count)]
 
 
-def gather(outputs: list[Any]) -> Any:
-    """Concatenate micro-batch outputs along dim 0, leaf by leaf, keeping their structure."""
+def gather(outputs: list[Any], dim: int = 0) -> Any:
+    """Concatenate micro-batch outputs along ``dim``, leaf by leaf, keeping their structure."""
     flat = [tree_flatten(o) for o in outputs]
     leaves0, spec = flat[0]
     merged = []
     for i, leaf in enumerate(leaves0):
         column = [f[0][i] for f in flat]
         if isinstance(leaf, torch.Tensor):
-            if leaf.dim() == 0:
+            if leaf.dim() <= dim:
                 raise ValueError(
-                    f"output leaf {i} is a 0-dim tensor (e.g. a loss computed inside the model); "
-                    "the pipeline cannot merge it across micro-batches: return per-sample values "
-                    "and reduce them after the pipeline"
+                    f"output leaf {i} is a {leaf.dim()}-dim tensor without the batch dimension {dim} (e.g. a loss "
+                    "computed inside the model); the pipeline cannot merge it across micro-batches: return "
+                    "per-sample values and reduce them after the pipeline (or set CompileOptions(output_batch_dim=...))"
                 )
-            merged.append(torch.cat(column) if len(column) > 1 else column[0])
+            merged.append(torch.cat(column, dim) if len(column) > 1 else column[0])
         else:
             merged.append(leaf)
     return tree_unflatten(merged, spec)
+
+
+def check_micro_batches(schedule: str, workers: int, batch: int, chunks: int) -> None:
+    """Refuse a batch whose micro-batches (``torch.chunk`` may make fewer than ``chunks``) interleaved 1F1B
+    cannot run, suggesting ``chunks`` that would work for this batch."""
+    count = micro_batch_count(batch, chunks)
+    if schedule != "interleaved-1f1b" or count % workers == 0:
+        return
+    good = [c for c in range(1, min(batch, 4096) + 1) if micro_batch_count(batch, c) % workers == 0]
+    fixes = [f"chunks={' or chunks='.join(map(str, sorted(sorted(good, key=lambda c: (abs(c - chunks), c))[:2])))}"
+             ] if good else []
+    if chunks % workers == 0:
+        fixes.append(f"a batch that is a multiple of {chunks} (then every micro-batch has batch / {chunks} samples)")
+    raise ValueError(
+        f"interleaved-1f1b runs micro-batches in groups of the {workers} workers, but a batch of {batch} in "
+        f"chunks={chunks} gives {count} micro-batches (torch.chunk: {-(-batch // chunks)} samples each, the last "
+        f"ones fewer or missing), not a multiple of {workers}; use {' or '.join(fixes) or 'another batch size'}")

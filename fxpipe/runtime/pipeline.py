@@ -8,30 +8,30 @@ backward of every micro-batch per stage, in the plan's schedule (GPipe or
 thread per stage. At clock ``c`` stage ``k`` processes micro-batch ``c - k``;
 a clock ends when all its tasks have. Backward is left to autograd: the gathered output is an ordinary autograd tensor, so
 ``loss.backward()`` reaches every parameter, and gradients accumulate over
-micro-batches exactly as one full-batch backward would. Checkpointing uses
+micro-batches exactly as one full-batch backward would (except through a train-mode BatchNorm,
+which normalises each micro-batch by its own statistics). Checkpointing uses
 ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved) per stage and
 micro-batch, with torchgpipe's modes.
 """
 
 from __future__ import annotations
 
-import linecache
-import re
 import time
-import traceback
 from contextlib import ExitStack
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from fxpipe.runtime.batchnorm import commit_statistics, tracking
 from fxpipe.runtime.caller_state import CallerState
 from fxpipe.runtime.codegen import StageSpec
-from fxpipe.errors import FxpipeError, StageError
-from fxpipe.runtime.microbatch import batch_size_of, gather, scatter
+from fxpipe.errors import FxpipeError
+from fxpipe.runtime.failures import forward_error, step_error
+from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, check_micro_batches, gather, scatter
 from fxpipe.planning.memory_model import checkpointed
 from fxpipe.runtime.memory_probe import allocations, measure_worker_memory
 from fxpipe.planning.plan import Plan
@@ -39,8 +39,9 @@ from fxpipe.planning.report import step_report
 from fxpipe.runtime.guards import ModelGuard, check_inputs
 from fxpipe.runtime.host import UNSHARED, Host, Turns
 from fxpipe.runtime.rng import is_random, rng_guard, step_seed
+from fxpipe.runtime.losses import REDUCTIONS
 from fxpipe.runtime.structure import user_structure
-from fxpipe.runtime.step import REDUCTIONS, OpTiming, StepFailure, run_step
+from fxpipe.runtime.step import OpTiming, StepFailure, run_step
 from fxpipe.runtime.streams import DeviceStreams, Event
 from fxpipe.runtime.worker import spawn_workers
 from solvers.schedules import SCHEDULES, worker_orders
@@ -49,20 +50,6 @@ __all__ = ["Pipeline", "CHECKPOINT_MODES", "STEP_SCHEDULES"]
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 STEP_SCHEDULES = SCHEDULES
-_ASSIGN = re.compile(r"^\s*(\w+)\s*=")
-
-
-def failing_node(exc: BaseException) -> str | None:
-    """Name of the fx node whose generated line raised ``exc``, if it came from stage code."""
-    name = None
-    for frame in traceback.extract_tb(exc.__traceback__):
-        if frame.filename.startswith("<eval_with_key>"):
-            m = _ASSIGN.match(linecache.getline(frame.filename, frame.lineno))
-            if m:
-                name = m.group(1)
-    return name
-
-
 class Pipeline(nn.Module):
     """A model split into stages on devices; call it like the model."""
 
@@ -87,6 +74,7 @@ class Pipeline(nn.Module):
         self.guard = guard   # the compiled model's parameters, checked unchanged at every call
         self._placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
         self._output = next(n for n in graph_module.graph.nodes if n.op == "output")
+        self.layout = BatchLayout.of(plan.batch_dims)   # where the samples are in inputs, outputs and targets
         # Only the pipeline's own flag (what _check_mode compares): self.train() would recurse into the
         # stages and reset every submodule the user had set apart, e.g. a frozen BatchNorm in eval mode.
         self.training = self._traced_training
@@ -117,9 +105,20 @@ class Pipeline(nn.Module):
         env0 = self._bind(args, kwargs)
         if self.guard is not None:
             self.guard.check()
-        check_inputs(self.plan.profile.get("inputs", []), env0)
+        dims = {p.name: self.layout.inputs.get(p.target, 0) for p in self._placeholders}
+        check_inputs(self.plan.profile.get("inputs", []), env0, dims)
         names = list(env0)
-        return [dict(zip(names, values)) for values in scatter(list(env0.values()), self.chunks)]
+        return [dict(zip(names, values)) for values in scatter(list(env0.values()), self.chunks,
+                                                                [dims[n] for n in names])]
+
+    def _micro_targets(self, target: Any) -> list[Any]:
+        """``target`` split into micro-batches along the layout's target dimension."""
+        return [t[0] for t in scatter([target], self.chunks, self.layout.target)]
+
+    def _sizes(self, micro: list[dict[str, Any]]) -> list[int]:
+        """Samples per micro-batch."""
+        dims = {p.name: self.layout.inputs.get(p.target, 0) for p in self._placeholders}
+        return [batch_size_of(list(mb.values()), [dims[n] for n in mb]) for mb in micro]
 
     def stage_checkpoint(self, stage: int) -> str:
         """The checkpoint mode of ``stage``: the plan's choice for it (``checkpoint="auto"``) or the pipeline's."""
@@ -163,14 +162,10 @@ class Pipeline(nn.Module):
                 if failures:
                     commit_statistics(self.modules(), discard=True)
                     k, i, exc = min(failures, key=lambda f: (f[0], f[1]))
-                    node = failing_node(exc)
-                    raise StageError(
-                        f"stage {k} (device {self.devices[k]}) failed on micro-batch {i} at node "
-                        f"{node!r}: {type(exc).__name__}: {exc}", stage=k, micro_batch=i, node=node,
-                    ) from exc
+                    raise forward_error(k, i, self.devices[k], exc) from exc
         commit_statistics(self.modules())
         outputs = [fx.node.map_arg(self._output.args[0], lambda n, e=env: e[n.name]) for env in micro]
-        return user_structure(gather(outputs))
+        return user_structure(gather(outputs, self.layout.output))
 
     # ------------------------------------------------------------------ training step
     def step(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
@@ -178,13 +173,24 @@ class Pipeline(nn.Module):
              measure_memory: bool = False) -> Any:
         """Forward and backward of one mini-batch with an explicit schedule; returns the loss.
 
-        ``inputs`` is the model's input (a tuple for several); ``target`` is split into
-        micro-batches like them, moved to the last stage's device, and ``loss_fn(output, target)``
-        is applied per micro-batch there.
-        ``reduction="mean"`` (for a loss that averages over its batch, the default of
-        ``torch.nn`` losses) weights micro-batch ``i`` by ``n_i / N``; ``"sum"`` by 1. Either
-        way the returned loss and the gradients accumulated in ``.grad`` equal one
-        full-batch ``loss_fn(model(inputs), target).backward()``. ``schedule`` defaults to
+        ``inputs`` is the model's input (a tuple for several; tensors inside tuples, lists and dicts
+        are split); ``target`` (a tensor or such a structure) is split into micro-batches like them,
+        moved to the last stage's device, and ``loss_fn(output, target)`` is applied per micro-batch
+        there (:mod:`fxpipe.runtime.losses`):
+
+        - ``reduction="mean"`` weights micro-batch ``i`` by ``n_i / N``. Exact for a loss that averages
+          over samples of equal weight (``mse_loss``, ``cross_entropy`` with one label per sample). Not
+          exact for a loss averaged over elements spread unevenly over the samples, e.g.
+          ``cross_entropy(ignore_index=-100)`` on padded sequences: use ``"token"``.
+        - ``reduction="token"``: ``loss_fn`` returns ``(loss_sum, count)`` (e.g.
+          ``cross_entropy(..., reduction="sum")`` and ``(target != -100).sum()``); the gradients are
+          those of the total sum over the whole batch's count, and the returned loss is that mean.
+        - ``reduction="sum"`` weights every micro-batch by 1 (for a summed loss).
+
+        The returned loss and the gradients accumulated in ``.grad`` then equal one full-batch
+        ``loss_fn(model(inputs), target).backward()`` — except for layers that mix samples: a
+        BatchNorm in train mode normalises each micro-batch by its own statistics (as torchgpipe), so
+        its gradients differ from a full batch's (``fxpipe.compile`` warns). ``schedule`` defaults to
         the plan's (``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` with the plan's stages per
         device, or ``"zb-h1"``). With ``return_outputs`` returns ``(loss, output)``.
         ``measure_memory`` records each worker's peak memory for :meth:`report`
@@ -202,13 +208,19 @@ class Pipeline(nn.Module):
             raise FxpipeError(f"pipe.step computes gradients, but it is called under {caller.describe()} "
                               "(gradients are off in this thread): call it outside that block, or use pipe(x) "
                               "to run the model without training it")
-        micro = self._micro_batches(inputs if isinstance(inputs, tuple) else (inputs,), {})
-        targets = scatter([target], self.chunks)
-        if len(targets) != len(micro) or any(batch_size_of(t) != batch_size_of(list(mb.values()))
-                                             for t, mb in zip(targets, micro)):
-            raise ValueError("target must have the batch size of the inputs (it is split into micro-batches "
-                             "the same way)")
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        micro = self._micro_batches(inputs, {})
+        sizes = self._sizes(micro)
+        targets = self._micro_targets(target)
+        if len(targets) != len(micro) or any(batch_size_of([t], self.layout.target) != n
+                                             for t, n in zip(targets, sizes)):
+            raise ValueError(f"target must have the batch size of the inputs, {sum(sizes)}, along its batch "
+                             f"dimension {self.layout.target} (it is split into micro-batches the same way; "
+                             "CompileOptions(target_batch_dim=...) names another dimension)")
         m = len(micro)
+        check_micro_batches(schedule, self._workers(schedule), sum(sizes), self.chunks)
+        grad_leaves = [t for t in tree_flatten(inputs)[0]
+                       if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad]
 
         def ckpt(k: int, i: int) -> bool:
             return self._checkpointed(k, i, m)
@@ -219,22 +231,15 @@ class Pipeline(nn.Module):
             gpu_memory = {d: measuring.enter_context(allocations(d)) for d in (cuda if on_gpu else [])}
             started = time.perf_counter()
             try:
-                loss, outs = run_step(self.specs, self.devices, self._output.args[0], micro, [t[0] for t in targets],
-                                      loss_fn, schedule, ckpt, reduction, timings, workers=self._workers(schedule), random=self._random_stages(),
-                                      host=self.host, caller=caller)
+                loss, outs = run_step(self.specs, self.devices, self._output.args[0], micro, targets,
+                                      loss_fn, schedule, ckpt, reduction, timings, workers=self._workers(schedule),
+                                      random=self._random_stages(), host=self.host, caller=caller, sizes=sizes,
+                                      grad_tensors=list(self.parameters()) + grad_leaves)
             except BaseException as failure:
                 commit_statistics(self.modules(), discard=True)
                 if not isinstance(failure, StepFailure):
                     raise
-                node = failing_node(failure.exc)
-                where = f"at node {node!r}" if node is not None else (
-                    "(autograd does not say which node; torch.autograd.set_detect_anomaly(True) shows the "
-                    "forward operation)" if failure.kind == "backward" else "")
-                raise StageError(
-                    f"stage {failure.stage} (device {self.devices[failure.stage]}) failed in {failure.kind} of "
-                    f"micro-batch {failure.micro_batch} {where}: {type(failure.exc).__name__}: {failure.exc}",
-                    stage=failure.stage, micro_batch=failure.micro_batch, node=node,
-                ) from failure.exc
+                raise step_error(failure, self.devices) from failure.exc
             wall_s = time.perf_counter() - started
         commit_statistics(self.modules())
         self.last_step = {"schedule": schedule, "micro_batches": m, "wall_s": wall_s,
@@ -247,7 +252,7 @@ class Pipeline(nn.Module):
             found = measure_worker_memory(self, inputs, target, loss_fn, schedule=schedule)
             self.last_step.update(memory=[w.peak_bytes for w in found],
                                   memory_method="profiled replay of each worker, torch.profiler")
-        return (loss, user_structure(gather(outs))) if return_outputs else loss
+        return (loss, user_structure(gather(outs, self.layout.output))) if return_outputs else loss
 
     def report(self) -> str:
         """Predicted against measured, per stage (and per worker's memory), for the last :meth:`step`.

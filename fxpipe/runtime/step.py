@@ -17,9 +17,9 @@ end (tested for every schedule). On GPUs each worker enqueues on its device's
 compute stream and values cross devices on copy streams, ordered by events
 (:mod:`fxpipe.runtime.streams`); on CPU the same calls do nothing, and CPU workers
 beyond the processors take turns, one operation at a time (the host's turns, :mod:`fxpipe.runtime.host`). The loss of micro-batch ``i`` is computed on the last stage before
-``B(p-1, i)``; micro-batch losses are weighted ``n_i / N`` (``reduction="mean"``,
-for a loss that averages over its batch) or 1 (``"sum"``), so the accumulated
-gradients are those of one full-batch backward.
+``B(p-1, i)`` and combined as :mod:`fxpipe.runtime.losses` says (``reduction="mean"``: weighted
+``n_i / N``; ``"sum"``; ``"token"``: ``(sum, count)`` divided by the global count), so the accumulated
+gradients are those of one full-batch backward of that loss.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from fxpipe.runtime.batchnorm import tracking
 from fxpipe.runtime.caller_state import CallerState
 from fxpipe.runtime.codegen import StageSpec
 from fxpipe.runtime.host import UNSHARED, Host
+from fxpipe.runtime.losses import REDUCTIONS, LossFailure, StepGradients, step_loss, weigh
 from fxpipe.runtime.microbatch import batch_size_of
 from fxpipe.runtime.rng import is_random, rng_guard, step_seed
 from fxpipe.runtime.split_backward import WeightPass, backward_inputs, full_backward
@@ -47,9 +48,6 @@ from fxpipe.runtime.streams import DeviceStreams, Event
 from solvers.schedules import SPLIT_BACKWARD, worker_orders
 
 __all__ = ["run_step", "StepFailure", "REDUCTIONS", "OpTiming"]
-
-REDUCTIONS = ("mean", "sum")
-
 
 @dataclass(frozen=True)
 class OpTiming:
@@ -109,8 +107,9 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
              micro_inputs: list[dict[str, Any]], micro_targets: list[Any], loss_fn: Callable[[Any, Any], torch.Tensor],
              schedule: str, checkpoint: Callable[[int, int], bool], reduction: str = "mean",
              timings: list[OpTiming] | None = None, workers: int | None = None,
-             random: list[bool] | None = None, host: Host = UNSHARED,
-             caller: CallerState | None = None) -> tuple[torch.Tensor, list[Any]]:
+             random: list[bool] | None = None, host: Host = UNSHARED, caller: CallerState | None = None,
+             sizes: list[int] | None = None,
+             grad_tensors: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[Any]]:
     """Run forward and backward of every micro-batch; return the weighted loss and per-micro-batch outputs.
 
     ``workers`` threads (default: one per stage; fewer for ``interleaved-1f1b``) run
@@ -119,6 +118,9 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
     random numbers (:mod:`fxpipe.runtime.rng`; default: found from its graph). Every operation runs
     inside a turn of ``host`` (:mod:`fxpipe.runtime.host`: CPU workers beyond the processors take turns) and in
     ``caller``'s grad mode and autocast (:mod:`fxpipe.runtime.caller_state`; default: this thread's now).
+    ``sizes`` are the micro-batches' sample counts (default: dimension 0 of their inputs); with
+    ``reduction="token"`` the gradients of ``grad_tensors`` (default: the stages' parameters) are the ones
+    divided by the global count.
 
     Raises :class:`StepFailure` for the first operation that failed (all workers stop).
     """
@@ -136,7 +138,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         for name in spec.inputs:
             if name in producer:
                 consumers[producer[name]].add(k)
-    sizes = [batch_size_of(list(mb.values())) for mb in micro_inputs]
+    sizes = [batch_size_of(list(mb.values())) for mb in micro_inputs] if sizes is None else sizes
     total = sum(sizes)
     envs = [dict(mb) for mb in micro_inputs]            # name -> value as produced (attached to its graph)
     leaves: dict[tuple[int, int], dict[str, Any]] = {}  # (stage, mb) -> its input leaves by name
@@ -148,6 +150,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
     turns = host.turns(devices, n_workers)
     events: dict[tuple[str, int, int], Event] = {}   # op -> its compute stream's event when it ended
     losses: list[torch.Tensor | None] = [None] * m
+    counts: list[Any] = [None] * m
     outputs: list[Any] = [None] * m
     board = _Board()
 
@@ -208,13 +211,11 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         structure = fx.node.map_arg(output_arg, lambda n: final[n.name])
         outputs[i] = fx.node.map_arg(output_arg, lambda n: envs[i][n.name].detach()
                                      if isinstance(envs[i][n.name], torch.Tensor) else envs[i][n.name])
-        loss = loss_fn(structure, target)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
-                            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
-        weight = sizes[i] / total if reduction == "mean" else 1.0
-        (loss * weight).backward()
-        losses[i] = loss.detach() * weight
+        try:
+            root, losses[i], counts[i] = weigh(loss_fn(structure, target), reduction, sizes[i], total)
+        except Exception as exc:   # the user's loss, not a stage: reported as such (fxpipe.runtime.pipeline)
+            raise LossFailure(exc) from exc
+        root.backward()
         send_back({name: leaf for name, leaf in final.items() if name in producer}, i, streams.record(device))
 
     def received_grads(k: int, i: int) -> dict[str, dict[int, torch.Tensor]]:
@@ -278,6 +279,9 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
                     with streams.computing(devices[k]), caller.entered():   # new threads have torch's defaults
                         run_op[kind](k, i)
                         events[(kind, k, i)] = streams.record(devices[k])
+                except LossFailure as exc:
+                    board.fail(StepFailure(k, i, "loss", exc.exc))
+                    return
                 except BaseException as exc:  # handed to the caller
                     board.fail(StepFailure(k, i, pass_name[kind], exc))
                     return
@@ -286,6 +290,8 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
                 timings.append(OpTiming(kind, k, i, start - origin, end - origin, checkpoint(k, i)))
             board.finish((kind, k, i))
 
+    step_grads = StepGradients(grad_tensors or [q for spec in specs for q in spec.module.parameters()]) \
+        if reduction == "token" else None
     threads = [threading.Thread(target=work, args=(w,), name=f"fxpipe-step-{w}", daemon=True)
                for w in range(n_workers)]
     try:   # Ctrl-C may land while the first workers already run and the last are being started
@@ -298,10 +304,14 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         for t in threads:
             if t.is_alive():
                 t.join()
+        if step_grads is not None:   # a failed step leaves the gradients as they were before it
+            step_grads.restore()
         raise
     if board.failure is not None:
+        if step_grads is not None:
+            step_grads.restore()
         raise board.failure
-    return torch.stack([x.to(devices[-1]) for x in losses]).sum(), outputs
+    return step_loss(losses, counts, devices[-1], step_grads), outputs
 
 
 def _output_nodes(arg: Any) -> list[fx.Node]:

@@ -1,0 +1,108 @@
+"""Compile-time check that micro-batching computes the model: the example batch run whole and as micro-batches.
+
+A pipeline splits the batch along its batch dimension (:mod:`fxpipe.runtime.microbatch`). That is only
+the model's function when no sample sees another along that dimension. A sequence-first ``nn.LSTM`` or
+``nn.TransformerEncoder`` (``batch_first=False``: inputs ``(sequence, batch, ...)``) split along dimension
+0 is cut along time: every output has the right shape and the wrong numbers. So once per compile, in eval
+mode (BatchNorm then uses its running statistics and dropout is off, so a correct split agrees to rounding)
+and without gradients, :func:`check_micro_batching` runs the traced graph on the example batch whole and
+as the planned micro-batches and refuses a model whose outputs differ, naming the likely cause and the
+fix. Every submodule's mode, the buffers, ``.grad`` and the random generator are restored afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from fxpipe.errors import FxpipeError
+from fxpipe.frontend.trace import run_failure
+from fxpipe.runtime.microbatch import BatchLayout, scatter
+from fxpipe.runtime.no_trace import leaving_no_trace
+from fxpipe.runtime.rng import is_random
+
+__all__ = ["check_micro_batching", "RTOL"]
+
+RTOL = 1e-4   # relative to the output's largest magnitude: rounding of another summation order passes
+
+
+def _sequence_first(gm: nn.Module) -> list[str]:
+    """Submodules whose inputs are sequence-first by default (``batch_first=False``)."""
+    found = []
+    for name, m in gm.named_modules():
+        if isinstance(m, (nn.RNNBase, nn.MultiheadAttention)) and not m.batch_first:
+            found.append(f"{name} ({type(m).__name__}, batch_first=False)")
+    return found
+
+
+def _difference(whole: Any, parts: list[Any], dim: int) -> tuple[float, str] | None:
+    """The largest relative difference between ``whole`` and ``parts`` joined along ``dim``, and where."""
+    flat, spec = tree_flatten(whole)
+    columns = [tree_flatten(p) for p in parts]
+    if any(s != spec for _, s in columns):
+        return float("inf"), "the outputs' structure"
+    worst: tuple[float, str] | None = None
+    for i, leaf in enumerate(flat):
+        column = [c[i] for c, _ in columns]
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() <= dim:
+            continue   # no batch dimension to join along (a number, a batch-level scalar): nothing to compare
+        joined = torch.cat([c.to(leaf.device) for c in column], dim)
+        where = f"output leaf {i} of shape {tuple(leaf.shape)}"
+        if joined.shape != leaf.shape:
+            return float("inf"), f"{where} (micro-batches joined give {tuple(joined.shape)})"
+        if not leaf.is_floating_point() and not leaf.is_complex():
+            error = 0.0 if torch.equal(joined, leaf) else float("inf")
+        else:
+            scale = leaf.abs().max().item() if leaf.numel() else 0.0
+            diff = (joined - leaf).abs().max().item() if leaf.numel() else 0.0
+            error = diff / scale if scale > 0 else diff
+        if worst is None or error > worst[0]:
+            worst = (error, where)
+    return worst
+
+
+def check_micro_batching(gm: fx.GraphModule, example_inputs: tuple, layout: BatchLayout, chunks: int) -> None:
+    """Refuse (:class:`fxpipe.FxpipeError`) a model whose outputs change when ``example_inputs`` is split into
+    ``chunks`` micro-batches along ``layout``; see the module doc. Skipped for ``chunks == 1`` and for a graph
+    that draws random numbers even in eval mode (two runs could not agree)."""
+    if chunks <= 1:
+        return
+    arguments = [n.target for n in gm.graph.nodes if n.op == "placeholder"][:len(example_inputs)]
+    dims = layout.input_dims(arguments)
+    modes = {m: m.training for m in gm.modules()}
+    device = next((t.device for t in gm.parameters()), None)
+    inputs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) and device is not None else t,
+                      tuple(example_inputs))
+    try:
+        gm.eval()
+        if is_random(gm):
+            return
+        with leaving_no_trace(gm), torch.no_grad():
+            try:
+                whole = gm(*inputs)
+                parts = [gm(*part) for part in scatter(list(inputs), chunks, dims)]
+            except Exception as exc:
+                raise run_failure(exc, gm, len(example_inputs)) from exc
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    found = _difference(whole, parts, layout.output)
+    if found is None or found[0] <= RTOL:
+        return
+    error, where = found
+    suspects = _sequence_first(gm)
+    raise FxpipeError(
+        f"micro-batching changes this model's outputs: in eval mode, the example batch run whole and as "
+        f"{len(parts)} micro-batches split along dimension {sorted(set(dims))} of the inputs differ by "
+        f"{'a different shape or structure' if error == float('inf') else f'{error:.1%}'} at {where}. "
+        "The model mixes samples along the split dimension: a sequence-first layout (nn.LSTM/GRU/RNN, "
+        "nn.TransformerEncoder or nn.MultiheadAttention with batch_first=False take (sequence, batch, ...))"
+        + (f", here {', '.join(suspects[:3])}" if suspects else "")
+        + ", or a batch-level operation (statistics over the batch, a reshape across samples). Fix: tell fxpipe "
+        "where the samples are with options=fxpipe.CompileOptions(batch_dim=1) (output_batch_dim=/target_batch_dim= "
+        "for outputs and targets laid out otherwise), or compile with chunks=1 for a model that needs the "
+        "whole batch")

@@ -1,0 +1,113 @@
+"""How the micro-batches' losses make one step's loss and gradients: ``reduction="mean"``, ``"sum"``, ``"token"``.
+
+``"mean"`` weights micro-batch ``i``'s loss by ``n_i / N`` (its share of the samples): exact for a loss that
+averages over samples of equal weight (``mse_loss``, ``cross_entropy`` on one label per sample), since the
+full-batch mean is then the weighted mean of the micro-batch means. It is not exact for a loss averaged
+over elements that are not spread evenly over the samples: ``cross_entropy(ignore_index=-100)`` on padded
+sequences averages over the non-ignored tokens, and micro-batches hold different numbers of them.
+
+``"token"`` is the exact way for those (Megatron-LM's per-token loss): ``loss_fn`` returns
+``(loss_sum, count)``, the loss summed over the micro-batch and how many elements it summed. Each
+micro-batch's ``loss_sum`` is backpropagated unscaled; only when every micro-batch has been counted is
+the global count known, and the step's gradient contribution is then divided by it
+(:class:`StepGradients`), as Megatron-LM divides the gradients by the number of tokens when it finalises
+them. Gradients that were in ``.grad`` before the step (accumulation over steps) are kept apart and not
+scaled. The step's loss is the total sum over the total count: the full-batch per-element mean.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any, Iterable
+
+import torch
+
+__all__ = ["REDUCTIONS", "LossFailure", "StepGradients", "weigh", "scalar_of", "step_loss"]
+
+REDUCTIONS = ("mean", "sum", "token")
+
+
+class LossFailure(Exception):
+    """``loss_fn`` raised, or returned something a step cannot use; the original is ``exc``."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(str(exc))
+        self.exc = exc
+
+
+def _scalar(value: Any, what: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else ""
+        raise TypeError(f"{what} a scalar tensor, got {type(value).__name__}{shape}")
+    return value.reshape(())
+
+
+def weigh(result: Any, reduction: str, size: int, total: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """``loss_fn``'s result for one micro-batch of ``size`` of ``total`` samples: the tensor to backpropagate,
+    its part of the returned loss (summed over micro-batches) and its count (``"token"``; else None)."""
+    pair = isinstance(result, (tuple, list))
+    if reduction == "token":
+        if not pair or len(result) != 2:
+            raise TypeError(f"reduction='token' needs loss_fn to return (loss_sum, count), the loss summed over "
+                            f"the micro-batch and how many elements it summed; got {type(result).__name__}")
+        loss_sum = _scalar(result[0], "loss_fn's loss_sum must be")
+        count = result[1]
+        if isinstance(count, torch.Tensor):
+            count = _scalar(count, "loss_fn's count must be").detach()
+        elif isinstance(count, bool) or not isinstance(count, (int, float)):
+            raise TypeError(f"loss_fn's count must be a number or a scalar tensor, got {type(count).__name__}")
+        return loss_sum, loss_sum.detach(), count
+    if pair:
+        raise TypeError(f"loss_fn returned a pair (loss_sum, count), which reduction={reduction!r} cannot use: "
+                        "pass pipe.step(..., reduction='token') to divide the summed loss by the whole batch's count")
+    loss = _scalar(result, "loss_fn must return")
+    weight = size / total if reduction == "mean" else 1.0
+    return loss * weight, loss.detach() * weight, None
+
+
+def scalar_of(result: Any) -> torch.Tensor:
+    """A loss to backpropagate when only its shape of gradients matters (memory, timing): the sum of a pair."""
+    return result[0] if isinstance(result, (tuple, list)) else result
+
+
+class StepGradients:
+    """The step's gradients kept apart from what ``.grad`` held before it, to be scaled alone."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+        self.saved = {t: t.grad for t in dict.fromkeys(tensors) if t.requires_grad}
+        for t in self.saved:
+            t.grad = None
+
+    def restore(self) -> None:
+        """A failed step: drop its partial gradients, put back the earlier ones."""
+        for t, before in self.saved.items():
+            t.grad = before
+
+    def finish(self, count: Any) -> None:
+        """Divide the step's gradients by the global ``count`` and add back the earlier ones."""
+        total = float(count)
+        if not total > 0:
+            self.restore()
+            raise ValueError(f"loss_fn counted {total:g} elements over the whole batch (every target ignored?): "
+                             "the per-element mean is undefined; skip this batch or count at least one element")
+        with torch.no_grad():
+            for t, before in self.saved.items():
+                if t.grad is None:
+                    t.grad = before
+                    continue
+                t.grad.mul_(1.0 / total)
+                if before is not None:
+                    t.grad = before.add_(t.grad)   # accumulate into the caller's tensor, as autograd does
+
+
+def step_loss(losses: list[torch.Tensor], counts: list[Any], device: torch.device,
+              gradients: StepGradients | None) -> torch.Tensor:
+    """The step's loss from its micro-batches' parts; with ``"token"`` (``gradients`` given) the total sum over
+    the total count, the step's gradients divided by that count."""
+    loss = torch.stack([x.to(device) for x in losses]).sum()
+    if gradients is None:
+        return loss
+    count = functools.reduce(operator.add, [c.to(device) if isinstance(c, torch.Tensor) else c for c in counts])
+    gradients.finish(count)
+    return loss / count

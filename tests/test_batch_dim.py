@@ -1,0 +1,139 @@
+"""Where the samples are: ``CompileOptions(batch_dim=...)`` and the compile-time micro-batching check.
+
+A sequence-first model (``batch_first=False``) split along dimension 0 is split along time: the check
+refuses it, naming the cause and the fix; with ``batch_dim=1`` it compiles and its outputs and step
+gradients equal the model's.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+from equivalence import max_relative_error
+
+ESTIMATE = fxpipe.ProfileOptions(mode="estimate")
+T, B, F = 7, 8, 6
+
+
+class SeqLSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(F, 16)
+        self.lstm = nn.LSTM(16, 16)             # batch_first=False: (time, batch, features)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(torch.tanh(self.inp(x)))
+        return self.head(out)
+
+
+class SeqTransformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(F, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0)   # batch_first=False
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.inp(x)))
+
+
+class BatchCentered(nn.Module):
+    """A batch-level operation: every sample sees the batch's mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(F, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h - h.mean(0, keepdim=True))
+
+
+MODELS = [SeqLSTM, SeqTransformer]
+
+
+def _compile(model: nn.Module, x: torch.Tensor, **options):
+    return fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, checkpoint="never", profile=ESTIMATE,
+                          options=fxpipe.CompileOptions(**options) if options else None)
+
+
+@pytest.mark.parametrize("make", MODELS)
+def test_sequence_first_model_split_along_time_is_refused_with_cause_and_fix(make):
+    torch.manual_seed(0)
+    model = make()
+    with pytest.raises(fxpipe.FxpipeError, match="mixes samples along the split dimension") as err:
+        _compile(model, torch.randn(T, B, F))
+    assert "batch_first=False" in str(err.value) and "batch_dim=1" in str(err.value) and "chunks=1" in str(err.value)
+    assert model.training   # the check ran in eval mode and gave the mode back
+
+
+@pytest.mark.parametrize("make", MODELS)
+def test_sequence_first_model_with_batch_dim_1_matches_the_model(make):
+    torch.manual_seed(0)
+    model = make()
+    x, target = torch.randn(T, B, F), torch.randn(T, B, 3)
+    pipe = _compile(model, x, batch_dim=1)
+    assert pipe.plan.batch_dims == {"inputs": {"x": 1}, "output": 1, "target": 1}
+    with torch.no_grad():
+        assert max_relative_error(pipe(x), model(x)) <= 1e-5
+        other = torch.randn(T, 12, F)     # another batch size along dim 1 is no other shape: no warning
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert max_relative_error(pipe(other), model(other)) <= 1e-5
+    model.zero_grad(set_to_none=True)
+    want_loss = nn.functional.mse_loss(model(x), target)
+    want_loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    for schedule in ("gpipe", "1f1b"):
+        loss, out = pipe.step(x, target, nn.functional.mse_loss, schedule=schedule, return_outputs=True)
+        assert out.shape == (T, B, 3)
+        assert abs(loss.item() - want_loss.item()) <= 1e-5 * want_loss.item()
+        for name, param in model.named_parameters():
+            assert max_relative_error(param.grad, want[name]) <= 1e-5, (schedule, name)
+        model.zero_grad(set_to_none=True)
+
+
+def test_batch_dims_travel_with_the_saved_plan(tmp_path):
+    torch.manual_seed(0)
+    model = SeqLSTM()
+    x = torch.randn(T, B, F)
+    pipe = _compile(model, x, batch_dim={"x": 1})
+    pipe.plan.save(tmp_path / "plan.json")
+    again = fxpipe.compile(model, ["cpu", "cpu"], plan=fxpipe.load_plan(tmp_path / "plan.json"), checkpoint="never")
+    with torch.no_grad():
+        assert max_relative_error(again(x), model(x)) <= 1e-5
+    with pytest.raises(fxpipe.PlanMismatchError, match="made for batch dimensions"):
+        fxpipe.compile(model, ["cpu", "cpu"], plan=fxpipe.load_plan(tmp_path / "plan.json"), checkpoint="never",
+                       options=fxpipe.CompileOptions(batch_dim=0, output_batch_dim=0))
+
+
+def test_a_batch_level_operation_is_refused():
+    torch.manual_seed(0)
+    with pytest.raises(fxpipe.FxpipeError, match="batch-level operation"):
+        _compile(BatchCentered(), torch.randn(B, F))
+
+
+def test_a_sample_wise_model_is_not_refused_and_keeps_its_modes_and_buffers():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(F, 8), nn.BatchNorm1d(8), nn.Dropout(0.1), nn.ReLU(), nn.Linear(8, 3))
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    with pytest.warns(UserWarning, match="train-mode BatchNorm"):
+        _compile(model, torch.randn(B, F))
+    assert all(m.training for m in model.modules())
+    assert all(torch.equal(b, before[n]) for n, b in model.named_buffers())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_bad_batch_dim_values_are_refused():
+    with pytest.raises(ValueError, match="batch_dim must be a whole number"):
+        fxpipe.CompileOptions(batch_dim=-1)
+    with pytest.raises(ValueError, match="not arguments of the model's forward"):
+        _compile(SeqLSTM(), torch.randn(T, B, F), batch_dim={"tokens": 1})
