@@ -9,8 +9,9 @@ thread per stage. At clock ``c`` stage ``k`` processes micro-batch ``c - k``;
 a clock ends when all its tasks have. Backward is left to autograd: the gathered output is an ordinary autograd tensor, so
 ``loss.backward()`` reaches every parameter, and gradients accumulate over
 micro-batches exactly as one full-batch backward would. Checkpointing uses
-``torch.utils.checkpoint`` (non-reentrant, RNG state preserved) per stage and
-micro-batch, with torchgpipe's modes.
+``torch.utils.checkpoint`` (non-reentrant, RNG state preserved, buffers replayed
+and left alone by the recomputation: :mod:`fxpipe.runtime.recompute`) per stage
+and micro-batch, with torchgpipe's modes.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from fxpipe.runtime.batchnorm import commit_statistics, tracking
 from fxpipe.runtime.codegen import StageSpec
@@ -41,6 +41,7 @@ from fxpipe.runtime.rng import is_random, rng_guard, step_seed
 from fxpipe.runtime.step import REDUCTIONS, OpTiming, StepFailure, run_step
 from fxpipe.runtime.streams import DeviceStreams, Event
 from fxpipe.runtime.worker import spawn_workers
+from fxpipe.runtime.recompute import checkpoint_stage
 from solvers.schedules import SCHEDULES, worker_orders
 
 __all__ = ["Pipeline", "CHECKPOINT_MODES", "STEP_SCHEDULES"]
@@ -293,8 +294,7 @@ class Pipeline(nn.Module):
                 inputs = [value for value, _ in moved]
                 with torch.set_grad_enabled(grad), tracking(), rng_guard(device, random, seed, k, i):
                     if use_checkpoint:
-                        outs = torch_checkpoint(spec.module, *inputs, use_reentrant=False,
-                                                preserve_rng_state=random)
+                        outs = checkpoint_stage(spec.module, *inputs, preserve_rng_state=random)
                     else:
                         outs = spec.module(*inputs)
                 event = streams.record(device)
