@@ -64,22 +64,30 @@ def split_graph(gm: fx.GraphModule, stage_of: dict[str, int], num_stages: int) -
                     f"node {u.name!r} (stage {stage_of[u.name]}) reads {n.name!r} from a later stage "
                     f"{stage_of[n.name]}: stages must follow the data flow"
                 )
+    # A buffer is read where it is used, never sent as a value: a stage that updates it in place must update
+    # the buffer itself (not a copy of a value), and its recomputation must see it (fxpipe.runtime.recompute).
+    buffers = {name for name, _ in gm.named_buffers(remove_duplicate=False)}
+    local = {n for n in compute if n.op == "get_attr" and n.target in buffers}
     specs = []
     for k in range(num_stages):
         own = [n for n in compute if stage_of[n.name] == k]
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         inputs: list[fx.Node] = []
+        reads: list[fx.Node] = []
         for n in own:
             for a in n.all_input_nodes:
-                if a not in env and (a.op == "placeholder" or stage_of[a.name] != k) and a not in inputs:
-                    inputs.append(a)
+                if a in env or a in inputs or a in reads or (a.op != "placeholder" and stage_of[a.name] == k):
+                    continue
+                (reads if a in local else inputs).append(a)
         for a in inputs:
             env[a] = graph.placeholder(a.name)
+        for a in reads:
+            env[a] = graph.node_copy(a)
         for n in own:
             env[n] = graph.node_copy(n, lambda a: env[a])
         outputs = [n for n in own
-                   if any(u.op == "output" or stage_of[u.name] > k for u in n.users)]
+                   if any(u.op == "output" or (stage_of[u.name] > k and n not in local) for u in n.users)]
         graph.output(tuple(env[n] for n in outputs))
         _protect_mutated_inputs(graph, gm)
         graph.lint()
