@@ -117,7 +117,8 @@ def compile(
     workers = worker_devices(devs, schedule, v, stages, chunks)
     check_micro_batches(schedule, len(workers), batch, chunks)
     warn_batch_norm(model, chunks, options.deferred_batch_norm)
-    check_micro_batching(captured.graph, example_inputs, layout, chunks)
+    if options.check_micro_batching:
+        check_micro_batching(captured.graph, example_inputs, layout, chunks)
     first = tuple(tree_map(lambda x: x.to(workers[0]) if isinstance(x, torch.Tensor) else x, part)
                   for part in scatter(list(example_inputs), chunks, dims)[0])
     captured.graph.to(workers[0])

@@ -95,6 +95,11 @@ class CompileOptions:
             number for every input (``1`` for a sequence-first ``nn.LSTM``/``nn.TransformerEncoder``,
             ``batch_first=False``), a sequence (one per forward argument, in order) or a dict by forward
             argument name (missing ones: 0).
+        check_micro_batching: with ``chunks > 1``, run the example batch whole and as micro-batches at
+            compile (eval mode, no gradients) and refuse a model whose outputs differ
+            (:mod:`fxpipe.runtime.batch_check`). ``False`` for a model whose micro-batches are meant to be
+            successive calls (one whose forward reads a buffer it updates from its batch, as the pipeline
+            then does once per micro-batch, in order).
         output_batch_dim, target_batch_dim: the dimension the outputs are gathered along and the one
             ``pipe.step``'s target is split along; default: ``batch_dim`` when all inputs share one, else 0
             (the target: the output's).
@@ -107,6 +112,7 @@ class CompileOptions:
     batch_dim: int | Sequence[int] | Mapping[str, int] = 0
     output_batch_dim: int | None = None
     target_batch_dim: int | None = None
+    check_micro_batching: bool = True
 
     def __post_init__(self) -> None:
         if self.optimizer_state_factor < 0:

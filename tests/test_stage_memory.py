@@ -103,7 +103,7 @@ def test_measured_sizes_travel_with_the_plan(data, tmp_path):
     doc = json.loads(path.read_text())
     doc["stages"][0]["measured_bytes"] = {"full": "a lot"}
     path.write_text(json.dumps(doc))
-    with pytest.raises(fxpipe.PlanFormatError, match=r"stages\[0\]\.measured_bytes must map"):
+    with pytest.raises(fxpipe.PlanFormatError, match=r"stages/0/measured_bytes/full: 'a lot' is not of type 'number'"):
         fxpipe.load_plan(path)
 
 

@@ -328,13 +328,13 @@ def test_deferred_batch_norm_updates_running_statistics_like_one_full_batch_step
     assert max_relative_error(got["b1.running_mean"], first.running_mean) <= 1e-5
     for name in want:
         assert max_relative_error(got[name], want[name]) <= 1e-5, name
-    # without deferral each micro-batch (and each recomputation) moves the statistics
+    # without deferral each micro-batch moves the statistics once (a recomputation does not)
     model2 = ConvBN(momentum).train()
     plain = fxpipe.compile(model2, ["cpu"] * 3, (x,), chunks=4, stages=3, schedule=schedule, checkpoint=checkpoint,
                            profile="estimate")
     before = model2.b1.num_batches_tracked.item()
     plain.step(steps[0], target, nn.MSELoss())
-    assert model2.b1.num_batches_tracked.item() - before == {"always": 8, "never": 4, "except_last": 7}[checkpoint]
+    assert model2.b1.num_batches_tracked.item() - before == 4
 
 
 def test_deferred_batch_norm_through_pipe_call_and_a_failed_step_leaves_no_partial_statistics():

@@ -12,21 +12,14 @@ parameters (no copies).
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
-__all__ = ["StageSpec", "split_graph", "is_inplace", "move_stage"]
+from fxpipe.runtime.aliasing import aliases_of, is_inplace, written_inputs
 
-_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
-                      operator.ilshift, operator.irshift, operator.imatmul}
-# Ops whose output may share memory with their first argument.
-_VIEW_METHODS = {"view", "view_as", "reshape", "flatten", "transpose", "permute", "t", "unsqueeze", "squeeze",
-                 "expand", "expand_as", "narrow", "select", "chunk", "split", "unbind", "contiguous",
-                 "as_strided", "detach", "unflatten", "movedim", "swapaxes", "diagonal", "unfold", "__getitem__"}
+__all__ = ["StageSpec", "split_graph", "is_inplace", "move_stage"]
 
 
 @dataclass
@@ -37,49 +30,24 @@ class StageSpec:
     outputs: list[str]   # names of values later stages or the model output read
 
 
-def is_inplace(node: fx.Node, root: torch.nn.Module) -> bool:
-    """Whether ``node`` writes into its first argument."""
-    if node.op == "call_module":
-        return bool(getattr(root.get_submodule(node.target), "inplace", False))
-    if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
-        return True
-    if node.op in ("call_function", "call_method"):
-        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-        return bool(node.kwargs.get("inplace", False)) or (name.endswith("_") and not name.endswith("__"))
-    return False
-
-
-def _may_alias(node: fx.Node) -> bool:
-    if node.op == "call_method":
-        return node.target in _VIEW_METHODS
-    if node.op == "call_function":
-        name = getattr(node.target, "__name__", "")
-        return node.target is operator.getitem or name in _VIEW_METHODS
-    return False
-
-
 def _protect_mutated_inputs(graph: fx.Graph, root: torch.nn.Module) -> None:
     """Clone every stage input that the stage writes into, before anything reads it.
 
     The input belongs to the previous stage (autograd may have saved it) and is
     re-read when a checkpointed stage recomputes; writing into it in place would
-    corrupt both, so the stage works on its own copy.
+    corrupt both, so the stage works on its own copy. The write may come through
+    any alias of the input (``nn.Identity`` then ``ReLU(inplace=True)``, a view
+    then ``add_``: :mod:`fxpipe.runtime.aliasing`); an input nothing writes is
+    not copied.
     """
-    for ph in [n for n in graph.nodes if n.op == "placeholder"]:
-        aliases, frontier = {ph}, [ph]
-        while frontier:
-            n = frontier.pop()
-            for u in n.users:
-                if u not in aliases and _may_alias(u) and u.args and u.args[0] is n:
-                    aliases.add(u)
-                    frontier.append(u)
-        mutated = any(is_inplace(u, root) and u.args and u.args[0] in aliases
-                      for a in aliases for u in a.users)
-        if mutated:
-            last_ph = [n for n in graph.nodes if n.op == "placeholder"][-1]
-            with graph.inserting_after(last_ph):
-                copy = graph.call_function(torch.clone, (ph,))
-            ph.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for ph in placeholders:
+        aliases = aliases_of([ph], root)
+        if not any(aliases.intersection(written_inputs(u, root)) for a in aliases for u in a.users):
+            continue
+        with graph.inserting_after(placeholders[-1]):
+            copy = graph.call_function(torch.clone, (ph,))
+        ph.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy)
 
 
 def split_graph(gm: fx.GraphModule, stage_of: dict[str, int], num_stages: int) -> list[StageSpec]:
@@ -96,22 +64,30 @@ def split_graph(gm: fx.GraphModule, stage_of: dict[str, int], num_stages: int) -
                     f"node {u.name!r} (stage {stage_of[u.name]}) reads {n.name!r} from a later stage "
                     f"{stage_of[n.name]}: stages must follow the data flow"
                 )
+    # A buffer is read where it is used, never sent as a value: a stage that updates it in place must update
+    # the buffer itself (not a copy of a value), and its recomputation must see it (fxpipe.runtime.recompute).
+    buffers = {name for name, _ in gm.named_buffers(remove_duplicate=False)}
+    local = {n for n in compute if n.op == "get_attr" and n.target in buffers}
     specs = []
     for k in range(num_stages):
         own = [n for n in compute if stage_of[n.name] == k]
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         inputs: list[fx.Node] = []
+        reads: list[fx.Node] = []
         for n in own:
             for a in n.all_input_nodes:
-                if a not in env and (a.op == "placeholder" or stage_of[a.name] != k) and a not in inputs:
-                    inputs.append(a)
+                if a in env or a in inputs or a in reads or (a.op != "placeholder" and stage_of[a.name] == k):
+                    continue
+                (reads if a in local else inputs).append(a)
         for a in inputs:
             env[a] = graph.placeholder(a.name)
+        for a in reads:
+            env[a] = graph.node_copy(a)
         for n in own:
             env[n] = graph.node_copy(n, lambda a: env[a])
         outputs = [n for n in own
-                   if any(u.op == "output" or stage_of[u.name] > k for u in n.users)]
+                   if any(u.op == "output" or (stage_of[u.name] > k and n not in local) for u in n.users)]
         graph.output(tuple(env[n] for n in outputs))
         _protect_mutated_inputs(graph, gm)
         graph.lint()

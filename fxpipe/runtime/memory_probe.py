@@ -29,11 +29,11 @@ import torch
 import torch.fx as fx
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from fxpipe.runtime.losses import scalar_of
 from fxpipe.runtime.no_trace import leaving_no_trace
 from fxpipe.runtime.split_backward import WeightPass, backward_inputs, full_backward
+from fxpipe.runtime.recompute import checkpoint_stage
 from solvers.schedules import SPLIT_BACKWARD, worker_orders
 
 # Kineto, the profiler's backend, writes two lines to stderr ("profiler_start", "profiler_stop") for every
@@ -162,7 +162,7 @@ class Replay:
             device = self.pipe.devices[k]
             args = [_to(self.seen[i][n], device, copy=n in self.produced) for n in spec.inputs]
             if self.checkpointed(k, i):
-                outs = torch_checkpoint(spec.module, *args, use_reentrant=False, preserve_rng_state=False)
+                outs = checkpoint_stage(spec.module, *args, preserve_rng_state=False)
             else:
                 outs = spec.module(*args)
             self.held[(k, i)] = (args, list(outs))

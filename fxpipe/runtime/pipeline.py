@@ -10,8 +10,9 @@ a clock ends when all its tasks have. Backward is left to autograd: the gathered
 ``loss.backward()`` reaches every parameter, and gradients accumulate over
 micro-batches exactly as one full-batch backward would (except through a train-mode BatchNorm,
 which normalises each micro-batch by its own statistics). Checkpointing uses
-``torch.utils.checkpoint`` (non-reentrant, RNG state preserved) per stage and
-micro-batch, with torchgpipe's modes.
+``torch.utils.checkpoint`` (non-reentrant, RNG state preserved, buffers replayed
+and left alone by the recomputation: :mod:`fxpipe.runtime.recompute`) per stage
+and micro-batch, with torchgpipe's modes.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from fxpipe.runtime.batchnorm import commit_statistics, tracking
 from fxpipe.runtime.caller_state import CallerState
@@ -44,6 +44,7 @@ from fxpipe.runtime.structure import user_structure
 from fxpipe.runtime.step import OpTiming, StepFailure, run_step
 from fxpipe.runtime.streams import DeviceStreams, Event
 from fxpipe.runtime.worker import spawn_workers
+from fxpipe.runtime.recompute import checkpoint_stage
 from solvers.schedules import SCHEDULES, worker_orders
 
 __all__ = ["Pipeline", "CHECKPOINT_MODES", "STEP_SCHEDULES"]
@@ -307,8 +308,7 @@ class Pipeline(nn.Module):
                 inputs = [value for value, _ in moved]
                 with caller.entered(), tracking(), rng_guard(device, random, seed, k, i):
                     if use_checkpoint:
-                        outs = torch_checkpoint(spec.module, *inputs, use_reentrant=False,
-                                                preserve_rng_state=random)
+                        outs = checkpoint_stage(spec.module, *inputs, preserve_rng_state=random)
                     else:
                         outs = spec.module(*inputs)
                 event = streams.record(device)

@@ -17,11 +17,18 @@ torch.distributed.pipelining has the same idea in private functions
 fall back to a full backward when the stage's inputs need no gradient; this
 one also covers that case (the first stage defers its whole backward).
 
-When a frontier's parameter side is shared with a later frontier (a computed
-weight used twice), re-running it would revisit the input path; such a stage,
-and a checkpointed one (whose recomputation cannot be replayed twice), does its
-full backward in the first pass and nothing in the second (``deferred`` is
-``False``); gradients are the same either way.
+A frontier's parameter side may be shared with another's at any depth (a
+computed weight ``w = tanh(p)`` read by two matmuls, directly or through ``w.t()``
+and ``w * 3``; a T5 relative-position bias added in every layer; a value both
+returned and used), and with the outputs that do not depend on the inputs. A
+backward through a node frees what it saved, so such parts cannot run once per
+frontier: :func:`backward_inputs` walks every parameter-side subgraph and puts
+the frontiers (and outputs) that meet anywhere below into one group, whose
+weight pass is one backward from all their edges; each node still runs once.
+Only a parameter's own leaf may be met by several groups: accumulating into
+``.grad`` saves nothing. A checkpointed stage (whose recomputation cannot be
+replayed twice) does its full backward in the first pass and nothing in the
+second (``deferred`` is ``False``); gradients are the same either way.
 """
 
 from __future__ import annotations
@@ -34,28 +41,38 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 __all__ = ["WeightPass", "backward_inputs", "full_backward"]
 
 
-class WeightPass:
-    """The deferred weight-gradient work of one stage and micro-batch; :meth:`run` it once."""
+_Frontier = tuple[Node, list[Any], list[GradientEdge]]   # node, gradients it received, its parameter-side edges
 
-    def __init__(self, frontier: list[tuple[Node, list[Any], list[GradientEdge]]],
-                 roots: list[tuple[Any, torch.Tensor]], params: list[torch.Tensor], deferred: bool) -> None:
-        self._frontier, self._roots, self._params, self.deferred = frontier, roots, params, deferred
+
+class WeightPass:
+    """The deferred weight-gradient work of one stage and micro-batch; :meth:`run` it once.
+
+    ``groups`` are the independent parts: each its frontiers and the outputs (with their gradients) whose
+    parameter sides meet; one group at a time keeps only its own weight gradients in flight."""
+
+    def __init__(self, groups: list[tuple[list[_Frontier], list[tuple[Any, torch.Tensor]]]],
+                 params: list[torch.Tensor], deferred: bool) -> None:
+        self._groups, self._params, self.deferred = groups, params, deferred
 
     def run(self) -> None:
         params = [p for p in self._params if p.requires_grad]
-        if self._roots and params:
-            torch.autograd.backward([r for r, _ in self._roots], [g for _, g in self._roots], inputs=params)
-        for node, received, children in self._frontier:   # one frontier at a time: one weight gradient alive
-            outputs = [(GradientEdge(node, k), g) for k, g in enumerate(received) if g is not None]
-            if not outputs or not params:
-                continue
-            got = torch.autograd.grad([o for o, _ in outputs], children, [g for _, g in outputs],
-                                      allow_unused=True, materialize_grads=False)
-            edges = [(c, g) for c, g in zip(children, got) if g is not None]
-            del got
-            if edges:
-                torch.autograd.backward([c for c, _ in edges], [g for _, g in edges], inputs=params)
-        self._frontier, self._roots = [], []
+        for frontier, roots in self._groups if params else []:
+            edges: dict[tuple[Node, int], tuple[Any, torch.Tensor]] = {}
+            for node, received, children in frontier:   # the node again, for its parameter-side edges only
+                outputs = [(GradientEdge(node, k), g) for k, g in enumerate(received) if g is not None]
+                if not outputs:
+                    continue
+                got = torch.autograd.grad([o for o, _ in outputs], children, [g for _, g in outputs],
+                                          allow_unused=True, materialize_grads=False)
+                for edge, g in zip(children, got):   # an edge two frontiers share gets the sum
+                    if g is not None:
+                        key = (edge.node, edge.output_nr)
+                        edges[key] = (edge, g if key not in edges else edges[key][1] + g)
+            starts = list(roots) + list(edges.values())
+            del edges
+            if starts:   # one backward for the group: a shared part runs once, from its summed gradient
+                torch.autograd.backward([s for s, _ in starts], [g for _, g in starts], inputs=params)
+        self._groups = []
 
 
 def _children(node: Node) -> list[tuple[Node, int]]:
@@ -83,7 +100,7 @@ def full_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) 
     """One ordinary backward now (inputs and parameters); the weight pass does nothing."""
     if roots:
         torch.autograd.backward(list(roots), list(grads))
-    return WeightPass([], [], [], deferred=False)
+    return WeightPass([], [], deferred=False)
 
 
 def backward_inputs(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -92,21 +109,17 @@ def backward_inputs(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
     inputs = [t for t in inputs if t.requires_grad]
     params = [p for p in params if p.requires_grad]
     if not roots:
-        return WeightPass([], [], [], deferred=True)
+        return WeightPass([], [], deferred=True)
     input_nodes = {get_gradient_edge(t).node for t in inputs}
     param_nodes = {get_gradient_edge(p).node for p in params}
     root_nodes = [get_gradient_edge(r).node for r in roots]
     on_path = _reach(root_nodes, input_nodes)
     feeds_params = _reach(root_nodes, param_nodes)
     frontier: list[tuple[Node, list[GradientEdge]]] = []
-    owner: dict[Node, Node] = {}
     for node, path in on_path.items():
         if not path or node in input_nodes:
             continue
         children = [GradientEdge(c, slot) for c, slot in _children(node) if not on_path[c] and feeds_params[c]]
-        for edge in children:
-            if owner.setdefault(edge.node, node) is not node:
-                return full_backward(roots, grads)     # parameter side shared by two frontiers
         if children:
             frontier.append((node, children))
     received: dict[Node, list[Any]] = {}
@@ -123,5 +136,36 @@ def backward_inputs(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
         for handle in handles:
             handle.remove()
     other_roots = [(r, g) for r, n, g in zip(roots, root_nodes, grads) if not on_path[n] and feeds_params[n]]
-    return WeightPass([(node, received.get(node, []), children) for node, children in frontier],
-                      other_roots, params, deferred=True)
+    starts = [[edge.node for edge in children] for _, children in frontier]
+    group = _meeting_groups(starts + [[get_gradient_edge(r).node for r, _ in other_roots]], feeds_params, param_nodes)
+    groups: dict[int, tuple[list[_Frontier], list[tuple[Any, torch.Tensor]]]] = {}
+    for u, (node, children) in enumerate(frontier):
+        groups.setdefault(group[u], ([], []))[0].append((node, received.get(node, []), children))
+    if other_roots:
+        groups.setdefault(group[len(frontier)], ([], []))[1].extend(other_roots)
+    return WeightPass(list(groups.values()), params, deferred=True)
+
+
+def _meeting_groups(starts: list[list[Node]], feeds_params: dict[Node, bool], leaves: set[Node]) -> list[int]:
+    """For each unit (its parameter-side start nodes), a group id: units whose subgraphs share a node other
+    than a parameter's leaf are in one group (union-find; every node is walked once, by its first unit)."""
+    parent = list(range(len(starts)))
+
+    def find(u: int) -> int:
+        while parent[u] != u:
+            parent[u] = parent[parent[u]]
+            u = parent[u]
+        return u
+
+    owner: dict[Node, int] = {}
+    for u, nodes in enumerate(starts):
+        stack = [n for n in nodes if n not in leaves]
+        while stack:
+            node = stack.pop()
+            if node in owner:   # met another unit's subgraph (or this one's again): its nodes below are owned
+                a, b = find(owner[node]), find(u)
+                parent[max(a, b)] = min(a, b)
+                continue
+            owner[node] = u
+            stack += [c for c, _ in _children(node) if c not in leaves and feeds_params.get(c, False)]
+    return [find(u) for u in range(len(starts))]

@@ -34,7 +34,6 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from fxpipe.runtime.batchnorm import tracking
 from fxpipe.runtime.caller_state import CallerState
@@ -45,6 +44,7 @@ from fxpipe.runtime.microbatch import batch_size_of
 from fxpipe.runtime.rng import is_random, rng_guard, step_seed
 from fxpipe.runtime.split_backward import WeightPass, backward_inputs, full_backward
 from fxpipe.runtime.streams import DeviceStreams, Event
+from fxpipe.runtime.recompute import checkpoint_stage
 from solvers.schedules import SPLIT_BACKWARD, worker_orders
 
 __all__ = ["run_step", "StepFailure", "REDUCTIONS", "OpTiming"]
@@ -186,7 +186,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         # deferred BatchNorm counts this forward (not a checkpoint's recomputation)
         with tracking(), rng_guard(device, random[k], seed, k, i):
             if checkpoint(k, i):
-                result = torch_checkpoint(spec.module, *args, use_reentrant=False, preserve_rng_state=random[k])
+                result = checkpoint_stage(spec.module, *args, preserve_rng_state=random[k])
             else:
                 result = spec.module(*args)
         leaves[(k, i)] = inputs

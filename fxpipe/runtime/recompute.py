@@ -1,0 +1,99 @@
+"""A checkpointed stage forward whose recomputation replays the forward's buffers and changes none.
+
+``torch.utils.checkpoint`` runs a stage's forward again during backward. A
+forward that updates a buffer (a training BatchNorm's running statistics and
+``num_batches_tracked``, ``self.count.add_(...)``, an EMA ``buf.mul_(..).add_(..)``)
+would update it a second time there, and would read it as the later
+micro-batches left it rather than as the first forward saw it: statistics that
+move twice per micro-batch, and gradients of another computation.
+
+torchgpipe handles BatchNorm alone (its recomputation skips the update). Here
+any buffer the stage may write (:func:`fxpipe.runtime.aliasing.written_buffers`)
+is copied as the forward begins, and each recomputation runs with fresh copies
+of those values swapped into the stage's modules, then puts the live buffers
+back: the recomputation computes exactly what the forward computed and its
+writes land in the copies. Both contexts are checkpoint's own hooks
+(``context_fn``, non-reentrant mode). The swap is safe because a stage's
+backward never runs beside its own forward (one worker per stage; ``pipe(x)``
+leaves backward until all forwards are done).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from fxpipe.runtime.aliasing import written_buffers
+
+__all__ = ["checkpoint_stage"]
+
+_META_KEY = "fxpipe_written_buffers"
+
+
+def _written(module: fx.GraphModule) -> list[tuple[nn.Module, str, int]]:
+    """Every place ``module``'s hierarchy holds a buffer it may write: (owner, attribute, buffer's id)."""
+    if _META_KEY not in module.meta:   # the graph never changes once a stage is built
+        module.meta[_META_KEY] = written_buffers(module)
+    names = module.meta[_META_KEY]
+    if not names:
+        return []
+    ids = {id(module.get_buffer(name)) for name in names}
+    places, seen = [], set()
+    for owner in module.modules():
+        for key, buffer in owner._buffers.items():
+            if buffer is not None and id(buffer) in ids and (id(owner), key) not in seen:
+                seen.add((id(owner), key))
+                places.append((owner, key, id(buffer)))
+    return places
+
+
+class _Snapshot:
+    """Entered around the forward: keeps the written buffers' values as it begins."""
+
+    def __init__(self, places: list[tuple[nn.Module, str, int]]) -> None:
+        self.places = places
+        self.values: dict[int, torch.Tensor] = {}
+
+    def __enter__(self) -> None:
+        with torch.no_grad():
+            for owner, key, ident in self.places:
+                if ident not in self.values:
+                    self.values[ident] = owner._buffers[key].detach().clone()
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class _Replay:
+    """Entered around each recomputation: the snapshot's values in place of the buffers, then the buffers back
+    (also when checkpoint stops the recomputation early, by raising through here)."""
+
+    def __init__(self, snapshot: _Snapshot) -> None:
+        self.snapshot = snapshot
+        self.live: list[tuple[nn.Module, str, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        copies = {ident: value.clone() for ident, value in self.snapshot.values.items()}   # one per recompute
+        self.live = [(owner, key, owner._buffers[key]) for owner, key, _ in self.snapshot.places]
+        for owner, key, ident in self.snapshot.places:
+            owner._buffers[key] = copies[ident]
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, key, buffer in self.live:
+            owner._buffers[key] = buffer
+        self.live = []
+
+
+def checkpoint_stage(module: fx.GraphModule, *args: Any, preserve_rng_state: bool) -> Any:
+    """``torch.utils.checkpoint`` (non-reentrant) of ``module(*args)``, with its buffers replayed, not updated
+    twice, by the recomputation."""
+    places = _written(module)
+    if not places:
+        return torch_checkpoint(module, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+    snapshot = _Snapshot(places)
+    return torch_checkpoint(module, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
+                            context_fn=lambda: (snapshot, _Replay(snapshot)))
