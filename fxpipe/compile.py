@@ -27,7 +27,7 @@ from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
 from fxpipe.runtime.guards import ModelGuard, input_signature
 from fxpipe.runtime.host import UNSHARED
 from fxpipe.runtime.losses import scalar_of
-from fxpipe.runtime.microbatch import batch_size_of, check_micro_batches, scatter
+from fxpipe.runtime.microbatch import batch_size_of, scatter
 from fxpipe.runtime.pipeline import Pipeline
 
 __all__ = ["compile", "parse_devices"]
@@ -115,7 +115,6 @@ def compile(
     batch = batch_size_of(list(example_inputs), dims)
     chunks = chunks if chunks is not None else min(batch, 4 * len(devs))
     workers = worker_devices(devs, schedule, v, stages, chunks)
-    check_micro_batches(schedule, len(workers), batch, chunks)
     warn_batch_norm(model, chunks, options.deferred_batch_norm)
     if options.check_micro_batching:
         check_micro_batching(captured.graph, example_inputs, layout, chunks)

@@ -2,7 +2,7 @@
 
 Dict inputs and tuple/dict targets are split leaf by leaf; an optional argument left at ``None`` points
 at ``concrete_args``; a branch that runs only in the other train/eval mode does not fail the compile;
-interleaved 1F1B on a batch ``torch.chunk`` splits into too few micro-batches suggests chunks that work;
+interleaved 1F1B with chunks that are not a multiple of the workers suggests chunks that work;
 a train-mode BatchNorm with micro-batches is warned about.
 """
 
@@ -106,16 +106,20 @@ def test_eval_compile_does_not_fail_on_a_training_only_branch():
         fxpipe.compile(model.train(), ["cpu", "cpu"], (x,), chunks=2, profile=ESTIMATE)
 
 
-def test_interleaved_batch_that_chunks_into_too_few_micro_batches_suggests_chunks_that_work():
+def test_an_uneven_batch_is_always_chunks_micro_batches_and_interleaved_chunks_get_a_fix_that_works():
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])
-    with pytest.raises(ValueError, match="a batch of 6 in chunks=4 gives 3 micro-batches") as err:
-        fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(6, 4),), chunks=4, schedule="interleaved-1f1b",
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(6, 4),), chunks=4, schedule="interleaved-1f1b",
+                          profile=ESTIMATE)   # 6 in 4 is 2, 2, 1, 1 (torch.chunk would make 3 of 2)
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    model.zero_grad(set_to_none=True)
+    pipe.step(x, y, nn.functional.mse_loss)
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    nn.functional.mse_loss(model(x), y).backward()
+    assert all(max_relative_error(g, p.grad) <= 1e-5 for g, p in zip(got, model.parameters()))
+    with pytest.raises(ValueError, match="groups of the 2 workers; 3 is not a multiple of 2: use chunks=4"):
+        fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(6, 4),), chunks=3, schedule="interleaved-1f1b",
                        profile=ESTIMATE)
-    assert "use chunks=2 or chunks=6" in str(err.value) and "use chunks=4" not in str(err.value)
-    pipe = fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(8, 4),), chunks=4, schedule="interleaved-1f1b",
-                          profile=ESTIMATE)
-    with pytest.raises(ValueError, match="chunks=4 gives 3 micro-batches.*use chunks=2 or chunks=6"):
-        pipe.step(torch.randn(6, 4), torch.randn(6, 4), nn.functional.mse_loss)
 
 
 def _bn_model() -> nn.Module:

@@ -1,8 +1,13 @@
-"""Splitting a batch into micro-batches and gathering the outputs back (as torchgpipe does), along a batch
-dimension that need not be 0.
+"""Splitting a batch into micro-batches and gathering the outputs back, along a batch dimension that need
+not be 0.
+
+A batch of ``B`` samples in ``chunks`` is always ``chunks`` micro-batches whose sizes differ by at most one
+(``torch.tensor_split``, as torch.distributed.pipelining splits), so the schedule the plan was made for is
+the schedule that runs, uneven batches included (``torch.chunk``, torchgpipe's split, can give fewer: 6
+in 4 is 3 of 2, which an interleaved schedule cannot run).
 
 Inputs, targets and outputs are pytrees (tuples, lists, dicts of tensors, nested): every tensor leaf that
-has the batch dimension is split along it with ``torch.chunk`` semantics and every other leaf (a 0-dim
+has the batch dimension is split along it and every other leaf (a 0-dim
 tensor, a number, a string, ``None``) is shared by all micro-batches. ``dims`` gives the batch dimension of
 each top-level value (one int for all): a sequence-first ``nn.LSTM`` input ``(T, B, F)`` has batch
 dimension 1.
@@ -16,7 +21,7 @@ from typing import Any, Sequence
 import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-__all__ = ["BatchLayout", "scatter", "gather", "batch_size_of", "micro_batch_count", "check_micro_batches"]
+__all__ = ["BatchLayout", "scatter", "gather", "batch_size_of"]
 
 
 @dataclass(frozen=True)
@@ -71,19 +76,10 @@ def batch_size_of(values: list[Any], dims: int | Sequence[int] = 0) -> int:
     return next(iter(sizes.values()))
 
 
-def micro_batch_count(batch: int, chunks: int) -> int:
-    """How many micro-batches ``torch.chunk`` makes of ``batch`` samples in ``chunks`` (an uneven batch may
-    give fewer: 6 in 4 chunks is 3 of 2)."""
-    size = -(-batch // chunks)
-    return -(-batch // size)
-
-
 def scatter(values: list[Any], chunks: int, dims: int | Sequence[int] = 0) -> list[list[Any]]:
-    """Split every batched tensor leaf of ``values`` along its batch dimension with ``torch.chunk``; other
-    leaves are shared.
-
-    Like ``torch.chunk``, an uneven batch gives smaller last micro-batches and
-    possibly fewer than ``chunks`` of them. A batch smaller than ``chunks`` is an error.
+    """Split every batched tensor leaf of ``values`` along its batch dimension into ``chunks`` micro-batches
+    (``torch.tensor_split``: sizes differ by at most one, the larger first); other leaves are shared. A batch
+    smaller than ``chunks`` is an error.
     """
     if chunks < 1:
         raise ValueError(f"chunks must be >= 1, got {chunks}")
@@ -94,11 +90,11 @@ def scatter(values: list[Any], chunks: int, dims: int | Sequence[int] = 0) -> li
             f"a batch of {batch} samples cannot be split into {chunks} micro-batches; "
             f"use a batch of at least {chunks} samples or chunks <= {batch}"
         )
-    count = micro_batch_count(batch, chunks)
+    count = chunks
     split = []
     for value, dim in zip(values, per):
         leaves, spec = tree_flatten(value)
-        pieces = [leaf.chunk(chunks, dim) if _batched(leaf, dim) else None for leaf in leaves]
+        pieces = [leaf.tensor_split(chunks, dim) if _batched(leaf, dim) else None for leaf in leaves]
         split.append([tree_unflatten([p[i] if p is not None else leaf for leaf, p in zip(leaves, pieces)], spec)
                       for i in range(count)])
     return [[column[i] for column in split] for i in range(count)]
@@ -122,20 +118,3 @@ def gather(outputs: list[Any], dim: int = 0) -> Any:
         else:
             merged.append(leaf)
     return tree_unflatten(merged, spec)
-
-
-def check_micro_batches(schedule: str, workers: int, batch: int, chunks: int) -> None:
-    """Refuse a batch whose micro-batches (``torch.chunk`` may make fewer than ``chunks``) interleaved 1F1B
-    cannot run, suggesting ``chunks`` that would work for this batch."""
-    count = micro_batch_count(batch, chunks)
-    if schedule != "interleaved-1f1b" or count % workers == 0:
-        return
-    good = [c for c in range(1, min(batch, 4096) + 1) if micro_batch_count(batch, c) % workers == 0]
-    fixes = [f"chunks={' or chunks='.join(map(str, sorted(sorted(good, key=lambda c: (abs(c - chunks), c))[:2])))}"
-             ] if good else []
-    if chunks % workers == 0:
-        fixes.append(f"a batch that is a multiple of {chunks} (then every micro-batch has batch / {chunks} samples)")
-    raise ValueError(
-        f"interleaved-1f1b runs micro-batches in groups of the {workers} workers, but a batch of {batch} in "
-        f"chunks={chunks} gives {count} micro-batches (torch.chunk: {-(-batch // chunks)} samples each, the last "
-        f"ones fewer or missing), not a multiple of {workers}; use {' or '.join(fixes) or 'another batch size'}")

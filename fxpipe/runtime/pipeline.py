@@ -31,7 +31,7 @@ from fxpipe.runtime.caller_state import CallerState
 from fxpipe.runtime.codegen import StageSpec
 from fxpipe.errors import FxpipeError
 from fxpipe.runtime.failures import forward_error, step_error
-from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, check_micro_batches, gather, scatter
+from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, gather, scatter
 from fxpipe.planning.memory_model import checkpointed
 from fxpipe.runtime.memory_probe import allocations, measure_worker_memory
 from fxpipe.planning.plan import Plan
@@ -219,7 +219,6 @@ class Pipeline(nn.Module):
                              f"dimension {self.layout.target} (it is split into micro-batches the same way; "
                              "CompileOptions(target_batch_dim=...) names another dimension)")
         m = len(micro)
-        check_micro_batches(schedule, self._workers(schedule), sum(sizes), self.chunks)
         grad_leaves = [t for t in tree_flatten(inputs)[0]
                        if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad]
 
