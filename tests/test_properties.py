@@ -241,9 +241,15 @@ def _compile(model: nn.Module, setup: dict[str, Any], inputs: tuple) -> fxpipe.P
         event("too few operations for the stages")
         return None
     event(f"compiled: {len(setup['devices'])} workers, {setup['schedule']}")
-    return fxpipe.compile(model, setup["devices"], inputs, chunks=setup["chunks"], schedule=setup["schedule"],
-                          checkpoint=setup["checkpoint"], stages=setup["stages"],
-                          leaf_modules=[NoGradCentre], profile=ESTIMATE)
+    options = dict(chunks=setup["chunks"], schedule=setup["schedule"], checkpoint=setup["checkpoint"],
+                   stages=setup["stages"], profile=ESTIMATE)
+    try:
+        return fxpipe.compile(model, setup["devices"], inputs, leaf_modules=[NoGradCentre], **options)
+    except fxpipe.FxpipeError as refused:   # never a silent wrong answer: refused, and its fix must work
+        if "is updated in place and used in stages" not in str(refused):
+            raise
+        event("a buffer's updates cut across stages: refused; compiled again with the fix it names")
+        return fxpipe.compile(model, setup["devices"], inputs, leaf_modules=[NoGradCentre, RunningMean], **options)
 
 
 def _micro_batch_reference(model: nn.Module, inputs: tuple, chunks: int) -> dict[str, torch.Tensor]:

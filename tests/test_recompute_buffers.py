@@ -127,3 +127,40 @@ def test_a_buffer_whose_read_lands_in_the_stage_before_its_update_is_updated_its
     assert "ema" not in pipe.specs[1].inputs      # the stage reads the buffer itself
     pipe.step(x, target, loss_fn, schedule=schedule)
     _assert_same(model, want_buffers, want_grads)
+
+
+class SplitUpdate(nn.Module):
+    """A moving average updated by ``mul_`` and ``add_`` with work between them: a cut may fall inside."""
+
+    def __init__(self, width=6):
+        super().__init__()
+        self.inp, self.out = nn.Linear(width, width), nn.Linear(width, width)
+        self.avg = RunningAverage(width)
+
+    def forward(self, x):
+        return self.out(self.avg(torch.tanh(self.inp(x))))
+
+
+class RunningAverage(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(width))
+
+    def forward(self, h):
+        decayed = self.ema.mul_(0.9)
+        h = torch.sin(h) * 2
+        decayed.add_(h.mean(0).detach() * 0.1)
+        return h
+
+
+def test_a_buffer_update_cut_across_stages_is_refused_and_the_leaf_it_names_works():
+    torch.manual_seed(5)
+    model = SplitUpdate()
+    x, target = torch.randn(8, 6), torch.randn(8, 6)
+    with pytest.raises(fxpipe.FxpipeError, match=r"buffer 'avg.ema' is updated in place and used in stages \[0, 1\].*"
+                                                 r"leaf_modules=\['avg'\]"):
+        compile_with_cuts(model, (x,), ["sin"], chunks=CHUNKS, options=SUCCESSIVE)
+    want_buffers, want_grads = _micro_batched_reference(model, x, target, nn.functional.mse_loss)
+    pipe = compile_with_cuts(model, (x,), ["out"], chunks=CHUNKS, options=SUCCESSIVE, leaf_modules=["avg"])
+    pipe.step(x, target, nn.functional.mse_loss, schedule="1f1b")
+    _assert_same(model, want_buffers, want_grads)

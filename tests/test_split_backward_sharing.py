@@ -121,3 +121,55 @@ def test_the_input_pass_leaves_weight_gradients_for_the_weight_pass_even_when_sh
     weight_pass.run()
     for p, q in zip(params, [ref.p, ref.b.weight, ref.b.bias]):
         assert max_relative_error(p.grad, q.grad) <= 1e-6
+
+
+F = nn.functional
+IN_A_ROW = {   # a parameter reached again from a frontier below: autograd would sum both paths
+    "module applied twice": lambda x, p, b: F.linear(F.linear(x, p, b), p, b),
+    "computed weight twice in a row": lambda x, p, b: (lambda w: (x @ w) @ w)(torch.tanh(p)),
+    "weight and bias, weight again": lambda x, p, b: (x @ p + b) @ p,
+}
+SIDE_BY_SIDE = {   # shared only between branches: the weight pass stays deferred
+    "two tanh of one parameter": lambda x, p, b: (x @ torch.tanh(p)) @ torch.tanh(p),
+    "branches": lambda x, p, b: torch.relu(x @ p + b) + x @ p,
+    "transpose and direct": lambda x, p, b: (x @ p) @ p.t() * 3,
+}
+
+
+@pytest.mark.parametrize("name", list(IN_A_ROW) + list(SIDE_BY_SIDE))
+def test_the_split_backward_of_a_parameter_used_twice_equals_one_backward(name):
+    build = {**IN_A_ROW, **SIDE_BY_SIDE}[name]
+    torch.manual_seed(0)
+    p, b, x = torch.randn(4, 4, requires_grad=True), torch.randn(4, requires_grad=True), torch.randn(2, 4, requires_grad=True)
+    y = build(x, p, b)
+    g = torch.randn_like(y)
+    want = torch.autograd.grad([y], [x, p, b], [g], retain_graph=True, allow_unused=True)
+    weight_pass = backward_inputs([y], [g], [x], [p, b])
+    assert weight_pass.deferred == (name in SIDE_BY_SIDE)
+    weight_pass.run()
+    for got, expected in zip([x.grad, p.grad, b.grad], want):
+        assert (got is None) == (expected is None)
+        if expected is not None:
+            assert max_relative_error(got, expected) <= 1e-6, name
+
+
+class LinearTwice(nn.Module):
+    def __init__(self, d=6):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+def test_zb_h1_with_a_module_called_twice_in_one_stage_equals_one_backward():
+    """Found by the property test: a shared module whose parameters arrive from another stage."""
+    torch.manual_seed(4)
+    model = LinearTwice()
+    x, target = torch.randn(8, 6), torch.randn(8, 6)
+    reference = copy.deepcopy(model)
+    nn.functional.mse_loss(reference(x), target).backward()
+    pipe = compile_with_cuts(model, (x,), ["tanh"], chunks=4, schedule="zb-h1", checkpoint="never")
+    pipe.step(x, target, nn.functional.mse_loss)
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        assert max_relative_error(got.grad, want.grad) <= 1e-5, name

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxpipe.runtime.aliasing import aliases_of, is_inplace, written_inputs
+from fxpipe.errors import FxpipeError
+from fxpipe.runtime.aliasing import aliases_of, is_inplace, written_buffers, written_inputs
 
 __all__ = ["StageSpec", "split_graph", "is_inplace", "move_stage"]
 
@@ -50,6 +51,33 @@ def _protect_mutated_inputs(graph: fx.Graph, root: torch.nn.Module) -> None:
         ph.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy)
 
 
+def _refuse_buffers_updated_across_stages(gm: fx.GraphModule, stage_of: dict[str, int]) -> None:
+    """A buffer updated in place must be used in one stage only: stages run micro-batches in an order of
+    their own, so a buffer updated in one stage and read or updated in another would hold a value that
+    depends on the schedule (a moving average updated by ``mul_`` here and ``add_`` there, a counter read
+    downstream), where the model's successive calls give one answer."""
+    written = written_buffers(gm)
+    by_buffer: dict[str, set[int]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in written:
+            users = {u for a in aliases_of([node], gm) for u in [a, *a.users]
+                     if u.op not in ("get_attr", "output", "placeholder")}
+            by_buffer.setdefault(node.target, set()).update(stage_of[u.name] for u in users)
+        elif node.op == "call_module":
+            module = gm.get_submodule(node.target)
+            if module.training and any(True for _ in module.buffers()):
+                by_buffer.setdefault(f"{node.target}.*", set()).add(stage_of[node.name])
+    for name, stages in by_buffer.items():
+        if len(stages) > 1:
+            owner = name.rpartition(".")[0]
+            fix = (f"make the module that owns it a leaf (leaf_modules=[{owner!r}]) so its updates stay in one "
+                   "stage" if owner else "move the update into a submodule and make that a leaf (leaf_modules=)")
+            raise FxpipeError(
+                f"buffer {name!r} is updated in place and used in stages {sorted(stages)}: each stage runs the "
+                f"micro-batches in its own order, so its value would depend on the schedule; {fix}, or compile "
+                "with fewer stages")
+
+
 def split_graph(gm: fx.GraphModule, stage_of: dict[str, int], num_stages: int) -> list[StageSpec]:
     """Split ``gm`` by ``stage_of`` (node name -> stage); placeholders are the pipeline's inputs."""
     nodes = list(gm.graph.nodes)
@@ -64,6 +92,7 @@ def split_graph(gm: fx.GraphModule, stage_of: dict[str, int], num_stages: int) -
                     f"node {u.name!r} (stage {stage_of[u.name]}) reads {n.name!r} from a later stage "
                     f"{stage_of[n.name]}: stages must follow the data flow"
                 )
+    _refuse_buffers_updated_across_stages(gm, stage_of)
     # A buffer is read where it is used, never sent as a value: a stage that updates it in place must update
     # the buffer itself (not a copy of a value), and its recomputation must see it (fxpipe.runtime.recompute).
     buffers = {name for name, _ in gm.named_buffers(remove_duplicate=False)}

@@ -26,7 +26,10 @@ frontier: :func:`backward_inputs` walks every parameter-side subgraph and puts
 the frontiers (and outputs) that meet anywhere below into one group, whose
 weight pass is one backward from all their edges; each node still runs once.
 Only a parameter's own leaf may be met by several groups: accumulating into
-``.grad`` saves nothing. A checkpointed stage (whose recomputation cannot be
+``.grad`` saves nothing. A frontier whose parameter side is also reached from a
+frontier *below* it on the input path (a module applied twice in a row) cannot be
+asked for its own share alone (autograd sums every path), so such a stage does its
+whole backward at once (:func:`_reached_from_below`). A checkpointed stage (whose recomputation cannot be
 replayed twice) does its full backward in the first pass and nothing in the
 second (``deferred`` is ``False``); gradients are the same either way.
 """
@@ -122,6 +125,8 @@ def backward_inputs(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
         children = [GradientEdge(c, slot) for c, slot in _children(node) if not on_path[c] and feeds_params[c]]
         if children:
             frontier.append((node, children))
+    if _reached_from_below(frontier, on_path, feeds_params, param_nodes):
+        return full_backward(roots, grads)
     received: dict[Node, list[Any]] = {}
     handles = [node.register_prehook(lambda g, n=node: received.__setitem__(n, list(g))) for node, _ in frontier]
     try:
@@ -144,6 +149,44 @@ def backward_inputs(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
     if other_roots:
         groups.setdefault(group[len(frontier)], ([], []))[1].extend(other_roots)
     return WeightPass(list(groups.values()), params, deferred=True)
+
+
+def _reached_from_below(frontier: list[tuple[Node, list[GradientEdge]]], on_path: dict[Node, bool],
+                        feeds_params: dict[Node, bool], param_nodes: set[Node]) -> bool:
+    """Whether some frontier's parameter side is also reached from a frontier below it on the input path.
+
+    The weight pass asks autograd for the gradient from a frontier node into its parameter-side edges, and
+    autograd sums *every* path from that node: through the input path too (a module or parameter used
+    twice in a row, ``linear(linear(x, w, b), w, b)``). Where such a second path exists, the weight pass
+    would count the lower frontier's share twice (and run its node again), so the stage's backward is
+    done whole instead; where none does (parameters shared by side-by-side branches), it stays split."""
+    holders: dict[Node, set[int]] = {}   # a parameter-side node -> the frontiers whose side holds it
+    for u, (_, children) in enumerate(frontier):
+        seen: set[Node] = set()
+        stack = [edge.node for edge in children]
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            holders.setdefault(node, set()).add(u)
+            if node not in param_nodes:
+                stack += [c for c, _ in _children(node) if feeds_params.get(c, False)]
+    position = {node: u for u, (node, _) in enumerate(frontier)}
+    for u, (top, children) in enumerate(frontier):
+        others = set().union(*(holders[edge.node] for edge in children)) - {u}
+        if not others:   # no other frontier's side holds this one's direct children
+            continue
+        seen, stack = set(), [c for c, _ in _children(top) if on_path.get(c, False)]
+        while stack:   # the input-path nodes below frontier u: is one of them such a frontier?
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if position.get(node) in others:
+                return True
+            stack += [c for c, _ in _children(node) if on_path.get(c, False)]
+    return False
 
 
 def _meeting_groups(starts: list[list[Node]], feeds_params: dict[Node, bool], leaves: set[Node]) -> list[int]:
