@@ -2,7 +2,8 @@
 
 1. the DP (exact over contiguous stages, any placement); when its space holds an
    optimum of the reference problem (a chain-like order, where every convex
-   partition is contiguous) and it finished, that is the answer;
+   partition is contiguous, and every placement searched), that is the answer,
+   with the DP's gap if its time ran out: another phase would search the same plans;
 2. otherwise, with HiGHS, the exact decomposition over convex partitions x
    placements (:mod:`solvers.exact`) when the placements are few enough, else the
    ILP over convex partitions on the DP's placement, warm-started from the DP.
@@ -69,8 +70,8 @@ def solve_auto(problem: Problem, time_limit_s: float = 10.0) -> Solution:
     found = [s for s in [_phase("dp", keep_error(lambda: solve_dp(problem, time_limit_s=time_limit_s)), log)]
              if s is not None]
     dp = found[0] if found else None
-    if dp is not None and dp.solver["optimal"]:
-        pass   # certified over the whole reference space: nothing left to prove
+    if dp is not None and (dp.solver["optimal"] or dp.solver["covers_reference"]):
+        pass   # every convex partition on every placement was in the DP's space: nothing else to search
     elif not ilp_available():
         log.append({"phase": "convex", "status": "skipped: HiGHS (highspy) is not installed"})
     elif problem.max_replicas > 1:
@@ -93,7 +94,8 @@ def solve_auto(problem: Problem, time_limit_s: float = 10.0) -> Solution:
     best = min(found, key=lambda s: s.predicted["iteration_s"])
     lower = max(s.solver["lower_bound_s"] for s in found)
     chosen = next(e["phase"] for e in log if e.get("iteration_s") == best.predicted["iteration_s"])
+    covering = [s for s in found if s.solver["covers_reference"]]
     return certify(problem, best, method="auto", started=started,
                    exact_over="; ".join(f"{e['phase']}: {e['exact_over']}" for e in log if "exact_over" in e),
-                   covers_reference=True, space_optimal=False, space_lower_s=lower,
-                   chosen=chosen, phases=log)
+                   covers_reference=bool(covering), space_optimal=any(s.solver["space_optimal"] for s in covering),
+                   global_lower_s=lower, chosen=chosen, phases=log)

@@ -4,8 +4,9 @@
 *reference* problem (any convex partition, any placement of stages on distinct
 devices) has a smaller reference ``T``; ``lower_bound_s`` and ``gap`` refer to
 that whole space; ``time_s`` is the whole solve. A solver that searched a
-smaller space exactly says so in ``exact_over`` (and ``space_optimal`` says
-whether it finished that search); its own bound proves nothing about the
+smaller space exactly says so in ``exact_over`` (``space_optimal``: whether it
+finished that search; ``covers_reference``: whether that space holds an optimum
+of the reference problem, so that its bound is the whole space's); its own bound proves nothing about the
 rest of the space, so only a bound that holds everywhere is reported then:
 :func:`compute_lower_bound`, which every plan obeys whatever its partition
 and placement.
@@ -64,16 +65,17 @@ def compute_lower_bound(problem: Problem) -> float:
 
 def certify(problem: Problem, solution: Solution, *, method: str, started: float, exact_over: str,
             covers_reference: bool, space_optimal: bool, space_lower_s: float = 0.0,
-            **extra: Any) -> Solution:
+            global_lower_s: float = 0.0, **extra: Any) -> Solution:
     """Set ``solution.solver`` from what the search proved; returns ``solution``.
 
     ``exact_over``: the space searched exactly; ``covers_reference``: whether that
     space contains an optimum of the reference problem; ``space_optimal``: whether
     the search of that space finished; ``space_lower_s``: its proven bound when it
-    did not finish. ``time_s`` runs from ``started`` (``time.perf_counter()``) to now.
+    did not finish; ``global_lower_s``: a bound already proven over the whole reference
+    space (by earlier phases). ``time_s`` runs from ``started`` (``time.perf_counter()``) to now.
     """
     t = float(solution.predicted["iteration_s"])
-    lower = compute_lower_bound(problem)
+    lower = max(compute_lower_bound(problem), global_lower_s)
     if covers_reference:
         lower = max(lower, t if space_optimal else space_lower_s)
     lower = min(max(lower, 0.0), t) if math.isfinite(t) else 0.0
@@ -85,5 +87,6 @@ def certify(problem: Problem, solution: Solution, *, method: str, started: float
                           if k not in ("optimal", "lower_bound_s", "gap", "time_s")},
                        **extra, "method": method, "optimal": optimal, "lower_bound_s": lower, "gap": gap,
                        "exact_over": exact_over, "space_optimal": bool(space_optimal or optimal),
+                       "covers_reference": bool(covers_reference),
                        "reference": REFERENCE_SPACE, "time_s": time.perf_counter() - started}
     return solution

@@ -174,3 +174,65 @@ def test_a_phase_that_finds_nothing_leaves_the_dp_plan(monkeypatch):
     phase = sol.solver["phases"][-1]
     assert phase["phase"] == "exact" and phase["status"] == "no plan" and "time limit" in phase["error"]
     assert sol.solver["optimal"] is False and math.isfinite(sol.solver["lower_bound_s"])
+
+
+def titan_boxes(boxes: int) -> tuple[list[dict], dict]:
+    """Devices and links of ``boxes`` 8-GPU Titan V boxes (PIX/PHB/SYS), joined by a network link."""
+    from pathlib import Path
+
+    from fxpipe.planning.topology import links_from_classes, parse_nvidia_smi_topo
+    titan = parse_nvidia_smi_topo((Path(__file__).parent / "data" / "titan-v-8gpu-2socket.txt").read_text())
+    n = 8 * boxes
+    classes = [["X" if i == j else titan[i % 8][j % 8] if i // 8 == j // 8 else "NET" for j in range(n)]
+               for i in range(n)]
+    links = links_from_classes(classes)
+    devices = [{"id": f"cuda:{i}", "memory_bytes": 12 * 2**30} for i in range(n)]
+    return devices, {"bandwidth_Bps": links.bandwidth_Bps, "latency_s": links.latency_s}
+
+
+def residual_chain(n: int, boxes: int, branchy: bool = False, seed: int = 0) -> Problem:
+    """A residual chain (a skip over every three nodes); ``branchy`` drops the chain edge into every
+    skip's target, so that the order is no longer a path and the convex phase has work to do."""
+    rng = random.Random(seed)
+    devices, links = titan_boxes(boxes)
+    nodes = [dict(id=f"n{i}", fwd_s=rng.uniform(1e-4, 1e-3), bwd_s=rng.uniform(2e-4, 2e-3),
+                  param_bytes=rng.uniform(0, 4e6), act_bytes=rng.uniform(1e6, 8e6)) for i in range(n)]
+    skips = {i + 3: i for i in range(0, n - 3, 3)}
+    edges = [dict(src=f"n{i}", dst=f"n{i + 1}", bytes=rng.uniform(1e6, 8e6)) for i in range(n - 1)
+             if not (branchy and i + 1 in skips and i % 2)]
+    edges += [dict(src=f"n{a}", dst=f"n{b}", bytes=rng.uniform(1e6, 8e6)) for b, a in skips.items()]
+    return Problem.from_dict(dict(format="fxpipe-problem/1", name=f"chain{n}x{8 * boxes}", micro_batches=8,
+                                  schedule="1f1b", optimizer_state_factor=2.0, nodes=nodes, edges=edges,
+                                  devices=devices, links=links))
+
+
+def test_auto_keeps_the_dp_plan_when_the_convex_phase_runs_out_of_time():
+    """A stand-in for 3000 x 16 at CI size: a branchy chain on the two boxes, one second per phase.
+    The convex phase cannot finish; the plan is never worse than the DP's and the fields agree."""
+    problem = residual_chain(100, 2, branchy=True)
+    dp = solve_dp(problem, time_limit_s=0.5)
+    sol, wall = timed(solve, problem, "auto", time_limit_s=0.5)
+    check_certificate(problem, sol, wall, None)
+    assert sol.predicted["iteration_s"] <= dp.predicted["iteration_s"] * (1 + 1e-9)
+    assert [p["phase"] for p in sol.solver["phases"]] == ["dp", "ilp"]
+    assert sol.solver["covers_reference"] is False and sol.solver["optimal"] is False
+
+
+@pytest.mark.slow
+def test_auto_returns_a_plan_at_3000_nodes_on_16_devices(tmp_path):
+    """The issue's case: the command used to exit 3 ("infeasible") after the ILP phase found nothing."""
+    import json
+    import subprocess
+    import sys
+
+    problem = residual_chain(3000, 2)
+    problem.save(tmp_path / "p.json")
+    started = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "solvers", "solve", str(tmp_path / "p.json")],
+                         capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(run.stdout)   # stdout is the solution and nothing else
+    from solvers import Solution
+    check_certificate(problem, Solution.from_dict(doc), wall, None)
+    assert doc["solver"]["covers_reference"] is True   # a chain: every convex partition is contiguous
