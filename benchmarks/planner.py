@@ -3,7 +3,7 @@
 Reads ``benchmarks/problems/*.json`` (made once by ``make_problems.py``: six real
 models on 4 and 8 NVLink GPUs, the 8-GPU PIX/PHB/SYS Titan V box, and two such
 boxes over 100 Gb/s), runs ``solvers.solve(method="auto")`` (the command line's
-default: exact DP with placement, then the ILP over convex partitions) with a
+default: exact DP with placement, then convex partitions on every placement or the DP's) with a
 time limit, and every anchor. Prints per problem and method the reference
 iteration time, the ratio to fxpipe, the certified gap and the solve time; then
 geometric means, the best anchor partitioner per problem, and topology-blind
