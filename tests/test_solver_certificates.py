@@ -157,7 +157,8 @@ def test_memory_binds_in_the_brute_force_corpus():
 
 @pytest.mark.slow
 def test_auto_equals_brute_force_on_larger_problems():
-    brute_force_agreement(range(25), 7, 4)
+    assert brute_force_agreement(range(40), 7, 3)[0] == 160
+    assert brute_force_agreement(range(10), 6, 4)[0] == 40
 
 
 def test_a_phase_that_finds_nothing_leaves_the_dp_plan(monkeypatch):
