@@ -26,7 +26,7 @@ from typing import Iterator
 
 from solvers.certificate import REFERENCE_SPACE, TOL, certify
 from solvers.dp.tables import device_classes, stage_counts
-from solvers.errors import InfeasibleError
+from solvers.errors import InfeasibleError, SolverError
 from solvers.ilp import run_placement
 from solvers.problem import Problem
 from solvers.score import score_assignment
@@ -89,7 +89,11 @@ def solve_exact(problem: Problem, time_limit_s: float, incumbent: Solution | Non
         first = tuple(index[s.devices[0]] for s in incumbent.stages)
         start_map = {n: k for k, s in enumerate(incumbent.stages) for n in s.nodes}
         best = (ub, start_map, list(first))
-    todo = candidates if candidates is not None else placements(problem, limit=10 ** 9) or []
+    todo = candidates if candidates is not None else placements(problem)
+    if todo is None:
+        raise SolverError(
+            f"{len(problem.devices)} devices give more than {MAX_PLACEMENTS} placements (up to symmetry) for the "
+            "exact search; use method 'auto' (the DP, then the ILP on its placement) or fix 'stages'")
     order = sorted(todo, key=lambda devs: _placement_bound(problem, devs))
     if first is not None:   # the DP's own placement first: convex cuts that beat its contiguous ones
         order = [first] + [devs for devs in order if devs != first]

@@ -237,3 +237,9 @@ def test_auto_returns_a_plan_at_3000_nodes_on_16_devices(tmp_path):
     from solvers import Solution
     check_certificate(problem, Solution.from_dict(doc), wall, None)
     assert doc["solver"]["covers_reference"] is True   # a chain: every convex partition is contiguous
+
+
+def test_exact_refuses_placements_beyond_its_reach_instead_of_enumerating_them():
+    from solvers import SolverError
+    with pytest.raises(SolverError, match="more than 5000 placements.*use method 'auto'"):
+        solve(residual_chain(20, 2, branchy=True), "exact")
