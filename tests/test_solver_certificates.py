@@ -243,3 +243,19 @@ def test_exact_refuses_placements_beyond_its_reach_instead_of_enumerating_them()
     from solvers import SolverError
     with pytest.raises(SolverError, match="more than 5000 placements.*use method 'auto'"):
         solve(residual_chain(20, 2, branchy=True), "exact")
+
+
+def test_auto_finds_the_convex_plan_when_no_contiguous_one_fits():
+    """Parallel branches with binding memory: no contiguous partition fits on any placement (the DP
+    proves it), a convex one does. auto used to stop at the DP's InfeasibleError or the ILP's, on the
+    DP's placement; it now searches every placement and certifies the plan."""
+    rng = random.Random("ref-62-parallel")
+    problem = reference_problem(rng, "parallel", rng.randint(4, 6), 3, rng.choice(["gpipe", "1f1b"]),
+                                rng.random() < 0.5)
+    with pytest.raises(InfeasibleError):
+        solve_dp(problem)
+    best = brute_force_reference(problem)
+    sol, wall = timed(solve, problem, "auto")
+    check_certificate(problem, sol, wall, best.iteration_s)
+    assert sol.predicted["iteration_s"] == pytest.approx(best.iteration_s, rel=1e-7)
+    assert sol.solver["optimal"] is True and sol.solver["phases"][0]["status"] == "no plan"
