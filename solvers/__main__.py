@@ -16,8 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     p_solve.add_argument("problem")
     p_solve.add_argument("-o", "--output", help="write the solution here instead of stdout")
     p_solve.add_argument("--method", default="auto", choices=METHODS,
-                         help="auto (default): exact DP, then the ILP over convex partitions warm-started from it")
-    p_solve.add_argument("--time-limit", type=float, default=10.0, help="ILP time limit in seconds (default 10)")
+                         help="auto (default): exact DP, then convex partitions on every placement (or on the DP's)")
+    p_solve.add_argument("--time-limit", type=float, default=10.0, help="time limit per phase in seconds (default 10)")
     p_search = sub.add_parser("search", help="joint search over micro-batches, schedule and stages; prints the table")
     p_search.add_argument("problem")
     p_search.add_argument("--micro-batches", type=int, nargs="+", help="counts to try (default: the problem's)")

@@ -11,7 +11,7 @@ from solvers.problem import Problem
 from solvers.score import Score, score_assignment
 from solvers.solution import assignment_from_cuts
 
-__all__ = ["brute_force_contiguous", "brute_force_convex", "brute_force_replicated"]
+__all__ = ["brute_force_contiguous", "brute_force_convex", "brute_force_reference", "brute_force_replicated"]
 
 
 def brute_force_contiguous(problem: Problem, placement: bool = False) -> Score | None:
@@ -48,6 +48,24 @@ def brute_force_convex(problem: Problem) -> Score | None:
             sc = score_assignment(problem, stage_of, list(range(p)))
             if sc.feasible and (best is None or sc.iteration_s < best.iteration_s):
                 best = sc
+    return best
+
+
+def brute_force_reference(problem: Problem) -> Score | None:
+    """Best feasible score over the reference space of ``shared/problem-format.md``: every convex
+    partition on every injective stage-to-device mapping; or None. Exponential: tiny problems only."""
+    order = problem.order
+    best: Score | None = None
+    for p in stage_counts(problem):
+        mappings = list(itertools.permutations(range(len(problem.devices)), p))
+        for stages in itertools.product(range(p), repeat=len(order)):
+            stage_of = dict(zip(order, stages))
+            if len(set(stages)) != p or any(stage_of[e.src] > stage_of[e.dst] for e in problem.edges):
+                continue
+            for devices in mappings:
+                sc = score_assignment(problem, stage_of, list(devices))
+                if sc.feasible and (best is None or sc.iteration_s < best.iteration_s):
+                    best = sc
     return best
 
 

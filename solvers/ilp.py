@@ -26,25 +26,52 @@ HiGHS reports the incumbent, its dual bound and the gap; a time limit bounds the
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
-from typing import Any
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import pulp
 
+from solvers.certificate import TOL, certify
+from solvers.dp.tables import device_classes
 from solvers.errors import InfeasibleError, SolverError
 from solvers.problem import Problem
 from solvers.score import score_assignment, transfer_cost_s
 from solvers.solution import Solution, Stage
 
-__all__ = ["solve_ilp", "ilp_available"]
+__all__ = ["GAP_REL", "PlacementRun", "run_placement", "solve_ilp", "ilp_available"]
+
+GAP_REL = 1e-8
+"""HiGHS stops when incumbent and bound are this close (its default, 1e-4, would certify 0.01 % off)."""
 
 
 def ilp_available() -> bool:
     return "HiGHS" in pulp.listSolvers(onlyAvailable=True)
 
 
+@contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send what C code writes to stdout to stderr: HiGHS prints its banner on the first
+    ``Highs()`` of a process, before any option can silence it, and stdout carries the JSON."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 class _WarmHiGHS(pulp.HiGHS):
-    """pulp's HiGHS with the variables' initial values passed as a MIP start."""
+    """pulp's HiGHS, silent on stdout, with the variables' initial values passed as a MIP start."""
+
+    def createAndConfigureSolver(self, lp: pulp.LpProblem) -> None:
+        with _stdout_to_stderr():
+            super().createAndConfigureSolver(lp)
 
     def callSolver(self, lp: pulp.LpProblem) -> None:
         import highspy
@@ -58,7 +85,8 @@ class _WarmHiGHS(pulp.HiGHS):
         lp.solverModel.run()
 
 
-def _model(problem: Problem, p: int, devices: list[int], start: dict[str, int] | None):
+def _model(problem: Problem, p: int, devices: list[int], start: dict[str, int] | None,
+           cutoff: float | None = None):
     nodes = problem.node_map()
     ids = problem.order
     m = problem.micro_batches
@@ -117,6 +145,8 @@ def _model(problem: Problem, p: int, devices: list[int], start: dict[str, int] |
         lp += pulp.lpSum((nodes[v].param_bytes * factor + nodes[v].act_bytes * inflight) * x[v, s]
                          for v in ids) <= dev.memory_bytes
     lp += pulp.lpSum(t) + (m - 1) * big
+    if cutoff is not None and math.isfinite(cutoff):   # only plans better than the incumbent are wanted
+        lp += pulp.lpSum(t) + (m - 1) * big <= cutoff
     if start is not None:
         _set_start(problem, p, devices, start, x, r_vars, q_vars, consumers, levels_of, t, big)
     return lp, x
@@ -136,6 +166,31 @@ def _set_start(problem, p, devices, start, x, r_vars, q_vars, consumers, levels_
     for s in range(p):
         t[s].setInitialValue(sc.stage_s[s])
     big.setInitialValue(max(sc.stage_s))
+
+
+@dataclass
+class PlacementRun:
+    stage_of: dict[str, int] | None   # best partition found (None: none, or none below the cutoff)
+    lower_s: float                    # proven: no partition on this placement is faster (inf: none fits)
+    finished: bool                    # the solve proved its answer (not stopped by the time limit)
+
+
+def run_placement(problem: Problem, devices: list[int], time_limit_s: float,
+                  start: dict[str, int] | None = None, cutoff: float | None = None) -> PlacementRun:
+    """Best convex partition with stage ``s`` on ``devices[s]``, faster than ``cutoff`` if given."""
+    p = len(devices)
+    lp, x = _model(problem, p, devices, start, cutoff)
+    lp.solve(_WarmHiGHS(msg=False, timeLimit=max(time_limit_s, 0.05), gapRel=GAP_REL, gapAbs=0.0))
+    info: Any = lp.solverModel.getInfo()
+    status = str(lp.solverModel.getModelStatus())
+    if status.endswith("kInfeasible"):   # nothing fits (or nothing beats the cutoff)
+        return PlacementRun(None, cutoff if cutoff is not None and math.isfinite(cutoff) else math.inf, True)
+    finished = status.endswith("kOptimal")
+    bound = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else 0.0
+    if info.primal_solution_status != 2:  # no feasible solution found in time
+        return PlacementRun(None, bound, finished)
+    stage_of = {v: max(range(p), key=lambda s, v=v: x[v, s].varValue or 0.0) for v in problem.order}
+    return PlacementRun(stage_of, bound, finished)
 
 
 def solve_ilp(problem: Problem, time_limit_s: float = 30.0, warm_start: Solution | None = None,
@@ -167,32 +222,29 @@ def solve_ilp(problem: Problem, time_limit_s: float = 30.0, warm_start: Solution
             break
         stage_devices = devices if devices is not None and len(devices) == p else list(range(p))
         start = start_map if start_map is not None and len(warm_start.stages) == p else None
-        lp, x = _model(problem, p, stage_devices, start)
-        lp.solve(_WarmHiGHS(msg=False, timeLimit=max(remaining, 0.1)))
-        info: Any = lp.solverModel.getInfo()
-        status = lp.solverModel.getModelStatus()
-        bound = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else 0.0
-        if str(status).endswith("kInfeasible"):
-            continue
-        if not str(status).endswith("kOptimal"):
-            proven = False
-        lower = min(lower, bound)
-        if info.primal_solution_status != 2:  # no feasible solution found for this p
-            continue
-        stage_of = {v: max(range(p), key=lambda s, v=v: x[v, s].varValue or 0.0) for v in problem.order}
-        sc = score_assignment(problem, stage_of, stage_devices)
-        if sc.feasible and (best is None or sc.iteration_s < best[0]):
-            best = (sc.iteration_s, stage_of, stage_devices)
+        run = run_placement(problem, stage_devices, remaining, start)
+        proven = proven and run.finished
+        lower = min(lower, run.lower_s)
+        if run.stage_of is not None:
+            sc = score_assignment(problem, run.stage_of, stage_devices)
+            if sc.feasible and (best is None or sc.iteration_s < best[0]):
+                best = (sc.iteration_s, run.stage_of, stage_devices)
     if best is None:
-        raise InfeasibleError("the ILP found no feasible convex partition within its time limit")
+        if proven:
+            raise InfeasibleError(
+                f"no convex partition on devices {devices or 'stage s on device s'} fits in memory; add devices "
+                "or memory, or lower micro_batches/activation memory", min_peak_bytes=math.nan)
+        raise InfeasibleError("the ILP found no feasible convex partition within its time limit of "
+                              f"{time_limit_s} s; raise the time limit", min_peak_bytes=math.nan)
     t_best, stage_of, stage_devices = best
     lower = min(lower, t_best)
     sc = score_assignment(problem, stage_of, stage_devices)
     stages = [Stage([v for v in problem.order if stage_of[v] == s], [problem.devices[stage_devices[s]].id])
               for s in range(len(stage_devices))]
-    gap = max(0.0, (t_best - lower) / t_best) if t_best > 0 else 0.0
-    return Solution(stages, sc.as_predicted(), {
-        "method": "ilp", "optimal": proven and gap <= 1e-6, "lower_bound_s": lower, "gap": gap,
-        "time_s": time.perf_counter() - started, "time_limit_s": time_limit_s,
-        "search_space": "convex partitions of the DAG (every edge to the same or a later stage)",
-    })
+    alike = len(device_classes(problem)) == 1   # then this placement is as good as any
+    space = ("convex partitions of the DAG, any placement (all devices alike)" if alike else
+             f"convex partitions of the DAG, stage s on device {[problem.devices[d].id for d in stage_devices]}[s]")
+    return certify(problem, Solution(stages, sc.as_predicted(), {"time_limit_s": time_limit_s}),
+                   method="ilp", started=started, exact_over=space,
+                   covers_reference=alike and problem.max_replicas == 1,
+                   space_optimal=proven and lower >= t_best * (1 - TOL), space_lower_s=lower)

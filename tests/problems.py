@@ -6,7 +6,7 @@ import random
 
 from solvers import Problem
 
-__all__ = ["random_problem"]
+__all__ = ["KINDS", "random_problem", "reference_problem"]
 
 
 def random_problem(rng: random.Random, n: int, devices: int, skips: bool, schedule: str,
@@ -29,3 +29,39 @@ def random_problem(rng: random.Random, n: int, devices: int, skips: bool, schedu
         stages=rng.choice([None, None, max(1, min(devices, n) // 2)]),
         optimizer_state_factor=rng.choice([0, 1, 2]), nodes=nodes, edges=edges, devices=devs,
         links=dict(bandwidth_Bps=bw, latency_s=lat)))
+
+
+KINDS = ("chain", "skip", "branch", "parallel")
+
+
+def reference_problem(rng: random.Random, kind: str, n: int, devices: int, schedule: str,
+                      tight_memory: bool) -> Problem:
+    """A random problem of one ``kind`` with heterogeneous devices and links.
+
+    ``branch``: each node reads one to three earlier nodes; ``parallel``: a source, two or
+    three branches listed interleaved (as a trace may list them), a sink that reads them all.
+    """
+    base = random_problem(rng, n, devices, kind == "skip", schedule, tight_memory)
+    doc = base.to_dict()
+    if tight_memory:   # a fraction of what one stage holding everything needs: binds, rarely excludes all
+        need = sum(v["param_bytes"] * (1 + doc["optimizer_state_factor"]) + v["act_bytes"] * doc["micro_batches"]
+                   for v in doc["nodes"])
+        for d in doc["devices"]:
+            d["memory_bytes"] = need * rng.uniform(0.5, 1.5) / len(doc["devices"]) ** 0.5
+    if kind in ("chain", "skip"):
+        return Problem.from_dict(doc)
+    doc["edges"] = []
+    if kind == "branch":
+        for i in range(1, n):
+            for j in rng.sample(range(i), k=min(i, rng.randint(1, 3))):
+                doc["edges"].append({"src": f"n{j}", "dst": f"n{i}", "bytes": rng.uniform(0, 5)})
+    else:
+        width = rng.choice([2, 3]) if n >= 5 else 2
+        last = {b: 0 for b in range(width)}   # branch -> its latest node (all start at the source)
+        for i in range(1, n - 1):
+            b = (i - 1) % width
+            doc["edges"].append({"src": f"n{last[b]}", "dst": f"n{i}", "bytes": rng.uniform(0, 5)})
+            last[b] = i
+        for b in set(last.values()):
+            doc["edges"].append({"src": f"n{b}", "dst": f"n{n - 1}", "bytes": rng.uniform(0, 5)})
+    return Problem.from_dict(doc)

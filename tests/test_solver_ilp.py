@@ -37,7 +37,7 @@ def test_ilp_equals_brute_force_over_convex_partitions(seed, schedule, tight):
     got = score(problem, sol)
     assert got.feasible
     assert got.iteration_s == pytest.approx(best.iteration_s, rel=1e-6)
-    assert sol.solver["optimal"] is True and sol.solver["gap"] <= 1e-6
+    assert sol.solver["space_optimal"] is True   # exact for its placement; "optimal" needs every placement
     contiguous = brute_force_contiguous(problem)
     assert contiguous is None or got.iteration_s <= contiguous.iteration_s * (1 + 1e-9)
 

@@ -97,7 +97,7 @@ def test_dp_with_replicas_equals_brute_force(seed, schedule):
         return
     solution = solve_dp(problem)
     got = score(problem, solution)
-    assert got.feasible and solution.solver["optimal"] is True
+    assert got.feasible and solution.solver["space_optimal"] is True
     assert got.iteration_s == pytest.approx(best.iteration_s, rel=1e-9)
 
 

@@ -107,6 +107,11 @@ class Plan:
                 f"(profile: {self.profile.get('mode', '?')} on {self.profile.get('device', '?')}; "
                 f"solver: {self.solver.get('method', '?')}, optimal={self.solver.get('optimal', '?')})"
             )
+            if "exact_over" in self.solver and not self.solver.get("optimal"):
+                # "optimal" is over every convex partition and placement; say what was searched exactly
+                out.append(f"exact over: {self.solver['exact_over']}"
+                           f"{'' if self.solver.get('space_optimal') else ' (stopped by the time limit)'}; "
+                           f"gap to the best possible plan at most {self.solver.get('gap', float('nan')):.1%}")
         return "\n".join(out)
 
     def memory_table(self) -> str:

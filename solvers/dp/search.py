@@ -6,6 +6,7 @@ import math
 import time
 
 from solvers.cuts import CUT_ANCHORS, QUADRATIC_ANCHORS
+from solvers.certificate import certify, contiguous_is_convex
 from solvers.errors import InfeasibleError
 from solvers.groups import GroupTable, hierarchical_order
 from solvers.placement import improve_placement
@@ -170,19 +171,13 @@ def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | Non
                  f"(not certified beyond {MAX_EXACT_PLACEMENT_DEVICES} devices)")
     if problem.max_replicas > 1:
         space += f"; or replica groups of up to {problem.max_replicas} consecutive devices of the hierarchical order"
-    certified = search.complete and (exhaustive or not placement or blind_is_all)
-    if certified:
-        lower = sc.iteration_s
-    elif search.complete:   # placement beyond exact reach: only the compute bound holds
-        classes_space = Space("classes", table, classes=[[d] for d in identity])
-        lower = min(analytic_lower(problem, tables, q, classes_space) for q in stage_counts(problem))
-    else:
-        lower = min(search.lower, sc.iteration_s)
-    return Solution(
-        stages,
-        predicted=sc.as_predicted(),
-        solver={"method": "dp", "optimal": certified, "lower_bound_s": lower,
-                "gap": (sc.iteration_s - lower) / sc.iteration_s if sc.iteration_s > 0 else 0.0,
-                "time_s": time.perf_counter() - started, "search_space": space,
-                "timed_out": not search.complete},
-    )
+    # The DP's space holds an optimum of the reference problem only when every placement was
+    # searched (or all are alike), convex partitions are contiguous here, and no replicas are allowed
+    # (its replica groups are runs of one device order, not every group).
+    all_placements = (placement and exhaustive) or len(device_classes(problem)) == 1
+    covers = all_placements and problem.max_replicas == 1 and contiguous_is_convex(problem)
+    space_done = search.complete and (exhaustive or not placement or blind_is_all)
+    sol = Solution(stages, predicted=sc.as_predicted(), solver={"search_space": space,
+                                                                "timed_out": not search.complete})
+    return certify(problem, sol, method="dp", started=started, exact_over=space, covers_reference=covers,
+                   space_optimal=space_done, space_lower_s=min(search.lower, sc.iteration_s))

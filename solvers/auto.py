@@ -1,0 +1,101 @@
+"""The default method: phases that each may improve the plan or the bound, and never lose a plan.
+
+1. the DP (exact over contiguous stages, any placement); when its space holds an
+   optimum of the reference problem (a chain-like order, where every convex
+   partition is contiguous, and every placement searched), that is the answer,
+   with the DP's gap if its time ran out: another phase would search the same plans;
+2. otherwise, with HiGHS, the exact decomposition over convex partitions x
+   placements (:mod:`solvers.exact`) when the placements are few enough, else the
+   ILP over convex partitions on the DP's placement, warm-started from the DP.
+
+Each phase runs within ``time_limit_s``. A phase that finds nothing or times out
+leaves the earlier phases' plan, and ``solver["phases"]`` says what each did.
+The certificate combines them: every phase's ``lower_bound_s`` holds over the
+whole reference space (:mod:`solvers.certificate`), so the largest one does.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from solvers.certificate import certify
+from solvers.dp import solve_dp
+from solvers.errors import InfeasibleError
+from solvers.problem import Problem
+from solvers.solution import Solution
+
+__all__ = ["solve_auto"]
+
+
+def _phase(name: str, run: Callable[[], Solution | None], log: list[dict[str, Any]]) -> Solution | None:
+    """Run one phase; record its outcome; a phase that fails leaves None (never an exception)."""
+    started = time.perf_counter()
+    entry: dict[str, Any] = {"phase": name}
+    try:
+        sol = run()
+    except InfeasibleError as exc:
+        sol, entry["status"], entry["error"] = None, "no plan", str(exc)
+    else:
+        if sol is None:
+            entry["status"] = "no plan within its time limit"
+        else:
+            entry.update(status="optimal" if sol.solver["optimal"] else
+                         ("finished its space" if sol.solver["space_optimal"] else "stopped by its time limit"),
+                         iteration_s=sol.predicted["iteration_s"], lower_bound_s=sol.solver["lower_bound_s"],
+                         exact_over=sol.solver["exact_over"])
+    entry["time_s"] = time.perf_counter() - started
+    log.append(entry)
+    return sol
+
+
+def solve_auto(problem: Problem, time_limit_s: float = 10.0) -> Solution:
+    """Best plan of all phases, certified as far as they together prove."""
+    from solvers.exact import MAX_PLACEMENTS, placements, solve_exact
+    from solvers.ilp import ilp_available, solve_ilp
+
+    started = time.perf_counter()
+    log: list[dict[str, Any]] = []
+    errors: list[InfeasibleError] = []
+
+    def keep_error(run: Callable[[], Solution | None]) -> Callable[[], Solution | None]:
+        def wrapped() -> Solution | None:
+            try:
+                return run()
+            except InfeasibleError as exc:
+                errors.append(exc)
+                raise
+        return wrapped
+
+    found = [s for s in [_phase("dp", keep_error(lambda: solve_dp(problem, time_limit_s=time_limit_s)), log)]
+             if s is not None]
+    dp = found[0] if found else None
+    if dp is not None and (dp.solver["optimal"] or dp.solver["covers_reference"]):
+        pass   # every convex partition on every placement was in the DP's space: nothing else to search
+    elif not ilp_available():
+        log.append({"phase": "convex", "status": "skipped: HiGHS (highspy) is not installed"})
+    elif problem.max_replicas > 1:
+        log.append({"phase": "convex", "status": "skipped: the ILP models one device per stage, "
+                                                 "the problem allows replica groups"})
+    else:
+        candidates = placements(problem, MAX_PLACEMENTS)
+        if candidates is not None:
+            sol = _phase("exact", keep_error(lambda: solve_exact(problem, time_limit_s, dp, candidates)), log)
+        elif dp is not None:
+            sol = _phase("ilp", keep_error(lambda: solve_ilp(problem, time_limit_s, warm_start=dp)), log)
+        else:
+            sol = _phase("ilp", keep_error(lambda: solve_ilp(problem, time_limit_s)), log)
+        if sol is not None:
+            found.append(sol)
+    if not found:
+        raise errors[0] if errors else InfeasibleError(
+            f"no phase found a plan within the time limit of {time_limit_s} s; raise the time limit",
+            min_peak_bytes=None)
+    best = min(found, key=lambda s: s.predicted["iteration_s"])
+    lower = max(s.solver["lower_bound_s"] for s in found)
+    chosen = next(e["phase"] for e in log if e.get("iteration_s") == best.predicted["iteration_s"])
+    covering = [s for s in found if s.solver["covers_reference"]]
+    return certify(problem, best, method="auto", started=started,
+                   exact_over="; ".join(f"{e['phase']}: {e['exact_over']}" for e in log if "exact_over" in e),
+                   covers_reference=bool(covering), space_optimal=any(s.solver["space_optimal"] for s in covering),
+                   global_lower_s=lower, chosen=chosen, phases=log)
