@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import operator
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -120,7 +120,8 @@ class Transport:
                 for name, by_pos in got.items()}
 
     # ------------------------------------------------------------------ the end of a step
-    def end(self, failure: Any, result: dict[str, float] | None) -> tuple[Any, dict[str, float] | None]:
-        """The step's failure (``None``: none) and its result (loss and count, known where :data:`LOSS`
-        runs), after every process has finished it; in-process both are already known."""
-        return failure, result
+    def end(self, failure: Any, result: Callable[[], dict[str, Any] | None]) -> tuple[Any, dict[str, Any] | None]:
+        """After every process has ended the step: its failure (``None``: none) and, for a process without the
+        last stage, the result ``result()`` gave where the loss ran (loss and count). In-process the failure is
+        this process's and the loss is here (``None``)."""
+        return failure, None

@@ -1,0 +1,12 @@
+"""fxpipe on torch.distributed: one process per pipeline worker, the same plan and the same executor.
+
+``PipelineRank(plan, model_fn=..., loss_fn=...)`` builds this rank's stages; ``stage.step(x, y)`` trains one
+batch (:mod:`fxpipe.distributed.rank`). Values cross ranks point-to-point (:mod:`fxpipe.distributed.transport`,
+message format in :mod:`fxpipe.distributed.wire`).
+"""
+
+from fxpipe.distributed.rank import PipelineRank
+from fxpipe.distributed.transport import P2P
+from fxpipe.distributed.waiting import PeerFailed
+
+__all__ = ["P2P", "PeerFailed", "PipelineRank"]

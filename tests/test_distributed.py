@@ -1,0 +1,120 @@
+"""fxpipe.distributed on real process groups (gloo on 127.0.0.1): the plan's stages in 2 and 4 processes train
+exactly as the single-process model, where torch.distributed.pipelining cannot (a skip from the first stage to
+the last, a weight tied between the first and last stage, a batch that chunks do not divide); a failing rank
+ends every rank's step with an error naming it; a plan for another world size is refused."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxpipe
+from distributed_run import run_ranks
+from equivalence import max_relative_error
+from forced_cuts import compile_with_cuts
+from models import SkipTied, WithBoom, Boom
+
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+STEPS = 3
+
+
+class SkipCNN(nn.Module):
+    """A CNN whose first block's output is added back just before the head: a skip from the first stage to the last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 6, 3, padding=1)
+        self.convs = nn.ModuleList(nn.Conv2d(6, 6, 3, padding=1) for _ in range(4))
+        self.head = nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h0 = torch.relu(self.stem(x))
+        h = h0
+        for conv in self.convs:
+            h = torch.tanh(conv(h))
+        return self.head((h + h0).mean(dim=(2, 3)))
+
+
+def _make(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    return SkipCNN() if kind == "cnn" else SkipTied(vocab=11, width=8, depth=6)
+
+
+def _loss(kind: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, target) if kind == "cnn" else F.cross_entropy(out.flatten(0, 1), target.flatten())
+
+
+def _batches(kind: str, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    if kind == "cnn":
+        return [(torch.randn(batch, 3, 6, 6, generator=g), torch.randint(0, 5, (batch,), generator=g))
+                for _ in range(STEPS)]
+    return [(torch.randint(0, 11, (batch, 4), generator=g), torch.randint(0, 11, (batch, 4), generator=g))
+            for _ in range(STEPS)]
+
+
+def _train_ranks(rank: int, world: int, kind: str, plan_json: str, batch: int) -> dict:
+    """On each rank: for every schedule, a fresh model, three SGD steps; the losses and this rank's parameters."""
+    from fxpipe.distributed import PipelineRank
+    plan = fxpipe.Plan.from_dict(__import__("json").loads(plan_json))
+    found = {}
+    for schedule in SCHEDULES:
+        stage = PipelineRank(plan, functools.partial(_make, kind), functools.partial(_loss, kind), timeout_s=60)
+        opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+        losses = []
+        for x, y in _batches(kind, batch):
+            loss = stage.step(x, y, schedule=schedule)
+            losses.append(None if loss is None else loss.item())
+            opt.step()
+            opt.zero_grad()
+        found[schedule] = {"losses": losses, "params": {n: p.detach().clone() for n, p in stage.named_parameters()}}
+    return found
+
+
+def _reference(kind: str, batch: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = _make(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x, y in _batches(kind, batch):
+        loss = _loss(kind, model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _plan(kind: str, world: int, batch: int, chunks: int) -> fxpipe.Plan:
+    x = _batches(kind, batch)[0][0]
+    cuts = {("cnn", 2): ["convs_2"], ("cnn", 4): ["convs_0", "convs_2", "convs_3"],
+            ("gpt", 2): ["blocks_3_0"], ("gpt", 4): ["blocks_1_0", "blocks_3_0", "blocks_5_0"]}[(kind, world)]
+    pipe = compile_with_cuts(_make(kind), (x,), cuts, chunks=chunks)
+    return copy.deepcopy(pipe.plan)
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["cnn", "gpt"])
+def test_ranks_train_as_one_process_with_skips_tied_weights_and_uneven_chunks(kind, world):
+    batch, chunks = 7, 3   # micro-batches of 3, 2 and 2 samples: chunks do not divide the batch
+    plan = _plan(kind, world, batch, chunks)
+    assert len(plan.stages) == world and plan.chunks == chunks
+    results = run_ranks(world, _train_ranks, kind, plan.to_json(), batch)
+    errors = [r["trace"] for r in results if "ok" not in r]
+    assert not errors, errors[0]
+    ref_losses, ref_params = _reference(kind, batch)
+    for schedule in SCHEDULES:
+        per_rank = [r["ok"][schedule] for r in results]
+        assert all(loss is None for r in per_rank[:-1] for loss in r["losses"])   # the loss is the last rank's
+        for got, want in zip(per_rank[-1]["losses"], ref_losses):
+            assert abs(got - want) <= 1e-5 * abs(want), (schedule, got, want)
+        params = {n: t for r in per_rank for n, t in r["params"].items()}
+        owners = [n for r in per_rank for n in r["params"]]
+        assert len(owners) == len(set(owners)), "a parameter is held by two ranks"
+        assert set(params) == set(ref_params), (schedule, set(ref_params) ^ set(params))
+        worst = max((max_relative_error(params[n], ref_params[n]), n) for n in ref_params)
+        assert worst[0] <= 1e-5, (schedule, worst)
