@@ -8,6 +8,7 @@ a distributed test can fail, never hang.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import socket
 import tempfile
@@ -29,6 +30,7 @@ def _free_port() -> int:
 
 
 def _entry(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple) -> None:
+    faulthandler.enable()   # a native abort prints every thread's Python stack
     torch.set_num_threads(1)   # the machine is shared: one thread per rank
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))

@@ -68,10 +68,9 @@ class P2P(Transport):
                               "flight, so this process group cannot run another: restart the processes (torchrun "
                               "does when the script exits with the error)")
         super().begin(specs, devices, streams, micro_inputs, output_names)
-        rank_of = self.local
-        self.channels = {(name, c): n for n, (name, c) in enumerate(
+        self.channels = {(name, c): n for n, (name, c) in enumerate(   # numbered alike on every rank
             (name, c) for name in sorted(self.readers) for c in self.readers[name]
-            if rank_of(self.producer[name]) != rank_of(c))}
+            if self._rank(self.producer[name]) != self._rank(c))}
         self.signatures = [signature(mb) for mb in micro_inputs]
         self.first = {s: self.signatures.index(s) for s in self.signatures}   # who carries a new header
         self.layout: dict[tuple[str, int], list[tuple[int, torch.Tensor]]] = {}   # grads a producer awaits
