@@ -1,4 +1,5 @@
-"""Test helper: run a function on ``world`` real processes joined by a gloo group on 127.0.0.1, with a deadline.
+"""Test helper: run a function on ``world`` real processes joined by a gloo group on 127.0.0.1 (a file
+rendezvous), with a deadline.
 
 Each process runs ``fn(rank, world, *args)`` and its return value (or the exception it raised, as text) comes
 back to the test, one entry per rank. A process still running at the deadline is killed and the test fails:
@@ -10,7 +11,6 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -23,16 +23,12 @@ import torch.multiprocessing as mp
 __all__ = ["run_ranks"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple) -> None:
+def _entry(rank: int, world: int, out: str, fn: Callable[..., Any], args: tuple) -> None:
     faulthandler.enable()   # a native abort prints every thread's Python stack
     torch.set_num_threads(1)   # the machine is shared: one thread per rank
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"   # gloo's connections on 127.0.0.1
+    # a file rendezvous: no port to choose, so no race with other jobs for a free one
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'rendezvous')}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
         result: Any = {"ok": fn(rank, world, *args)}
@@ -45,7 +41,7 @@ def _entry(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], a
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any, deadline_s: float = 240.0) -> list[dict[str, Any]]:
     """``[{"ok": value} or {"error": exception type name, "text": message, "trace": traceback}]`` by rank."""
     with tempfile.TemporaryDirectory(prefix="fxpipe-dist-") as out:
-        ctx = mp.start_processes(_entry, args=(world, _free_port(), out, fn, args), nprocs=world, join=False,
+        ctx = mp.start_processes(_entry, args=(world, out, fn, args), nprocs=world, join=False,
                                  start_method="spawn")
         end = time.monotonic() + deadline_s
         while not ctx.join(timeout=max(0.1, end - time.monotonic())):

@@ -118,3 +118,61 @@ def test_ranks_train_as_one_process_with_skips_tied_weights_and_uneven_chunks(ki
         assert set(params) == set(ref_params), (schedule, set(ref_params) ^ set(params))
         worst = max((max_relative_error(params[n], ref_params[n]), n) for n in ref_params)
         assert worst[0] <= 1e-5, (schedule, worst)
+
+
+def _failing_ranks(rank: int, world: int, plan_json: str) -> dict:
+    """Stage 1 raises on the micro-batch of one sample; every rank reports the error it got and how soon."""
+    import time
+    from fxpipe.distributed import PipelineRank
+    Boom.armed = True
+    plan = fxpipe.Plan.from_dict(__import__("json").loads(plan_json))
+    torch.manual_seed(0)
+    stage = PipelineRank(plan, WithBoom, F.mse_loss, timeout_s=60, leaf_modules=(Boom,))
+    x, y = torch.randn(7, 8), torch.randn(7, 8)   # micro-batches of 2, 2, 2 and 1 samples
+    started = time.monotonic()
+    try:
+        stage.step(x, y, schedule="1f1b")
+    except fxpipe.StageError as exc:
+        first = {"type": type(exc).__name__, "text": str(exc), "s": time.monotonic() - started,
+                 "stage": exc.stage, "micro_batch": exc.micro_batch}
+    else:
+        first = None
+    try:
+        stage.step(x, y)
+        second = None
+    except fxpipe.FxpipeError as exc:
+        second = str(exc)
+    return {"first": first, "second": second}
+
+
+def test_a_failing_rank_ends_every_ranks_step_with_an_error_naming_it():
+    torch.manual_seed(0)
+    plan = copy.deepcopy(compile_with_cuts(WithBoom(), (torch.randn(7, 8),), ["boom"], chunks=4, leaf_modules=(Boom,)).plan)
+    results = run_ranks(2, _failing_ranks, plan.to_json())
+    errors = [r["trace"] for r in results if "ok" not in r]
+    assert not errors, errors[0]
+    for rank, r in enumerate(results):
+        first = r["ok"]["first"]
+        assert first is not None, f"rank {rank}'s step did not fail"
+        assert (first["stage"], first["micro_batch"]) == (1, 3), first
+        assert "forward of micro-batch 3" in first["text"] and "boom: a micro-batch of one sample" in first["text"]
+        assert first["s"] < 30, f"rank {rank} took {first['s']:.1f} s to hear of the failure"
+        assert "restart the processes" in r["ok"]["second"]
+    assert "rank 1 failed: stage 1 forward of micro-batch 3" in results[0]["ok"]["first"]["text"]
+
+
+def _refused(rank: int, world: int, plan_json: str) -> str:
+    from fxpipe.distributed import PipelineRank
+    plan = fxpipe.Plan.from_dict(__import__("json").loads(plan_json))
+    try:
+        PipelineRank(plan, WithBoom, F.mse_loss)
+    except fxpipe.PlanMismatchError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_a_plan_for_another_number_of_processes_is_refused_with_the_numbers():
+    plan = copy.deepcopy(compile_with_cuts(WithBoom(), (torch.randn(6, 8),), ["b", "c"], chunks=2).plan)
+    results = run_ranks(2, _refused, plan.to_json())
+    for r in results:
+        assert "3 stages on 3 workers" in r["ok"] and "2 processes" in r["ok"] and "--nproc-per-node 3" in r["ok"]
