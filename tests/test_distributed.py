@@ -50,20 +50,21 @@ def _loss(kind: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _batches(kind: str, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Three batches, the last smaller (as a data loader's last batch): new shapes cross every boundary."""
     g = torch.Generator().manual_seed(1)
+    sizes = [batch] * (STEPS - 1) + [batch - 2]
     if kind == "cnn":
-        return [(torch.randn(batch, 3, 6, 6, generator=g), torch.randint(0, 5, (batch,), generator=g))
-                for _ in range(STEPS)]
-    return [(torch.randint(0, 11, (batch, 4), generator=g), torch.randint(0, 11, (batch, 4), generator=g))
-            for _ in range(STEPS)]
+        return [(torch.randn(n, 3, 6, 6, generator=g), torch.randint(0, 5, (n,), generator=g)) for n in sizes]
+    return [(torch.randint(0, 11, (n, 4), generator=g), torch.randint(0, 11, (n, 4), generator=g)) for n in sizes]
 
 
-def _train_ranks(rank: int, world: int, kind: str, plan_json: str, batch: int) -> dict:
+def _train_ranks(rank: int, world: int, kind: str, plan_json: str, batch: int,
+                 schedules: tuple[str, ...] = SCHEDULES) -> dict:
     """On each rank: for every schedule, a fresh model, three SGD steps; the losses and this rank's parameters."""
     from fxpipe.distributed import PipelineRank
     plan = fxpipe.Plan.from_dict(__import__("json").loads(plan_json))
     found = {}
-    for schedule in SCHEDULES:
+    for schedule in schedules:
         stage = PipelineRank(plan, functools.partial(_make, kind), functools.partial(_loss, kind), timeout_s=60)
         opt = torch.optim.SGD(stage.parameters(), lr=0.1)
         losses = []
@@ -97,20 +98,28 @@ def _plan(kind: str, world: int, batch: int, chunks: int) -> fxpipe.Plan:
     return copy.deepcopy(pipe.plan)
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("kind", ["cnn", "gpt"])
-def test_ranks_train_as_one_process_with_skips_tied_weights_and_uneven_chunks(kind, world):
-    batch, chunks = 7, 3   # micro-batches of 3, 2 and 2 samples: chunks do not divide the batch
-    plan = _plan(kind, world, batch, chunks)
-    assert len(plan.stages) == world and plan.chunks == chunks
-    results = run_ranks(world, _train_ranks, kind, plan.to_json(), batch)
+def _interleaved_plan(kind: str, batch: int, chunks: int) -> fxpipe.Plan:
+    """Four stages on two workers (stage s on worker s % 2), cut where the test says."""
+    x = _batches(kind, batch)[0][0]
+    planned = fxpipe.compile(_make(kind), ["cpu", "cpu"], (x,), stages=4, virtual_stages=2, chunks=chunks,
+                             schedule="interleaved-1f1b", profile="estimate")
+    plan = copy.deepcopy(planned.plan)
+    order = [n for stage in plan.stages for n in stage.nodes]
+    bounds = [0] + [order.index(n) for n in ["blocks_1_0", "blocks_3_0", "blocks_5_0"]] + [len(order)]
+    for stage, start, end in zip(plan.stages, bounds, bounds[1:]):
+        stage.nodes, stage.checkpoint = order[start:end], ""
+    return plan
+
+
+def _check(results: list[dict], kind: str, batch: int, schedules: tuple[str, ...]) -> None:
     errors = [r["trace"] for r in results if "ok" not in r]
     assert not errors, errors[0]
     ref_losses, ref_params = _reference(kind, batch)
-    for schedule in SCHEDULES:
+    for schedule in schedules:
         per_rank = [r["ok"][schedule] for r in results]
-        assert all(loss is None for r in per_rank[:-1] for loss in r["losses"])   # the loss is the last rank's
-        for got, want in zip(per_rank[-1]["losses"], ref_losses):
+        last = [r for r in per_rank if r["losses"][0] is not None]
+        assert len(last) == 1, "the loss is the last stage's rank's alone"
+        for got, want in zip(last[0]["losses"], ref_losses):
             assert abs(got - want) <= 1e-5 * abs(want), (schedule, got, want)
         params = {n: t for r in per_rank for n, t in r["params"].items()}
         owners = [n for r in per_rank for n in r["params"]]
@@ -118,6 +127,23 @@ def test_ranks_train_as_one_process_with_skips_tied_weights_and_uneven_chunks(ki
         assert set(params) == set(ref_params), (schedule, set(ref_params) ^ set(params))
         worst = max((max_relative_error(params[n], ref_params[n]), n) for n in ref_params)
         assert worst[0] <= 1e-5, (schedule, worst)
+
+
+def test_interleaved_1f1b_runs_two_stages_per_rank_as_one_process():
+    batch, chunks = 8, 4
+    plan = _interleaved_plan("gpt", batch, chunks)
+    assert len(plan.stages) == 4 and plan.workers == 2
+    _check(run_ranks(2, _train_ranks, "gpt", plan.to_json(), batch, ("interleaved-1f1b",)), "gpt", batch,
+           ("interleaved-1f1b",))
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["cnn", "gpt"])
+def test_ranks_train_as_one_process_with_skips_tied_weights_and_uneven_chunks(kind, world):
+    batch, chunks = 7, 3   # micro-batches of 3, 2 and 2 samples: chunks do not divide the batch
+    plan = _plan(kind, world, batch, chunks)
+    assert len(plan.stages) == world and plan.chunks == chunks
+    _check(run_ranks(world, _train_ranks, kind, plan.to_json(), batch), kind, batch, SCHEDULES)
 
 
 def _failing_ranks(rank: int, world: int, plan_json: str) -> dict:
