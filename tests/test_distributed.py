@@ -73,7 +73,9 @@ def _train_ranks(rank: int, world: int, kind: str, plan_json: str, batch: int,
             losses.append(None if loss is None else loss.item())
             opt.step()
             opt.zero_grad()
-        found[schedule] = {"losses": losses, "params": {n: p.detach().clone() for n, p in stage.named_parameters()}}
+        held = {n for n, p in stage.model.named_parameters() if p.device.type != "meta"}
+        found[schedule] = {"losses": losses, "params": {n: p.detach().clone() for n, p in stage.named_parameters()},
+                           "held": held}
     return found
 
 
@@ -122,6 +124,7 @@ def _check(results: list[dict], kind: str, batch: int, schedules: tuple[str, ...
         for got, want in zip(last[0]["losses"], ref_losses):
             assert abs(got - want) <= 1e-5 * abs(want), (schedule, got, want)
         params = {n: t for r in per_rank for n, t in r["params"].items()}
+        assert all(r["held"] == set(r["params"]) for r in per_rank), "a rank holds another rank's parameters"
         owners = [n for r in per_rank for n in r["params"]]
         assert len(owners) == len(set(owners)), "a parameter is held by two ranks"
         assert set(params) == set(ref_params), (schedule, set(ref_params) ^ set(params))
