@@ -205,3 +205,43 @@ def test_a_plan_for_another_number_of_processes_is_refused_with_the_numbers():
     results = run_ranks(2, _refused, plan.to_json())
     for r in results:
         assert "3 stages on 3 workers" in r["ok"] and "2 processes" in r["ok"] and "--nproc-per-node 3" in r["ok"]
+
+
+def _resume_ranks(rank: int, world: int, plan_json: str, path: str) -> dict:
+    """Five steps straight, and two steps, a checkpoint, fresh stages and optimizer, three more: the losses."""
+    from fxpipe.distributed import PipelineRank, checkpoint
+    plan = fxpipe.Plan.from_dict(__import__("json").loads(plan_json))
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, 11, (7, 4), generator=g), torch.randint(0, 11, (7, 4), generator=g)) for _ in range(5)]
+
+    def fresh(seed: int):
+        torch.manual_seed(seed)   # the resumed run starts from other weights: only the checkpoint can make it equal
+        stage = PipelineRank(plan, lambda: SkipTied(vocab=11, width=8, depth=6), functools.partial(_loss, "gpt"),
+                             timeout_s=60, broadcast_loss=True)
+        return stage, torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
+
+    def train(stage, opt, some):
+        losses = []
+        for x, y in some:
+            losses.append(stage.step(x, y).item())
+            opt.step()
+            opt.zero_grad()
+        return losses
+
+    straight = train(*fresh(0), batches)
+    stage, opt = fresh(0)
+    first = train(stage, opt, batches[:2])
+    checkpoint.save(stage, opt, path)
+    stage, opt = fresh(1)
+    checkpoint.load(stage, opt, path)
+    return {"straight": straight, "resumed": first + train(stage, opt, batches[2:])}
+
+
+def test_resuming_from_a_checkpoint_gives_the_losses_of_an_uninterrupted_run(tmp_path):
+    torch.manual_seed(0)
+    plan = _plan("gpt", 2, 7, 3)
+    results = run_ranks(2, _resume_ranks, plan.to_json(), str(tmp_path / "ckpt"))
+    errors = [r["trace"] for r in results if "ok" not in r]
+    assert not errors, errors[0]
+    for r in results:   # every rank reports the loss (broadcast_loss=True)
+        assert r["ok"]["resumed"] == r["ok"]["straight"], r["ok"]

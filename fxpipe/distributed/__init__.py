@@ -2,11 +2,13 @@
 
 ``PipelineRank(plan, model_fn=..., loss_fn=...)`` builds this rank's stages; ``stage.step(x, y)`` trains one
 batch (:mod:`fxpipe.distributed.rank`). Values cross ranks point-to-point (:mod:`fxpipe.distributed.transport`,
-message format in :mod:`fxpipe.distributed.wire`).
+message format in :mod:`fxpipe.distributed.wire`); :mod:`fxpipe.distributed.checkpoint` saves and resumes it with
+``torch.distributed.checkpoint``.
 """
 
+from fxpipe.distributed import checkpoint
 from fxpipe.distributed.rank import PipelineRank
 from fxpipe.distributed.transport import P2P
 from fxpipe.distributed.waiting import PeerFailed
 
-__all__ = ["P2P", "PeerFailed", "PipelineRank"]
+__all__ = ["P2P", "PeerFailed", "PipelineRank", "checkpoint"]
