@@ -59,33 +59,38 @@ def _batches(kind: str, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _train_ranks(rank: int, world: int, kind: str, plan_json: str, batch: int,
-                 schedules: tuple[str, ...] = SCHEDULES) -> dict:
+                 schedules: tuple[str, ...] = SCHEDULES, clip: float | None = None) -> dict:
     """On each rank: for every schedule, a fresh model, three SGD steps; the losses and this rank's parameters."""
-    from fxpipe.distributed import PipelineRank
+    from fxpipe.distributed import PipelineRank, clip_grad_norm_
     plan = fxpipe.Plan.from_dict(__import__("json").loads(plan_json))
     found = {}
     for schedule in schedules:
         stage = PipelineRank(plan, functools.partial(_make, kind), functools.partial(_loss, kind), timeout_s=60)
         opt = torch.optim.SGD(stage.parameters(), lr=0.1)
-        losses = []
+        losses, norms = [], []
         for x, y in _batches(kind, batch):
             loss = stage.step(x, y, schedule=schedule)
             losses.append(None if loss is None else loss.item())
+            if clip is not None:
+                norms.append(clip_grad_norm_(stage.parameters(), clip).item())
             opt.step()
             opt.zero_grad()
         held = {n for n, p in stage.model.named_parameters() if p.device.type != "meta"}
         found[schedule] = {"losses": losses, "params": {n: p.detach().clone() for n, p in stage.named_parameters()},
-                           "held": held}
+                           "held": held, "norms": norms}
     return found
 
 
-def _reference(kind: str, batch: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(kind: str, batch: int, clip: float | None = None,
+               norms: list[float] | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = _make(kind)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for x, y in _batches(kind, batch):
         loss = _loss(kind, model(x), y)
         loss.backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -113,12 +118,16 @@ def _interleaved_plan(kind: str, batch: int, chunks: int) -> fxpipe.Plan:
     return plan
 
 
-def _check(results: list[dict], kind: str, batch: int, schedules: tuple[str, ...]) -> None:
+def _check(results: list[dict], kind: str, batch: int, schedules: tuple[str, ...], clip: float | None = None) -> None:
     errors = [r["trace"] for r in results if "ok" not in r]
     assert not errors, errors[0]
-    ref_losses, ref_params = _reference(kind, batch)
+    ref_norms: list[float] = []
+    ref_losses, ref_params = _reference(kind, batch, clip, ref_norms)
     for schedule in schedules:
         per_rank = [r["ok"][schedule] for r in results]
+        for r in per_rank:   # the same global norm on every rank, and the one-process model's
+            assert len(r["norms"]) == len(ref_norms)
+            assert all(abs(a - b) <= 1e-5 * b for a, b in zip(r["norms"], ref_norms)), (r["norms"], ref_norms)
         last = [r for r in per_rank if r["losses"][0] is not None]
         assert len(last) == 1, "the loss is the last stage's rank's alone"
         for got, want in zip(last[0]["losses"], ref_losses):
@@ -138,6 +147,15 @@ def test_interleaved_1f1b_runs_two_stages_per_rank_as_one_process():
     assert len(plan.stages) == 4 and plan.workers == 2
     _check(run_ranks(2, _train_ranks, "gpt", plan.to_json(), batch, ("interleaved-1f1b",)), "gpt", batch,
            ("interleaved-1f1b",))
+
+
+def test_clip_grad_norm_over_all_ranks_is_the_whole_models():
+    batch, chunks, clip = 7, 3, 0.05
+    plan = _plan("gpt", 2, batch, chunks)
+    results = run_ranks(2, _train_ranks, "gpt", plan.to_json(), batch, ("1f1b",), clip)
+    _check(results, "gpt", batch, ("1f1b",), clip)
+    norms = results[0]["ok"]["1f1b"]["norms"]
+    assert min(norms) > clip, f"the test must clip: norms {norms}"
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])

@@ -86,6 +86,7 @@ class PipelineRank:
             if k not in self.own:
                 _drop(specs[k].module, keep)
         _drop(captured.graph, keep)
+        _drop(self.model, keep)   # the model's modules the trace did not keep (a tied head read through get_attr)
         devices = [torch.device(device if device is not None and k in self.own else st.device)
                    for k, st in enumerate(plan.stages)]
         for k in self.own:
