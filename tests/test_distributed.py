@@ -49,6 +49,11 @@ def _loss(kind: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out, target) if kind == "cnn" else F.cross_entropy(out.flatten(0, 1), target.flatten())
 
 
+def _token_loss(kind: str, out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The summed loss and its count (``reduction="token"``): every rank divides by the whole batch's count."""
+    return F.cross_entropy(out.flatten(0, 1), target.flatten(), reduction="sum"), target.numel()
+
+
 def _batches(kind: str, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Three batches, the last smaller (as a data loader's last batch): new shapes cross every boundary."""
     g = torch.Generator().manual_seed(1)
@@ -59,13 +64,14 @@ def _batches(kind: str, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _train_ranks(rank: int, world: int, kind: str, plan_json: str, batch: int,
-                 schedules: tuple[str, ...] = SCHEDULES, clip: float | None = None) -> dict:
+                 schedules: tuple[str, ...] = SCHEDULES, clip: float | None = None, reduction: str = "mean") -> dict:
     """On each rank: for every schedule, a fresh model, three SGD steps; the losses and this rank's parameters."""
     from fxpipe.distributed import PipelineRank, clip_grad_norm_
     plan = fxpipe.Plan.from_dict(__import__("json").loads(plan_json))
     found = {}
     for schedule in schedules:
-        stage = PipelineRank(plan, functools.partial(_make, kind), functools.partial(_loss, kind), timeout_s=60)
+        loss_fn = functools.partial(_token_loss if reduction == "token" else _loss, kind)
+        stage = PipelineRank(plan, functools.partial(_make, kind), loss_fn, timeout_s=60, reduction=reduction)
         opt = torch.optim.SGD(stage.parameters(), lr=0.1)
         losses, norms = [], []
         for x, y in _batches(kind, batch):
@@ -156,6 +162,13 @@ def test_clip_grad_norm_over_all_ranks_is_the_whole_models():
     _check(results, "gpt", batch, ("1f1b",), clip)
     norms = results[0]["ok"]["1f1b"]["norms"]
     assert min(norms) > clip, f"the test must clip: norms {norms}"
+
+
+def test_token_reduction_divides_every_ranks_gradients_by_the_global_count():
+    batch, chunks = 7, 3
+    plan = _plan("gpt", 2, batch, chunks)
+    _check(run_ranks(2, _train_ranks, "gpt", plan.to_json(), batch, ("zb-h1",), None, "token"), "gpt", batch,
+           ("zb-h1",))
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
