@@ -1,7 +1,8 @@
 """The packages follow the data flow: every import points down it, and nothing imports in a circle.
 
 Order of the flow (a module may import its own layer and the layers before it):
-base (errors, options, version) -> frontend -> cost -> planning -> runtime -> refine -> the API
+base (errors, options, version) -> frontend -> cost -> planning -> runtime -> distributed (one process per
+rank, on torch.distributed) -> refine -> the API
 (``fxpipe.compile``, ``fxpipe.checks``, ``fxpipe.analytic``, the CLI, the package root). ``solvers`` is
 torch-free and imports nothing of fxpipe. The runtime does not know the CPU-sharing model
 (``fxpipe.cost.cpu``): it reaches it only through the host interface. Imports inside functions count;
@@ -17,7 +18,7 @@ import networkx as nx
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = ["base", "frontend", "cost", "planning", "runtime", "refine", "api"]
+LAYERS = ["base", "frontend", "cost", "planning", "runtime", "distributed", "refine", "api"]
 BASE = {"fxpipe._version", "fxpipe.errors", "fxpipe.options"}
 
 

@@ -43,6 +43,7 @@ from fxpipe.runtime.losses import REDUCTIONS
 from fxpipe.runtime.structure import user_structure
 from fxpipe.runtime.step import OpTiming, StepFailure, run_step
 from fxpipe.runtime.streams import DeviceStreams, Event
+from fxpipe.runtime.transport import Transport
 from fxpipe.runtime.worker import spawn_workers
 from fxpipe.runtime.recompute import checkpoint_stage
 from solvers.schedules import SCHEDULES, worker_orders
@@ -73,6 +74,7 @@ class Pipeline(nn.Module):
         self._mode_dependent = mode_dependent
         self.host = host   # CPU workers take turns through it (fxpipe.cost.cpu.CpuHost); GPUs never wait
         self.guard = guard   # the compiled model's parameters, checked unchanged at every call
+        self.transport: Transport | None = None   # how stages exchange values in pipe.step (default: in-process)
         self._placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
         self._output = next(n for n in graph_module.graph.nodes if n.op == "output")
         self.layout = BatchLayout.of(plan.batch_dims)   # where the samples are in inputs, outputs and targets
@@ -234,7 +236,7 @@ class Pipeline(nn.Module):
                 loss, outs = run_step(self.specs, self.devices, self._output.args[0], micro, targets,
                                       loss_fn, schedule, ckpt, reduction, timings, workers=self._workers(schedule),
                                       random=self._random_stages(), host=self.host, caller=caller, sizes=sizes,
-                                      grad_tensors=list(self.parameters()) + grad_leaves)
+                                      grad_tensors=list(self.parameters()) + grad_leaves, transport=self.transport)
             except BaseException as failure:
                 commit_statistics(self.modules(), discard=True)
                 if not isinstance(failure, StepFailure):

@@ -24,8 +24,6 @@ gradients are those of one full-batch backward of that loss.
 
 from __future__ import annotations
 
-import functools
-import operator
 import threading
 import time
 from dataclasses import dataclass
@@ -33,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from fxpipe.runtime.batchnorm import tracking
 from fxpipe.runtime.caller_state import CallerState
@@ -44,6 +42,7 @@ from fxpipe.runtime.microbatch import batch_size_of
 from fxpipe.runtime.rng import is_random, rng_guard, step_seed
 from fxpipe.runtime.split_backward import WeightPass, backward_inputs, full_backward
 from fxpipe.runtime.streams import DeviceStreams, Event
+from fxpipe.runtime.transport import LOSS, Transport
 from fxpipe.runtime.recompute import checkpoint_stage
 from solvers.schedules import SPLIT_BACKWARD, worker_orders
 
@@ -67,15 +66,6 @@ class StepFailure(Exception):
     def __init__(self, stage: int, micro_batch: int, kind: str, exc: BaseException) -> None:
         super().__init__(f"stage {stage} {kind} of micro-batch {micro_batch}: {exc}")
         self.stage, self.micro_batch, self.kind, self.exc = stage, micro_batch, kind, exc
-
-
-def _leaf(value: Any, device: torch.device, streams: DeviceStreams, ready: Event) -> tuple[Any, Event]:
-    """A consumer's copy of a value (tensors inside tuples and lists too): fresh autograd leaves, and the
-    copy's event (:meth:`DeviceStreams.move`)."""
-    flat, structure = tree_flatten(value)
-    moved, event = streams.move([t.detach() if isinstance(t, torch.Tensor) else t for t in flat], device, ready)
-    leaves = [m.requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else m for t, m in zip(flat, moved)]
-    return tree_unflatten(leaves, structure), event
 
 
 class _Board:
@@ -109,7 +99,8 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
              timings: list[OpTiming] | None = None, workers: int | None = None,
              random: list[bool] | None = None, host: Host = UNSHARED, caller: CallerState | None = None,
              sizes: list[int] | None = None,
-             grad_tensors: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[Any]]:
+             grad_tensors: list[torch.Tensor] | None = None,
+             transport: Transport | None = None) -> tuple[torch.Tensor | None, list[Any]]:
     """Run forward and backward of every micro-batch; return the weighted loss and per-micro-batch outputs.
 
     ``workers`` threads (default: one per stage; fewer for ``interleaved-1f1b``) run
@@ -120,7 +111,9 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
     ``caller``'s grad mode and autocast (:mod:`fxpipe.runtime.caller_state`; default: this thread's now).
     ``sizes`` are the micro-batches' sample counts (default: dimension 0 of their inputs); with
     ``reduction="token"`` the gradients of ``grad_tensors`` (default: the stages' parameters) are the ones
-    divided by the global count.
+    divided by the global count. ``transport`` (:mod:`fxpipe.runtime.transport`; default: every stage in this
+    process) moves values and gradients between stages and says which workers run here; where the last
+    stage runs elsewhere the loss is that process's (from :meth:`Transport.end`) and the outputs are ``None``.
 
     Raises :class:`StepFailure` for the first operation that failed (all workers stop).
     """
@@ -140,31 +133,21 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
                 consumers[producer[name]].add(k)
     sizes = [batch_size_of(list(mb.values())) for mb in micro_inputs] if sizes is None else sizes
     total = sum(sizes)
-    envs = [dict(mb) for mb in micro_inputs]            # name -> value as produced (attached to its graph)
     leaves: dict[tuple[int, int], dict[str, Any]] = {}  # (stage, mb) -> its input leaves by name
     outs: dict[tuple[int, int], dict[str, Any]] = {}    # (stage, mb) -> its outputs by name
-    # (stage, mb) -> output name -> flat position -> gradients from its consumers, each with its copy's event
-    grads: dict[tuple[int, int], dict[str, dict[int, list[tuple[torch.Tensor, Event]]]]] = {}
-    grad_lock = threading.Lock()
     streams = DeviceStreams(devices)
+    transport = Transport() if transport is None else transport
+    transport.begin(specs, devices, streams, micro_inputs, [n.name for n in _output_nodes(output_arg)])
     turns = host.turns(devices, n_workers)
-    events: dict[tuple[str, int, int], Event] = {}   # op -> its compute stream's event when it ended
     losses: list[torch.Tensor | None] = [None] * m
     counts: list[Any] = [None] * m
     outputs: list[Any] = [None] * m
     board = _Board()
 
-    def send_back(stage_inputs: dict[str, Any], i: int, ready: Event) -> None:
+    def send_back(stage_inputs: dict[str, Any], consumer: int, i: int, ready: Event) -> None:
         for name, value in stage_inputs.items():
-            if name not in producer:
-                continue
-            sources = tree_flatten(outs[(producer[name], i)][name])[0]   # alive until the producer's B
-            for pos, (leaf, src) in enumerate(zip(tree_flatten(value)[0], sources)):
-                if isinstance(leaf, torch.Tensor) and leaf.grad is not None:
-                    g, copied = streams.move(leaf.grad, src.device, ready)
-                    with grad_lock:
-                        acc = grads.setdefault((producer[name], i), {}).setdefault(name, {})
-                        acc.setdefault(pos, []).append((g, copied))
+            if name in producer:
+                transport.send_grads(name, consumer, i, value, ready)
 
     def stage_inputs(k: int, i: int) -> dict[str, Any]:
         """Stage ``k``'s inputs for micro-batch ``i`` on its device, its compute stream waiting for their copies."""
@@ -172,9 +155,9 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         inputs = {}
         for name in specs[k].inputs:
             if name in producer:
-                inputs[name], event = _leaf(envs[i][name], device, streams, events.get(("F", producer[name], i)))
+                inputs[name], event = transport.fetch(name, k, i, device)
             else:
-                inputs[name], event = streams.move(envs[i][name], device)
+                inputs[name], event = transport.placeholder(name, i, device)
             copies.append(event)
         streams.wait(device, copies)
         return inputs
@@ -191,46 +174,31 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
                 result = spec.module(*args)
         leaves[(k, i)] = inputs
         outs[(k, i)] = dict(zip(spec.outputs, result))
-        for name, value in outs[(k, i)].items():
-            envs[i][name] = value
-        with grad_lock:   # a value every consumer has read is dropped: the producer's outs keep it to its B
-            for name in spec.inputs:
-                unread[(i, name)] = unread.get((i, name), 0) - 1
-                if unread[(i, name)] == 0 and name in producer and name not in final_names:
-                    del envs[i][name]
+        transport.publish(k, i, outs[(k, i)], streams.record(device))
 
     def loss_backward(i: int) -> None:
         device = devices[-1]
         final, copies = {}, []
         for n in _output_nodes(output_arg):
-            ready = events.get(("F", producer[n.name], i)) if n.name in producer else None
-            final[n.name], event = _leaf(envs[i][n.name], device, streams, ready)
+            fetch = transport.fetch if n.name in producer else lambda name, _, i, d: transport.placeholder(name, i, d)
+            final[n.name], event = fetch(n.name, LOSS, i, device)
             copies.append(event)
         target, event = streams.move(micro_targets[i], device)   # the loss runs on the last stage's device
         streams.wait(device, copies + [event])
         structure = fx.node.map_arg(output_arg, lambda n: final[n.name])
-        outputs[i] = fx.node.map_arg(output_arg, lambda n: envs[i][n.name].detach()
-                                     if isinstance(envs[i][n.name], torch.Tensor) else envs[i][n.name])
+        outputs[i] = fx.node.map_arg(output_arg, lambda n: final[n.name].detach()
+                                     if isinstance(final[n.name], torch.Tensor) else final[n.name])
         try:
             root, losses[i], counts[i] = weigh(loss_fn(structure, target), reduction, sizes[i], total)
         except Exception as exc:   # the user's loss, not a stage: reported as such (fxpipe.runtime.pipeline)
             raise LossFailure(exc) from exc
         root.backward()
-        send_back({name: leaf for name, leaf in final.items() if name in producer}, i, streams.record(device))
-
-    def received_grads(k: int, i: int) -> dict[str, dict[int, torch.Tensor]]:
-        """The output gradients of ``(k, i)`` summed over its consumers, after their copies have landed."""
-        with grad_lock:
-            received = grads.pop((k, i), {})
-        streams.wait(devices[k], [event for by_pos in received.values() for parts in by_pos.values()
-                                  for _, event in parts])
-        return {name: {pos: functools.reduce(operator.add, [g for g, _ in parts]) for pos, parts in by_pos.items()}
-                for name, by_pos in received.items()}
+        send_back({name: leaf for name, leaf in final.items() if name in producer}, LOSS, i, streams.record(device))
 
     def backward(k: int, i: int) -> None:
         if k == p - 1:
             loss_backward(i)
-        received = received_grads(k, i)
+        received = transport.received(k, i)
         pairs = []
         for name, by_pos in received.items():
             flat = tree_flatten(outs[(k, i)][name])[0]
@@ -243,26 +211,26 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         else:   # a checkpointed stage recomputes once: its backward is whole (W then does nothing)
             with rng_guard(devices[k], random[k] and checkpoint(k, i)):
                 weight_passes[(k, i)] = full_backward(roots, root_grads)
-        send_back(stage_leaves, i, streams.record(devices[k]))
+        send_back(stage_leaves, k, i, streams.record(devices[k]))
         del outs[(k, i)]
 
     def weights(k: int, i: int) -> None:
         weight_passes.pop((k, i)).run()
 
     in_output = {producer[n.name] for n in _output_nodes(output_arg) if n.name in producer}
-    final_names = {n.name for n in _output_nodes(output_arg)}
-    readers = {name: sum(name in spec.inputs for spec in specs) for name in producer}
-    unread: dict[tuple[int, str], int] = {(i, name): n for i in range(m) for name, n in readers.items()}
 
     def needs(kind: str, k: int, i: int) -> list[tuple[str, int, int]]:
+        """The operations here that ``(kind, k, i)`` waits for; another process's arrive through the transport."""
         if kind == "W":
             return []          # its B ran earlier on the same worker
         if kind == "F":
-            return [("F", producer[name], i) for name in specs[k].inputs if name in producer]
-        later = [("B", c, i) for c in consumers[k]] + [("F", k, i)]
-        if k in in_output and k != p - 1:
-            later.append(("B", p - 1, i))   # the loss's gradient for this stage's model outputs
-        return later + ([("F", s, i) for s in range(p)] if k == p - 1 else [])
+            found = [("F", producer[name], i) for name in specs[k].inputs if name in producer]
+        else:
+            found = [("B", c, i) for c in consumers[k]] + [("F", k, i)]
+            if k in in_output and k != p - 1:
+                found.append(("B", p - 1, i))   # the loss's gradient for this stage's model outputs
+            found += [("F", s, i) for s in range(p)] if k == p - 1 else []
+        return [op for op in found if transport.local(op[1])]
 
     origin = time.perf_counter()
 
@@ -278,7 +246,6 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
                 try:
                     with streams.computing(devices[k]), caller.entered():   # new threads have torch's defaults
                         run_op[kind](k, i)
-                        events[(kind, k, i)] = streams.record(devices[k])
                 except LossFailure as exc:
                     board.fail(StepFailure(k, i, "loss", exc.exc))
                     return
@@ -293,7 +260,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
     step_grads = StepGradients(grad_tensors or [q for spec in specs for q in spec.module.parameters()]) \
         if reduction == "token" else None
     threads = [threading.Thread(target=work, args=(w,), name=f"fxpipe-step-{w}", daemon=True)
-               for w in range(n_workers)]
+               for w in transport.workers(n_workers)]
     try:   # Ctrl-C may land while the first workers already run and the last are being started
         for t in threads:
             t.start()
@@ -307,11 +274,27 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         if step_grads is not None:   # a failed step leaves the gradients as they were before it
             step_grads.restore()
         raise
-    if board.failure is not None:
+    here = transport.local(p - 1)
+    failure, result = transport.end(board.failure, lambda: _result(losses, counts) if here else None)
+    if failure is not None:
         if step_grads is not None:
             step_grads.restore()
-        raise board.failure
-    return step_loss(losses, counts, devices[-1], step_grads), outputs
+        raise failure
+    if here:
+        return step_loss(losses, counts, devices[-1], step_grads), outputs
+    assert result is not None   # the process of the last stage sends it with its end of the step
+    count = result["count"]
+    if step_grads is not None:
+        step_grads.finish(count)
+    loss = torch.tensor(result["loss"], dtype=getattr(torch, result["dtype"]))
+    return (loss / count if reduction == "token" else loss), [None] * m
+
+
+def _result(losses: list[Any], counts: list[Any]) -> dict[str, Any]:
+    """The step's loss (summed parts) and count (``"token"``), as numbers another process can be sent."""
+    total = torch.stack([x.detach().cpu() for x in losses]).sum()
+    count = None if counts[0] is None else float(sum(float(c) for c in counts))
+    return {"loss": total.item(), "count": count, "dtype": str(losses[0].dtype).removeprefix("torch.")}
 
 
 def _output_nodes(arg: Any) -> list[fx.Node]:

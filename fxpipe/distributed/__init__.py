@@ -1,0 +1,15 @@
+"""fxpipe on torch.distributed: one process per pipeline worker, the same plan and the same executor.
+
+``PipelineRank(plan, model_fn=..., loss_fn=...)`` builds this rank's stages; ``stage.step(x, y)`` trains one
+batch (:mod:`fxpipe.distributed.rank`). Values cross ranks point-to-point (:mod:`fxpipe.distributed.transport`,
+message format in :mod:`fxpipe.distributed.wire`); :mod:`fxpipe.distributed.checkpoint` saves and resumes it with
+``torch.distributed.checkpoint``; :func:`clip_grad_norm_` clips by the norm over all ranks.
+"""
+
+from fxpipe.distributed import checkpoint
+from fxpipe.distributed.clip import clip_grad_norm_
+from fxpipe.distributed.rank import PipelineRank
+from fxpipe.distributed.transport import P2P
+from fxpipe.distributed.waiting import PeerFailed
+
+__all__ = ["P2P", "PeerFailed", "PipelineRank", "checkpoint", "clip_grad_norm_"]

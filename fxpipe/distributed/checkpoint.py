@@ -1,0 +1,76 @@
+"""Checkpoints of a pipeline trained on ranks, with ``torch.distributed.checkpoint``: each rank writes its own stages.
+
+Every key is the model's own name for a tensor (``named_parameters``/``named_buffers`` of ``model_fn()``), so
+the keys of different ranks never collide and a checkpoint does not depend on which rank held what. The
+optimizer's state goes under ``optim.<parameter name>.<state key>`` (an optimizer's own ``state_dict`` numbers
+its parameters per rank, which would collide). Loading reads the checkpoint's metadata for the optimizer
+entries of this rank's parameters, so a fresh optimizer can be resumed; its hyper-parameters are the ones it
+was constructed with. Loading into another plan's ranks (resharding) is not done yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+__all__ = ["save", "load"]
+
+
+def _tensors(stage: Any) -> dict[str, torch.Tensor]:
+    """This rank's parameters and buffers by their names in the model."""
+    own = {id(t) for k in stage.own for t in [*stage.specs[k].module.parameters(), *stage.specs[k].module.buffers()]}
+    named = [*stage.model.named_parameters(), *stage.model.named_buffers()]
+    return {name: t for name, t in named if id(t) in own}
+
+
+def _optimizer_names(stage: Any, optimizer: torch.optim.Optimizer) -> list[str]:
+    names = {id(p): n for n, p in stage.named_parameters()}
+    order = [p for group in optimizer.param_groups for p in group["params"]]
+    missing = [i for i, p in enumerate(order) if id(p) not in names]
+    if missing:
+        raise ValueError(f"the optimizer holds {len(missing)} tensors that are not this rank's parameters: build it "
+                         "over stage.parameters()")
+    return [names[id(p)] for p in order]
+
+
+def save(stage: Any, optimizer: torch.optim.Optimizer | None, path: str) -> None:
+    """Write this rank's parameters, buffers and optimizer state to the checkpoint directory ``path`` (collective:
+    every rank calls it)."""
+    state: dict[str, Any] = {f"model.{name}": t.detach() for name, t in _tensors(stage).items()}
+    if optimizer is not None:
+        names = _optimizer_names(stage, optimizer)
+        for index, entries in optimizer.state_dict()["state"].items():
+            for key, value in entries.items():
+                state[f"optim.{names[index]}.{key}"] = value
+    dcp.save(state, checkpoint_id=path)
+
+
+def load(stage: Any, optimizer: torch.optim.Optimizer | None, path: str) -> None:
+    """Read this rank's parameters, buffers and optimizer state from ``path`` (collective), in place."""
+    state: dict[str, Any] = {f"model.{name}": t.detach() for name, t in _tensors(stage).items()}
+    names = _optimizer_names(stage, optimizer) if optimizer is not None else []
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    prefixes = {f"optim.{name}.": i for i, name in enumerate(names)}
+    wanted: dict[str, tuple[int, str]] = {}
+    for key, meta in stored.items():
+        name_index = next(((p, i) for p, i in prefixes.items() if key.startswith(p)), None)
+        if name_index is None:
+            continue
+        prefix, index = name_index
+        wanted[key] = (index, key[len(prefix):])
+        state[key] = (torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata)
+                      else None if isinstance(meta, BytesStorageMetadata) else None)
+    missing = [k for k in state if k.startswith("model.") and k not in stored]
+    if missing:
+        raise KeyError(f"the checkpoint at {path} has no {missing[:3]} ({len(missing)} of this rank's tensors): "
+                       "it was saved for another model or plan")
+    dcp.load(state, checkpoint_id=path)
+    if optimizer is not None:
+        restored = optimizer.state_dict()
+        restored["state"] = {}
+        for key, (index, entry) in wanted.items():
+            restored["state"].setdefault(index, {})[entry] = state[key]
+        optimizer.load_state_dict(restored)

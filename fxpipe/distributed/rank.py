@@ -1,0 +1,122 @@
+"""``fxpipe.distributed.PipelineRank``: this process's stages of a plan, trained with the plan's schedule.
+
+Run one process per worker of the plan (``torchrun --nproc-per-node <workers>``, or any launcher that
+initialises ``torch.distributed``); process ``r`` of the group runs worker ``r``'s stages (one per
+worker; several with ``interleaved-1f1b``). Every process builds the model with ``model_fn()`` and traces
+it (the trace must give the plan's fingerprint), then keeps only its own stages' parameters and buffers:
+the others' are replaced by ``meta`` tensors, which hold no memory. The step is
+:meth:`fxpipe.Pipeline.step` itself, the same schedule interpreter as in one process, with values and
+gradients crossing ranks through :class:`fxpipe.distributed.transport.P2P`.
+
+Every rank is given the same batch (``step(x, y)``): a later stage may read a model input directly, and
+the micro-batches' shapes tell each rank which boundary shapes it has already been sent.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fxpipe.distributed.transport import P2P
+from fxpipe.errors import FxpipeError, PlanMismatchError
+from fxpipe.frontend.capture import capture
+from fxpipe.planning.plan import Plan, load_plan
+from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
+from fxpipe.runtime.codegen import StageSpec, move_stage, split_graph
+from fxpipe.runtime.pipeline import Pipeline
+from solvers.schedules import stage_worker
+
+__all__ = ["PipelineRank"]
+
+
+def _drop(module: nn.Module, keep: set[int]) -> None:
+    """Replace every parameter and buffer of ``module`` not in ``keep`` (by id) with a ``meta`` tensor."""
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None and id(param) not in keep and param.device.type != "meta":
+                sub._parameters[name] = nn.Parameter(param.detach().to("meta"), param.requires_grad)
+        for name, buf in list(sub._buffers.items()):
+            if buf is not None and id(buf) not in keep and buf.device.type != "meta":
+                sub._buffers[name] = buf.to("meta")
+
+
+class PipelineRank:
+    """This rank's stages of ``plan``; :meth:`step` trains one batch and returns the loss on the last stage's rank.
+
+    ``plan`` is a :class:`fxpipe.Plan` or the path of a saved one; ``model_fn()`` builds the model (the same
+    on every rank, e.g. from the same seed or checkpoint); ``loss_fn(output, target)`` and ``reduction`` are
+    :meth:`fxpipe.Pipeline.step`'s. ``device`` puts this rank's stages elsewhere than the plan says (e.g.
+    ``cuda:<LOCAL_RANK>``). ``timeout_s`` bounds every wait for another rank.
+    """
+
+    def __init__(self, plan: Plan | str | Path, model_fn: Callable[[], nn.Module],
+                 loss_fn: Callable[[Any, Any], torch.Tensor], *, reduction: str = "mean",
+                 checkpoint: str = "except_last", group: Any = None, device: str | torch.device | None = None,
+                 timeout_s: float = 300.0, leaf_modules: Iterable[type | str] = (),
+                 deferred_batch_norm: bool = False, broadcast_loss: bool = False) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise FxpipeError("fxpipe.distributed needs torch.distributed initialised: run under torchrun and call "
+                              "torch.distributed.init_process_group('gloo' or 'nccl') before PipelineRank")
+        plan = load_plan(plan) if isinstance(plan, (str, Path)) else plan
+        self.rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if world != plan.workers:
+            raise PlanMismatchError(
+                f"the plan runs {len(plan.stages)} stages on {plan.workers} workers but the process group has "
+                f"{world} processes: start one process per worker (torchrun --nproc-per-node {plan.workers} on "
+                f"one node) or plan for {world} devices")
+        self.model = model_fn()
+        captured = capture(self.model, leaf_modules, None)
+        if captured.fingerprint != plan.fingerprint:
+            raise PlanMismatchError(
+                f"rank {self.rank}: the plan was made for another model ({plan.model}, fingerprint "
+                f"{plan.fingerprint[:12]}) but model_fn() traces to {captured.fingerprint[:12]}; plan this model "
+                "(fxpipe.compile or fxpipe.plan, then plan.save) and load that plan on every rank")
+        if deferred_batch_norm:
+            convert_deferred_batch_norm(captured.graph)
+        p = len(plan.stages)
+        stage_rank = [stage_worker(plan.schedule, k, plan.workers) for k in range(p)]
+        specs = split_graph(captured.graph, plan.stage_of(), p)
+        self.own = [k for k in range(p) if stage_rank[k] == self.rank]
+        keep = {id(t) for k in self.own for t in [*specs[k].module.parameters(), *specs[k].module.buffers()]}
+        for k in range(p):   # a tensor two ranks' stages share (a tied weight) stays with the stage that reads it
+            if k not in self.own:
+                _drop(specs[k].module, keep)
+        _drop(captured.graph, keep)
+        _drop(self.model, keep)   # the model's modules the trace did not keep (a tied head read through get_attr)
+        devices = [torch.device(device if device is not None and k in self.own else st.device)
+                   for k, st in enumerate(plan.stages)]
+        for k in self.own:
+            move_stage(specs[k], devices[k])
+        self.specs: list[StageSpec] = specs
+        self.pipe = Pipeline(captured.graph, specs, devices, plan, checkpoint=checkpoint,
+                             mode_dependent=captured.mode_dependent)
+        self.pipe.transport = P2P(self.rank, stage_rank, group, timeout_s)
+        self.plan, self.loss_fn, self.reduction, self.broadcast_loss = plan, loss_fn, reduction, broadcast_loss
+        self.last = self.rank == stage_rank[-1]
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters (each once): what its optimizer updates."""
+        seen: set[int] = set()
+        for k in self.own:
+            for param in self.specs[k].module.parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield param
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters by their names in the model (``model_fn()``'s ``named_parameters``)."""
+        mine = {id(param) for param in self.parameters()}
+        for name, param in self.model.named_parameters():
+            if id(param) in mine:
+                yield name, param
+
+    def step(self, inputs: Any, target: Any, **kwargs: Any) -> torch.Tensor | None:
+        """One training step of the batch ``inputs`` (the model's input; a tuple for several) against
+        ``target``, given on every rank; ``.grad`` of this rank's parameters then holds their gradients. Returns
+        the loss on the last stage's rank (on every rank with ``broadcast_loss=True``), else ``None``."""
+        loss = self.pipe.step(inputs, target, self.loss_fn, reduction=self.reduction, **kwargs)
+        return loss if self.last or self.broadcast_loss else None

@@ -1,0 +1,207 @@
+"""The executor's transport over torch.distributed: one process per rank, point-to-point between them.
+
+:class:`P2P` is :class:`fxpipe.runtime.transport.Transport` (so :func:`fxpipe.runtime.step.run_step`, the one
+schedule interpreter, runs unchanged on each rank) where a value or gradient whose other end is a stage of
+this rank; where it is another rank's it goes through ``torch.distributed.isend``/``irecv`` (gloo on CPUs,
+NCCL on GPUs), straight from the producing rank to the consuming one: a skip connection from the first stage
+to the last is one message, relayed by no rank in between, and so is its gradient.
+
+Sends never block (the schedule's receives are what orders the ranks, as the in-process executor's waits
+do). Each rank ends a step by sending every peer its status; a rank whose operation failed sends it at
+once, and the others, which hear statuses while they wait (:mod:`fxpipe.distributed.waiting`), end their
+step with an error naming that rank, stage, micro-batch and pass instead of waiting for data that will not
+come. Every wait has a deadline (``timeout_s``), so a dead peer is an error too, never a hang. After a
+failure the transport refuses further steps (messages of the failed step may still be in flight): restart
+the processes. Data and statuses go through two process groups of their own (made here, collectively: every
+rank constructs its ``P2P`` at the same point), the data's with ``timeout_s`` as its timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
+
+from fxpipe.distributed.waiting import PeerFailed, Receiver, Statuses
+from fxpipe.distributed.wire import (STATUS_BYTES, STATUS_TAG, Header, decode_header, encode_header, encode_status,
+                                     header_of, signature, tag)
+from fxpipe.errors import FxpipeError
+from fxpipe.runtime.codegen import StageSpec
+from fxpipe.runtime.step import StepFailure
+from fxpipe.runtime.streams import DeviceStreams, Event
+from fxpipe.runtime.transport import LOSS, Transport
+
+__all__ = ["P2P"]
+
+
+class P2P(Transport):
+    """Stages of rank ``stage_rank[k]``; this process is rank ``rank`` of ``group`` (default: the world)."""
+
+    def __init__(self, rank: int, stage_rank: list[int], group: Any = None, timeout_s: float = 300.0) -> None:
+        self.rank, self.stage_rank, self.timeout_s = rank, stage_rank, timeout_s
+        self.peers = sorted(set(stage_rank) - {rank})
+        self.headers: dict[tuple[int, str], Header] = {}   # (channel, input signature) -> the value's header
+        self.broken: str | None = None
+        backend = dist.get_backend(group)
+        self.gpu_wire = backend == "nccl"
+        self.ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        self.data = dist.new_group(self.ranks, timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
+        self.control = dist.new_group(self.ranks, timeout=datetime.timedelta(days=7), backend="gloo")
+        self.receiver = Receiver()
+
+    def local(self, stage: int) -> bool:
+        return self.stage_rank[-1 if stage == LOSS else stage] == self.rank
+
+    def workers(self, count: int) -> list[int]:
+        return [self.rank]   # a rank is one worker of the schedule
+
+    def _global(self, rank: int) -> int:
+        return self.ranks[rank]
+
+    def begin(self, specs: list[StageSpec], devices: list[torch.device], streams: DeviceStreams,
+              micro_inputs: list[dict[str, Any]], output_names: list[str]) -> None:
+        if self.broken is not None:
+            raise FxpipeError(f"an earlier step failed ({self.broken}); messages of that step may still be in "
+                              "flight, so this process group cannot run another: restart the processes (torchrun "
+                              "does when the script exits with the error)")
+        super().begin(specs, devices, streams, micro_inputs, output_names)
+        self.channels = {(name, c): n for n, (name, c) in enumerate(   # numbered alike on every rank
+            (name, c) for name in sorted(self.readers) for c in self.readers[name]
+            if self._rank(self.producer[name]) != self._rank(c))}
+        self.signatures = [signature(mb) for mb in micro_inputs]
+        self.first = {s: self.signatures.index(s) for s in self.signatures}   # who carries a new header
+        self.layout: dict[tuple[str, int], list[tuple[int, torch.Tensor]]] = {}   # grads a producer awaits
+        # works with the tensors they read, kept to the step's end (gloo says a send is done only when waited for)
+        self.sending: list[tuple[Any, torch.Tensor]] = []
+        self.statuses = Statuses(self.peers, self._status_receive)
+
+    def _rank(self, stage: int) -> int:
+        return self.stage_rank[-1 if stage == LOSS else stage]
+
+    def _status_receive(self, peer: int) -> tuple[Any, torch.Tensor]:
+        buf = torch.empty(STATUS_BYTES, dtype=torch.uint8)
+        return dist.irecv(buf, self._global(peer), self.control, tag=STATUS_TAG), buf
+
+    def _wire(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().contiguous()
+        return t if self.gpu_wire or t.device.type == "cpu" else t.cpu()
+
+    def _send(self, t: torch.Tensor, to: int, message: int, group: Any = None) -> None:
+        t = self._wire(t)
+        self.sending.append((dist.isend(t, self._global(to), group or self.data, tag=message), t))
+
+    def _receive(self, like: tuple[tuple[int, ...], torch.dtype], device: torch.device, src: int,
+                 message: int) -> tuple[Any, torch.Tensor]:
+        on = device if self.gpu_wire else torch.device("cpu")
+        buf = torch.empty(like[0], dtype=like[1], device=on)
+        return dist.irecv(buf, self._global(src), self.data, tag=message), buf
+
+    # ------------------------------------------------------------------ values
+    def publish(self, k: int, i: int, outs: dict[str, Any], ready: Event) -> None:
+        super().publish(k, i, outs, ready)
+        for name, value in outs.items():
+            flat = tree_flatten(value)[0]
+            self.layout[(name, i)] = [(pos, t) for pos, t in enumerate(flat)
+                                      if isinstance(t, torch.Tensor) and t.requires_grad]
+            for c in self.readers[name]:
+                if (name, c) not in self.channels:
+                    continue
+                channel, to = self.channels[(name, c)], self._rank(c)
+                key = (channel, self.signatures[i])
+                if key not in self.headers:
+                    self.headers[key] = header_of(value)
+                    data = encode_header(self.headers[key])
+                    self._send(torch.tensor([data.numel()], dtype=torch.int64), to, tag(channel, False, i, 0))
+                    self._send(data, to, tag(channel, False, i, 1))
+                tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+                for j, t in enumerate(tensors):
+                    self._send(t, to, tag(channel, False, i, 2 + j))
+            if self.unread.get((i, name)) == 0:   # no reader here: nothing to keep beyond the producer's outs
+                self.envs[i].pop(name, None)
+
+    def fetch(self, name: str, consumer: int, i: int, device: torch.device) -> tuple[Any, Event]:
+        if self.local(self.producer[name]):
+            return super().fetch(name, consumer, i, device)
+        channel, src = self.channels[(name, consumer)], self._rank(self.producer[name])
+        what = f"value {name!r} of micro-batch {i} from rank {src} (stage {self.producer[name]})"
+        key = (channel, self.signatures[i])
+        if key not in self.headers:   # sent with the first micro-batch of this signature
+            j = self.first[self.signatures[i]]
+            length = self._wait([self._receive(((1,), torch.int64), device, src, tag(channel, False, j, 0))], what)
+            data = self._wait([self._receive(((int(length[0].item()),), torch.uint8), device, src,
+                                             tag(channel, False, j, 1))], what)
+            self.headers[key] = decode_header(data[0].cpu())
+        header = self.headers[key]
+        posted = [self._receive((m.shape, getattr(torch, m.dtype)), device, src, tag(channel, False, i, 2 + j))
+                  for j, (_, m) in enumerate(header.tensors())]
+        got = self._wait(posted, what) if posted else []
+        leaves = [t.to(device).requires_grad_(m.requires_grad) for t, (_, m) in zip(got, header.tensors())]
+        return header.build(leaves), None
+
+    # ------------------------------------------------------------------ gradients
+    def send_grads(self, name: str, consumer: int, i: int, value: Any, ready: Event) -> None:
+        if self.local(self.producer[name]):
+            return super().send_grads(name, consumer, i, value, ready)
+        channel, to = self.channels[(name, consumer)], self._rank(self.producer[name])
+        wanted = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        for j, leaf in enumerate(wanted):   # an unreached leaf sends zeros: the producer awaits every one
+            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            self._send(grad, to, tag(channel, True, i, 2 + j))
+
+    def received(self, k: int, i: int) -> dict[str, dict[int, torch.Tensor]]:
+        got = super().received(k, i)
+        device = self.devices[k]
+        for name in self.specs[k].outputs:
+            layout = self.layout.pop((name, i), [])
+            for c in self.readers.get(name, []):
+                if (name, c) not in self.channels or not layout:
+                    continue
+                channel, src = self.channels[(name, c)], self._rank(c)
+                what = f"gradient of {name!r} of micro-batch {i} from rank {src} ({'the loss' if c == LOSS else f'stage {c}'})"
+                posted = [self._receive((tuple(t.shape), t.dtype), device, src, tag(channel, True, i, 2 + j))
+                          for j, (_, t) in enumerate(layout)]
+                for (pos, t), g in zip(layout, self._wait(posted, what)):
+                    g = g.to(t.device)
+                    by_pos = got.setdefault(name, {})
+                    by_pos[pos] = g if pos not in by_pos else by_pos[pos] + g
+        return got
+
+    # ------------------------------------------------------------------ waiting, the end of a step
+    def _wait(self, posted: list[tuple[Any, torch.Tensor]], what: str) -> list[torch.Tensor]:
+        """The buffers of ``posted`` receives once all have landed; a peer's failure or the deadline raises."""
+        self.receiver.wait([work for work, _ in posted], f"{what} (rank {self.rank})", self.timeout_s,
+                           self.statuses.failure)
+        return [buf for _, buf in posted]
+
+    def end(self, failure: Any, result: Callable[[], Any]) -> tuple[Any, Any]:
+        """Tell every peer how this rank's step ended, hear theirs; the step's root failure and its result."""
+        mine = None
+        if failure is not None:
+            mine = {"stage": failure.stage, "micro_batch": failure.micro_batch, "kind": failure.kind,
+                    "error": f"{type(failure.exc).__name__}: {failure.exc}",
+                    "remote": isinstance(failure.exc, PeerFailed)}
+        out = result() if failure is None else None
+        for peer in self.peers:
+            self._send(encode_status({"rank": self.rank, "failure": mine, "result": out}), peer, STATUS_TAG,
+                       self.control)
+        got, silent = self.statuses.collect(self.timeout_s)
+        roots = [s for _, s in sorted(got.items()) if s["failure"] is not None and not s["failure"]["remote"]]
+        if roots and (mine is None or mine["remote"]):   # the rank where it started, not where it was noticed
+            f = roots[0]["failure"]
+            failure = StepFailure(f["stage"], f["micro_batch"], f["kind"], PeerFailed(roots[0]))
+        elif silent and failure is None:
+            failure = StepFailure(-1, -1, "step", TimeoutError(
+                f"rank {self.rank} waited {self.timeout_s:g} s for ranks {silent} to end the step"))
+        if failure is None and any(s["failure"] is not None for s in got.values()):
+            failure = StepFailure(-1, -1, "step", PeerFailed(next(s for s in got.values() if s["failure"])))
+        if failure is None:
+            self.receiver.wait([work for work, _ in self.sending], "the peers to receive this rank's messages",
+                               self.timeout_s, lambda: None)
+            self.sending = []
+            found = [s["result"] for s in got.values() if s["result"] is not None]
+            return None, out if out is not None else (found[0] if found else None)
+        self.broken = str(failure)
+        return failure, None

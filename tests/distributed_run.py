@@ -1,0 +1,53 @@
+"""Test helper: run a function on ``world`` real processes joined by a gloo group on 127.0.0.1 (a file
+rendezvous), with a deadline.
+
+Each process runs ``fn(rank, world, *args)`` and its return value (or the exception it raised, as text) comes
+back to the test, one entry per rank. A process still running at the deadline is killed and the test fails:
+a distributed test can fail, never hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_ranks"]
+
+
+def _entry(rank: int, world: int, out: str, fn: Callable[..., Any], args: tuple) -> None:
+    faulthandler.enable()   # a native abort prints every thread's Python stack
+    torch.set_num_threads(1)   # the machine is shared: one thread per rank
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"   # gloo's connections on 127.0.0.1
+    # a file rendezvous: no port to choose, so no race with other jobs for a free one
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'rendezvous')}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        result: Any = {"ok": fn(rank, world, *args)}
+    except BaseException as exc:   # reported to the test, which asserts on it
+        result = {"error": type(exc).__name__, "text": str(exc), "trace": traceback.format_exc()}
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn: Callable[..., Any], *args: Any, deadline_s: float = 240.0) -> list[dict[str, Any]]:
+    """``[{"ok": value} or {"error": exception type name, "text": message, "trace": traceback}]`` by rank."""
+    with tempfile.TemporaryDirectory(prefix="fxpipe-dist-") as out:
+        ctx = mp.start_processes(_entry, args=(world, out, fn, args), nprocs=world, join=False,
+                                 start_method="spawn")
+        end = time.monotonic() + deadline_s
+        while not ctx.join(timeout=max(0.1, end - time.monotonic())):
+            if time.monotonic() > end:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise AssertionError(f"the {world} processes did not finish within {deadline_s} s (a hang)")
+        return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)]

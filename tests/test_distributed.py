@@ -1,0 +1,278 @@
+"""fxpipe.distributed on real process groups (gloo on 127.0.0.1): the plan's stages in 2 and 4 processes train
+exactly as the single-process model, where torch.distributed.pipelining cannot (a skip from the first stage to
+the last, a weight tied between the first and last stage, a batch that chunks do not divide); a failing rank
+ends every rank's step with an error naming it; a plan for another world size is refused."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxpipe
+from distributed_run import run_ranks
+from equivalence import max_relative_error
+from forced_cuts import compile_with_cuts
+from models import SkipTied, WithBoom, Boom
+
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+STEPS = 3
+
+
+class SkipCNN(nn.Module):
+    """A CNN whose first block's output is added back just before the head: a skip from the first stage to the last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 6, 3, padding=1)
+        self.convs = nn.ModuleList(nn.Conv2d(6, 6, 3, padding=1) for _ in range(4))
+        self.head = nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h0 = torch.relu(self.stem(x))
+        h = h0
+        for conv in self.convs:
+            h = torch.tanh(conv(h))
+        return self.head((h + h0).mean(dim=(2, 3)))
+
+
+def _make(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    return SkipCNN() if kind == "cnn" else SkipTied(vocab=11, width=8, depth=6)
+
+
+def _loss(kind: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, target) if kind == "cnn" else F.cross_entropy(out.flatten(0, 1), target.flatten())
+
+
+def _token_loss(kind: str, out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The summed loss and its count (``reduction="token"``): every rank divides by the whole batch's count."""
+    return F.cross_entropy(out.flatten(0, 1), target.flatten(), reduction="sum"), target.numel()
+
+
+def _batches(kind: str, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Three batches, the last smaller (as a data loader's last batch): new shapes cross every boundary."""
+    g = torch.Generator().manual_seed(1)
+    sizes = [batch] * (STEPS - 1) + [batch - 2]
+    if kind == "cnn":
+        return [(torch.randn(n, 3, 6, 6, generator=g), torch.randint(0, 5, (n,), generator=g)) for n in sizes]
+    return [(torch.randint(0, 11, (n, 4), generator=g), torch.randint(0, 11, (n, 4), generator=g)) for n in sizes]
+
+
+def _train_ranks(rank: int, world: int, kind: str, plan_json: str, batch: int,
+                 schedules: tuple[str, ...] = SCHEDULES, clip: float | None = None, reduction: str = "mean") -> dict:
+    """On each rank: for every schedule, a fresh model, three SGD steps; the losses and this rank's parameters."""
+    from fxpipe.distributed import PipelineRank, clip_grad_norm_
+    plan = fxpipe.Plan.from_dict(__import__("json").loads(plan_json))
+    found = {}
+    for schedule in schedules:
+        loss_fn = functools.partial(_token_loss if reduction == "token" else _loss, kind)
+        stage = PipelineRank(plan, functools.partial(_make, kind), loss_fn, timeout_s=60, reduction=reduction)
+        opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+        losses, norms = [], []
+        for x, y in _batches(kind, batch):
+            loss = stage.step(x, y, schedule=schedule)
+            losses.append(None if loss is None else loss.item())
+            if clip is not None:
+                norms.append(clip_grad_norm_(stage.parameters(), clip).item())
+            opt.step()
+            opt.zero_grad()
+        held = {n for n, p in stage.model.named_parameters() if p.device.type != "meta"}
+        found[schedule] = {"losses": losses, "params": {n: p.detach().clone() for n, p in stage.named_parameters()},
+                           "held": held, "norms": norms}
+    return found
+
+
+def _reference(kind: str, batch: int, clip: float | None = None,
+               norms: list[float] | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = _make(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x, y in _batches(kind, batch):
+        loss = _loss(kind, model(x), y)
+        loss.backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _plan(kind: str, world: int, batch: int, chunks: int) -> fxpipe.Plan:
+    x = _batches(kind, batch)[0][0]
+    cuts = {("cnn", 2): ["convs_2"], ("cnn", 4): ["convs_0", "convs_2", "convs_3"],
+            ("gpt", 2): ["blocks_3_0"], ("gpt", 4): ["blocks_1_0", "blocks_3_0", "blocks_5_0"]}[(kind, world)]
+    pipe = compile_with_cuts(_make(kind), (x,), cuts, chunks=chunks)
+    return copy.deepcopy(pipe.plan)
+
+
+def _interleaved_plan(kind: str, batch: int, chunks: int) -> fxpipe.Plan:
+    """Four stages on two workers (stage s on worker s % 2), cut where the test says."""
+    x = _batches(kind, batch)[0][0]
+    planned = fxpipe.compile(_make(kind), ["cpu", "cpu"], (x,), stages=4, virtual_stages=2, chunks=chunks,
+                             schedule="interleaved-1f1b", profile="estimate")
+    plan = copy.deepcopy(planned.plan)
+    order = [n for stage in plan.stages for n in stage.nodes]
+    bounds = [0] + [order.index(n) for n in ["blocks_1_0", "blocks_3_0", "blocks_5_0"]] + [len(order)]
+    for stage, start, end in zip(plan.stages, bounds, bounds[1:]):
+        stage.nodes, stage.checkpoint = order[start:end], ""
+    return plan
+
+
+def _check(results: list[dict], kind: str, batch: int, schedules: tuple[str, ...], clip: float | None = None) -> None:
+    errors = [r["trace"] for r in results if "ok" not in r]
+    assert not errors, errors[0]
+    ref_norms: list[float] = []
+    ref_losses, ref_params = _reference(kind, batch, clip, ref_norms)
+    for schedule in schedules:
+        per_rank = [r["ok"][schedule] for r in results]
+        for r in per_rank:   # the same global norm on every rank, and the one-process model's
+            assert len(r["norms"]) == len(ref_norms)
+            assert all(abs(a - b) <= 1e-5 * b for a, b in zip(r["norms"], ref_norms)), (r["norms"], ref_norms)
+        last = [r for r in per_rank if r["losses"][0] is not None]
+        assert len(last) == 1, "the loss is the last stage's rank's alone"
+        for got, want in zip(last[0]["losses"], ref_losses):
+            assert abs(got - want) <= 1e-5 * abs(want), (schedule, got, want)
+        params = {n: t for r in per_rank for n, t in r["params"].items()}
+        assert all(r["held"] == set(r["params"]) for r in per_rank), "a rank holds another rank's parameters"
+        owners = [n for r in per_rank for n in r["params"]]
+        assert len(owners) == len(set(owners)), "a parameter is held by two ranks"
+        assert set(params) == set(ref_params), (schedule, set(ref_params) ^ set(params))
+        worst = max((max_relative_error(params[n], ref_params[n]), n) for n in ref_params)
+        assert worst[0] <= 1e-5, (schedule, worst)
+
+
+def test_interleaved_1f1b_runs_two_stages_per_rank_as_one_process():
+    batch, chunks = 8, 4
+    plan = _interleaved_plan("gpt", batch, chunks)
+    assert len(plan.stages) == 4 and plan.workers == 2
+    _check(run_ranks(2, _train_ranks, "gpt", plan.to_json(), batch, ("interleaved-1f1b",)), "gpt", batch,
+           ("interleaved-1f1b",))
+
+
+def test_clip_grad_norm_over_all_ranks_is_the_whole_models():
+    batch, chunks, clip = 7, 3, 0.05
+    plan = _plan("gpt", 2, batch, chunks)
+    results = run_ranks(2, _train_ranks, "gpt", plan.to_json(), batch, ("1f1b",), clip)
+    _check(results, "gpt", batch, ("1f1b",), clip)
+    norms = results[0]["ok"]["1f1b"]["norms"]
+    assert min(norms) > clip, f"the test must clip: norms {norms}"
+
+
+def test_token_reduction_divides_every_ranks_gradients_by_the_global_count():
+    batch, chunks = 7, 3
+    plan = _plan("gpt", 2, batch, chunks)
+    _check(run_ranks(2, _train_ranks, "gpt", plan.to_json(), batch, ("zb-h1",), None, "token"), "gpt", batch,
+           ("zb-h1",))
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["cnn", "gpt"])
+def test_ranks_train_as_one_process_with_skips_tied_weights_and_uneven_chunks(kind, world):
+    batch, chunks = 7, 3   # micro-batches of 3, 2 and 2 samples: chunks do not divide the batch
+    plan = _plan(kind, world, batch, chunks)
+    assert len(plan.stages) == world and plan.chunks == chunks
+    _check(run_ranks(world, _train_ranks, kind, plan.to_json(), batch), kind, batch, SCHEDULES)
+
+
+def _failing_ranks(rank: int, world: int, plan_json: str) -> dict:
+    """Stage 1 raises on the micro-batch of one sample; every rank reports the error it got and how soon."""
+    import time
+    from fxpipe.distributed import PipelineRank
+    Boom.armed = True
+    plan = fxpipe.Plan.from_dict(__import__("json").loads(plan_json))
+    torch.manual_seed(0)
+    stage = PipelineRank(plan, WithBoom, F.mse_loss, timeout_s=60, leaf_modules=(Boom,))
+    x, y = torch.randn(7, 8), torch.randn(7, 8)   # micro-batches of 2, 2, 2 and 1 samples
+    started = time.monotonic()
+    try:
+        stage.step(x, y, schedule="1f1b")
+    except fxpipe.StageError as exc:
+        first = {"type": type(exc).__name__, "text": str(exc), "s": time.monotonic() - started,
+                 "stage": exc.stage, "micro_batch": exc.micro_batch}
+    else:
+        first = None
+    try:
+        stage.step(x, y)
+        second = None
+    except fxpipe.FxpipeError as exc:
+        second = str(exc)
+    return {"first": first, "second": second}
+
+
+def test_a_failing_rank_ends_every_ranks_step_with_an_error_naming_it():
+    torch.manual_seed(0)
+    plan = copy.deepcopy(compile_with_cuts(WithBoom(), (torch.randn(7, 8),), ["boom"], chunks=4, leaf_modules=(Boom,)).plan)
+    results = run_ranks(2, _failing_ranks, plan.to_json())
+    errors = [r["trace"] for r in results if "ok" not in r]
+    assert not errors, errors[0]
+    for rank, r in enumerate(results):
+        first = r["ok"]["first"]
+        assert first is not None, f"rank {rank}'s step did not fail"
+        assert (first["stage"], first["micro_batch"]) == (1, 3), first
+        assert "forward of micro-batch 3" in first["text"] and "boom: a micro-batch of one sample" in first["text"]
+        assert first["s"] < 30, f"rank {rank} took {first['s']:.1f} s to hear of the failure"
+        assert "restart the processes" in r["ok"]["second"]
+    assert "rank 1 failed: stage 1 forward of micro-batch 3" in results[0]["ok"]["first"]["text"]
+
+
+def _refused(rank: int, world: int, plan_json: str) -> str:
+    from fxpipe.distributed import PipelineRank
+    plan = fxpipe.Plan.from_dict(__import__("json").loads(plan_json))
+    try:
+        PipelineRank(plan, WithBoom, F.mse_loss)
+    except fxpipe.PlanMismatchError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_a_plan_for_another_number_of_processes_is_refused_with_the_numbers():
+    plan = copy.deepcopy(compile_with_cuts(WithBoom(), (torch.randn(6, 8),), ["b", "c"], chunks=2).plan)
+    results = run_ranks(2, _refused, plan.to_json())
+    for r in results:
+        assert "3 stages on 3 workers" in r["ok"] and "2 processes" in r["ok"] and "--nproc-per-node 3" in r["ok"]
+
+
+def _resume_ranks(rank: int, world: int, plan_json: str, path: str) -> dict:
+    """Five steps straight, and two steps, a checkpoint, fresh stages and optimizer, three more: the losses."""
+    from fxpipe.distributed import PipelineRank, checkpoint
+    plan = fxpipe.Plan.from_dict(__import__("json").loads(plan_json))
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, 11, (7, 4), generator=g), torch.randint(0, 11, (7, 4), generator=g)) for _ in range(5)]
+
+    def fresh(seed: int):
+        torch.manual_seed(seed)   # the resumed run starts from other weights: only the checkpoint can make it equal
+        stage = PipelineRank(plan, lambda: SkipTied(vocab=11, width=8, depth=6), functools.partial(_loss, "gpt"),
+                             timeout_s=60, broadcast_loss=True)
+        return stage, torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
+
+    def train(stage, opt, some):
+        losses = []
+        for x, y in some:
+            losses.append(stage.step(x, y).item())
+            opt.step()
+            opt.zero_grad()
+        return losses
+
+    straight = train(*fresh(0), batches)
+    stage, opt = fresh(0)
+    first = train(stage, opt, batches[:2])
+    checkpoint.save(stage, opt, path)
+    stage, opt = fresh(1)
+    checkpoint.load(stage, opt, path)
+    return {"straight": straight, "resumed": first + train(stage, opt, batches[2:])}
+
+
+def test_resuming_from_a_checkpoint_gives_the_losses_of_an_uninterrupted_run(tmp_path):
+    torch.manual_seed(0)
+    plan = _plan("gpt", 2, 7, 3)
+    results = run_ranks(2, _resume_ranks, plan.to_json(), str(tmp_path / "ckpt"))
+    errors = [r["trace"] for r in results if "ok" not in r]
+    assert not errors, errors[0]
+    for r in results:   # every rank reports the loss (broadcast_loss=True)
+        assert r["ok"]["resumed"] == r["ok"]["straight"], r["ok"]
