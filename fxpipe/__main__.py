@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 EPILOG = """examples:
@@ -17,9 +18,12 @@ EPILOG = """examples:
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
-    except ValueError as exc:   # bad arguments (unknown preset, model, device): say so, no traceback
+    except ValueError as exc:   # bad arguments (unknown preset, model, device), a broken plan file: no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:      # a file that cannot be read or written: as cat and cp say it
+        print(f"error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -31,8 +35,10 @@ def _main(argv: list[str] | None = None) -> int:
     common.add_argument("--batch", type=int, default=32, help="batch size (default: 32)")
     common.add_argument("--chunks", type=int, default=4, help="micro-batches per batch (default: 4)")
     common.add_argument("--image-size", type=int, default=224, help="input height and width (default: 224)")
-    common.add_argument("--profile", choices=("measure", "estimate"), default="measure",
-                        help="time every node, or estimate from FLOPs (default: measure)")
+    common.add_argument("--profile", choices=("measure", "thorough", "estimate"), default="measure",
+                        help="time every node once; also time every stage whole, its memory and the CPU "
+                             "workers' contention (several training steps more); or estimate from FLOPs "
+                             "(default: measure)")
     p_demo = sub.add_parser("demo", parents=[common], help="compile a torchvision model, run a training step, compare with the model")
     p_demo.add_argument("--model", default="resnet50", help="torchvision model name (default: resnet50)")
     p_plan = sub.add_parser("plan", parents=[common], help="plan a torchvision model and print (and save) the plan")
@@ -74,7 +80,8 @@ def _main(argv: list[str] | None = None) -> int:
     model = torchvision.models.get_model(args.model).eval()
     x = torch.randn(args.batch, 3, args.image_size, args.image_size)
     pipe = fxpipe.compile(model, list(devices), example_inputs=(x,), chunks=args.chunks,
-                          profile=fxpipe.ProfileOptions(mode=args.profile, progress=True))
+                          schedule=args.schedule,
+                          profile=dataclasses.replace(fxpipe.ProfileOptions.of(args.profile), progress=True))
     print(pipe.plan.summary())
     if args.save:
         pipe.plan.save(args.save)

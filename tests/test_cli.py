@@ -58,3 +58,24 @@ def test_plan_for_a_preset_without_the_hardware(tmp_path):
 def test_solvers_search_help_and_fxpipe_help_mention_the_new_commands():
     assert "search" in run("solvers", "--help").stdout
     assert "--preset h100" in run("fxpipe", "--help").stdout
+
+
+def test_plan_without_a_preset_uses_the_schedule_asked_for(tmp_path):
+    path = tmp_path / "r18-zb.plan.json"
+    out = run("fxpipe", "plan", "resnet18", "--batch", "4", "--chunks", "2", "--image-size", "32",
+              "--profile", "estimate", "--schedule", "zb-h1", "--save", str(path))
+    assert out.returncode == 0, out.stderr
+    assert "schedule zb-h1" in out.stdout
+    import fxpipe
+    assert fxpipe.load_plan(path).schedule == "zb-h1"
+
+
+def test_files_that_cannot_be_read_or_written_are_named_without_a_traceback(tmp_path):
+    missing = run("fxpipe", "show", str(tmp_path / "nope.plan.json"))
+    assert missing.returncode != 0 and "Traceback" not in missing.stderr
+    assert missing.stderr.startswith("error: ") and "nope.plan.json" in missing.stderr
+    unwritable = tmp_path / "no-such-dir" / "r18.plan.json"
+    out = run("fxpipe", "plan", "resnet18", "--batch", "4", "--chunks", "2", "--image-size", "32",
+              "--profile", "estimate", "--save", str(unwritable))
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith("error: ") and f"{unwritable}: No such file or directory" in out.stderr
