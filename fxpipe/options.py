@@ -58,7 +58,8 @@ class ProfileOptions:
         cache: reuse node costs profiled before for the same graph, device, micro-batch shapes, mode and
             thread count (``True``: ``$FXPIPE_CACHE_DIR`` or ``~/.cache/fxpipe/profiles``; a path;
             ``False``: always profile).
-        progress: print a profiling progress bar on stderr.
+        progress: a tqdm bar of the node profiling on stderr when it is a terminal (quiet otherwise); the
+            time it took is logged at INFO under the ``fxpipe`` logger either way.
     """
 
     mode: str = "measure"
