@@ -79,3 +79,15 @@ def test_files_that_cannot_be_read_or_written_are_named_without_a_traceback(tmp_
               "--profile", "estimate", "--save", str(unwritable))
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.startswith("error: ") and f"{unwritable}: No such file or directory" in out.stderr
+
+
+def test_the_readme_compare_command_names_files_that_exist():
+    """The README once sent users to problems/*.json, which does not exist (the corpus is benchmarks/problems/)."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    lines = [line.split("#")[0].split() for line in (root / "README.md").read_text().splitlines()
+             if line.startswith("python -m solvers compare")]
+    assert lines
+    for words in lines:
+        for pattern in [w for w in words[4:] if not w.startswith("-")]:
+            assert sorted(root.glob(pattern)), f"README: {' '.join(words)}: {pattern} matches nothing"
