@@ -1,10 +1,13 @@
-"""Command line: ``python -m fxpipe demo | plan | show`` (also installed as ``fxpipe``)."""
+"""Command line: ``python -m fxpipe demo | plan | show | topo`` (also installed as ``fxpipe``)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
+
+from fxpipe.cli import topo
 
 EPILOG = """examples:
   python -m fxpipe demo                                  # ResNet-50 on two CPU workers, checked against the model
@@ -12,6 +15,8 @@ EPILOG = """examples:
   python -m fxpipe plan resnet101 --devices cpu,cpu,cpu,cpu --batch 16 --save r101.plan.json
   python -m fxpipe plan vit_l_16 --preset h100 --count 8 --batch 256 --chunks 32   # no GPU needed
   python -m fxpipe show r101.plan.json
+  python -m fxpipe topo box.topo.txt                     # GPU link classes and the bandwidths used
+  python -m fxpipe -v plan resnet18 --batch 8            # -v: log what happens; -q: errors only
 """
 
 
@@ -51,7 +56,17 @@ def _main(argv: list[str] | None = None) -> int:
                         help="the schedule whose memory the plan must fit (default: 1f1b)")
     p_show = sub.add_parser("show", help="print the summary of a saved plan")
     p_show.add_argument("plan")
+    topo.add_parser(sub)
+    for verbosity in (parser,):   # before the subcommand: fxpipe -v plan ...
+        quiet = verbosity.add_mutually_exclusive_group()
+        quiet.add_argument("-v", "--verbose", action="store_true", help="log what fxpipe does (INFO) on stderr")
+        quiet.add_argument("-q", "--quiet", action="store_true", help="errors only: no progress, no warnings")
     args = parser.parse_args(argv)
+    logging.basicConfig(format="fxpipe: %(message)s", stream=sys.stderr)
+    logging.getLogger("fxpipe").setLevel(logging.INFO if args.verbose else
+                                         logging.ERROR if args.quiet else logging.WARNING)
+    if args.command == "topo":
+        return topo.run(args)
 
     import torch  # imported late so that --help is instant
 
@@ -81,7 +96,7 @@ def _main(argv: list[str] | None = None) -> int:
     x = torch.randn(args.batch, 3, args.image_size, args.image_size)
     pipe = fxpipe.compile(model, list(devices), example_inputs=(x,), chunks=args.chunks,
                           schedule=args.schedule,
-                          profile=dataclasses.replace(fxpipe.ProfileOptions.of(args.profile), progress=True))
+                          profile=dataclasses.replace(fxpipe.ProfileOptions.of(args.profile), progress=not args.quiet))
     print(pipe.plan.summary())
     if args.save:
         pipe.plan.save(args.save)

@@ -91,3 +91,33 @@ def test_the_readme_compare_command_names_files_that_exist():
     for words in lines:
         for pattern in [w for w in words[4:] if not w.startswith("-")]:
             assert sorted(root.glob(pattern)), f"README: {' '.join(words)}: {pattern} matches nothing"
+
+
+def test_topo_prints_the_classes_and_the_bandwidths_used(tmp_path):
+    from pathlib import Path
+    topo = Path(__file__).parent / "data" / "titan-v-8gpu-2socket.txt"
+    png = tmp_path / "links.png"
+    out = run("fxpipe", "topo", str(topo), "--png", str(png))
+    assert out.returncode == 0, out.stderr
+    assert "8 GPUs" in out.stdout and "GPU7    SYS" in out.stdout
+    assert "PIX     12.0 GB/s    8.0 us" in out.stdout and "SYS      6.0 GB/s   20.0 us" in out.stdout
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "fxpipe topo box.topo.txt" in run("fxpipe", "topo", "--help").stdout
+
+
+def test_topo_errors_name_the_file_and_the_fix(tmp_path):
+    missing = run("fxpipe", "topo", str(tmp_path / "box.txt"))
+    assert missing.returncode == 1 and missing.stderr.startswith("error: ") and "box.txt: No such file" in missing.stderr
+    wrong = tmp_path / "notes.txt"
+    wrong.write_text("hello\n")
+    bad = run("fxpipe", "topo", str(wrong))
+    assert bad.returncode == 2 and "not nvidia-smi topo -m output" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_verbose_logs_and_quiet_silences():
+    args = ("plan", "resnet18", "--batch", "4", "--chunks", "2", "--image-size", "32", "--profile", "estimate")
+    loud = run("fxpipe", "-v", *args)
+    assert loud.returncode == 0 and "fxpipe: profiled" in loud.stderr, loud.stderr
+    quiet = run("fxpipe", "-q", *args)
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    assert run("fxpipe", "-v", "-q", *args).returncode == 2    # one or the other
