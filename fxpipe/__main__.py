@@ -1,4 +1,4 @@
-"""Command line: ``python -m fxpipe demo | plan | show | topo`` (also installed as ``fxpipe``)."""
+"""Command line: ``python -m fxpipe demo | plan | show | diff | topo`` (also installed as ``fxpipe``)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,15 @@ import dataclasses
 import logging
 import sys
 
-from fxpipe.cli import topo
+from fxpipe.cli import diff, show, topo
 
 EPILOG = """examples:
   python -m fxpipe demo                                  # ResNet-50 on two CPU workers, checked against the model
   python -m fxpipe demo --model vit_b_16 --chunks 2 --batch 4
   python -m fxpipe plan resnet101 --devices cpu,cpu,cpu,cpu --batch 16 --save r101.plan.json
   python -m fxpipe plan vit_l_16 --preset h100 --count 8 --batch 256 --chunks 32   # no GPU needed
-  python -m fxpipe show r101.plan.json
+  python -m fxpipe show r101.plan.json [--json] [--png r101.png]
+  python -m fxpipe diff a.plan.json b.plan.json          # exit 1 when the cuts or devices differ
   python -m fxpipe topo box.topo.txt                     # GPU link classes and the bandwidths used
   python -m fxpipe -v plan resnet18 --batch 8            # -v: log what happens; -q: errors only
 """
@@ -31,11 +32,23 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def _loudness(parser: argparse.ArgumentParser, default: object) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("-v", "--verbose", action="store_true", default=default,
+                       help="log what fxpipe does (INFO) on stderr")
+    group.add_argument("-q", "--quiet", action="store_true", default=default,
+                       help="errors only: no progress bar, no warnings")
+
+
 def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fxpipe", description="fxpipe: a pipeline-parallel compiler for PyTorch.",
                                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # -v/-q before or after the subcommand; after it, SUPPRESS keeps the subcommand from resetting the flag
+    _loudness(parser, default=False)
+    loudness = argparse.ArgumentParser(add_help=False)
+    _loudness(loudness, default=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
-    common = argparse.ArgumentParser(add_help=False)
+    common = argparse.ArgumentParser(add_help=False, parents=[loudness])
     common.add_argument("--devices", default="cpu,cpu", help="comma-separated torch devices (default: cpu,cpu)")
     common.add_argument("--batch", type=int, default=32, help="batch size (default: 32)")
     common.add_argument("--chunks", type=int, default=4, help="micro-batches per batch (default: 4)")
@@ -54,26 +67,18 @@ def _main(argv: list[str] | None = None) -> int:
     p_plan.add_argument("--count", type=int, default=8, help="number of --preset devices (default: 8)")
     p_plan.add_argument("--schedule", choices=("gpipe", "1f1b", "zb-h1"), default="1f1b",
                         help="the schedule whose memory the plan must fit (default: 1f1b)")
-    p_show = sub.add_parser("show", help="print the summary of a saved plan")
-    p_show.add_argument("plan")
-    topo.add_parser(sub)
-    for verbosity in (parser,):   # before the subcommand: fxpipe -v plan ...
-        quiet = verbosity.add_mutually_exclusive_group()
-        quiet.add_argument("-v", "--verbose", action="store_true", help="log what fxpipe does (INFO) on stderr")
-        quiet.add_argument("-q", "--quiet", action="store_true", help="errors only: no progress, no warnings")
+    for command in (show, diff, topo):
+        command.add_parser(sub, [loudness])
     args = parser.parse_args(argv)
     logging.basicConfig(format="fxpipe: %(message)s", stream=sys.stderr)
     logging.getLogger("fxpipe").setLevel(logging.INFO if args.verbose else
                                          logging.ERROR if args.quiet else logging.WARNING)
-    if args.command == "topo":
-        return topo.run(args)
+    if args.command in ("show", "diff", "topo"):
+        return {"show": show, "diff": diff, "topo": topo}[args.command].run(args)
 
     import torch  # imported late so that --help is instant
 
     import fxpipe
-    if args.command == "show":
-        print(fxpipe.load_plan(args.plan).summary())
-        return 0
     devices = tuple(d.strip() for d in args.devices.split(",") if d.strip())
     if args.command == "demo":
         from fxpipe.demo import run_demo

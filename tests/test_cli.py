@@ -121,3 +121,24 @@ def test_verbose_logs_and_quiet_silences():
     quiet = run("fxpipe", "-q", *args)
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
     assert run("fxpipe", "-v", "-q", *args).returncode == 2    # one or the other
+
+
+def test_show_json_and_png_and_diff(tmp_path):
+    import json
+    common = ("--batch", "4", "--chunks", "2", "--image-size", "32", "--profile", "estimate", "-q")
+    a, b = tmp_path / "a.plan.json", tmp_path / "b.plan.json"
+    assert run("fxpipe", "plan", "resnet18", *common, "--save", str(a)).returncode == 0
+    assert run("fxpipe", "plan", "resnet18", *common, "--devices", "cpu,cpu,cpu", "--save", str(b)).returncode == 0
+    shown = run("fxpipe", "show", str(a), "--json")
+    assert shown.returncode == 0 and json.loads(shown.stdout) == json.loads(a.read_text())
+    drawn = run("fxpipe", "show", str(a), "--png", str(tmp_path / "a.png"))
+    assert drawn.returncode == 0, drawn.stderr
+    assert all((tmp_path / f).read_bytes()[:4] == b"\x89PNG" for f in ("a.png", "a.timeline.png"))
+    same = run("fxpipe", "diff", str(a), str(a))
+    assert same.returncode == 0 and "same pipeline" in same.stdout
+    other = run("fxpipe", "diff", str(a), str(b))
+    assert other.returncode == 1 and "stages: 2 -> 3" in other.stdout and "predicted iteration" in other.stdout
+    missing = run("fxpipe", "diff", str(a), str(tmp_path / "nope.json"))
+    assert missing.returncode == 2 and missing.stderr.startswith("error: ") and "nope.json" in missing.stderr
+    for command in ("show", "diff"):
+        assert "examples:" in run("fxpipe", command, "--help").stdout

@@ -19,9 +19,9 @@ EXAMPLES = """examples:
 """
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("topo", help="print the GPU link classes (nvidia-smi topo -m) and their bandwidths",
-                            epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+                            epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter, parents=parents)
     parser.add_argument("file", nargs="?", help="saved output of `nvidia-smi topo -m` (default: run it here)")
     parser.add_argument("--png", help="also draw the link matrix as a heat map into this PNG file")
 
