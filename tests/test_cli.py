@@ -117,7 +117,7 @@ def test_topo_errors_name_the_file_and_the_fix(tmp_path):
 def test_verbose_logs_and_quiet_silences():
     args = ("plan", "resnet18", "--batch", "4", "--chunks", "2", "--image-size", "32", "--profile", "estimate")
     loud = run("fxpipe", "-v", *args)
-    assert loud.returncode == 0 and "fxpipe: profiled" in loud.stderr, loud.stderr
+    assert loud.returncode == 0 and "fxpipe: " in loud.stderr and " nodes " in loud.stderr, loud.stderr   # or cached
     quiet = run("fxpipe", "-q", *args)
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
     assert run("fxpipe", "-v", "-q", *args).returncode == 2    # one or the other

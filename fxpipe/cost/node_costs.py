@@ -57,6 +57,8 @@ def node_costs(gm: fx.GraphModule, fingerprint: str, first_micro_batch: tuple, d
                      time.perf_counter() - started)
     except Exception as exc:
         raise run_failure(exc, gm, len(first_micro_batch)) from exc
+    if cached:
+        log.info("read the costs of %d nodes from the profile cache (%s)", len(costs), cache.directory)
     if cache is not None and not cached:
         cache.store(key, costs)
     return costs, cached
