@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                 extra = {"virtual_stages": 2} if schedule == "interleaved-1f1b" else {"stages": workers}
                 pipe = fxpipe.compile(model, pipeline_devices(args, workers), (x,), chunks=args.chunks,
                                       schedule="interleaved-1f1b" if schedule == "interleaved-1f1b" else "gpipe",
-                                      checkpoint=args.checkpoint, leaf_modules=leaves(args), **extra)
+                                      checkpoint=args.checkpoint, leaf_modules=leaves(args), profile="thorough", **extra)
                 opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
                 if schedule != "interleaved-1f1b":
                     shared = (pipe, opt, x, y, loss_fn)

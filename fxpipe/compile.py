@@ -73,13 +73,16 @@ def compile(
             ``interleaved-1f1b``: ``v`` times the number of devices used.
         virtual_stages: ``v``, the stages per device of ``interleaved-1f1b`` (default 2); the plan then has
             ``v·p`` stages, stage ``s`` on device ``s % p`` (Megatron-LM's layout).
-        loss_fn, example_target: the training loss and a full batch's target (both or neither): the last
-            stage's memory is measured, and calibration times it, through the real loss; without them the
-            loss's buffers are estimated (a softmax cross-entropy's).
+        loss_fn, example_target: the training loss and a full batch's target (both or neither): with
+            ``profile="thorough"`` the last stage's memory and time are measured, and calibration times it,
+            through the real loss; without them (and with the default ``effort="fast"``, which measures
+            neither) the loss's buffers are estimated (a softmax cross-entropy's).
         leaf_modules: module types or qualified names traced as one node each (see :func:`fxpipe.trace`).
-        profile: how costs are measured: ``"measure"`` (default), ``"estimate"``, or
-            :class:`fxpipe.ProfileOptions` for the measurement's knobs (repeats, stage timing, contention
-            steps, calibration, the profile cache, progress).
+        profile: how costs are measured: ``"measure"`` (default: every node timed once, ``effort="fast"``),
+            ``"thorough"`` (also every stage timed whole until the cuts settle, its memory and the CPU
+            workers' contention measured: several training steps more), ``"estimate"`` (FLOP counts), or
+            :class:`fxpipe.ProfileOptions` for the measurement's knobs (effort, repeats, stage timing,
+            contention steps, calibration, the profile cache, progress).
         options: :class:`fxpipe.CompileOptions`, settings most users never touch (``concrete_args``,
             ``deferred_batch_norm``, ``batch_dim``, the memory limit's ``optimizer_state_factor`` and
             ``memory_bytes``).

@@ -9,6 +9,7 @@ apart. BatchNorm runs in eval mode, where micro-batching cannot change it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 
 import torch
@@ -37,7 +38,7 @@ def run_demo(model_name: str = "resnet50", devices: tuple[str, ...] = ("cpu", "c
           f"profile {profile}) ...")
     started = time.perf_counter()
     pipe = fxpipe.compile(model, list(devices), example_inputs=(x,), chunks=chunks,
-                          profile=fxpipe.ProfileOptions(mode=profile, progress=True))
+                          profile=dataclasses.replace(fxpipe.ProfileOptions.of(profile), progress=True))
     print(f"compiled in {time.perf_counter() - started:.1f}s\n")
     print(pipe.plan.summary())
 

@@ -11,10 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-__all__ = ["COMPILE_MODES", "CONTENTION_STEPS", "CompileOptions", "ProfileOptions"]
+__all__ = ["COMPILE_MODES", "CONTENTION_STEPS", "EFFORTS", "CompileOptions", "ProfileOptions"]
 
 COMPILE_MODES = ("measure", "estimate")   # cost.profile also has "analytic", for fxpipe.plan()
 CONTENTION_STEPS = 3
+# What each effort sets, unless given explicitly. "fast" times every node once after one untimed run (about one
+# training step of the model in all) and plans on that; "thorough" adds the rounds that time whole stages, their
+# memory and their contention (each round and the contention about one to two training steps more).
+EFFORTS: dict[str, dict[str, Any]] = {
+    "fast": {"warmup": 1, "repeats": 1, "stage_timing": False, "contention_steps": 0},
+    "thorough": {"warmup": 1, "repeats": 3, "stage_timing": True, "contention_steps": CONTENTION_STEPS},
+}
 
 
 def _whole(name: str, value: Any, least: int, unit: str = "") -> None:
@@ -28,8 +35,15 @@ class ProfileOptions:
 
     Attributes:
         mode: ``"measure"`` (time every node on the first device) or ``"estimate"`` (FLOP count, fast).
+        effort: ``"fast"`` (default) or ``"thorough"``: the defaults of ``warmup``, ``repeats``,
+            ``stage_timing`` and ``contention_steps`` (:data:`EFFORTS`); a field given explicitly wins.
+            ``"fast"`` times each node once after a warm-up and plans on the sum: a ResNet-50 compiles in
+            about one training step. ``"thorough"`` (``profile="thorough"``) is three timed runs per node,
+            then the stage-timing rounds, each stage's measured memory and, for CPU workers, their
+            contention: several training steps more, for stage times measured whole (per-node sums are
+            10-30 % off on a CPU) and memory measured rather than estimated.
         warmup, repeats: untimed and timed runs per node (and per stage with ``stage_timing``).
-        stage_timing: with ``mode="measure"``, also time every stage of the plan as a whole (a fused
+        stage_timing: (thorough) with ``mode="measure"``, also time every stage of the plan as a whole (a fused
             group, alone, forward and backward into ``.grad``), scale its nodes' costs to that and solve
             again until the cuts stop moving (at most 3 rounds; :mod:`fxpipe.refine.stage_profile`); then
             measure every stage's memory for the memory model (:mod:`fxpipe.refine.stage_memory`) and, for
@@ -44,14 +58,16 @@ class ProfileOptions:
         cache: reuse node costs profiled before for the same graph, device, micro-batch shapes, mode and
             thread count (``True``: ``$FXPIPE_CACHE_DIR`` or ``~/.cache/fxpipe/profiles``; a path;
             ``False``: always profile).
-        progress: print a profiling progress bar on stderr.
+        progress: a tqdm bar of the node profiling on stderr when it is a terminal (quiet otherwise); the
+            time it took is logged at INFO under the ``fxpipe`` logger either way.
     """
 
     mode: str = "measure"
-    warmup: int = 1
-    repeats: int = 3
-    stage_timing: bool = True
-    contention_steps: int = CONTENTION_STEPS
+    effort: str = "fast"
+    warmup: int | None = None            # None: the effort's (filled in when made)
+    repeats: int | None = None
+    stage_timing: bool | None = None
+    contention_steps: int | None = None
     calibrate: bool = False
     calibration_steps: int = 2
     cache: bool | str = True
@@ -60,19 +76,31 @@ class ProfileOptions:
     def __post_init__(self) -> None:
         if self.mode not in COMPILE_MODES:
             raise ValueError(f"profile mode must be one of {', '.join(COMPILE_MODES)}, got {self.mode!r}")
+        if self.effort not in EFFORTS:
+            raise ValueError(f"effort must be one of {', '.join(map(repr, EFFORTS))}, got {self.effort!r}")
+        given = {name for name in EFFORTS[self.effort] if getattr(self, name) is not None}
+        for name, value in EFFORTS[self.effort].items():
+            if name not in given:
+                object.__setattr__(self, name, value)   # frozen: filled in once, here
         _whole("warmup", self.warmup, 0)
         _whole("repeats", self.repeats, 1)
         _whole("contention_steps", self.contention_steps, 0, " of steps")
         _whole("calibration_steps", self.calibration_steps, 1, " of steps")
+        if "contention_steps" in given and self.contention_steps and not self.stage_timing:
+            raise ValueError(f"contention_steps={self.contention_steps!r} is measured after stage timing, which "
+                             f"effort={self.effort!r} leaves off: pass effort='thorough' or stage_timing=True")
 
     @classmethod
     def of(cls, profile: "str | ProfileOptions") -> "ProfileOptions":
         """``profile=`` as given to ``compile``: a mode string or the options themselves."""
         if isinstance(profile, ProfileOptions):
             return profile
+        if isinstance(profile, str) and profile in EFFORTS:
+            return cls(effort=profile)
         if isinstance(profile, str):
             return cls(mode=profile)
-        raise TypeError(f"profile must be 'measure', 'estimate' or fxpipe.ProfileOptions(...), got {profile!r}")
+        raise TypeError(f"profile must be 'measure', 'estimate', 'fast', 'thorough' or fxpipe.ProfileOptions(...), "
+                        f"got {profile!r}")
 
     @property
     def measures_stages(self) -> bool:

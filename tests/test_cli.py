@@ -58,3 +58,87 @@ def test_plan_for_a_preset_without_the_hardware(tmp_path):
 def test_solvers_search_help_and_fxpipe_help_mention_the_new_commands():
     assert "search" in run("solvers", "--help").stdout
     assert "--preset h100" in run("fxpipe", "--help").stdout
+
+
+def test_plan_without_a_preset_uses_the_schedule_asked_for(tmp_path):
+    path = tmp_path / "r18-zb.plan.json"
+    out = run("fxpipe", "plan", "resnet18", "--batch", "4", "--chunks", "2", "--image-size", "32",
+              "--profile", "estimate", "--schedule", "zb-h1", "--save", str(path))
+    assert out.returncode == 0, out.stderr
+    assert "schedule zb-h1" in out.stdout
+    import fxpipe
+    assert fxpipe.load_plan(path).schedule == "zb-h1"
+
+
+def test_files_that_cannot_be_read_or_written_are_named_without_a_traceback(tmp_path):
+    missing = run("fxpipe", "show", str(tmp_path / "nope.plan.json"))
+    assert missing.returncode != 0 and "Traceback" not in missing.stderr
+    assert missing.stderr.startswith("error: ") and "nope.plan.json" in missing.stderr
+    unwritable = tmp_path / "no-such-dir" / "r18.plan.json"
+    out = run("fxpipe", "plan", "resnet18", "--batch", "4", "--chunks", "2", "--image-size", "32",
+              "--profile", "estimate", "--save", str(unwritable))
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith("error: ") and f"{unwritable}: No such file or directory" in out.stderr
+
+
+def test_the_readme_compare_command_names_files_that_exist():
+    """The README once sent users to problems/*.json, which does not exist (the corpus is benchmarks/problems/)."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    lines = [line.split("#")[0].split() for line in (root / "README.md").read_text().splitlines()
+             if line.startswith("python -m solvers compare")]
+    assert lines
+    for words in lines:
+        for pattern in [w for w in words[4:] if not w.startswith("-")]:
+            assert sorted(root.glob(pattern)), f"README: {' '.join(words)}: {pattern} matches nothing"
+
+
+def test_topo_prints_the_classes_and_the_bandwidths_used(tmp_path):
+    from pathlib import Path
+    topo = Path(__file__).parent / "data" / "titan-v-8gpu-2socket.txt"
+    png = tmp_path / "links.png"
+    out = run("fxpipe", "topo", str(topo), "--png", str(png))
+    assert out.returncode == 0, out.stderr
+    assert "8 GPUs" in out.stdout and "GPU7    SYS" in out.stdout
+    assert "PIX     12.0 GB/s    8.0 us" in out.stdout and "SYS      6.0 GB/s   20.0 us" in out.stdout
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "fxpipe topo box.topo.txt" in run("fxpipe", "topo", "--help").stdout
+
+
+def test_topo_errors_name_the_file_and_the_fix(tmp_path):
+    missing = run("fxpipe", "topo", str(tmp_path / "box.txt"))
+    assert missing.returncode == 1 and missing.stderr.startswith("error: ") and "box.txt: No such file" in missing.stderr
+    wrong = tmp_path / "notes.txt"
+    wrong.write_text("hello\n")
+    bad = run("fxpipe", "topo", str(wrong))
+    assert bad.returncode == 2 and "not nvidia-smi topo -m output" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_verbose_logs_and_quiet_silences():
+    args = ("plan", "resnet18", "--batch", "4", "--chunks", "2", "--image-size", "32", "--profile", "estimate")
+    loud = run("fxpipe", "-v", *args)
+    assert loud.returncode == 0 and "fxpipe: " in loud.stderr and " nodes " in loud.stderr, loud.stderr   # or cached
+    quiet = run("fxpipe", "-q", *args)
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    assert run("fxpipe", "-v", "-q", *args).returncode == 2    # one or the other
+
+
+def test_show_json_and_png_and_diff(tmp_path):
+    import json
+    common = ("--batch", "4", "--chunks", "2", "--image-size", "32", "--profile", "estimate", "-q")
+    a, b = tmp_path / "a.plan.json", tmp_path / "b.plan.json"
+    assert run("fxpipe", "plan", "resnet18", *common, "--save", str(a)).returncode == 0
+    assert run("fxpipe", "plan", "resnet18", *common, "--devices", "cpu,cpu,cpu", "--save", str(b)).returncode == 0
+    shown = run("fxpipe", "show", str(a), "--json")
+    assert shown.returncode == 0 and json.loads(shown.stdout) == json.loads(a.read_text())
+    drawn = run("fxpipe", "show", str(a), "--png", str(tmp_path / "a.png"))
+    assert drawn.returncode == 0, drawn.stderr
+    assert all((tmp_path / f).read_bytes()[:4] == b"\x89PNG" for f in ("a.png", "a.timeline.png"))
+    same = run("fxpipe", "diff", str(a), str(a))
+    assert same.returncode == 0 and "same pipeline" in same.stdout
+    other = run("fxpipe", "diff", str(a), str(b))
+    assert other.returncode == 1 and "stages: 2 -> 3" in other.stdout and "predicted iteration" in other.stdout
+    missing = run("fxpipe", "diff", str(a), str(tmp_path / "nope.json"))
+    assert missing.returncode == 2 and missing.stderr.startswith("error: ") and "nope.json" in missing.stderr
+    for command in ("show", "diff"):
+        assert "examples:" in run("fxpipe", command, "--help").stdout

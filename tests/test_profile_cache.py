@@ -18,7 +18,7 @@ def _model():
 
 def test_second_compile_reads_the_cache_and_plans_the_same(tmp_path, monkeypatch):
     x = torch.randn(8, 8)
-    # node costs are what is cached; stage timing (on by default) scales them afresh on every compile
+    # node costs are what is cached; stage timing (effort="thorough") scales them afresh on every compile
     first = fxpipe.compile(_model(), ["cpu", "cpu"], (x,), chunks=2,
                            profile=fxpipe.ProfileOptions(mode="measure", cache=str(tmp_path), stage_timing=False))
     assert first.plan.profile["from_cache"] is False and len(list(tmp_path.glob("*.json"))) == 1
@@ -31,7 +31,7 @@ def test_second_compile_reads_the_cache_and_plans_the_same(tmp_path, monkeypatch
     assert second.plan.stage_of() == first.plan.stage_of()
     assert second.plan.problem == first.plan.problem                       # identical costs
     staged = fxpipe.compile(_model(), ["cpu", "cpu"], (x,), chunks=2,
-                            profile=fxpipe.ProfileOptions(mode="measure", cache=str(tmp_path)))
+                            profile=fxpipe.ProfileOptions(mode="measure", cache=str(tmp_path), stage_timing=True))
     assert calls == [] and staged.plan.profile["from_cache"] is True and "stage_profile" in staged.plan.profile
     assert first.plan.profile["threads"] == torch.get_num_threads()
 
@@ -43,11 +43,11 @@ def test_anything_different_is_a_miss_and_a_broken_file_is_reprofiled(tmp_path):
     gm = fxpipe.trace(_model())
     fp = fxpipe.frontend.fingerprint.graph_fingerprint(gm)
     cache = ProfileCache(tmp_path)
-    key = profile_key(fp, torch.device("cpu"), (x[:4],), "estimate", 1, 3)
+    key = profile_key(fp, torch.device("cpu"), (x[:4],), "estimate", 1, 1)
     assert cache.load(key, gm) is not None
-    # another micro-batch shape, mode, thread count, version: other keys, no entry
-    for other in (profile_key(fp, torch.device("cpu"), (x[:2],), "estimate", 1, 3),
-                  profile_key(fp, torch.device("cpu"), (x[:4],), "measure", 1, 3),
+    # (1, 1: the default effort's warm-up and repeats) another micro-batch shape, mode, thread count, version: other keys
+    for other in (profile_key(fp, torch.device("cpu"), (x[:2],), "estimate", 1, 1),
+                  profile_key(fp, torch.device("cpu"), (x[:4],), "measure", 1, 1),
                   {**key, "threads": key["threads"] + 1}, {**key, "fxpipe": "0.0.0"}):
         assert cache.load(other, gm) is None
     # an entry whose stored key differs (a hash collision or an edited file) is not trusted

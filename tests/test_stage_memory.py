@@ -46,7 +46,7 @@ def test_prediction_on_measured_sizes_equals_the_replay(data, checkpoint):
     model, x, y = data
     loss = nn.functional.cross_entropy
     pipe = fxpipe.compile(model, ["cpu"] * 3, (x,), chunks=4, stages=3, checkpoint=checkpoint, loss_fn=loss,
-                          example_target=y, profile=fxpipe.ProfileOptions(cache=False))
+                          example_target=y, profile=fxpipe.ProfileOptions(effort="thorough", cache=False))
     assert all(st.measured_bytes for st in pipe.plan.stages)
     for schedule in SCHEDULES:
         measured = measure_worker_memory(pipe, x, y, loss, schedule=schedule)
@@ -59,7 +59,7 @@ def test_interleaved_workers_walk_their_stages_on_measured_sizes_too(data):
     model, x, y = data
     loss = nn.functional.cross_entropy
     pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, schedule="interleaved-1f1b", checkpoint="except_last",
-                          loss_fn=loss, example_target=y, profile=fxpipe.ProfileOptions(cache=False))
+                          loss_fn=loss, example_target=y, profile=fxpipe.ProfileOptions(effort="thorough", cache=False))
     assert len(pipe.plan.stages) == 4
     measured = measure_worker_memory(pipe, x, y, loss)
     for w, pred in zip(measured, predict_worker_memory(pipe.plan)):
@@ -70,7 +70,7 @@ def test_without_a_loss_the_cross_entropy_estimate_covers_the_last_stage(data):
     """An estimate, not a measurement: within 10 % wherever the timing puts the cut."""
     model, x, y = data
     pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, checkpoint="never",
-                          profile=fxpipe.ProfileOptions(cache=False))
+                          profile=fxpipe.ProfileOptions(effort="thorough", cache=False))
     for schedule in ("gpipe", "1f1b"):
         measured = measure_worker_memory(pipe, x, y, nn.functional.cross_entropy, schedule=schedule)
         predicted = predict_worker_memory(pipe.plan, schedule)
@@ -85,7 +85,7 @@ def test_measuring_leaves_gradients_buffers_and_rng_alone(data):
     state = torch.random.get_rng_state()
     try:
         fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, loss_fn=nn.functional.cross_entropy,
-                       example_target=y, profile=fxpipe.ProfileOptions(cache=False))
+                       example_target=y, profile=fxpipe.ProfileOptions(effort="thorough", cache=False))
         assert all(p.grad is g and bool((g == 0.5).all()) for p, g in zip(model.parameters(), grads))
         assert torch.equal(torch.random.get_rng_state(), state)
     finally:
@@ -95,7 +95,7 @@ def test_measuring_leaves_gradients_buffers_and_rng_alone(data):
 
 def test_measured_sizes_travel_with_the_plan(data, tmp_path):
     model, x, y = data
-    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, profile=fxpipe.ProfileOptions(cache=False))
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, profile=fxpipe.ProfileOptions(effort="thorough", cache=False))
     path = tmp_path / "plan.json"
     pipe.plan.save(path)
     loaded = fxpipe.load_plan(path)
@@ -124,14 +124,14 @@ def test_loss_and_target_go_together_and_must_match(data):
     with pytest.raises(ValueError, match="check that example_target matches"):
         fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, loss_fn=nn.functional.cross_entropy,
                        example_target=torch.randint(0, 512, (64, 3)),
-                       profile=fxpipe.ProfileOptions(cache=False))
+                       profile=fxpipe.ProfileOptions(effort="thorough", cache=False))
 
 
 def test_auto_checkpointing_chooses_on_the_measured_sizes(data):
     model, x, y = data
     loss = nn.functional.cross_entropy
     plan = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, checkpoint="never", loss_fn=loss,
-                          example_target=y, profile=fxpipe.ProfileOptions(cache=False)).plan
+                          example_target=y, profile=fxpipe.ProfileOptions(effort="thorough", cache=False)).plan
     never = predict_worker_memory(plan, checkpoint="never")
     except_last = predict_worker_memory(plan, checkpoint="except_last")
     assert except_last[1].peak_bytes < never[1].peak_bytes     # the head's activations are worth recomputing
@@ -142,7 +142,7 @@ def test_auto_checkpointing_chooses_on_the_measured_sizes(data):
     assert [st.checkpoint for st in plan.stages] == ["never", "except_last"]
 
     pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, checkpoint="auto", loss_fn=loss,
-                          example_target=y, profile=fxpipe.ProfileOptions(cache=False))
+                          example_target=y, profile=fxpipe.ProfileOptions(effort="thorough", cache=False))
     assert all(st.measured_bytes for st in pipe.plan.stages)
     for st, pred in zip(pipe.plan.stages, predict_worker_memory(pipe.plan)):
         assert st.checkpoint == "never" and 0 < pred.peak_bytes <= st.memory_bytes
@@ -152,7 +152,7 @@ def test_compile_writes_nothing_to_stderr():
     """Measuring memory opens hundreds of profiler sessions; the profiler's backend must not log each one."""
     code = ("import torch, fxpipe\n"
             "m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))\n"
-            "fxpipe.compile(m, ['cpu', 'cpu'], (torch.randn(8, 8),), profile=fxpipe.ProfileOptions(cache=False))\n")
+            "fxpipe.compile(m, ['cpu', 'cpu'], (torch.randn(8, 8),), profile=fxpipe.ProfileOptions(effort='thorough', cache=False))\n")
     env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -81,7 +81,7 @@ def test_compile_re_solves_on_stage_times_until_the_cuts_stop_moving(tmp_path):
     torch.manual_seed(2)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)])
     x = torch.randn(32, 64)
-    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, profile=fxpipe.ProfileOptions(cache=False))
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, profile=fxpipe.ProfileOptions(effort="thorough", cache=False))
     rounds = pipe.plan.profile["stage_profile"]
     assert 1 <= len(rounds) <= 3
     assert all(len(r["factors"]) == 2 and all(f > 0 for pair in r["factors"] for f in pair) for r in rounds)
@@ -110,7 +110,7 @@ def test_cuts_that_never_settle_end_on_the_fastest_measured_plan(monkeypatch):
     torch.manual_seed(3)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(8)])
     pipe = fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(32, 64),), chunks=4, stages=2,
-                          profile=fxpipe.ProfileOptions(cache=False))
+                          profile=fxpipe.ProfileOptions(effort="thorough", cache=False))
     rounds = pipe.plan.profile["stage_profile"]
     assert len(rounds) == 3 and len(seen) == 3 and rounds[-1].get("chosen_of_unsettled") is True
     assert sorted(r["round"] for r in rounds) == [0, 1, 2]
@@ -153,7 +153,7 @@ def test_contention_is_measured_in_steps_of_the_plan_on_its_own_stages(spin):
     torch.set_num_threads(1)    # one intra-op thread per worker: two workers fit two processors
     try:
         pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=8, stages=2, leaf_modules=[Busy],
-                              profile=fxpipe.ProfileOptions(cache=False))
+                              profile=fxpipe.ProfileOptions(effort="thorough", cache=False))
     finally:
         torch.set_num_threads(threads)
     found = pipe.plan.profile["contention"]
@@ -170,7 +170,7 @@ def test_the_report_predicts_with_the_contention_of_the_plan_it_was_measured_on(
     torch.manual_seed(4)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(4)])
     x = torch.randn(16, 32)
-    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, profile=fxpipe.ProfileOptions(cache=False))
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, profile=fxpipe.ProfileOptions(effort="thorough", cache=False))
     found = pipe.plan.profile["contention"]
     assert found["steps"] >= 1 and found["micro_batches"] == 4
     assert all(len(pair) == 2 and all(0 < v <= 4 for v in pair) for pair in found["stage_efficiency"])
@@ -180,15 +180,15 @@ def test_the_report_predicts_with_the_contention_of_the_plan_it_was_measured_on(
     assert loaded.cpu_sharing().stage_efficiency == pipe.cpu_sharing().stage_efficiency
     pipe.plan.profile["contention"]["stage_nodes"] = [1, 2]     # measured on other cuts: not this plan's
     assert pipe.cpu_sharing().stage_efficiency is None
-    one = fxpipe.compile(model, ["cpu"], (x,), chunks=4, profile=fxpipe.ProfileOptions(cache=False))
+    one = fxpipe.compile(model, ["cpu"], (x,), chunks=4, profile=fxpipe.ProfileOptions(effort="thorough", cache=False))
     assert "contention" not in one.plan.profile          # nothing runs beside a single worker
     assert "contention" not in fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2,
                                               profile=fxpipe.ProfileOptions(stage_timing=False)).plan.profile
     skipped = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2,
-                             profile=fxpipe.ProfileOptions(contention_steps=0))
+                             profile=fxpipe.ProfileOptions(effort="thorough", contention_steps=0))
     assert "contention" not in skipped.plan.profile and skipped.cpu_sharing().stage_efficiency is None
     longer = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2,
-                            profile=fxpipe.ProfileOptions(contention_steps=5))
+                            profile=fxpipe.ProfileOptions(effort="thorough", contention_steps=5))
     assert longer.plan.profile["contention"]["steps"] == 5
 
 
@@ -198,11 +198,11 @@ def test_a_model_where_nothing_trains_compiles_without_contention_steps():
     for p in model.parameters():
         p.requires_grad_(False)
     x = torch.randn(8, 8)
-    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), stages=2, profile=fxpipe.ProfileOptions(cache=False))
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), stages=2, profile=fxpipe.ProfileOptions(effort="thorough", cache=False))
     assert "contention" not in pipe.plan.profile
     torch.testing.assert_close(pipe(x), model(x))
     model[0].weight.requires_grad_(True)     # partly frozen: the last stage's backward does nothing
-    partly = fxpipe.compile(model, ["cpu", "cpu"], (x,), stages=2, profile=fxpipe.ProfileOptions(cache=False))
+    partly = fxpipe.compile(model, ["cpu", "cpu"], (x,), stages=2, profile=fxpipe.ProfileOptions(effort="thorough", cache=False))
     assert len(partly.plan.profile["contention"]["stage_efficiency"]) == 2
 
 

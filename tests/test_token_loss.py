@@ -122,7 +122,7 @@ def test_a_token_loss_works_where_compile_and_step_measure_through_the_loss():
     torch.manual_seed(0)
     model = TinyGPT()
     tokens, labels = _batch(8)
-    measure = fxpipe.ProfileOptions(mode="measure", warmup=0, repeats=1, contention_steps=0, cache=False)
+    measure = fxpipe.ProfileOptions(mode="measure", effort="thorough", warmup=0, repeats=1, contention_steps=0, cache=False)
     pipe = fxpipe.compile(model, ["cpu", "cpu"], (tokens,), chunks=4, stages=2, checkpoint="never",
                           loss_fn=token_loss, example_target=labels, profile=measure)
     _, want = _reference(model, tokens, labels)

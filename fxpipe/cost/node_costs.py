@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from tqdm import tqdm
 
 from fxpipe.cost.profile import profile_graph
 from fxpipe.cost.profile_cache import ProfileCache, profile_key
@@ -16,23 +18,21 @@ from fxpipe.options import ProfileOptions
 
 __all__ = ["node_costs"]
 
+log = logging.getLogger(__name__)   # under the "fxpipe" logger
 
-def _progress(enabled: bool) -> Callable[[int, int], None] | None:
-    if not enabled:
-        return None
-    start = time.perf_counter()
-    tty = sys.stderr.isatty()
+
+def _progress(enabled: bool) -> tuple[Callable[[int, int], None] | None, Callable[[], None]]:
+    """A progress callback for the profiler and what closes it: a tqdm bar on a terminal (stderr), nothing
+    where stderr is not one (a log file, CI), so that logs are not filled with carriage returns."""
+    if not enabled or not sys.stderr.isatty():
+        return None, lambda: None
+    bars: list[tqdm] = []   # made at the first report, when the number of nodes is known
 
     def report(done: int, total: int) -> None:
-        if done == total or (tty and done % max(1, total // 20) == 0):
-            width = 30
-            bar = "#" * (width * done // total)
-            sys.stderr.write(f"\rprofiling [{bar:<{width}}] {done}/{total} nodes "
-                             f"{time.perf_counter() - start:5.1f}s")
-            if done == total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-    return report
+        if not bars:
+            bars.append(tqdm(total=total, desc="profiling", unit="node", file=sys.stderr))
+        bars[0].update(done - bars[0].n)
+    return report, lambda: [bar.close() for bar in bars]
 
 
 def node_costs(gm: fx.GraphModule, fingerprint: str, first_micro_batch: tuple, device: torch.device,
@@ -46,10 +46,19 @@ def node_costs(gm: fx.GraphModule, fingerprint: str, first_micro_batch: tuple, d
         costs = cache.load(key, gm) if cache is not None else None
         cached = costs is not None
         if costs is None:
-            costs = profile_graph(gm, first_micro_batch, device, mode=options.mode, warmup=options.warmup,
-                                  repeats=options.repeats, progress=_progress(options.progress))
+            started = time.perf_counter()
+            progress, close = _progress(options.progress)
+            try:
+                costs = profile_graph(gm, first_micro_batch, device, mode=options.mode, warmup=options.warmup,
+                                      repeats=options.repeats, progress=progress)
+            finally:
+                close()
+            log.info("profiled %d nodes (%s, effort %s) in %.1fs", len(costs), options.mode, options.effort,
+                     time.perf_counter() - started)
     except Exception as exc:
         raise run_failure(exc, gm, len(first_micro_batch)) from exc
+    if cached:
+        log.info("read the costs of %d nodes from the profile cache (%s)", len(costs), cache.directory)
     if cache is not None and not cached:
         cache.store(key, costs)
     return costs, cached

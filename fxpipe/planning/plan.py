@@ -143,6 +143,23 @@ class Plan:
     def __str__(self) -> str:
         return self.summary()
 
+    # ------------------------------------------------------------------ pictures (fxpipe.planning.pictures)
+    def plot(self) -> Any:
+        """A matplotlib ``Figure``: per stage, compute and transfer time and peak memory against its device's."""
+        from fxpipe.planning.pictures import plot_stages
+        return plot_stages(self)
+
+    def timeline(self, measured: Any = None) -> Any:
+        """A matplotlib ``Figure``: the simulated schedule per worker, the predicted iteration marked; with
+        ``measured=pipe.last_step["timings"]``, the measured step beside it."""
+        from fxpipe.planning.pictures import plot_timeline
+        return plot_timeline(self, measured)
+
+    def graph_plot(self) -> Any:
+        """A matplotlib ``Figure``: the traced graph, each node coloured by its stage."""
+        from fxpipe.planning.pictures import plot_graph
+        return plot_graph(self)
+
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
         doc = asdict(self)

@@ -12,11 +12,12 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 __all__ = ["LINK_CLASSES", "parse_nvidia_smi_topo", "link_class_bandwidth", "Links", "links_for_devices",
-           "links_from_classes"]
+           "links_from_classes", "plot"]
 
 # class -> (bandwidth in bytes/s, latency in s)
 LINK_CLASSES: dict[str, tuple[float, float]] = {
@@ -116,3 +117,10 @@ def links_from_classes(classes: list[list[str]]) -> Links:
     bw = [[0.0 if i == j else link_class_bandwidth(classes[i][j])[0] for j in range(n)] for i in range(n)]
     lat = [[0.0 if i == j else link_class_bandwidth(classes[i][j])[1] for j in range(n)] for i in range(n)]
     return Links(classes, bw, lat)
+
+
+def plot(classes: list[list[str]], plan: Any = None) -> Any:
+    """A matplotlib ``Figure`` of the link classes (e.g. :func:`parse_nvidia_smi_topo`'s) as a heat map, with
+    ``plan``'s stage path drawn on it (:func:`fxpipe.planning.pictures.plot_topology`)."""
+    from fxpipe.planning.pictures import plot_topology
+    return plot_topology(classes, plan)
