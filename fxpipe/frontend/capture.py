@@ -76,7 +76,8 @@ def _choose(model: nn.Module, frontend: str, leaf_modules: list[Any], concrete_a
         try:
             gm = export_graph(model, args, kwargs, batch_dim)
         except TraceError as export_failure:
-            raise TraceError(f"{fx_failure}\n  torch.export fails as well: {_first_line(export_failure)}",
+            also = str(export_failure).replace("\n", "\n    ")
+            raise TraceError(f"{fx_failure}\n  torch.export (frontend='export') fails as well: {also}",
                              module=fx_failure.module, operation=fx_failure.operation) from fx_failure
         return gm, "export", f"torch.fx cannot trace it: {_first_line(fx_failure)}"
 

@@ -27,6 +27,8 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.errors import TraceError
+from fxpipe.frontend.grad_regions import refusing_grad_regions
+from fxpipe.frontend.trace import dropped_region
 
 __all__ = ["export_graph", "flat_program"]
 
@@ -42,6 +44,15 @@ def _dynamic_batch(args: tuple, kwargs: dict, batch_dim: int) -> ShapesCollectio
 
 def _fail(model: nn.Module, exc: BaseException) -> TraceError:
     """A TraceError naming where export failed (export's own message names the module and line)."""
+    region = dropped_region(exc)
+    if region is not None:
+        return TraceError(
+            f"the torch.export front end cannot keep the {region.operation} in {type(model).__name__}: export "
+            "records the operations inside it but not the region (it keeps no_grad, enable_grad, "
+            f"set_grad_enabled and autocast regions, not this one), so the pipeline would compute other "
+            f"gradients than the model\n  operation: {region.where}\n  fix: use `with torch.no_grad():` there "
+            "(kept), or compile with frontend='fx' and make the module that holds it a leaf "
+            "(leaf_modules=[ThatModule] runs its forward as written)", module=None, operation=region.where)
     text = str(exc).strip().splitlines()
     first = next((line for line in text if line.strip()), type(exc).__name__)
     return TraceError(
@@ -117,9 +128,10 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None = 
     Raises :class:`fxpipe.TraceError` when torch.export cannot trace it or fixes its batch size."""
     kwargs = dict(kwargs or {})
     try:
-        program = torch.export.export(model, tuple(args), kwargs, strict=False,
-                                      dynamic_shapes=_dynamic_batch(tuple(args), kwargs, batch_dim)
-                                      .dynamic_shapes(model, tuple(args), kwargs))
+        with refusing_grad_regions(only=(torch.inference_mode,)):
+            program = torch.export.export(model, tuple(args), kwargs, strict=False,
+                                          dynamic_shapes=_dynamic_batch(tuple(args), kwargs, batch_dim)
+                                          .dynamic_shapes(model, tuple(args), kwargs))
     except TraceError:
         raise
     except Exception as exc:   # export raises UserError, RuntimeError, TypeError, torch._dynamo errors...

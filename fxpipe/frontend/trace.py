@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from fxpipe.errors import TraceError
 from fxpipe.frontend.grad_regions import DroppedRegion, refusing_grad_regions
 
-__all__ = ["trace", "shared_parameter_owners", "run_failure"]
+__all__ = ["trace", "shared_parameter_owners", "run_failure", "dropped_region"]
 
 
 class _Tracer(fx.Tracer):
@@ -113,7 +113,7 @@ def _refuse_autograd_functions() -> Iterator[None]:
         base.apply = original
 
 
-def _dropped_region(exc: BaseException | None) -> DroppedRegion | None:
+def dropped_region(exc: BaseException | None) -> DroppedRegion | None:
     """The :class:`DroppedRegion` behind ``exc``, if tracing failed on one (user code may have wrapped it)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
@@ -132,7 +132,7 @@ def _trace_once(model: nn.Module, tracer: _Tracer, concrete_args: dict[str, Any]
         module = tracer.failed_in or ""
         kind = type(model.get_submodule(module)).__name__ if module else type(model).__name__
         where = f"submodule {module!r} ({kind})" if module else f"the model's own forward ({kind})"
-        region = _dropped_region(exc)
+        region = dropped_region(exc)
         if region is not None:
             fix = (f"make the module that holds it a leaf: fxpipe.compile(..., leaf_modules=[{kind}]) runs its "
                    "forward as written, region included, inside one stage" if module else
