@@ -162,3 +162,33 @@ def test_fx_front_end_refuses_keyword_inputs_with_the_fix():
     with pytest.raises(ValueError, match="frontend='export'"):
         fxpipe.compile(model, ["cpu"] * 2, (ids,), example_kwargs={"attention_mask": mask}, frontend="fx",
                        profile=fxpipe.ProfileOptions(mode="estimate"))
+
+
+def test_a_graph_module_or_exported_program_is_partitioned_as_given():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 4))
+    x = torch.randn(6, 8)
+    want = model(x)
+    program = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim.AUTO},))
+    for given in (torch.fx.symbolic_trace(model), program):
+        pipe = fxpipe.compile(given, ["cpu", "cpu"], (x,), chunks=3, stages=2,
+                              profile=fxpipe.ProfileOptions(mode="estimate"))
+        assert pipe.plan.frontend["name"] == "given"
+        assert "partitioned as given" in pipe.plan.summary()
+        owned = {id(p) for spec in pipe.specs for p in spec.module.parameters()}
+        assert owned == {id(p) for p in model.parameters()}    # the model's own objects, no copies
+        model.zero_grad(set_to_none=True)
+        out = pipe(x)
+        assert max_relative_error(out, want) <= 1e-6
+        out.sum().backward()
+        assert all(p.grad is not None for p in model.parameters())
+
+
+def test_leaf_modules_with_the_export_front_end_are_said_to_be_ignored():
+    model = build("gpt2").eval()
+    ids, mask = batch(4)
+    with pytest.warns(UserWarning, match="leaf_modules=.*are ignored.*frontend='fx'"):
+        pipe = fxpipe.compile(model, ["cpu"] * 2, (ids,), example_kwargs={"attention_mask": mask},
+                              leaf_modules=["transformer.h.0"], profile=fxpipe.ProfileOptions(mode="estimate"))
+    assert "leaf_modules are not kept whole" in pipe.plan.frontend["reason"]

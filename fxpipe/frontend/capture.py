@@ -12,6 +12,7 @@ is partitioned as given. The choice and its reason go into the plan (``plan.fron
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -104,6 +105,11 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
                         {"name": "given", "reason": "a torch.fx.GraphModule, partitioned as given"})
     leaves = list(leaf_modules)
     gm, name, reason = _choose(model, frontend, leaves, concrete_args, args, kwargs, batch_dim)
+    if name == "export" and leaves:
+        reason += "; leaf_modules are not kept whole by torch.export"
+        warnings.warn(f"leaf_modules={leaves!r} are ignored: the model is traced with torch.export ({reason}), "
+                      "whose graph holds every operation, so the planner may cut inside them; use frontend='fx' "
+                      "to keep them whole", UserWarning, stacklevel=3)
     fingerprint = graph_fingerprint(gm, name)
     with keeping_modes(model):
         model.train(not model.training)
