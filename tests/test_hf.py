@@ -64,7 +64,6 @@ def compile_hf(model, workers: int, ids, mask, chunks: int, schedule: str = "gpi
 def block_stages(pipe) -> list[set[str]]:
     """Per stage, the transformer blocks (``...layer.3`` / ``...h.3``) some of its operations belong to."""
     import re
-    nodes = {n.name: n for n in pipe.specs[0].module.graph.nodes}
     found = []
     for spec in pipe.specs:
         blocks = set()
@@ -74,7 +73,6 @@ def block_stages(pipe) -> list[set[str]]:
                 if hit:
                     blocks.add(hit.group(0))
         found.append(blocks)
-    del nodes
     return found
 
 

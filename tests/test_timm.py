@@ -37,6 +37,9 @@ SLOW = {"resnet50", "efficientnet_b0", "ghostnet_050", "densenet121", "regnety_0
         "mobilevit_xxs", "efficientvit_m0", "twins_svt_small", "sequencer2d_s"}
 # Transformers and MLPs take their input size at construction; 64 pixels keep them small.
 SIZED = ("vit", "deit", "swin", "mixer", "resmlp", "levit", "coat", "pit", "xcit")
+# Models whose eval-mode forward keeps state the step's reference would differ by: only pipe(x) is compared.
+EVAL_CACHE = {"levit_128s": "eval mode caches its attention biases (built once, without gradient), so the eager "
+                            "eval-mode model gives them no gradient while the traced graph recomputes them"}
 UNTRACEABLE: dict[str, str] = {   # name -> why neither torch.fx nor torch.export can trace it
     "nest_tiny": "NestLevel computes int(math.sqrt(T)) of a traced size (fx); export fixes the batch size",
 }
@@ -61,13 +64,15 @@ def test_the_sweep_is_representative():
     assert set(UNTRACEABLE) <= set(timm.list_models()) and set(MODELS) <= set(timm.list_models())
 
 
-def check(model: torch.nn.Module, workers: int) -> None:
+def check(model: torch.nn.Module, workers: int, step: bool = True) -> None:
     """pipe(x) in eval mode equals the model; pipe.step under 1F1B and ZB-H1 equals a full-batch backward."""
     x = torch.randn(6, 3, 64, 64)    # 6 samples in 4 micro-batches: uneven
     pipe = fxpipe.compile(model, ["cpu"] * workers, (x,), chunks=4, stages=workers, profile=EST)
     assert len(pipe.specs) == workers
     with torch.no_grad():
         assert max_relative_error(pipe(x), model(x)) <= 1e-5
+    if not step:
+        return
     projection = torch.randn(6, 10, generator=torch.Generator().manual_seed(1))
 
     def loss_fn(out, weights):
@@ -91,7 +96,7 @@ def check(model: torch.nn.Module, workers: int) -> None:
 def test_timm_model_on_2_and_4_workers(name):
     model = build(name).eval()
     for workers in (2, 4):
-        check(model, workers)
+        check(model, workers, step=name not in EVAL_CACHE)
 
 
 @pytest.mark.parametrize("name", list(UNTRACEABLE))
