@@ -39,7 +39,8 @@ SLOW = {"resnet50", "efficientnet_b0", "ghostnet_050", "densenet121", "regnety_0
 SIZED = ("vit", "deit", "swin", "mixer", "resmlp", "levit", "coat", "pit", "xcit")
 # Models whose eval-mode forward keeps state the step's reference would differ by: only pipe(x) is compared.
 EVAL_CACHE = {"levit_128s": "eval mode caches its attention biases (built once, without gradient), so the eager "
-                            "eval-mode model gives them no gradient while the traced graph recomputes them"}
+                            "eval-mode model gives them no gradient while the traced graph recomputes them",
+              "efficientvit_m0": "the same attention-bias cache as LeViT (EfficientViT-M derives from it)"}
 UNTRACEABLE: dict[str, str] = {   # name -> why neither torch.fx nor torch.export can trace it
     "nest_tiny": "NestLevel computes int(math.sqrt(T)) of a traced size (fx); export fixes the batch size",
 }
