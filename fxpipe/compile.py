@@ -29,6 +29,7 @@ from fxpipe.runtime.host import UNSHARED
 from fxpipe.runtime.losses import scalar_of
 from fxpipe.runtime.microbatch import batch_size_of, scatter
 from fxpipe.runtime.pipeline import Pipeline
+from fxpipe.runtime.structure import FlatInputs, flat_inputs, model_output
 
 __all__ = ["compile", "parse_devices"]
 
@@ -51,14 +52,20 @@ def compile(
     leaf_modules: Iterable[type | str] = (),
     profile: str | ProfileOptions = "measure",
     options: CompileOptions | None = None,
+    frontend: str = "auto",
+    example_kwargs: dict[str, Any] | None = None,
 ) -> Pipeline:
     """Compile ``model`` into a pipeline over ``devices``.
 
     Args:
-        model: any ``nn.Module`` that torch.fx can trace (see ``leaf_modules``). Its parameters are used
-            in place (moved to the stage devices, like torchgpipe).
+        model: an ``nn.Module`` (its parameters are used in place, moved to the stage devices, like
+            torchgpipe), or a ``torch.fx.GraphModule`` / ``torch.export.ExportedProgram`` the user traced,
+            partitioned as given.
         devices: torch device strings, one per pipeline stage at most; ``["cpu", "cpu"]`` is two CPU workers.
-        example_inputs: a tuple of inputs of one full batch; needed unless ``plan`` is given.
+        example_inputs: a tuple of inputs of one full batch; needed unless ``plan`` is given. Inputs may be
+            nested tuples, lists and dicts of tensors.
+        example_kwargs: the model's keyword inputs of that batch (``{"attention_mask": mask}``); the
+            pipeline is then called as the model, ``pipe(ids, attention_mask=mask)``.
         chunks: micro-batches per batch (default: ``plan.chunks`` or ``min(batch, 4 x devices)``).
         schedule: ``"gpipe"`` (default), ``"1f1b"``, ``"interleaved-1f1b"`` or ``"zb-h1"``
             (:mod:`solvers.schedules`): the order :meth:`Pipeline.step` runs and the memory model the
@@ -86,6 +93,9 @@ def compile(
         options: :class:`fxpipe.CompileOptions`, settings most users never touch (``concrete_args``,
             ``deferred_batch_norm``, ``batch_dim``, the memory limit's ``optimizer_state_factor`` and
             ``memory_bytes``).
+        frontend: ``"auto"`` (default), ``"fx"`` or ``"export"`` (:mod:`fxpipe.frontend.capture`): auto uses
+            torch.fx where it traces the model faithfully and ``torch.export`` otherwise (a model fx cannot
+            trace, keyword inputs); ``plan.frontend`` and ``plan.summary()`` say which and why.
 
     With ``chunks > 1`` the example batch is run once whole and once as micro-batches, in eval mode
     (:mod:`fxpipe.runtime.batch_check`): a model whose outputs change when its batch is split (a
@@ -95,7 +105,20 @@ def compile(
     devs = parse_devices(devices)
     profiling, options = ProfileOptions.of(profile), options or CompileOptions()
     v = check_arguments(checkpoint, schedule, virtual_stages, plan, profiling, loss_fn, example_target)
-    captured = capture(model, leaf_modules, options.concrete_args)                     # 1. trace
+    example_inputs = example_inputs if isinstance(example_inputs, tuple) or example_inputs is None else (
+        example_inputs,)
+    if plan is not None and frontend == "auto" and plan.frontend.get("name") in ("fx", "export"):
+        frontend = plan.frontend["name"]   # trace as the plan's model was traced: the fingerprints then compare
+    if frontend == "export" and example_inputs is None:
+        raise ValueError("the torch.export front end traces the model on example inputs: pass example_inputs "
+                         "(and example_kwargs) with plan=, as for the compile that made the plan")
+    captured = capture(model, leaf_modules, options.concrete_args, frontend, example_inputs,   # 1. trace
+                       example_kwargs, options.batch_dim if isinstance(options.batch_dim, int) else 0)
+    if example_inputs is not None and captured.graph.meta.get("fxpipe_in_spec") is not None:
+        # the flat graph's leaves: profiling, checks and refinement all run the graph on them
+        example_inputs = FlatInputs(flat_inputs(example_inputs, example_kwargs or {},
+                                                captured.graph.meta["fxpipe_in_spec"])[0])
+    model = model if isinstance(model, nn.Module) else captured.graph   # an ExportedProgram: its module
     if options.deferred_batch_norm and convert_deferred_batch_norm(captured.graph) == 0:
         log.info("deferred_batch_norm=True but %s has no BatchNorm layer", type(model).__name__)
     host = CpuHost() if any(d.type == "cpu" for d in devs) else UNSHARED
@@ -112,7 +135,6 @@ def compile(
         return build(plan)
     if example_inputs is None:
         raise ValueError("example_inputs is required to profile the model (or pass plan=fxpipe.load_plan(...))")
-    example_inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     dims = layout.input_dims([n.target for n in captured.graph.graph.nodes if n.op == "placeholder"])
     dims = dims[:len(example_inputs)] + [0] * (len(example_inputs) - len(dims))
     batch = batch_size_of(list(example_inputs), dims)
@@ -129,10 +151,12 @@ def compile(
                       devices=workers, all_devices=devs, memory_bytes=memory_limits(workers, v, options.memory_bytes),
                       chunks=chunks, stages=stages, virtual_stages=v, schedule=schedule, checkpoint=checkpoint,
                       optimizer_state_factor=options.optimizer_state_factor, batch=batch, profile=profiling.mode,
-                      training=model.training, batch_dims=layout.to_dict(),
+                      training=model.training, batch_dims=layout.to_dict(), frontend=captured.frontend,
                       profile_extra={"threads": torch.get_num_threads(), "from_cache": cached,
                                      "inputs": input_signature(captured.graph, example_inputs)})
     first_plan = planner.plan(costs)                                                    # 3. plan
-    measured_loss = (lambda out, target: scalar_of(loss_fn(out, target))) if loss_fn is not None else None
+    spec = captured.graph.meta.get("fxpipe_out_spec")
+    measured_loss = ((lambda out, target: scalar_of(loss_fn(model_output(out, spec), target)))
+                     if loss_fn is not None else None)
     return refine(planner, costs, first_plan, build, example_inputs, profiling,         # 5. refine
                   loss_fn=measured_loss, example_target=example_target)

@@ -27,4 +27,5 @@ def compile_with_cuts(model: nn.Module, inputs: tuple, first_nodes: list[str], *
     for stage, start, end in zip(plan.stages, bounds, bounds[1:]):
         stage.nodes = order[start:end]
         stage.checkpoint = ""
-    return fxpipe.compile(model, devices, plan=plan, **{k: v for k, v in kwargs.items() if k != "chunks"})
+    # the inputs again: the torch.export front end traces on them (fx ignores them with a plan)
+    return fxpipe.compile(model, devices, inputs, plan=plan, **{k: v for k, v in kwargs.items() if k != "chunks"})

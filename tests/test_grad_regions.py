@@ -4,6 +4,7 @@ torch.fx records the operations of a ``with torch.no_grad():`` block but not the
 would differentiate through values the model treats as constants (issue 15: a 6.7e-2 gradient error).
 """
 
+import copy
 import threading
 import warnings
 
@@ -143,7 +144,7 @@ def test_region_in_traced_forward_is_refused_naming_module_operation_and_fix(cls
     before = {c: c.__dict__[n] for c, n in [(grad_mode.no_grad, "__enter__"), (grad_mode.set_grad_enabled, "__init__"),
                                              (torch.amp.autocast_mode.autocast, "__enter__")]}
     with pytest.raises(fxpipe.TraceError) as info:
-        fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(8, 8),), profile=EST)
+        fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(8, 8),), profile=EST, frontend="fx")
     err, msg = info.value, str(info.value)
     assert err.module == "blk.1"
     assert f"submodule 'blk.1' ({cls.__name__})" in msg
@@ -153,6 +154,65 @@ def test_region_in_traced_forward_is_refused_naming_module_operation_and_fix(cls
     assert torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
     assert all(c.__dict__[n] is f for (c, f), n in zip(before.items(), ["__enter__", "__init__", "__enter__"])), \
         "the context managers are left unpatched after tracing"
+
+
+KEPT_BY_EXPORT = [r for r in REGIONS if r[0] is not InferenceMode]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+@pytest.mark.parametrize("cls", [r[0] for r in KEPT_BY_EXPORT], ids=[r[0].__name__ for r in KEPT_BY_EXPORT])
+def test_auto_front_end_keeps_the_region_through_torch_export(cls):
+    """fx would drop the region, so "auto" exports the model, whose graph keeps it: the pipeline's outputs
+    and gradients are the model's (the projection under no_grad gets none, the autocast one is bfloat16)."""
+    model = _model(cls)
+    x = torch.randn(8, 8)
+    built = []
+
+    def factory():
+        built.append(fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, stages=2, profile=EST))
+        return built[-1]
+    assert_same_step(model, factory, (x,), chunks=2)
+    assert built[0].plan.frontend["name"] == "export" and "torch.fx cannot trace" in built[0].plan.frontend["reason"]
+    assert "region" in built[0].plan.frontend["reason"]
+
+
+def _cut_before(model, x, first_of_stage_1):
+    """Two stages, the second starting at the first node ``first_of_stage_1`` picks (graph order)."""
+    planned = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, stages=2, profile=EST)
+    plan = copy.deepcopy(planned.plan)
+    order = [n for st in plan.stages for n in st.nodes]
+    graph = {n.name: n for n in planned.specs[0].module.graph.nodes} | {
+        n.name: n for n in planned.specs[1].module.graph.nodes}
+    cut = next(i for i, name in enumerate(order) if first_of_stage_1(graph.get(name)))
+    plan.stages[0].nodes, plan.stages[1].nodes = order[:cut], order[cut:]
+    return fxpipe.compile(model, ["cpu", "cpu"], (x,), plan=plan)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+@pytest.mark.parametrize("cls", [NoGrad, Autocast])
+def test_region_whose_submodule_is_read_in_an_earlier_stage_still_runs(cls):
+    """The region's body is a submodule read by a get_attr node: cut between that read and the region's
+    call, the module must be held by the stage that calls it, not sent to it as a value."""
+    model = _model(cls)
+    x = torch.randn(8, 8)
+    pipe = _cut_before(model, x, lambda n: n is not None and n.op == "call_function" and "wrap_with" in str(n.target))
+    calls = [k for k, spec in enumerate(pipe.specs) for n in spec.module.graph.nodes if "wrap_with" in str(n.target)]
+    reads = [k for k, spec in enumerate(pipe.specs) for n in spec.module.graph.nodes
+             if n.op == "get_attr" and isinstance(getattr(spec.module, n.target, None), nn.Module)]
+    assert calls == [1] and reads == [1]
+    every = [id(p) for spec in pipe.specs for p in spec.module.parameters()]
+    assert len(every) == len(set(every)), "a Parameter object belongs to two stage modules"
+    with torch.no_grad():
+        assert torch.equal(pipe(x), torch.cat([model(x[:4]), model(x[4:])]))
+
+
+def test_inference_mode_region_is_refused_by_the_export_front_end_with_the_fix():
+    """torch.export drops an inference_mode region (it keeps no_grad): refused, not a silent wrong gradient."""
+    with pytest.raises(fxpipe.TraceError) as info:
+        fxpipe.compile(_model(InferenceMode), ["cpu", "cpu"], (torch.randn(8, 8),), profile=EST)
+    msg = str(info.value)
+    assert "torch.inference_mode(True) region" in msg and "with torch.inference_mode():" in msg
+    assert "torch.no_grad()" in msg and "leaf_modules=[" in msg
 
 
 class RootRegion(nn.Module):

@@ -9,6 +9,8 @@ import torch
 import torchvision
 from torch import nn
 
+import fxpipe
+
 from equivalence import max_relative_error
 from forced_cuts import compile_with_cuts
 
@@ -133,6 +135,25 @@ def _after_view(model):
     import fxpipe.frontend.capture as capture
     names = [n.name for n in capture.capture(model).graph.graph.nodes]
     return names[names.index("view") + 1]
+
+
+@pytest.mark.parametrize("write", ["mul_", "relu_module", "relu_function", "torch_sigmoid_"])
+@pytest.mark.parametrize("alias", ["identity", "view", "slice", "transpose"])
+def test_an_in_place_aten_op_of_the_export_front_end_on_a_stage_input_leaves_the_producer_intact(alias, write):
+    """torch.export records in-place writes as ATen overloads (``aten.mul_.Tensor``, ``aten.relu_.default``):
+    they are writes too, so the stage copies the input it writes into."""
+    torch.manual_seed(2)
+    model = AliasThenWrite(ALIASES[alias], WRITES[write])
+    x, target = torch.randn(8, 6), torch.randn(8, 6)
+    want_out, want_grads = _micro_batched(model, x, target, nn.functional.mse_loss)
+    gm = fxpipe.compile(model, ["cpu"], (x,), frontend="export", profile="estimate").specs[0].module
+    names = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    cut = names[next(i for i, n in enumerate(names) if n.startswith("view")) + 1]
+    pipe = compile_with_cuts(model, (x,), [cut], chunks=CHUNKS, checkpoint="always", frontend="export")
+    assert sum(n.target is torch.clone for n in pipe.specs[1].module.graph.nodes) == 1
+    loss, out = pipe.step(x, target, nn.functional.mse_loss, schedule="1f1b", return_outputs=True)
+    assert max_relative_error(out, want_out) <= 1e-5
+    _assert_grads(model, want_grads)
 
 
 def test_an_input_that_is_only_read_through_aliases_is_not_copied():

@@ -1,19 +1,34 @@
-"""The front end's one call: a model becomes a traced graph, its fingerprint and whether its mode matters."""
+"""The front end's one call: a model becomes a traced graph, its fingerprint, whether its mode matters and
+which front end made it.
+
+Three front ends (``frontend=`` of :func:`fxpipe.compile`): ``"fx"`` (:mod:`~fxpipe.frontend.trace`,
+``torch.fx.symbolic_trace`` with leaf modules), ``"export"`` (:mod:`~fxpipe.frontend.export`,
+``torch.export`` on the example inputs) and ``"auto"``, which uses fx where it traces the model faithfully
+(fx refuses what it would drop: grad-mode and autocast regions, custom autograd Functions) and export
+otherwise: a model fx cannot trace, or one called with keyword arguments (fx binds inputs by position and
+flattens no ``ModelOutput``). A ``torch.fx.GraphModule`` or ``torch.export.ExportedProgram`` the user made
+is partitioned as given. The choice and its reason go into the plan (``plan.frontend``) and the fingerprint.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+import torch
 import torch.fx as fx
 from torch import nn
 
 from fxpipe.errors import TraceError
+from fxpipe.frontend.export import export_graph, flat_program
 from fxpipe.frontend.fingerprint import graph_fingerprint
 from fxpipe.frontend.modes import keeping_modes
 from fxpipe.frontend.trace import trace
 
-__all__ = ["Captured", "capture"]
+__all__ = ["Captured", "capture", "FRONTENDS"]
+
+FRONTENDS = ("auto", "export", "fx")
 
 
 @dataclass
@@ -23,22 +38,84 @@ class Captured:
     graph: fx.GraphModule
     fingerprint: str          # names the graph: a plan made for another one is refused
     mode_dependent: bool      # tracing in the other train/eval mode gives another graph
+    frontend: dict[str, str] = field(default_factory=dict)   # {"name": "fx"|"export"|"given", "reason": ...}
 
 
-def capture(model: nn.Module, leaf_modules: Iterable[Any] = (), concrete_args: Any = None) -> Captured:
-    """Trace ``model`` (see :func:`fxpipe.frontend.trace.trace`) and find whether its graph depends on
-    ``model.training``, by tracing it once more in the other mode. Every submodule's own flag is restored
-    either way (:func:`fxpipe.frontend.modes.keeping_modes`): a frozen BatchNorm stays in eval mode.
+def _first_line(exc: BaseException) -> str:
+    return next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+
+
+def _traced(model: nn.Module, name: str, leaf_modules: list[Any], concrete_args: Any, args: tuple,
+            kwargs: dict[str, Any], batch_dim: int) -> fx.GraphModule:
+    if name == "fx":
+        return trace(model, leaf_modules, concrete_args)
+    return export_graph(model, args, kwargs, batch_dim)
+
+
+def _choose(model: nn.Module, frontend: str, leaf_modules: list[Any], concrete_args: Any, args: tuple | None,
+            kwargs: dict[str, Any], batch_dim: int) -> tuple[fx.GraphModule, str, str]:
+    """The graph, the front end that made it and why that one."""
+    if frontend not in FRONTENDS:
+        raise ValueError(f"frontend must be one of {', '.join(FRONTENDS)}, got {frontend!r}")
+    if frontend != "fx" and args is None:
+        if frontend == "export":
+            raise ValueError("frontend='export' traces on the example inputs: pass example_inputs")
+        return trace(model, leaf_modules, concrete_args), "fx", "no example inputs to export with"
+    if frontend == "fx":
+        if kwargs:
+            raise ValueError("frontend='fx' binds inputs by position and cannot take example_kwargs: pass them "
+                             "in example_inputs in the forward's order, or use frontend='export' (or 'auto')")
+        return trace(model, leaf_modules, concrete_args), "fx", "frontend='fx' was asked for"
+    if frontend == "export":
+        return export_graph(model, args, kwargs, batch_dim), "export", "frontend='export' was asked for"
+    if kwargs:
+        return (export_graph(model, args, kwargs, batch_dim), "export",
+                "keyword arguments (torch.fx binds inputs by position)")
+    try:
+        return trace(model, leaf_modules, concrete_args), "fx", "torch.fx traces the model faithfully"
+    except TraceError as fx_failure:
+        try:
+            gm = export_graph(model, args, kwargs, batch_dim)
+        except TraceError as export_failure:
+            also = str(export_failure).replace("\n", "\n    ")
+            raise TraceError(f"{fx_failure}\n  torch.export (frontend='export') fails as well: {also}",
+                             module=fx_failure.module, operation=fx_failure.operation) from fx_failure
+        return gm, "export", f"torch.fx cannot trace it: {_first_line(fx_failure)}"
+
+
+def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = None, frontend: str = "auto",
+            args: tuple | None = None, kwargs: dict[str, Any] | None = None, batch_dim: int = 0) -> Captured:
+    """Trace ``model`` with the front end ``frontend`` chooses (module doc) and find whether its graph
+    depends on ``model.training``, by tracing it once more in the other mode. Every submodule's own flag
+    is restored either way (:func:`fxpipe.frontend.modes.keeping_modes`): a frozen BatchNorm stays in eval
+    mode.
 
     Only the mode the user compiles in must trace: code that runs only in the other mode (a training-only
     branch fx cannot follow) makes the graph mode-dependent, so the pipeline refuses to run in that mode
     (with "compile again in the mode you want") rather than failing this compile."""
-    gm = trace(model, leaf_modules, concrete_args)
-    fingerprint = graph_fingerprint(gm)
+    kwargs = dict(kwargs or {})
+    if isinstance(model, torch.export.ExportedProgram):
+        gm = flat_program(model)
+        return Captured(gm, graph_fingerprint(gm, "given"), False,
+                        {"name": "given", "reason": "a torch.export.ExportedProgram, partitioned as given"})
+    if isinstance(model, fx.GraphModule):
+        gm = model
+        gm.meta.setdefault("fxpipe_traced_training", model.training)
+        return Captured(gm, graph_fingerprint(gm, "given"), False,
+                        {"name": "given", "reason": "a torch.fx.GraphModule, partitioned as given"})
+    leaves = list(leaf_modules)
+    gm, name, reason = _choose(model, frontend, leaves, concrete_args, args, kwargs, batch_dim)
+    if name == "export" and leaves:
+        reason += "; leaf_modules are not kept whole by torch.export"
+        warnings.warn(f"leaf_modules={leaves!r} are ignored: the model is traced with torch.export ({reason}), "
+                      "whose graph holds every operation, so the planner may cut inside them; use frontend='fx' "
+                      "to keep them whole", UserWarning, stacklevel=3)
+    fingerprint = graph_fingerprint(gm, name)
     with keeping_modes(model):
         model.train(not model.training)
         try:
-            other = graph_fingerprint(trace(model, leaf_modules, concrete_args))
+            other = graph_fingerprint(_traced(model, name, leaves, concrete_args, args or (), kwargs, batch_dim),
+                                      name)
         except TraceError:
             other = None   # the other mode does not trace: the graph holds for this mode only
-    return Captured(gm, fingerprint, other != fingerprint)
+    return Captured(gm, fingerprint, other != fingerprint, {"name": name, "reason": reason})

@@ -21,8 +21,10 @@ def _target_name(node: fx.Node) -> str:
     return f"{getattr(t, '__module__', '')}.{getattr(t, '__qualname__', getattr(t, '__name__', repr(t)))}"
 
 
-def graph_fingerprint(gm: fx.GraphModule) -> str:
-    """SHA-256 of nodes (op, target, a called module's class, argument structure) and of parameter/buffer shapes."""
+def graph_fingerprint(gm: fx.GraphModule, frontend: str = "fx") -> str:
+    """SHA-256 of the front end that traced it, nodes (op, target, a called module's class, argument
+    structure) and parameter/buffer shapes. A plan made through one front end is refused for a graph made
+    through another (their node names differ even where the model is the same)."""
     index = {n: i for i, n in enumerate(gm.graph.nodes)}
 
     def encode(a: object) -> object:
@@ -45,5 +47,8 @@ def graph_fingerprint(gm: fx.GraphModule) -> str:
     nodes = [[n.op, n.name, _target_name(n), module_type(n), encode(n.args), encode(n.kwargs)] for n in gm.graph.nodes]
     tensors = sorted([name, list(p.shape), str(p.dtype)] for name, p in
                      list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers()))
-    blob = json.dumps({"nodes": nodes, "tensors": tensors}, sort_keys=True, default=str)
+    document = {"nodes": nodes, "tensors": tensors}
+    if frontend != "fx":   # fx graphs keep the fingerprints plans were saved with before there were others
+        document["frontend"] = frontend
+    blob = json.dumps(document, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()

@@ -86,9 +86,10 @@ def _origin(frame: FrameType | None) -> tuple[str, int]:
     return (frame.f_code.co_filename, frame.f_lineno) if frame is not None else ("<unknown>", 0)
 
 
-def _guarded(original: Callable[..., Any], describe: Callable[..., str]) -> Callable[..., Any]:
+def _guarded(cls: type, original: Callable[..., Any], describe: Callable[..., str]) -> Callable[..., Any]:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(_thread, "tracing", False):
+        refused = getattr(_thread, "refused", None)
+        if getattr(_thread, "tracing", False) and (refused is None or cls in refused):
             filename, line = _origin(sys._getframe(1))
             if not os.path.abspath(filename).startswith(_INTERNAL):   # torch's and fxpipe's own uses pass
                 code = linecache.getline(filename, line).strip()
@@ -98,22 +99,24 @@ def _guarded(original: Callable[..., Any], describe: Callable[..., str]) -> Call
 
 
 @contextlib.contextmanager
-def refusing_grad_regions() -> Iterator[None]:
-    """Within the block, this thread's traced code may not enter a grad-mode or autocast region."""
+def refusing_grad_regions(only: tuple[type, ...] | None = None) -> Iterator[None]:
+    """Within the block, this thread's traced code may not enter a grad-mode or autocast region (``only``:
+    regions of these context-manager classes, e.g. ``(torch.inference_mode,)``, which torch.export drops
+    while it keeps the others)."""
     global _users
     with _lock:
         if _users == 0:
             for cls, name, describe in _PATCHED:
                 original = cls.__dict__[name]
                 _installed.append((cls, name, original))
-                setattr(cls, name, _guarded(original, describe))
+                setattr(cls, name, _guarded(cls, original, describe))
         _users += 1
-    before = getattr(_thread, "tracing", False)
-    _thread.tracing = True
+    before, refused = getattr(_thread, "tracing", False), getattr(_thread, "refused", None)
+    _thread.tracing, _thread.refused = True, (set(only) if only is not None else None)
     try:
         yield
     finally:
-        _thread.tracing = before
+        _thread.tracing, _thread.refused = before, refused
         with _lock:
             _users -= 1
             if _users == 0:

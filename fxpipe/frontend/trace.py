@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from fxpipe.errors import TraceError
 from fxpipe.frontend.grad_regions import DroppedRegion, refusing_grad_regions
 
-__all__ = ["trace", "shared_parameter_owners", "run_failure"]
+__all__ = ["trace", "shared_parameter_owners", "run_failure", "dropped_region"]
 
 
 class _Tracer(fx.Tracer):
@@ -44,13 +44,23 @@ class _Tracer(fx.Tracer):
         self.through = through
         self.fxpipe_scope: list[str] = []
         self.failed_in: str | None = None
+        self.forced: set[str] = set()   # leaves traced through because they share a parameter (above)
+        self.groups: list[set[str]] = []   # per shared parameter (or reused module), the modules reaching it
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if qualname in self.through:
             return False
-        if qualname in self.leaf_names or (self.leaf_types and isinstance(m, self.leaf_types)):
-            return True
-        return super().is_leaf_module(m, qualname)
+        leaf = qualname in self.leaf_names or bool(self.leaf_types and isinstance(m, self.leaf_types))
+        if not leaf and not super().is_leaf_module(m, qualname):
+            return False
+        # A leaf holding a parameter that code outside it reads too (a tied head inside a user's leaf) would
+        # put that Parameter into two stage modules: traced through, its parameter reads become one node.
+        inside = qualname + "."
+        if any(any(o.startswith(inside) for o in group) and not all(o.startswith(inside) for o in group)
+               for group in self.groups):
+            self.forced.add(qualname)
+            return False
+        return True
 
     def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
         self.fxpipe_scope.append(self.path_of_module(m))
@@ -66,14 +76,15 @@ class _Tracer(fx.Tracer):
 
 def shared_parameter_owners(model: nn.Module) -> set[str]:
     """Qualified names of modules that directly own a parameter reachable under two names."""
+    return set().union(*shared_parameter_groups(model))
+
+
+def shared_parameter_groups(model: nn.Module) -> list[set[str]]:
+    """Per parameter reachable under two names, the modules that directly own it under each."""
     names_of: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(param), []).append(name)
-    owners = set()
-    for names in names_of.values():
-        if len(names) > 1:
-            owners.update(n.rpartition(".")[0] for n in names)
-    return owners
+    return [{n.rpartition(".")[0] for n in names} for names in names_of.values() if len(names) > 1]
 
 
 def _user_frame(exc: BaseException) -> str:
@@ -113,7 +124,7 @@ def _refuse_autograd_functions() -> Iterator[None]:
         base.apply = original
 
 
-def _dropped_region(exc: BaseException | None) -> DroppedRegion | None:
+def dropped_region(exc: BaseException | None) -> DroppedRegion | None:
     """The :class:`DroppedRegion` behind ``exc``, if tracing failed on one (user code may have wrapped it)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
@@ -132,7 +143,7 @@ def _trace_once(model: nn.Module, tracer: _Tracer, concrete_args: dict[str, Any]
         module = tracer.failed_in or ""
         kind = type(model.get_submodule(module)).__name__ if module else type(model).__name__
         where = f"submodule {module!r} ({kind})" if module else f"the model's own forward ({kind})"
-        region = _dropped_region(exc)
+        region = dropped_region(exc)
         if region is not None:
             fix = (f"make the module that holds it a leaf: fxpipe.compile(..., leaf_modules=[{kind}]) runs its "
                    "forward as written, region included, inside one stage" if module else
@@ -148,6 +159,11 @@ def _trace_once(model: nn.Module, tracer: _Tracer, concrete_args: dict[str, Any]
         fix = (f"make it a leaf: fxpipe.compile(..., leaf_modules=[{kind}]) keeps it whole inside one stage"
                if module else "pass concrete_args for the input that drives the control flow, "
                "or move the untraceable code into a submodule and make that a leaf")
+        forced = sorted(f for f in tracer.forced if not module or module == f or module.startswith(f + "."))
+        if forced:
+            fix = (f"{forced[0]!r} is a leaf but holds a Parameter that code outside it reads too (tied "
+                   "weights), and one Parameter must live in one stage, so it is traced through: untie the "
+                   "weight, or make a module that holds every reader of it the leaf")
         raise TraceError(
             f"torch.fx cannot trace {where}: {type(exc).__name__}: {exc}\n"
             f"  operation: {_user_frame(exc)}\n  fix: {fix}",
@@ -175,9 +191,12 @@ def trace(
     unknown = [n for n in leaf_names if n and not _has_submodule(model, n)]
     if unknown:
         raise ValueError(f"leaf_modules names {unknown}, which are not submodules of the model")
-    through = shared_parameter_owners(model)
+    groups = shared_parameter_groups(model)
+    through = set().union(*groups)
     for _ in range(len(list(model.modules())) + 1):
-        gm = _trace_once(model, _Tracer(leaf_types, leaf_names, set(through)), concrete_args)
+        tracer = _Tracer(leaf_types, leaf_names, set(through))
+        tracer.groups = groups
+        gm = _trace_once(model, tracer, concrete_args)
         # A leaf with parameters called from two places would have to live on two stages.
         calls = Counter(n.target for n in gm.graph.nodes if n.op == "call_module")
         reused = {t for t, c in calls.items()

@@ -50,6 +50,7 @@ class PlanStage:
     checkpoint: str = ""           # this stage's checkpoint mode ("" = the plan's)
     memory_bytes: float = 0.0      # the memory of its device the plan gives it (interleaved: a share)
     measured_bytes: dict[str, float] | None = None   # solvers.activation_memory.StageBytes, measured
+    modules: list[str] = field(default_factory=list)   # module paths of its first and last operation
 
 
 @dataclass
@@ -74,6 +75,8 @@ class Plan:
     measured: dict[str, Any] = field(default_factory=dict)   # pipe.report(): predicted vs measured of a real step
     # where the samples are: {"inputs": {argument: dim}, "output": dim, "target": dim}; missing means dim 0
     batch_dims: dict[str, Any] = field(default_factory=dict)
+    # the front end that traced the model and why that one: {"name": "fx"|"export"|"given", "reason": ...}
+    frontend: dict[str, str] = field(default_factory=dict)
 
     @property
     def workers(self) -> int:
@@ -99,6 +102,12 @@ class Plan:
         out = [f"fxpipe plan for {self.model}: {len(self.stages)} stages, batch {self.batch_size} in "
                f"{self.chunks} micro-batches, schedule {self.schedule}, checkpoint {self.checkpoint}"]
         out += aligned_table(head, rows)
+        if self.frontend:
+            out.append(f"front end: {self.frontend.get('name', '?')} ({self.frontend.get('reason', '')})")
+        cuts = [f"{a.modules[-1] or '(model)'} | {b.modules[0] or '(model)'}"
+                for a, b in zip(self.stages, self.stages[1:]) if a.modules and b.modules]
+        if cuts:
+            out.append("stage boundaries: " + "; ".join(cuts))
         p = self.predicted
         if p:
             out.append(

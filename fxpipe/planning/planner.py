@@ -56,6 +56,7 @@ class Planner:
     training: bool
     profile_extra: dict[str, Any] = field(default_factory=dict)
     batch_dims: dict[str, Any] = field(default_factory=dict)   # fxpipe.runtime.microbatch.BatchLayout, as data
+    frontend: dict[str, str] = field(default_factory=dict)     # fxpipe.frontend.capture.Captured.frontend
 
     def __post_init__(self) -> None:
         # one solver device per (chunk, device) for interleaved-1f1b; the links are read once
@@ -119,7 +120,8 @@ class Planner:
             plan.predicted["iteration_s"] = simulated.iteration_s
             plan.predicted["throughput_samples_per_s"] = self.batch / simulated.iteration_s
         plan.schedule, plan.virtual_stages = self.schedule, v
-        plan.batch_dims = dict(self.batch_dims)
+        plan.batch_dims, plan.frontend = dict(self.batch_dims), dict(self.frontend)
+        stage_modules(self.gm, plan)
         stage_buffers(self.gm, costs, plan)
         memory_of = {d.id: d.memory_bytes for d in problem.devices}
         for st, chosen in zip(plan.stages, solution.stages):   # interleaved: each stage's share of its device
@@ -161,6 +163,23 @@ def stage_buffers(gm: Any, costs: dict[str, Any], plan: Plan) -> None:
                                    + max((costs[n].param_bytes * _weight_copies(gm, nodes[n])
                                           for n in st.nodes if n in costs), default=0))
         st.loss_bytes = 2.0 * size(final) if st.index == len(plan.stages) - 1 else 0.0
+
+
+def module_path(node: Any) -> str:
+    """The qualified name of the innermost module whose forward made ``node`` ("" for the model's own code)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if stack:
+        path = list(stack.values())[-1][0]
+        return str(path)
+    return str(node.target) if node.op == "call_module" else ""
+
+
+def stage_modules(gm: Any, plan: Plan) -> None:
+    """Each stage's first and last operation's module path: where the cuts are, in the model's words."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for st in plan.stages:
+        ops = [nodes[name] for name in st.nodes if name in nodes and nodes[name].op not in ("get_attr", "placeholder")]
+        st.modules = [module_path(ops[0]), module_path(ops[-1])] if ops else []
 
 
 def _weight_copies(gm: Any, node: Any) -> int:

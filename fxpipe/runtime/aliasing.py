@@ -38,7 +38,9 @@ _SAME_MEMORY = {"view", "view_as", "reshape", "reshape_as", "flatten", "unflatte
                 "float", "double", "half", "bfloat16", "int", "long", "short", "bool", "byte", "char", "cpu",
                 "cuda", "requires_grad_", "__getitem__", "getitem", "identity", "dropout", "dropout1d",
                 "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "align_to", "rename",
-                "refine_names", "coalesce", "resolve_conj", "resolve_neg", "conj", "positive"}
+                "refine_names", "coalesce", "resolve_conj", "resolve_neg", "conj", "positive",
+                # ATen views that torch.export records for Python indexing and reshapes
+                "slice", "_unsafe_view", "_reshape_alias"}
 # Names ending in "_" that change no tensor's values.
 _NOT_WRITING = {"requires_grad_", "share_memory_", "retain_grad_"}
 # Functions whose result may share memory with *every* tensor argument.
@@ -52,7 +54,11 @@ _UPDATING_STATISTICS = {"batch_norm", "instance_norm"}
 
 
 def _name(target: object) -> str:
-    return target if isinstance(target, str) else getattr(target, "__name__", "")
+    """A function's or method's name; an ATen overload's (the torch.export front end's ``aten.mul_.Tensor``)
+    is its packet's, ``mul_``, so that it reads as the Python call it was recorded from."""
+    if isinstance(target, str):
+        return target
+    return getattr(getattr(target, "overloadpacket", target), "__name__", "")
 
 
 def _opaque(module: nn.Module) -> bool:

@@ -33,7 +33,9 @@ from fxpipe.runtime.rng import is_random
 
 __all__ = ["check_micro_batching", "RTOL"]
 
-RTOL = 1e-4   # relative to the output's largest magnitude: rounding of another summation order passes
+RTOL = 1e-3   # relative to the output's largest magnitude. Rounding of another summation order passes: a
+# deep float32 network whose kernels change with the batch size differs by ~1e-4 (EfficientNet-B0: 1.3e-4);
+# samples mixed along the split dimension differ by whole percents (an LSTM split along time: 42 %).
 
 
 def _sequence_first(gm: nn.Module) -> list[str]:
@@ -114,7 +116,7 @@ def check_micro_batching(gm: fx.GraphModule, example_inputs: tuple, layout: Batc
         f"micro-batching changes this model's outputs: in eval mode, the example batch's first {len(parts)} "
         f"micro-batches (of {chunks}, split along dimension {sorted(set(dims))} of the inputs) run together and "
         f"apart differ by "
-        f"{'a different shape or structure' if error == float('inf') else f'{error:.1%}'} at {where}. "
+        f"{'a different shape or structure' if error == float('inf') else f'{error:.2g} relative to the output'} at {where}. "
         "The model mixes samples along the split dimension: a sequence-first layout (nn.LSTM/GRU/RNN, "
         "nn.TransformerEncoder or nn.MultiheadAttention with batch_first=False take (sequence, batch, ...))"
         + (f", here {', '.join(suspects[:3])}" if suspects else "")

@@ -78,6 +78,14 @@ def _refuse_buffers_updated_across_stages(gm: fx.GraphModule, stage_of: dict[str
                 "with fewer stages")
 
 
+def _is_module(gm: fx.GraphModule, target: str) -> bool:
+    try:
+        gm.get_submodule(target)
+    except AttributeError:   # a parameter, a buffer or a constant: not a module
+        return False
+    return True
+
+
 def split_graph(gm: fx.GraphModule, stage_of: dict[str, int], num_stages: int) -> list[StageSpec]:
     """Split ``gm`` by ``stage_of`` (node name -> stage); placeholders are the pipeline's inputs."""
     nodes = list(gm.graph.nodes)
@@ -95,8 +103,10 @@ def split_graph(gm: fx.GraphModule, stage_of: dict[str, int], num_stages: int) -
     _refuse_buffers_updated_across_stages(gm, stage_of)
     # A buffer is read where it is used, never sent as a value: a stage that updates it in place must update
     # the buffer itself (not a copy of a value), and its recomputation must see it (fxpipe.runtime.recompute).
+    # So is a submodule a node reads (torch.export's grad-mode and autocast regions call theirs): a module is
+    # code, not a value, and each stage that calls it holds it.
     buffers = {name for name, _ in gm.named_buffers(remove_duplicate=False)}
-    local = {n for n in compute if n.op == "get_attr" and n.target in buffers}
+    local = {n for n in compute if n.op == "get_attr" and (n.target in buffers or _is_module(gm, n.target))}
     specs = []
     for k in range(num_stages):
         own = [n for n in compute if stage_of[n.name] == k]
@@ -114,6 +124,8 @@ def split_graph(gm: fx.GraphModule, stage_of: dict[str, int], num_stages: int) -
         for a in reads:
             env[a] = graph.node_copy(a)
         for n in own:
+            if n in local and not any(u.op == "output" or stage_of[u.name] == k for u in n.users):
+                continue   # read by later stages only, each of which reads it itself: not held here
             env[n] = graph.node_copy(n, lambda a: env[a])
         outputs = [n for n in own
                    if any(u.op == "output" or (stage_of[u.name] > k and n not in local) for u in n.users)]

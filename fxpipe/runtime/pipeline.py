@@ -40,7 +40,7 @@ from fxpipe.runtime.guards import ModelGuard, check_inputs
 from fxpipe.runtime.host import UNSHARED, Host, Turns
 from fxpipe.runtime.rng import is_random, rng_guard, step_seed
 from fxpipe.runtime.losses import REDUCTIONS
-from fxpipe.runtime.structure import user_structure
+from fxpipe.runtime.structure import FlatInputs, flat_inputs, model_output
 from fxpipe.runtime.step import OpTiming, StepFailure, run_step
 from fxpipe.runtime.streams import DeviceStreams, Event
 from fxpipe.runtime.transport import Transport
@@ -77,6 +77,9 @@ class Pipeline(nn.Module):
         self.transport: Transport | None = None   # how stages exchange values in pipe.step (default: in-process)
         self._placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
         self._output = next(n for n in graph_module.graph.nodes if n.op == "output")
+        # a torch.export graph is flat: the model's input and output structures (fxpipe.runtime.structure)
+        self._in_spec = graph_module.meta.get("fxpipe_in_spec")
+        self._out_spec = graph_module.meta.get("fxpipe_out_spec")
         self.layout = BatchLayout.of(plan.batch_dims)   # where the samples are in inputs, outputs and targets
         # Only the pipeline's own flag (what _check_mode compares): self.train() would recurse into the
         # stages and reset every submodule the user had set apart, e.g. a frozen BatchNorm in eval mode.
@@ -84,6 +87,7 @@ class Pipeline(nn.Module):
 
     # ------------------------------------------------------------------ inputs
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        args, kwargs = flat_inputs(args, kwargs, self._in_spec)
         if len(args) > len(self._placeholders):
             raise TypeError(f"the model takes {len(self._placeholders)} inputs, got {len(args)}")
         bound = {p.target: a for p, a in zip(self._placeholders, args)}
@@ -168,12 +172,12 @@ class Pipeline(nn.Module):
                     raise forward_error(k, i, self.devices[k], exc) from exc
         commit_statistics(self.modules())
         outputs = [fx.node.map_arg(self._output.args[0], lambda n, e=env: e[n.name]) for env in micro]
-        return user_structure(gather(outputs, self.layout.output))
+        return model_output(gather(outputs, self.layout.output), self._out_spec)
 
     # ------------------------------------------------------------------ training step
     def step(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
              schedule: str | None = None, reduction: str = "mean", return_outputs: bool = False,
-             measure_memory: bool = False) -> Any:
+             measure_memory: bool = False, kwargs: dict[str, Any] | None = None) -> Any:
         """Forward and backward of one mini-batch with an explicit schedule; returns the loss.
 
         ``inputs`` is the model's input (a tuple for several; tensors inside tuples, lists and dicts
@@ -212,7 +216,11 @@ class Pipeline(nn.Module):
                               "(gradients are off in this thread): call it outside that block, or use pipe(x) "
                               "to run the model without training it")
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-        micro = self._micro_batches(inputs, {})
+        kwargs = dict(kwargs or {})
+        if self._in_spec is not None:   # the graph's leaves once, for the memory probe's replay as well
+            inputs, kwargs = FlatInputs(flat_inputs(inputs, kwargs, self._in_spec)[0]), {}
+        loss_fn = self.structured_loss(loss_fn)
+        micro = self._micro_batches(inputs, kwargs)
         sizes = self._sizes(micro)
         targets = self._micro_targets(target)
         if len(targets) != len(micro) or any(batch_size_of([t], self.layout.target) != n
@@ -254,7 +262,13 @@ class Pipeline(nn.Module):
             found = measure_worker_memory(self, inputs, target, loss_fn, schedule=schedule)
             self.last_step.update(memory=[w.peak_bytes for w in found],
                                   memory_method="profiled replay of each worker, torch.profiler")
-        return (loss, user_structure(gather(outs, self.layout.output))) if return_outputs else loss
+        return (loss, model_output(gather(outs, self.layout.output), self._out_spec)) if return_outputs else loss
+
+    def structured_loss(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
+        """``loss_fn`` called on the model's own output structure (a ``ModelOutput`` with ``.logits``) where the
+        graph's outputs are flat leaves (the torch.export front end); ``loss_fn`` itself otherwise."""
+        spec = self._out_spec
+        return loss_fn if spec is None else (lambda out, target: loss_fn(model_output(out, spec), target))
 
     def report(self) -> str:
         """Predicted against measured, per stage (and per worker's memory), for the last :meth:`step`.

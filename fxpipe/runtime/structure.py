@@ -4,6 +4,12 @@ torch.fx stores a traced ``return {"logits": y}`` or ``return [a, b]`` as ``immu
 ``immutable_list`` (graph arguments must not change); a pipeline that handed those back would give the
 user a dict that refuses ``out["extra"] = ...``. Tuples, named tuples and other containers pass through
 as they are.
+
+A graph from the ``torch.export`` front end is flat (:mod:`fxpipe.frontend.export`): its inputs are the
+leaves of the call's ``(args, kwargs)`` and its outputs the leaves of the result; :func:`flat_inputs` and
+:func:`model_output` go between the user's structures (a ``ModelOutput``, a dict of tensors) and those leaves
+with the pytree specs export recorded. :class:`FlatInputs` marks inputs that are already the graph's
+leaves (fxpipe's own calls, which hold the flattened example).
 """
 
 from __future__ import annotations
@@ -11,8 +17,36 @@ from __future__ import annotations
 from typing import Any
 
 from torch.fx.immutable_collections import immutable_dict, immutable_list
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-__all__ = ["user_structure"]
+__all__ = ["user_structure", "FlatInputs", "flat_inputs", "model_output"]
+
+
+class FlatInputs(tuple):
+    """Inputs given as the flat graph's placeholders, in order (no pytree to flatten)."""
+
+
+def flat_inputs(args: tuple, kwargs: dict[str, Any], spec: TreeSpec | None) -> tuple[tuple, dict[str, Any]]:
+    """``(args, kwargs)`` as the graph's positional inputs when the graph is flat (``spec`` is the exported
+    call's input spec); as given otherwise. A call whose structure differs from the exported one is refused
+    with both structures named: binding it leaf by leaf would feed one input to another's place."""
+    if spec is None or isinstance(args, FlatInputs):
+        return tuple(args), kwargs
+    leaves, got = tree_flatten((tuple(args), dict(kwargs)))
+    if got != spec:
+        raise TypeError(f"the pipeline was compiled for inputs structured as {spec} (positional arguments, then "
+                        f"keyword arguments), but was called with {got}; call it as the model was called for "
+                        "compile (the same keywords, the same nesting), or compile again with example inputs of "
+                        "this structure")
+    return tuple(leaves), {}
+
+
+def model_output(values: Any, spec: TreeSpec | None) -> Any:
+    """The gathered outputs in the user's structure: the model's own type for a flat graph (``spec``),
+    fx's immutable containers made plain otherwise."""
+    if spec is None:
+        return user_structure(values)
+    return tree_unflatten(list(values), spec)
 
 
 def user_structure(value: Any) -> Any:

@@ -1,0 +1,192 @@
+"""Hugging Face transformers built from small configs (random weights, nothing downloaded) compile through
+the torch.export front end into pipelines whose stages hold transformer blocks, and compute the model:
+outputs (the ModelOutput's own type), gradients of pipe.step under every schedule, the tied embedding's
+gradient, keyword inputs (an attention mask) and uneven batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxpipe
+from equivalence import max_relative_error
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ = 128, 12
+
+
+def build(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    small = dict(vocab_size=VOCAB, use_cache=False)
+    if name == "gpt2":
+        config = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=4, n_positions=64, resid_pdrop=0.0,
+                                         embd_pdrop=0.0, attn_pdrop=0.0, **small)
+        model = transformers.GPT2LMHeadModel(config)
+    elif name == "bert":
+        config = transformers.BertConfig(num_hidden_layers=4, hidden_size=32, num_attention_heads=4,
+                                         intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                         attention_probs_dropout_prob=0.0, num_labels=3, vocab_size=VOCAB)
+        model = transformers.BertForSequenceClassification(config)
+    else:
+        config = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=32, num_attention_heads=4,
+                                          num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
+                                          **small)
+        model = transformers.LlamaForCausalLM(config)
+    return model
+
+
+def batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(size)
+    ids = torch.randint(0, VOCAB, (size, SEQ), generator=g)
+    mask = torch.ones(size, SEQ, dtype=torch.long)
+    mask[1, SEQ - 4:] = 0    # one padded sample: the mask must reach the attention
+    return ids, mask
+
+
+def loss_fn(out, target):
+    """Mean over samples of equal weight (every sample has SEQ tokens): exact under reduction='mean'."""
+    logits = out.logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def target_for(name: str, ids: torch.Tensor) -> torch.Tensor:
+    return ids.remainder(3)[:, 0] if name == "bert" else ids.roll(-1, dims=1)
+
+
+def compile_hf(model, workers: int, ids, mask, chunks: int, schedule: str = "gpipe"):
+    return fxpipe.compile(model, ["cpu"] * workers, (ids,), example_kwargs={"attention_mask": mask},
+                          chunks=chunks, stages=workers, schedule=schedule,
+                          profile=fxpipe.ProfileOptions(mode="estimate"))
+
+
+def block_stages(pipe) -> list[set[str]]:
+    """Per stage, the transformer blocks (``...layer.3`` / ``...h.3``) some of its operations belong to."""
+    import re
+    found = []
+    for spec in pipe.specs:
+        blocks = set()
+        for node in spec.module.graph.nodes:
+            for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+                hit = re.search(r"\.(h|layer|layers)\.(\d+)", str(path))
+                if hit:
+                    blocks.add(hit.group(0))
+        found.append(blocks)
+    return found
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+@pytest.mark.parametrize("workers", [2, 4])
+def test_eval_outputs_match_and_stages_hold_blocks(name, workers):
+    model = build(name).eval()
+    ids, mask = batch(7)    # uneven: 7 samples in 4 micro-batches
+    pipe = compile_hf(model, workers, ids, mask, chunks=4)
+    assert pipe.plan.frontend["name"] == "export" and "keyword" in pipe.plan.frontend["reason"]
+    assert "front end: export" in pipe.plan.summary() and "stage boundaries:" in pipe.plan.summary()
+    stages = block_stages(pipe)
+    assert len(stages) == workers and sum(1 for s in stages if s) >= 2, stages
+    with torch.no_grad():
+        got = pipe(ids, attention_mask=mask)
+        want = model(ids, attention_mask=mask)
+    assert type(got) is type(want)
+    assert max_relative_error(got.logits, want.logits) <= 1e-5
+    # the mask is an input, not a constant: another mask gives the model's other answer
+    other = mask.clone()
+    other[0, SEQ - 6:] = 0
+    with torch.no_grad():
+        assert max_relative_error(pipe(ids, attention_mask=other).logits,
+                                  model(ids, attention_mask=other).logits) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_step_gradients_match_full_batch(name, schedule):
+    model = build(name).train()
+    ids, mask = batch(6)
+    target = target_for(name, ids)
+    pipe = compile_hf(model, 2, ids, mask, chunks=4, schedule=schedule)   # 6 in 4: uneven micro-batches
+    model.zero_grad(set_to_none=True)
+    want_loss = loss_fn(model(ids, attention_mask=mask), target)
+    want_loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    loss = pipe.step((ids,), target, loss_fn, kwargs={"attention_mask": mask}, schedule=schedule)
+    assert abs(loss.item() - want_loss.item()) <= 1e-5 * abs(want_loss.item())
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(got) == set(want)
+    assert_same_gradients(got, want)
+
+
+def assert_same_gradients(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol: float = 1e-4) -> None:
+    """Each gradient within ``rtol`` of its own largest element; a gradient that is zero but for rounding
+    (attention's key bias: softmax ignores it) is judged against a millionth of the largest gradient."""
+    floor = 1e-6 * max(w.abs().max().item() for w in want.values())
+    errors = {n: (got[n] - want[n]).abs().max().item() / max(want[n].abs().max().item(), floor) for n in want}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= rtol, (worst, errors[worst])
+
+
+def test_tied_embedding_lives_in_one_stage_and_gets_the_models_gradient():
+    model = build("gpt2").train()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    ids, mask = batch(4)
+    pipe = compile_hf(model, 4, ids, mask, chunks=2)
+    owners = [k for k, spec in enumerate(pipe.specs)
+              if any(p is model.lm_head.weight for p in spec.module.parameters())]
+    assert len(owners) == 1, owners
+    every = [id(p) for spec in pipe.specs for p in spec.module.parameters()]
+    assert len(every) == len(set(every)), "a Parameter object belongs to two stage modules"
+    target = target_for("gpt2", ids)
+    model.zero_grad(set_to_none=True)
+    loss_fn(model(ids, attention_mask=mask), target).backward()
+    want = model.transformer.wte.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    pipe.step((ids,), target, loss_fn, kwargs={"attention_mask": mask})
+    assert max_relative_error(model.transformer.wte.weight.grad, want) <= 1e-5
+
+
+def test_called_with_another_structure_is_refused():
+    model = build("gpt2").eval()
+    ids, mask = batch(4)
+    pipe = compile_hf(model, 2, ids, mask, chunks=2)
+    with pytest.raises(TypeError, match="compiled for inputs structured as"):
+        pipe(ids, mask)    # positional: GPT-2's second argument is past_key_values, not the mask
+
+
+def test_fx_front_end_refuses_keyword_inputs_with_the_fix():
+    model = build("gpt2").eval()
+    ids, mask = batch(4)
+    with pytest.raises(ValueError, match="frontend='export'"):
+        fxpipe.compile(model, ["cpu"] * 2, (ids,), example_kwargs={"attention_mask": mask}, frontend="fx",
+                       profile=fxpipe.ProfileOptions(mode="estimate"))
+
+
+def test_a_graph_module_or_exported_program_is_partitioned_as_given():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 4))
+    x = torch.randn(6, 8)
+    want = model(x)
+    program = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim.AUTO},))
+    for given in (torch.fx.symbolic_trace(model), program):
+        pipe = fxpipe.compile(given, ["cpu", "cpu"], (x,), chunks=3, stages=2,
+                              profile=fxpipe.ProfileOptions(mode="estimate"))
+        assert pipe.plan.frontend["name"] == "given"
+        assert "partitioned as given" in pipe.plan.summary()
+        owned = {id(p) for spec in pipe.specs for p in spec.module.parameters()}
+        assert owned == {id(p) for p in model.parameters()}    # the model's own objects, no copies
+        model.zero_grad(set_to_none=True)
+        out = pipe(x)
+        assert max_relative_error(out, want) <= 1e-6
+        out.sum().backward()
+        assert all(p.grad is not None for p in model.parameters())
+
+
+def test_leaf_modules_with_the_export_front_end_are_said_to_be_ignored():
+    model = build("gpt2").eval()
+    ids, mask = batch(4)
+    with pytest.warns(UserWarning, match="leaf_modules=.*are ignored.*frontend='fx'"):
+        pipe = fxpipe.compile(model, ["cpu"] * 2, (ids,), example_kwargs={"attention_mask": mask},
+                              leaf_modules=["transformer.h.0"], profile=fxpipe.ProfileOptions(mode="estimate"))
+    assert "leaf_modules are not kept whole" in pipe.plan.frontend["reason"]

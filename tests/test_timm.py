@@ -1,0 +1,109 @@
+"""A representative set of timm architectures (random init, small inputs) compiles and computes the model,
+on 2 and 4 CPU workers: ``pipe(x)`` against the model, and ``pipe.step`` under 1F1B and ZB-H1 against one
+full-batch backward. Models that neither front end can trace are listed in ``UNTRACEABLE`` with the reason
+and must raise ``fxpipe.TraceError`` naming the module, the operation and a fix.
+
+BatchNorm runs in eval mode with calibrated statistics (train-mode BatchNorm normalises each micro-batch by
+its own statistics, a documented difference). Each model builds two pipelines (2 and 4 workers); the larger
+ones are marked ``slow`` (CI runs them too).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxpipe
+from equivalence import calibrate_batchnorm, max_relative_error
+
+timm = pytest.importorskip("timm")
+
+EST = fxpipe.ProfileOptions(mode="estimate")
+# name -> family; every family of timm's main lines: residual CNNs, mobile CNNs, NAS nets, dense and
+# aggregated nets, ConvNeXts, ViTs and their hybrids, MLP mixers, metaformers, windowed attention.
+MODELS = {
+    "resnet18": "resnet", "resnet10t": "resnet", "resnet50": "resnet", "mobilenetv3_small_050": "mobilenet",
+    "mobilenetv2_050": "mobilenet", "efficientnet_b0": "efficientnet", "ghostnet_050": "ghostnet",
+    "regnetx_002": "regnet", "regnety_002": "regnet", "dla34": "dla", "densenet121": "densenet",
+    "convnext_atto": "convnext", "convnextv2_atto": "convnext", "vit_tiny_patch16_224": "vit",
+    "deit_tiny_patch16_224": "deit", "swin_tiny_patch4_window7_224": "swin", "mixer_s16_224": "mlp-mixer",
+    "resmlp_12_224": "resmlp", "poolformer_s12": "metaformer", "mobilevit_xxs": "mobilevit",
+    "edgenext_xx_small": "edgenext", "levit_128s": "levit", "coat_lite_tiny": "coat", "pit_ti_224": "pit",
+    "xcit_nano_12_p16_224": "xcit", "efficientvit_m0": "efficientvit", "twins_svt_small": "twins",
+    "sequencer2d_s": "sequencer",
+}
+SLOW = {"resnet50", "efficientnet_b0", "ghostnet_050", "densenet121", "regnety_002", "regnetx_002",
+        "swin_tiny_patch4_window7_224", "coat_lite_tiny", "xcit_nano_12_p16_224", "dla34", "poolformer_s12",
+        "mobilevit_xxs", "efficientvit_m0", "twins_svt_small", "sequencer2d_s"}
+# Transformers and MLPs take their input size at construction; 64 pixels keep them small.
+SIZED = ("vit", "deit", "swin", "mixer", "resmlp", "levit", "coat", "pit", "xcit")
+# Models whose eval-mode forward keeps state the step's reference would differ by: only pipe(x) is compared.
+EVAL_CACHE = {"levit_128s": "eval mode caches its attention biases (built once, without gradient), so the eager "
+                            "eval-mode model gives them no gradient while the traced graph recomputes them",
+              "efficientvit_m0": "the same attention-bias cache as LeViT (EfficientViT-M derives from it)"}
+UNTRACEABLE: dict[str, str] = {   # name -> why neither torch.fx nor torch.export can trace it
+    "nest_tiny": "NestLevel computes int(math.sqrt(T)) of a traced size (fx); export fixes the batch size",
+}
+
+
+def build(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    kwargs: dict = {"img_size": 64} if name.startswith(SIZED) else {}
+    if name.startswith("swin"):
+        kwargs["window_size"] = 4
+    model = timm.create_model(name, pretrained=False, num_classes=10, **kwargs)
+    calibrate_batchnorm(model, (torch.randn(4, 3, 64, 64),))
+    return model
+
+
+def params(names):
+    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in names]
+
+
+def test_the_sweep_is_representative():
+    assert len(MODELS) >= 25 and len(set(MODELS.values())) >= 20
+    assert set(UNTRACEABLE) <= set(timm.list_models()) and set(MODELS) <= set(timm.list_models())
+
+
+def check(model: torch.nn.Module, workers: int, step: bool = True) -> None:
+    """pipe(x) in eval mode equals the model; pipe.step under 1F1B and ZB-H1 equals a full-batch backward."""
+    x = torch.randn(6, 3, 64, 64)    # 6 samples in 4 micro-batches: uneven
+    pipe = fxpipe.compile(model, ["cpu"] * workers, (x,), chunks=4, stages=workers, profile=EST)
+    assert len(pipe.specs) == workers
+    with torch.no_grad():
+        assert max_relative_error(pipe(x), model(x)) <= 1e-5
+    if not step:
+        return
+    projection = torch.randn(6, 10, generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(out, weights):
+        return (out * weights).sum()
+    model.zero_grad(set_to_none=True)
+    loss_fn(model(x), projection).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    floor = 1e-6 * max(w.abs().max().item() for w in want.values())
+    for schedule in ("1f1b", "zb-h1"):
+        model.zero_grad(set_to_none=True)
+        pipe.step(x, projection, loss_fn, schedule=schedule, reduction="sum")
+        got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        assert set(got) == set(want), schedule
+        for n in want:
+            error = (got[n] - want[n]).abs().max().item() / max(want[n].abs().max().item(), floor)
+            assert error <= 1e-4, (schedule, n, error)
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("name", params(MODELS))
+def test_timm_model_on_2_and_4_workers(name):
+    model = build(name).eval()
+    for workers in (2, 4):
+        check(model, workers, step=name not in EVAL_CACHE)
+
+
+@pytest.mark.parametrize("name", list(UNTRACEABLE))
+def test_untraceable_models_raise_a_trace_error_with_a_fix(name):
+    model = build(name).eval()
+    with pytest.raises(fxpipe.TraceError) as info:
+        fxpipe.compile(model, ["cpu"] * 2, (torch.randn(4, 3, 64, 64),), profile=EST)
+    msg = str(info.value)
+    assert "operation:" in msg and "fix:" in msg and "torch.export" in msg
