@@ -34,7 +34,6 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 import fxpipe
-from equivalence import max_relative_error
 from fxpipe.runtime.microbatch import scatter
 
 D, S, VOCAB = 8, 3, 11
@@ -259,14 +258,18 @@ def _micro_batch_reference(model: nn.Module, inputs: tuple, chunks: int) -> dict
     return dict(model.named_buffers())
 
 
-def _assert_close(got: Any, want: Any, what: str, tol: float = 1e-6) -> None:
+def _assert_close(got: Any, want: Any, what: str, tol: float = 1e-6, floor: float = 0.0) -> None:
+    """Leaves equal within ``tol`` of their largest magnitude, or of ``floor`` where that is larger (a
+    gradient that is analytically zero, LayerNorm after LayerNorm, is rounding noise around 1e-15)."""
     got_leaves, want_leaves = tree_flatten(got)[0], tree_flatten(want)[0]
     assert len(got_leaves) == len(want_leaves), f"{what}: {len(got_leaves)} values, expected {len(want_leaves)}"
     assert type(got) is type(want) or not isinstance(want, (dict, tuple)), f"{what}: {type(got)} != {type(want)}"
     for a, b in zip(got_leaves, want_leaves):
         assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} != {b.shape}/{b.dtype}"
         if a.is_floating_point():
-            assert max_relative_error(a.detach(), b.detach()) <= tol, f"{what}: {max_relative_error(a, b):.2e}"
+            diff = (a.detach() - b.detach()).abs().max().item() if b.numel() else 0.0
+            scale = max(b.detach().abs().max().item() if b.numel() else 0.0, floor)
+            assert diff <= tol * scale or diff == 0.0, f"{what}: {diff:.2e} against {scale:.2e}"
         else:
             assert torch.equal(a, b), what
 
@@ -316,11 +319,12 @@ def test_training_step_equals_one_full_batch_backward(drawn, seed):
     loss = pipe.step(inputs, target, _loss)
     _assert_close(loss, want_loss.detach(), f"loss of {spec} on {setup}")
     want_grads = dict(want_model.named_parameters())
+    largest = max((p.grad.abs().max().item() for p in want_grads.values() if p.grad is not None), default=0.0)
     for name, param in model.named_parameters():
         want = want_grads[name].grad
         assert (param.grad is None) == (want is None), f"gradient of {name}: {spec} on {setup}"
         if want is not None:
-            _assert_close(param.grad, want, f"gradient of {name} of {spec} on {setup}")
+            _assert_close(param.grad, want, f"gradient of {name} of {spec} on {setup}", floor=1e-6 * largest)
     with torch.no_grad():
         want_buffers = _micro_batch_reference(reference, inputs, setup["chunks"])
     for name, buffer in model.named_buffers():
