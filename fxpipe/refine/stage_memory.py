@@ -45,8 +45,8 @@ def measure_stage_bytes(pipe: Any, example_inputs: Any, target: Any = None,
     if (target is None) != (loss_fn is None):
         raise ValueError("pass both loss_fn and example_target (a full batch's target), or neither")
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    micro = pipe._micro_batches(inputs, {})[:1]
-    targets = pipe._micro_targets(target)[:1] if target is not None else None
+    micro = pipe.inputs.micro_batches(inputs, {})[:1]
+    targets = pipe.inputs.micro_targets(target)[:1] if target is not None else None
     last = len(pipe.specs) - 1
     sizes = []
     with replaying(pipe, micro) as seen:

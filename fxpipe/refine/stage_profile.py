@@ -94,7 +94,7 @@ def _loss(pipe: Any, spec: Any, env: dict[str, tuple[Any, bool]], device: torch.
     """The training loss of micro-batch 0 from the last stage's outputs (None without ``loss_fn``)."""
     if loss_fn is None:
         return None
-    mine = pipe._micro_targets(target)[0]
+    mine = pipe.inputs.micro_targets(target)[0]
     mine = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, mine)
 
     def loss(out: Any) -> torch.Tensor:
@@ -119,7 +119,7 @@ def stage_factors(pipe: Any, example_inputs: tuple, warmup: int = 1, repeats: in
                   loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> list[list[float]]:
     """Each stage's ``[forward, backward]`` time alone over its planned time; with ``loss_fn`` and a full
     batch's ``target`` the last stage's backward starts at the loss, as in a step. See the module doc."""
-    micro = pipe._micro_batches(example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), {})[0]
+    micro = pipe.inputs.micro_batches(example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), {})[0]
     env: dict[str, tuple[Any, bool]] = {name: (value, False) for name, value in micro.items()}
     factors = []
     last = len(pipe.specs) - 1

@@ -124,8 +124,8 @@ def measure_worker_memory(pipe: Any, inputs: Any, target: Any, loss_fn: Callable
                           schedule: str | None = None, worker: int | None = None) -> list[WorkerMemory]:
     """Peak memory of each worker (or only ``worker``) for one :meth:`Pipeline.step` of ``inputs``."""
     schedule = schedule or pipe.schedule
-    micro = pipe._micro_batches(inputs if isinstance(inputs, tuple) else (inputs,), {})
-    targets = pipe._micro_targets(target)
+    micro = pipe.inputs.micro_batches(inputs if isinstance(inputs, tuple) else (inputs,), {})
+    targets = pipe.inputs.micro_targets(target)
     m = len(micro)
     workers = pipe._workers(schedule)
     orders = worker_orders(schedule, len(pipe.specs), m, workers)

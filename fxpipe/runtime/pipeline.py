@@ -31,12 +31,13 @@ from fxpipe.runtime.caller_state import CallerState
 from fxpipe.runtime.codegen import StageSpec
 from fxpipe.errors import FxpipeError
 from fxpipe.runtime.failures import forward_error, step_error
-from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, gather, scatter
+from fxpipe.runtime.call_inputs import CallInputs
+from fxpipe.runtime.microbatch import batch_size_of, gather
 from fxpipe.planning.memory_model import checkpointed
 from fxpipe.runtime.memory_probe import allocations, measure_worker_memory
 from fxpipe.planning.plan import Plan
 from fxpipe.planning.report import step_report
-from fxpipe.runtime.guards import ModelGuard, check_inputs
+from fxpipe.runtime.guards import ModelGuard
 from fxpipe.runtime.host import UNSHARED, Host, Turns
 from fxpipe.runtime.rng import is_random, rng_guard, step_seed
 from fxpipe.runtime.losses import REDUCTIONS
@@ -73,59 +74,24 @@ class Pipeline(nn.Module):
         self._traced_training = bool(graph_module.meta.get("fxpipe_traced_training", False))
         self._mode_dependent = mode_dependent
         self.host = host   # CPU workers take turns through it (fxpipe.cost.cpu.CpuHost); GPUs never wait
-        self.guard = guard   # the compiled model's parameters, checked unchanged at every call
         self.transport: Transport | None = None   # how stages exchange values in pipe.step (default: in-process)
-        self._placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
         self._output = next(n for n in graph_module.graph.nodes if n.op == "output")
         # a torch.export graph is flat: the model's input and output structures (fxpipe.runtime.structure)
-        self._in_spec = graph_module.meta.get("fxpipe_in_spec")
         self._out_spec = graph_module.meta.get("fxpipe_out_spec")
-        self.layout = BatchLayout.of(plan.batch_dims)   # where the samples are in inputs, outputs and targets
+        self.inputs = CallInputs(graph_module, plan, guard)   # a call bound to the graph and split
+        self.layout = self.inputs.layout   # where the samples are in inputs, outputs and targets
         # Only the pipeline's own flag (what _check_mode compares): self.train() would recurse into the
         # stages and reset every submodule the user had set apart, e.g. a frozen BatchNorm in eval mode.
         self.training = self._traced_training
 
-    # ------------------------------------------------------------------ inputs
-    def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        args, kwargs = flat_inputs(args, kwargs, self._in_spec)
-        if len(args) > len(self._placeholders):
-            raise TypeError(f"the model takes {len(self._placeholders)} inputs, got {len(args)}")
-        bound = {p.target: a for p, a in zip(self._placeholders, args)}
-        for key, value in kwargs.items():
-            if key not in {p.target for p in self._placeholders}:
-                raise TypeError(f"unexpected keyword input {key!r}")
-            if key in bound:
-                raise TypeError(f"input {key!r} given twice")
-            bound[key] = value
-        env = {}
-        for p in self._placeholders:
-            if p.target in bound:
-                env[p.name] = bound[p.target]
-            elif p.args:
-                env[p.name] = p.args[0]
-            else:
-                raise TypeError(f"missing input {p.target!r}")
-        return env
+    @property
+    def guard(self) -> ModelGuard | None:
+        """The compiled model's parameters, checked unchanged at every call (:mod:`fxpipe.runtime.guards`)."""
+        return self.inputs.guard
 
-    def _micro_batches(self, args: tuple, kwargs: dict) -> list[dict[str, Any]]:
-        """The bound inputs split into ``chunks`` micro-batches, each a dict by placeholder name."""
-        env0 = self._bind(args, kwargs)
-        if self.guard is not None:
-            self.guard.check()
-        dims = {p.name: self.layout.inputs.get(p.target, 0) for p in self._placeholders}
-        check_inputs(self.plan.profile.get("inputs", []), env0, dims)
-        names = list(env0)
-        return [dict(zip(names, values)) for values in scatter(list(env0.values()), self.chunks,
-                                                                [dims[n] for n in names])]
-
-    def _micro_targets(self, target: Any) -> list[Any]:
-        """``target`` split into micro-batches along the layout's target dimension."""
-        return [t[0] for t in scatter([target], self.chunks, self.layout.target)]
-
-    def _sizes(self, micro: list[dict[str, Any]]) -> list[int]:
-        """Samples per micro-batch."""
-        dims = {p.name: self.layout.inputs.get(p.target, 0) for p in self._placeholders}
-        return [batch_size_of(list(mb.values()), [dims[n] for n in mb]) for mb in micro]
+    @guard.setter
+    def guard(self, guard: ModelGuard | None) -> None:
+        self.inputs.guard = guard
 
     def stage_checkpoint(self, stage: int) -> str:
         """The checkpoint mode of ``stage``: the plan's choice for it (``checkpoint="auto"``) or the pipeline's."""
@@ -147,7 +113,7 @@ class Pipeline(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_mode()
-        micro = self._micro_batches(args, kwargs)
+        micro = self.inputs.micro_batches(args, kwargs)
         caller = CallerState.capture()   # grad mode and autocast are thread-local: the workers enter the caller's
         m, p = len(micro), len(self.specs)
         random = self._random_stages()
@@ -217,12 +183,12 @@ class Pipeline(nn.Module):
                               "to run the model without training it")
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         kwargs = dict(kwargs or {})
-        if self._in_spec is not None:   # the graph's leaves once, for the memory probe's replay as well
-            inputs, kwargs = FlatInputs(flat_inputs(inputs, kwargs, self._in_spec)[0]), {}
+        if self.inputs.in_spec is not None:   # the graph's leaves once, for the memory probe's replay as well
+            inputs, kwargs = FlatInputs(flat_inputs(inputs, kwargs, self.inputs.in_spec)[0]), {}
         loss_fn = self.structured_loss(loss_fn)
-        micro = self._micro_batches(inputs, kwargs)
-        sizes = self._sizes(micro)
-        targets = self._micro_targets(target)
+        micro = self.inputs.micro_batches(inputs, kwargs)
+        sizes = self.inputs.sizes(micro)
+        targets = self.inputs.micro_targets(target)
         if len(targets) != len(micro) or any(batch_size_of([t], self.layout.target) != n
                                              for t, n in zip(targets, sizes)):
             raise ValueError(f"target must have the batch size of the inputs, {sum(sizes)}, along its batch "

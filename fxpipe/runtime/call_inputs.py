@@ -1,0 +1,78 @@
+"""A call of the pipeline bound to the traced graph's inputs and split into micro-batches.
+
+``pipe(*args, **kwargs)`` and ``pipe.step(inputs, target, ...)`` take what the model takes; the stages
+take the graph's placeholders. :class:`CallInputs` binds one to the other (positional, keyword and
+default arguments; a torch.export graph's flat leaves through its input spec), checks the call against
+what was compiled (:mod:`fxpipe.runtime.guards`) and splits inputs and targets along their batch
+dimensions (:mod:`fxpipe.runtime.microbatch`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+
+from fxpipe.planning.plan import Plan
+from fxpipe.runtime.guards import ModelGuard, check_inputs
+from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, scatter
+from fxpipe.runtime.structure import flat_inputs
+
+__all__ = ["CallInputs"]
+
+
+class CallInputs:
+    """The graph's inputs, the plan's batch layout and chunks, and the guard of the compiled model."""
+
+    def __init__(self, graph_module: fx.GraphModule, plan: Plan, guard: ModelGuard | None = None) -> None:
+        self.placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+        self.in_spec = graph_module.meta.get("fxpipe_in_spec")   # a torch.export graph's input structure
+        self.layout = BatchLayout.of(plan.batch_dims)
+        self.chunks = plan.chunks
+        self.signature = plan.profile.get("inputs", [])
+        self.guard = guard
+
+    def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """The call's values by placeholder name (defaults filled in); ``TypeError`` as Python would say it."""
+        args, kwargs = flat_inputs(args, kwargs, self.in_spec)
+        if len(args) > len(self.placeholders):
+            raise TypeError(f"the model takes {len(self.placeholders)} inputs, got {len(args)}")
+        bound = {p.target: a for p, a in zip(self.placeholders, args)}
+        for key, value in kwargs.items():
+            if key not in {p.target for p in self.placeholders}:
+                raise TypeError(f"unexpected keyword input {key!r}")
+            if key in bound:
+                raise TypeError(f"input {key!r} given twice")
+            bound[key] = value
+        env = {}
+        for p in self.placeholders:
+            if p.target in bound:
+                env[p.name] = bound[p.target]
+            elif p.args:
+                env[p.name] = p.args[0]
+            else:
+                raise TypeError(f"missing input {p.target!r}")
+        return env
+
+    def _dims(self) -> dict[str, int]:
+        return {p.name: self.layout.inputs.get(p.target, 0) for p in self.placeholders}
+
+    def micro_batches(self, args: tuple, kwargs: dict) -> list[dict[str, Any]]:
+        """The bound inputs split into ``chunks`` micro-batches, each a dict by placeholder name."""
+        env = self.bind(args, kwargs)
+        if self.guard is not None:
+            self.guard.check()
+        dims = self._dims()
+        check_inputs(self.signature, env, dims)
+        names = list(env)
+        return [dict(zip(names, values)) for values in scatter(list(env.values()), self.chunks,
+                                                                [dims[n] for n in names])]
+
+    def micro_targets(self, target: Any) -> list[Any]:
+        """``target`` split into micro-batches along the layout's target dimension."""
+        return [t[0] for t in scatter([target], self.chunks, self.layout.target)]
+
+    def sizes(self, micro: list[dict[str, Any]]) -> list[int]:
+        """Samples per micro-batch."""
+        dims = self._dims()
+        return [batch_size_of(list(mb.values()), [dims[n] for n in mb]) for mb in micro]
