@@ -18,6 +18,7 @@ the compile.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -31,11 +32,14 @@ from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, scatter
 from fxpipe.runtime.no_trace import leaving_no_trace
 from fxpipe.runtime.rng import is_random
 
-__all__ = ["check_micro_batching", "RTOL"]
+__all__ = ["check_micro_batching", "RTOL", "RTOL_FLOAT64"]
 
 RTOL = 1e-3   # relative to the output's largest magnitude. Rounding of another summation order passes: a
 # deep float32 network whose kernels change with the batch size differs by ~1e-4 (EfficientNet-B0: 1.3e-4);
 # samples mixed along the split dimension differ by whole percents (an LSTM split along time: 42 %).
+# Beyond RTOL the comparison is made again in float64 before refusing: a deep network with badly scaled
+# activations (random EfficientNet-B2) differs by 3 % in float32 from rounding alone, by 1e-13 in float64.
+RTOL_FLOAT64 = 1e-6
 
 
 def _sequence_first(gm: nn.Module) -> list[str]:
@@ -80,6 +84,22 @@ def _leading(values: list[Any], samples: int, dims: list[int]) -> list[Any]:
                      value) for value, dim in zip(values, dims)]
 
 
+def _agrees_in_float64(gm: fx.GraphModule, inputs: tuple, samples: int, micro: list, dims: list[int],
+                       layout: BatchLayout) -> bool:
+    """The same comparison on a float64 copy of the graph: rounding vanishes there, mixing does not."""
+    def wide(t: Any) -> Any:
+        return t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    try:
+        twin = copy.deepcopy(gm).double().eval()
+        with torch.no_grad():
+            whole = twin(*tree_map(wide, _leading(list(inputs), samples, dims)))
+            parts = [twin(*tree_map(wide, part)) for part in micro]
+    except Exception:   # a graph that cannot run in float64 keeps the float32 verdict
+        return False
+    found = _difference(whole, parts, layout.output)
+    return found is None or found[0] <= RTOL_FLOAT64
+
+
 def check_micro_batching(gm: fx.GraphModule, example_inputs: tuple, layout: BatchLayout, chunks: int) -> None:
     """Refuse (:class:`fxpipe.FxpipeError`) a model whose outputs change when ``example_inputs`` is split into
     ``chunks`` micro-batches along ``layout``; see the module doc. Skipped for ``chunks == 1`` and for a graph
@@ -110,6 +130,8 @@ def check_micro_batching(gm: fx.GraphModule, example_inputs: tuple, layout: Batc
     found = _difference(whole, parts, layout.output)
     if found is None or found[0] <= RTOL:
         return
+    if found[0] != float("inf") and _agrees_in_float64(gm, inputs, samples, micro, dims, layout):
+        return   # float32 rounding of a deep, badly scaled network (EfficientNet-B2: 3 %), not mixing
     error, where = found
     suspects = _sequence_first(gm)
     raise FxpipeError(
