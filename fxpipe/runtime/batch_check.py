@@ -38,8 +38,9 @@ RTOL = 1e-3   # relative to the output's largest magnitude. Rounding of another 
 # deep float32 network whose kernels change with the batch size differs by ~1e-4 (EfficientNet-B0: 1.3e-4);
 # samples mixed along the split dimension differ by whole percents (an LSTM split along time: 42 %).
 # Beyond RTOL the comparison is made again in float64 before refusing: a deep network with badly scaled
-# activations (random EfficientNet-B2) differs by 3 % in float32 from rounding alone, by 1e-13 in float64.
-RTOL_FLOAT64 = 1e-6
+# activations differs in float32 from rounding alone (random EfficientNet-B2: 3 %; B7, outputs ~1e7: 170 %)
+# and in float64 by far less (B2: 1e-13, B7: 2.8e-6), while mixed samples differ by percents in both.
+RTOL_FLOAT64 = 1e-4
 
 
 def _sequence_first(gm: nn.Module) -> list[str]:
