@@ -202,7 +202,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         pairs = []
         for name, by_pos in received.items():
             flat = tree_flatten(outs[(k, i)][name])[0]
-            pairs += [(flat[pos], _laid_out_as(flat[pos], g)) for pos, g in by_pos.items() if flat[pos].requires_grad]
+            pairs += [(flat[pos], _with_standard_strides(g)) for pos, g in by_pos.items() if flat[pos].requires_grad]
         roots, root_grads = [t for t, _ in pairs], [g for _, g in pairs]
         stage_leaves = leaves.pop((k, i))
         if split and not checkpoint(k, i):
@@ -297,7 +297,7 @@ def _result(losses: list[Any], counts: list[Any]) -> dict[str, Any]:
     return {"loss": total.item(), "count": count, "dtype": str(losses[0].dtype).removeprefix("torch.")}
 
 
-def _laid_out_as(output: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+def _with_standard_strides(grad: torch.Tensor) -> torch.Tensor:
     """``grad`` with standard contiguous strides when it has other ones. A value of a 1-sample micro-batch
     is "contiguous" with any stride on its size-1 dimensions, and a gradient received for it keeps them;
     some CPU backward kernels read those strides: XCiT's patch embedding got 73 % wrong weight gradients
@@ -306,7 +306,7 @@ def _laid_out_as(output: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     for size in reversed(grad.shape):
         standard.append(step)
         step *= max(size, 1)
-    if grad.shape != output.shape or tuple(reversed(standard)) == grad.stride():
+    if tuple(reversed(standard)) == grad.stride():
         return grad
     return grad.clone(memory_format=torch.contiguous_format)
 
