@@ -1,10 +1,12 @@
 """``fxpipe.distributed.PipelineRank``: this process's stages of a plan, trained with the plan's schedule.
 
-Run one process per worker of the plan (``torchrun --nproc-per-node <workers>``, or any launcher that
-initialises ``torch.distributed``); process ``r`` of the group runs worker ``r``'s stages (one per
-worker; several with ``interleaved-1f1b``). Every process builds the model with ``model_fn()`` and traces
-it (the trace must give the plan's fingerprint), then keeps only its own stages' parameters and buffers:
-the others' are replaced by ``meta`` tensors, which hold no memory. The step is
+Run one process per device of the plan (``torchrun --nproc-per-node <devices per node>``, or any launcher
+that initialises ``torch.distributed``); the process at the plan's (node, local device) of a stage runs it
+(:mod:`fxpipe.distributed.placement`; one stage per process, several with ``interleaved-1f1b``). With
+``weights=`` every process builds ``model_fn()`` on the ``meta`` device, traces it there (the trace must give
+the plan's fingerprint) and materialises only its own stages' parameters and buffers, read from the weights
+(:mod:`fxpipe.distributed.materialise`): no process ever holds the whole model. Without, it builds the model
+for real and keeps only its own stages' tensors: the others' become ``meta`` tensors, which hold no memory. The step is
 :meth:`fxpipe.Pipeline.step` itself, the same schedule interpreter as in one process, with values and
 gradients crossing ranks through :class:`fxpipe.distributed.transport.P2P`.
 
@@ -21,14 +23,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fxpipe.distributed.materialise import materialise
+from fxpipe.distributed.placement import stage_ranks
 from fxpipe.distributed.transport import P2P
+from fxpipe.distributed.weights import open_weights
 from fxpipe.errors import FxpipeError, PlanMismatchError
 from fxpipe.frontend.capture import capture
 from fxpipe.planning.plan import Plan, load_plan
 from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
 from fxpipe.runtime.codegen import StageSpec, move_stage, split_graph
 from fxpipe.runtime.pipeline import Pipeline
-from solvers.schedules import stage_worker
 
 __all__ = ["PipelineRank"]
 
@@ -48,7 +52,9 @@ class PipelineRank:
     """This rank's stages of ``plan``; :meth:`step` trains one batch and returns the loss on the last stage's rank.
 
     ``plan`` is a :class:`fxpipe.Plan` or the path of a saved one; ``model_fn()`` builds the model (the same
-    on every rank, e.g. from the same seed or checkpoint); ``loss_fn(output, target)`` and ``reduction`` are
+    on every rank, e.g. from the same seed or checkpoint). ``weights`` (a state dict, the path of a
+    ``torch.save``'d one or a ``.safetensors`` file, or a ``torch.distributed.checkpoint`` directory) builds it
+    on ``meta`` instead and loads only this rank's tensors from there. ``loss_fn(output, target)`` and ``reduction`` are
     :meth:`fxpipe.Pipeline.step`'s. ``device`` puts this rank's stages elsewhere than the plan says (e.g.
     ``cuda:<LOCAL_RANK>``). ``timeout_s`` bounds every wait for another rank.
     """
@@ -57,7 +63,7 @@ class PipelineRank:
                  loss_fn: Callable[[Any, Any], torch.Tensor], *, reduction: str = "mean",
                  checkpoint: str = "except_last", group: Any = None, device: str | torch.device | None = None,
                  timeout_s: float = 300.0, leaf_modules: Iterable[type | str] = (),
-                 deferred_batch_norm: bool = False, broadcast_loss: bool = False) -> None:
+                 deferred_batch_norm: bool = False, broadcast_loss: bool = False, weights: Any = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise FxpipeError("fxpipe.distributed needs torch.distributed initialised: run under torchrun and call "
                               "torch.distributed.init_process_group('gloo' or 'nccl') before PipelineRank")
@@ -68,7 +74,12 @@ class PipelineRank:
                 f"the plan runs {len(plan.stages)} stages on {plan.workers} workers but the process group has "
                 f"{world} processes: start one process per worker (torchrun --nproc-per-node {plan.workers} on "
                 f"one node) or plan for {world} devices")
-        self.model = model_fn()
+        source = open_weights(weights) if weights is not None else None   # a bad path fails before any build
+        if source is not None:
+            with torch.device("meta"):   # nothing allocated: only this rank's tensors become real, below
+                self.model = model_fn()
+        else:
+            self.model = model_fn()
         captured = capture(self.model, leaf_modules, None)
         if captured.fingerprint != plan.fingerprint:
             raise PlanMismatchError(
@@ -78,7 +89,7 @@ class PipelineRank:
         if deferred_batch_norm:
             convert_deferred_batch_norm(captured.graph)
         p = len(plan.stages)
-        stage_rank = [stage_worker(plan.schedule, k, plan.workers) for k in range(p)]
+        stage_rank = stage_ranks(plan, self.rank, world, group)
         specs = split_graph(captured.graph, plan.stage_of(), p)
         self.own = [k for k in range(p) if stage_rank[k] == self.rank]
         keep = {id(t) for k in self.own for t in [*specs[k].module.parameters(), *specs[k].module.buffers()]}
@@ -89,6 +100,10 @@ class PipelineRank:
         _drop(self.model, keep)   # the model's modules the trace did not keep (a tied head read through get_attr)
         devices = [torch.device(device if device is not None and k in self.own else st.device)
                    for k, st in enumerate(plan.stages)]
+        if source is not None:
+            tensors = {id(t): (t, devices[k]) for k in self.own
+                       for t in [*specs[k].module.parameters(), *specs[k].module.buffers()]}
+            materialise(self.model, [captured.graph, *(s.module for s in specs)], tensors, source, model_fn, self.rank)
         for k in self.own:
             move_stage(specs[k], devices[k])
         self.specs: list[StageSpec] = specs

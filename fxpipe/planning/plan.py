@@ -51,6 +51,8 @@ class PlanStage:
     memory_bytes: float = 0.0      # the memory of its device the plan gives it (interleaved: a share)
     measured_bytes: dict[str, float] | None = None   # solvers.activation_memory.StageBytes, measured
     modules: list[str] = field(default_factory=list)   # module paths of its first and last operation
+    node: int = 0                  # the host (torchrun's node rank) its device is on
+    device_index: int = -1         # its device's index in Plan.devices (-1: the stage's worker, in order)
 
 
 @dataclass

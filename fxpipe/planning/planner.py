@@ -202,19 +202,22 @@ def virtual_links(links: Links, v: int) -> Links:
 def plan_from_solution(problem: solvers.Problem, solution: solvers.Solution, devices: Sequence[Any],
                         fingerprint: str, model_name: str, chunks: int, checkpoint: str, batch: int,
                         profile: str, profile_device: str, training: bool,
-                        profile_extra: dict[str, Any] | None = None) -> Plan:
+                        profile_extra: dict[str, Any] | None = None, hosts: Sequence[int] | None = None) -> Plan:
+    """The :class:`Plan` of ``solution``; ``hosts[d]`` is the host of ``devices[d]`` (default: all on node 0)."""
     ids = problem_device_ids([torch.device(d) for d in devices])
     nodes = problem.node_map()
     pred = solution.predicted
     stages = []
     for k, st in enumerate(solution.stages):
-        dev = str(torch.device(devices[ids.index(st.devices[0])]))
+        index = ids.index(st.devices[0])
+        dev = str(torch.device(devices[index]))
         members = [nodes[n] for n in st.nodes]
         stages.append(PlanStage(
             index=k, device=dev, nodes=list(st.nodes),
             param_bytes=sum(n.param_bytes for n in members), act_bytes=sum(n.act_bytes for n in members),
             fwd_s=sum(n.fwd_s for n in members), bwd_s=sum(n.bwd_s for n in members),
             comm_s=pred["comm_s"][k], stage_s=pred["stage_s"][k], peak_bytes=pred["peak_bytes"][k],
+            node=hosts[index] if hosts is not None else 0, device_index=index,
         ))
     predicted = {"iteration_s": pred["iteration_s"], "bottleneck_stage": pred["bottleneck"],
                  "throughput_samples_per_s": batch / pred["iteration_s"] if pred["iteration_s"] > 0 else float("inf")}

@@ -1,0 +1,61 @@
+"""Which process runs which stage: the plan's placement (node, device), not the order of ranks.
+
+Every stage of a plan names its host (``stage.node``) and its device's index in ``plan.devices``
+(``stage.device_index``; ``-1`` in an older plan: its worker, in stage order). The devices a plan uses on one
+node are numbered in order of their index: that number is the ``LOCAL_RANK`` of the process that runs them.
+Each process says where it is — torchrun's ``GROUP_RANK`` (the node) and ``LOCAL_RANK`` — and one
+``all_gather_object`` tells every rank the others', so stage ``k`` runs on the rank at ``(node_k, local_k)``
+whatever global rank torchrun gave it. Without torchrun's variables a process is on node 0 with its rank as
+local rank (``torch.multiprocessing`` on one machine).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch.distributed as dist
+
+from fxpipe.errors import PlanMismatchError
+from fxpipe.planning.plan import Plan
+from solvers.schedules import stage_worker
+
+__all__ = ["plan_slots", "where_am_i", "stage_ranks"]
+
+
+def plan_slots(plan: Plan) -> list[tuple[int, int]]:
+    """``(node, local index)`` of every stage's device."""
+    workers = plan.workers
+    # interleaved: the solver's device i (one per chunk of stages and device) is the plan's device i % workers
+    wrap = workers if plan.virtual_stages > 1 else 1 << 30
+    slot = [(st.node, st.device_index % wrap if st.device_index >= 0 else stage_worker(plan.schedule, k, workers))
+            for k, st in enumerate(plan.stages)]
+    local: dict[tuple[int, int], int] = {}
+    for node in sorted({n for n, _ in slot}):
+        for i, index in enumerate(sorted({d for n, d in slot if n == node})):
+            local[(node, index)] = i
+    return [(node, local[(node, index)]) for node, index in slot]
+
+
+def where_am_i(rank: int) -> tuple[int, int]:
+    """This process's ``(node, local rank)``: torchrun's ``GROUP_RANK`` and ``LOCAL_RANK``, else ``(0, rank)``."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0"))), int(os.environ["LOCAL_RANK"])
+    return 0, rank
+
+
+def stage_ranks(plan: Plan, rank: int, world: int, group: Any = None) -> list[int]:
+    """The global rank that runs each stage (collective: every rank calls it once)."""
+    slots = plan_slots(plan)
+    here: list[Any] = [None] * world
+    dist.all_gather_object(here, where_am_i(rank), group=group)
+    at = {tuple(w): r for r, w in enumerate(here)}
+    wanted = sorted(set(slots))
+    if len(at) != world or set(at) != set(wanted):
+        nodes = sorted({n for n, _ in wanted})
+        per_node = ", ".join(f"node {n}: {sum(1 for m, _ in wanted if m == n)}" for n in nodes)
+        raise PlanMismatchError(
+            f"the plan places its stages on {len(wanted)} devices ({per_node} processes) but the processes are at "
+            f"(node, local rank) {sorted(at) if len(at) == world else here}: start "
+            f"torchrun --nnodes {len(nodes)} with that many processes on each node (--node-rank = the plan's node)")
+    return [at[s] for s in slots]
