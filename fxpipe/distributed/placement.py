@@ -3,7 +3,8 @@
 Every stage of a plan names its host (``stage.node``) and its device's index in ``plan.devices``
 (``stage.device_index``; ``-1`` in an older plan: its worker, in stage order). The devices a plan uses on one
 node are numbered in order of their index: that number is the ``LOCAL_RANK`` of the process that runs them.
-Each process says where it is — torchrun's ``GROUP_RANK`` (the node) and ``LOCAL_RANK`` — and one
+Each process says where it is — its node (``FXPIPE_NODE``, set by ``fxpipe.launch --plan-node``, else torchrun's
+``GROUP_RANK``: with a c10d rendezvous, the order in which hosts joined) and ``LOCAL_RANK`` — and one
 ``all_gather_object`` tells every rank the others', so stage ``k`` runs on the rank at ``(node_k, local_k)``
 whatever global rank torchrun gave it. Without torchrun's variables a process is on node 0 with its rank as
 local rank (``torch.multiprocessing`` on one machine).
@@ -38,10 +39,12 @@ def plan_slots(plan: Plan) -> list[tuple[int, int]]:
 
 
 def where_am_i(rank: int) -> tuple[int, int]:
-    """This process's ``(node, local rank)``: torchrun's ``GROUP_RANK`` and ``LOCAL_RANK``, else ``(0, rank)``."""
+    """This process's ``(node, local rank)``: ``FXPIPE_NODE`` (``fxpipe.launch --plan-node``) or torchrun's
+    ``GROUP_RANK``, and ``LOCAL_RANK``; else ``(0, rank)``."""
+    node = int(os.environ.get("FXPIPE_NODE", os.environ.get("GROUP_RANK", "0")))
     if "LOCAL_RANK" in os.environ:
-        return int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0"))), int(os.environ["LOCAL_RANK"])
-    return 0, rank
+        return node, int(os.environ["LOCAL_RANK"])
+    return node, rank
 
 
 def stage_ranks(plan: Plan, rank: int, world: int, group: Any = None) -> list[int]:

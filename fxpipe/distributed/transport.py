@@ -56,7 +56,9 @@ class P2P(Transport):
         return self.stage_rank[-1 if stage == LOSS else stage] == self.rank
 
     def workers(self, count: int) -> list[int]:
-        return [self.rank]   # a rank is one worker of the schedule
+        # a rank is one worker of the schedule: the one of its first stage (stage s runs on worker s, or s % workers
+        # interleaved), whatever its rank number (the plan's placement decides which rank that is)
+        return [min(k for k, r in enumerate(self.stage_rank) if r == self.rank)]
 
     def _global(self, rank: int) -> int:
         return self.ranks[rank]

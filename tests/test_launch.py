@@ -1,0 +1,132 @@
+"""``python -m fxpipe.launch`` under real ``torchrun`` commands (gloo on 127.0.0.1): a plan whose stage 0 is on
+the second device (or the second node) runs each stage where the plan says, from weights loaded per rank,
+with the one-process model's losses; resuming from its checkpoint continues them; bad arguments end every
+process with one ``error:`` line and a non-zero exit; ``--help`` shows a real example."""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from forced_cuts import compile_with_cuts
+from launch_target import batches, make_model
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{TESTS}", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    for key in ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "FXPIPE_NODE"):
+        env.pop(key, None)
+    return env
+
+
+def _torchrun(args: list[str], torchrun: list[str] | None = None, wait: bool = True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", *(torchrun or ["--standalone", "--nproc-per-node", "2"]),
+           "-m", "fxpipe.launch", *args]
+    proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc.communicate(timeout=240) + (proc.returncode,) if wait else proc
+
+
+def _losses(out: str) -> list[float]:
+    return [float(v) for v in re.findall(r"^step \d+: loss ([0-9.]+)$", out, re.M)]
+
+
+def _reference(steps: int) -> list[float]:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x, y in batches()[:steps]:
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _close(got: list[float], want: list[float]) -> bool:
+    return len(got) == len(want) and all(abs(a - b) <= 2e-6 + 1e-5 * abs(b) for a, b in zip(got, want))
+
+
+def _swapped_plan(tmp_path: Path, nodes: tuple[int, int] = (0, 0)) -> tuple[str, str]:
+    """A two-stage plan whose stage 0 is on device 1 (and stage 1 on device 0), on ``nodes``; and the weights."""
+    x = batches()[0][0]
+    plan = copy.deepcopy(compile_with_cuts(make_model(), (x,), ["blocks_3_0"], chunks=3).plan)
+    plan.stages[0].device_index, plan.stages[1].device_index = 1, 0
+    plan.stages[0].node, plan.stages[1].node = nodes
+    plan.save(tmp_path / "p.json")
+    torch.save(make_model().state_dict(), tmp_path / "w.pt")
+    return str(tmp_path / "p.json"), str(tmp_path / "w.pt")
+
+
+@pytest.mark.slow   # ~55 s on the shared machine: two torchrun runs of two processes
+def test_launch_places_stages_by_the_plan_loads_weights_and_resumes_as_one_process(tmp_path):
+    plan, weights = _swapped_plan(tmp_path)
+    common = ["--plan", plan, "--model", "launch_target:other_init", "--data", "launch_target:batches",
+              "--lr", "0.1", "--checkpoint", str(tmp_path / "ckpt")]
+    out, err, rc = _torchrun([*common, "--weights", weights, "--steps", "3"])
+    assert rc == 0, err[-3000:]
+    # the plan put stage 0 on the second device: LOCAL_RANK 1 runs it, not rank 0
+    assert re.search(r"^rank 1 \(node 0, local 1\): stages \[0\] on cpu", out, re.M), out
+    assert re.search(r"^rank 0 \(node 0, local 0\): stages \[1\] on cpu", out, re.M), out
+    want = _reference(5)
+    assert _close(_losses(out), want[:3]), (_losses(out), want)
+    out, err, rc = _torchrun([*common, "--resume", "--steps", "2"])   # other_init's weights until loaded
+    assert rc == 0, err[-3000:]
+    assert _close(_losses(out), want[3:]), (_losses(out), want)
+    assert re.findall(r"^step (\d+):", out, re.M) == ["3", "4"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow   # ~45 s: two torchrun commands joined by a c10d rendezvous
+def test_two_node_run_puts_each_stage_on_the_node_the_plan_says(tmp_path):
+    plan, weights = _swapped_plan(tmp_path, nodes=(1, 0))   # stage 0 on node 1, stage 1 on node 0
+    rdzv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{_port()}", "--rdzv-id", "fxpipe-test"]
+    args = ["--plan", plan, "--model", "launch_target:other_init", "--data", "launch_target:batches",
+            "--lr", "0.1", "--weights", weights, "--steps", "3"]
+    procs = [_torchrun([*args, "--plan-node", str(node)], rdzv, wait=False) for node in (0, 1)]
+    (out0, err0), (out1, err1) = [p.communicate(timeout=240) for p in procs]
+    assert procs[0].returncode == 0 and procs[1].returncode == 0, (err0[-2000:], err1[-2000:])
+    assert re.search(r"^rank \d \(node 0, local 0\): stages \[1\]", out0, re.M), out0
+    assert re.search(r"^rank \d \(node 1, local 0\): stages \[0\]", out1, re.M), out1
+    assert _close(_losses(out0), _reference(3)) and not _losses(out1), (out0, out1)
+
+
+@pytest.mark.slow   # ~55 s: two torchrun runs
+def test_bad_arguments_end_every_process_with_one_error_line(tmp_path):
+    plan, _ = _swapped_plan(tmp_path)
+    out, err, rc = _torchrun(["--plan", plan, "--model", "nosuch.models:make", "--data", "launch_target:batches"])
+    assert rc != 0
+    assert re.search(r"^error: rank [01]: --model nosuch.models:make: cannot import nosuch.models", err, re.M), err
+    three = copy.deepcopy(compile_with_cuts(make_model(), (batches()[0][0],), ["blocks_2_0", "blocks_4_0"]).plan)
+    three.save(tmp_path / "three.json")
+    out, err, rc = _torchrun(["--plan", str(tmp_path / "three.json"), "--model", "launch_target:make_model",
+                              "--data", "launch_target:batches"])
+    assert rc != 0
+    assert re.search(r"^error: rank [01]: PlanMismatchError: the plan runs 3 stages on 3 workers but the process "
+                     r"group has 2 processes: start one process per worker \(torchrun --nproc-per-node 3", err, re.M), err
+
+
+def test_help_shows_a_real_example():
+    out = subprocess.run([sys.executable, "-m", "fxpipe.launch", "--help"], env=_env(), cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0
+    assert "torchrun --standalone --nproc-per-node 2 -m fxpipe.launch --plan" in out.stdout
+    assert "--weights" in out.stdout and "--resume" in out.stdout and "--plan-node" in out.stdout
