@@ -14,6 +14,7 @@ EPILOG = """examples:
   python -m fxpipe demo --model vit_b_16 --chunks 2 --batch 4
   python -m fxpipe plan resnet101 --devices cpu,cpu,cpu,cpu --batch 16 --save r101.plan.json
   python -m fxpipe plan vit_l_16 --preset h100 --count 8 --batch 256 --chunks 32   # no GPU needed
+  python -m fxpipe plan vit_l_16 --preset h100 --count 0:0-7,1:0-7 --batch 256   # two nodes of 8 GPUs
   python -m fxpipe show r101.plan.json [--json] [--png r101.png]
   python -m fxpipe diff a.plan.json b.plan.json          # exit 1 when the cuts or devices differ
   python -m fxpipe topo box.topo.txt                     # GPU link classes and the bandwidths used
@@ -30,6 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:      # a file that cannot be read or written: as cat and cp say it
         print(f"error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
         return 1
+
+
+def _count(text: str) -> int | str:
+    """``--count``: a number of devices, or OneFlow-style device names (``0:0-7,1:0-7``)."""
+    return int(text) if text.strip().isdigit() else text
 
 
 def _loudness(parser: argparse.ArgumentParser, default: object) -> None:
@@ -64,7 +70,9 @@ def _main(argv: list[str] | None = None) -> int:
     p_plan.add_argument("--save", help="write the plan JSON here")
     p_plan.add_argument("--preset", help="plan for devices described by a preset (v100, a100, h100, h200, cpu) "
                                          "instead of --devices, from shapes alone (the model is built on meta)")
-    p_plan.add_argument("--count", type=int, default=8, help="number of --preset devices (default: 8)")
+    p_plan.add_argument("--count", type=_count, default=8,
+                        help="number of --preset devices (default: 8), or OneFlow-style names: 0:0-7,1:0-7 = GPUs 0-7 "
+                             "of node 0 and of node 1, joined by the network link class")
     p_plan.add_argument("--schedule", choices=("gpipe", "1f1b", "zb-h1"), default="1f1b",
                         help="the schedule whose memory the plan must fit (default: 1f1b)")
     for command in (show, diff, topo):

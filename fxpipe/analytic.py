@@ -66,7 +66,7 @@ def plan(
     first = tuple(scatter(list(example_inputs), chunks)[0])
     reference = devices.specs[0]
     costs = profile_graph(gm, first, torch.device("cpu"), mode="analytic", spec=reference)
-    problem = build_problem(gm, costs, [torch.device(i) for i in devices.ids], links_from_classes(devices.link_classes),
+    problem = build_problem(gm, costs, [torch.device(i) for i in devices.ids], links_from_classes(devices.link_classes, devices.bandwidth_Bps),
                             chunks, [s.memory_bytes for s in devices.specs], stages=stages,
                             optimizer_state_factor=OPTIMIZER_STATE[optimizer], schedule=schedule,
                             name=type(model).__name__,
@@ -76,6 +76,7 @@ def plan(
     except solvers.InfeasibleError as exc:
         raise InfeasiblePlanError(str(exc), exc.min_peak_bytes) from exc
     result = plan_from_solution(problem, solution, devices.ids, graph_fingerprint(gm), type(model).__name__,
-                                 chunks, checkpoint, batch, "analytic", reference.name, model.training)
+                                 chunks, checkpoint, batch, "analytic", reference.name, model.training,
+                                 hosts=devices.nodes)
     stage_buffers(gm, costs, result)
     return result

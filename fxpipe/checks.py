@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from fxpipe.cost.device_names import EXAMPLE, is_device_names, parse_device_names
 from fxpipe.errors import PlanMismatchError
 from fxpipe.frontend.capture import Captured
 from fxpipe.options import CompileOptions, ProfileOptions
@@ -26,9 +27,22 @@ __all__ = ["batch_layout", "check_arguments", "check_plan", "check_plan_layout",
 
 
 def parse_devices(devices: Sequence[str | torch.device]) -> list[torch.device]:
-    """Validate device strings; ``["cpu", "cpu"]`` means two CPU workers."""
+    """Validate device strings; ``["cpu", "cpu"]`` means two CPU workers, ``"0:0-3"`` (OneFlow-style: node 0,
+    GPUs 0 to 3; :mod:`fxpipe.cost.device_names`) four GPUs of this machine."""
+    if isinstance(devices, str) and is_device_names(devices) or (
+            isinstance(devices, (list, tuple)) and devices and is_device_names(devices)):
+        named = parse_device_names(devices if isinstance(devices, str) else ",".join(devices))
+        nodes = sorted({node for node, _ in named})
+        if len(nodes) > 1:
+            raise ValueError(
+                f"devices {devices!r} are on {len(nodes)} nodes, but fxpipe.compile runs the pipeline in this one "
+                "process: plan for them with fxpipe.plan(model, fxpipe.Devices.preset('h100', "
+                f"{','.join(devices) if not isinstance(devices, str) else devices!r}), example_inputs), save the plan "
+                "and run it with torchrun ... -m fxpipe.launch on every node")
+        devices = [d for _, d in named]
     if isinstance(devices, (str, torch.device)) or not devices:
-        raise ValueError(f"devices must be a non-empty list such as ['cpu', 'cpu'] or ['cuda:0', 'cuda:1'], got {devices!r}")
+        raise ValueError(f"devices must be a non-empty list such as ['cpu', 'cpu'] or ['cuda:0', 'cuda:1'], or "
+                         f"OneFlow-style names such as {EXAMPLE}; got {devices!r}")
     out = []
     for d in devices:
         try:

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fxpipe.cost.device_names import parse_device_names
+
 __all__ = ["DeviceSpec", "Devices", "PRESETS", "ACHIEVABLE", "calibrate_cpu"]
 
 ACHIEVABLE = {"flops": 0.6, "bandwidth": 0.8}
@@ -85,11 +87,14 @@ def calibrate_cpu(seconds: float = 1.0) -> DeviceSpec:
 
 @dataclass
 class Devices:
-    """Devices to plan for: one spec each, ids (``cuda:0`` ...) and a link-class matrix."""
+    """Devices to plan for: one spec each, ids (``cuda:0`` ...), a link-class matrix, each device's node (host;
+    default all 0) and bandwidths by link class that replace the defaults (``{"NET": 12.5e9}``)."""
 
     specs: list[DeviceSpec]
     link_classes: list[list[str]]
     ids: list[str] = field(default_factory=list)
+    nodes: list[int] = field(default_factory=list)
+    bandwidth_Bps: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.specs)
@@ -101,10 +106,23 @@ class Devices:
             self.ids = [f"cuda:{i}" for i in range(n)]
         if len(self.ids) != n:
             raise ValueError(f"{len(self.ids)} ids for {n} devices")
+        if not self.nodes:
+            self.nodes = [0] * n
+        if len(self.nodes) != n:
+            raise ValueError(f"{len(self.nodes)} nodes for {n} devices")
 
     @classmethod
-    def preset(cls, name: str, count: int) -> "Devices":
-        """``count`` identical devices of a preset (``v100``, ``a100``, ``h100``, ``h200``, or ``cpu``)."""
+    def preset(cls, name: str, count: int | str, bandwidth_Bps: dict[str, float] | None = None) -> "Devices":
+        """``count`` identical devices of a preset (``v100``, ``a100``, ``h100``, ``h200``, or ``cpu``); ``count``
+        may name them OneFlow-style, ``"0:0-7,1:0-7"`` (GPUs 0-7 of nodes 0 and 1): devices of different nodes
+        are joined by the ``NET`` link class (:mod:`fxpipe.planning.topology`; ``bandwidth_Bps={"NET": ...}``)."""
+        if isinstance(count, str):
+            named = parse_device_names(count)
+            one = cls.preset(name, len(named))
+            nodes = [node for node, _ in named]
+            classes = [["NET" if nodes[i] != nodes[j] else c for j, c in enumerate(row)]   # hosts: the network
+                       for i, row in enumerate(one.link_classes)]
+            return cls(one.specs, classes, [d for _, d in named], nodes, dict(bandwidth_Bps or {}))
         key = name.lower()
         if key == "cpu":
             spec, link = calibrate_cpu(), "HOST"
@@ -115,7 +133,8 @@ class Devices:
                              "(or build Devices from your own DeviceSpec)")
         if not isinstance(count, int) or count < 1:
             raise ValueError(f"count must be a positive integer, got {count!r}")
-        return cls([spec] * count, [["X" if i == j else link for j in range(count)] for i in range(count)])
+        return cls([spec] * count, [["X" if i == j else link for j in range(count)] for i in range(count)],
+                   bandwidth_Bps=dict(bandwidth_Bps or {}))
 
     def __len__(self) -> int:
         return len(self.specs)

@@ -3,7 +3,10 @@
 The classes are those of ``nvidia-smi topo -m`` (``X``, ``NV#``, ``PIX``,
 ``PXB``, ``PHB``, ``NODE``, ``SYS``) plus ``NET`` between hosts and ``HOST``
 for CPU workers, which share memory. Defaults are typical one-way figures;
-users override them with ``bandwidth_Bps=``/``latency_s=`` tables.
+users override them with ``bandwidth_Bps=``/``latency_s=`` tables. ``NET`` joins devices of different nodes
+(:func:`node_link_classes`, as ``fxpipe.Devices.preset(name, "0:0-7,1:0-7")``): by default InfiniBand HDR, 200 Gb/s = 25 GB/s per GPU's NIC; set another with
+``fxpipe.Devices(..., bandwidth_Bps={"NET": 12.5e9})`` (100 Gb/s Ethernet or EDR, say), which
+:func:`links_from_classes` applies.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 import torch
 
 __all__ = ["LINK_CLASSES", "parse_nvidia_smi_topo", "link_class_bandwidth", "Links", "links_for_devices",
-           "links_from_classes", "plot"]
+           "links_from_classes", "node_link_classes", "plot"]
 
 # class -> (bandwidth in bytes/s, latency in s)
 LINK_CLASSES: dict[str, tuple[float, float]] = {
@@ -28,7 +31,7 @@ LINK_CLASSES: dict[str, tuple[float, float]] = {
     "PHB": (10e9, 1.2e-5),
     "NODE": (9e9, 1.5e-5),
     "SYS": (6e9, 2e-5),
-    "NET": (12.5e9, 5e-5),   # 100 Gb/s between hosts
+    "NET": (25e9, 5e-6),     # between hosts: InfiniBand HDR, 200 Gb/s per GPU's NIC (GPUDirect RDMA)
     "HOST": (2e10, 2e-5),    # two CPU workers of one process: a hand-off, no copy
 }
 
@@ -111,10 +114,23 @@ def links_for_devices(devices: list[torch.device], gpu_classes: list[list[str]] 
     return links_from_classes(classes)
 
 
-def links_from_classes(classes: list[list[str]]) -> Links:
-    """Bandwidth and latency matrices for a matrix of link classes (the diagonal is unused)."""
+def node_link_classes(nodes: list[int], within: list[list[str]]) -> list[list[str]]:
+    """``within`` (the classes between devices of one node) with ``NET`` between devices of different ``nodes``."""
+    n = len(nodes)
+    return [["X" if i == j else "NET" if nodes[i] != nodes[j] else within[i][j] for j in range(n)] for i in range(n)]
+
+
+def links_from_classes(classes: list[list[str]], bandwidth_Bps: dict[str, float] | None = None) -> Links:
+    """Bandwidth and latency matrices for a matrix of link classes (the diagonal is unused); ``bandwidth_Bps``
+    sets the bandwidth of some classes (e.g. ``{"NET": 12.5e9}``)."""
     n = len(classes)
-    bw = [[0.0 if i == j else link_class_bandwidth(classes[i][j])[0] for j in range(n)] for i in range(n)]
+    for cls, value in (bandwidth_Bps or {}).items():
+        link_class_bandwidth(cls)   # an unknown class is refused with the known ones
+        if not value > 0:
+            raise ValueError(f"bandwidth_Bps[{cls!r}] must be a positive number of bytes/s, got {value!r}")
+    given = bandwidth_Bps or {}
+    bw = [[0.0 if i == j else given.get(classes[i][j], link_class_bandwidth(classes[i][j])[0]) for j in range(n)]
+          for i in range(n)]
     lat = [[0.0 if i == j else link_class_bandwidth(classes[i][j])[1] for j in range(n)] for i in range(n)]
     return Links(classes, bw, lat)
 
