@@ -165,16 +165,32 @@ def test_each_rank_allocates_only_its_stages_and_trains_as_one_process(tmp_path)
         assert g["allocated"] <= g["own_bytes"] + 4096, (g["allocated"], g["own_bytes"], model_bytes)
 
 
-def _each(rank: int, world: int, kind: str, plan_json: str, sources: list, seed: int) -> list[dict]:
-    return [_train(rank, world, kind, plan_json, weights, seed) for weights in sources]
+def _each(rank: int, world: int, kind: str, plan_json: str, sources: list, seed: int, saved: str) -> list[dict]:
+    """Train from every source of weights; then save the last run with fxd.checkpoint and build again from that
+    checkpoint directory: the tensors it loads are the trained ones."""
+    from fxpipe.distributed import PipelineRank, checkpoint
+    results = [_train(rank, world, kind, plan_json, weights, seed) for weights in sources]
+    plan = fxpipe.Plan.from_dict(json.loads(plan_json))
+    trained = PipelineRank(plan, functools.partial(_make, kind, seed), F.mse_loss, timeout_s=60, weights=sources[0])
+    opt = torch.optim.SGD(trained.parameters(), lr=0.1, momentum=0.9)
+    x, y = _batches(kind)[0]
+    trained.step(x, y)
+    opt.step()
+    checkpoint.save(trained, opt, saved)   # keys "model.<name>" beside "optim.<name>.<state>"
+    again = PipelineRank(plan, functools.partial(_make, kind, seed), F.mse_loss, timeout_s=60, weights=saved)
+    want = dict([*trained.model.named_parameters(), *trained.model.named_buffers()])
+    got = [(n, t) for n, t in [*again.model.named_parameters(), *again.model.named_buffers()] if t.device.type != "meta"]
+    assert got and all(torch.equal(t, want[n]) for n, t in got), [n for n, t in got if not torch.equal(t, want[n])]
+    return results
 
 
-@pytest.mark.slow   # ~30 s on the shared machine: two processes, three builds
+@pytest.mark.slow   # ~35 s on the shared machine: two processes, five builds
 def test_weights_from_every_format_and_recomputed_buffers_train_as_one_process(tmp_path):
     plan = _plan("scaled")
     forms = ["dict", "safetensors", "dcp"]
     # model_fn()'s own random init (seed 5) differs: only the loaded weights can make the ranks equal the model
-    results = run_ranks(2, _each, "scaled", plan.to_json(), [_weights("scaled", f, tmp_path) for f in forms], 5)
+    results = run_ranks(2, _each, "scaled", plan.to_json(), [_weights("scaled", f, tmp_path) for f in forms], 5,
+                        str(tmp_path / "fxd-checkpoint"))
     errors = [r["trace"] for r in results if "ok" not in r]
     assert not errors, errors[0]
     for i, form in enumerate(forms):

@@ -86,6 +86,10 @@ class Plan:
         return len(self.stages) // max(1, self.virtual_stages)
 
     # ------------------------------------------------------------------ views
+    def _where(self, stage: PlanStage) -> str:
+        """``cuda:0``, or ``1:cuda:0`` (node 1) when the plan spans several nodes."""
+        return f"{stage.node}:{stage.device}" if any(s.node for s in self.stages) else stage.device
+
     def stage_of(self) -> dict[str, int]:
         return {n: s.index for s in self.stages for n in s.nodes}
 
@@ -96,7 +100,7 @@ class Plan:
         worst = self.predicted.get("bottleneck_stage")
         for s in self.stages:
             rows.append([
-                f"{s.index}{'*' if s.index == worst else ''}", s.device, str(len(s.nodes)),
+                f"{s.index}{'*' if s.index == worst else ''}", self._where(s), str(len(s.nodes)),
                 f"{s.param_bytes / 2**20:.1f}", f"{s.fwd_s * 1e3:.2f}", f"{s.bwd_s * 1e3:.2f}",
                 f"{s.comm_s * 1e3:.3f}", f"{s.act_bytes / 2**20:.1f}", f"{s.peak_bytes / 2**20:.1f}",
                 f"{s.stage_s * 1e3:.2f}",
@@ -139,7 +143,7 @@ class Plan:
             device_memory = next((v for k, v in memory.items() if k.endswith(":" + s.device) or k == s.device), None)
             act = workers[s.index].activation_bytes if workers else s.act_bytes * held
             params = workers[s.index].param_bytes if workers else s.param_bytes
-            rows.append([str(s.index), s.device, f"{s.param_bytes / 4 / 1e6:.0f}M" if s.param_bytes else "0",
+            rows.append([str(s.index), self._where(s), f"{s.param_bytes / 4 / 1e6:.0f}M" if s.param_bytes else "0",
                          f"{params / 2**30:.2f}", str(held), f"{act / 2**30:.2f}",
                          f"{(params + act) / 2**30:.2f}", f"{device_memory / 2**30:.1f}" if device_memory else "-"])
         total_params = sum(s.param_bytes for s in self.stages)
