@@ -1,7 +1,9 @@
 """fxpipe on torch.distributed: one process per pipeline worker, the same plan and the same executor.
 
-``PipelineRank(plan, model_fn=..., loss_fn=...)`` builds this rank's stages; ``stage.step(x, y)`` trains one
-batch (:mod:`fxpipe.distributed.rank`). Values cross ranks point-to-point (:mod:`fxpipe.distributed.transport`,
+``PipelineRank(plan, model_fn=..., loss_fn=..., weights=...)`` builds this rank's stages (with ``weights``, on
+``meta``, loading only its own tensors: :mod:`~fxpipe.distributed.materialise`, :mod:`~fxpipe.distributed.weights`)
+on the process the plan places them on (:mod:`~fxpipe.distributed.placement`); ``stage.step(x, y)`` trains one
+batch (:mod:`fxpipe.distributed.rank`). ``python -m fxpipe.launch`` runs it under torchrun. Values cross ranks point-to-point (:mod:`fxpipe.distributed.transport`,
 message format in :mod:`fxpipe.distributed.wire`); :mod:`fxpipe.distributed.checkpoint` saves and resumes it with
 ``torch.distributed.checkpoint``; :func:`clip_grad_norm_` clips by the norm over all ranks.
 """

@@ -51,6 +51,9 @@ def stage_ranks(plan: Plan, rank: int, world: int, group: Any = None) -> list[in
     """The global rank that runs each stage (collective: every rank calls it once)."""
     slots = plan_slots(plan)
     here: list[Any] = [None] * world
+    if dist.get_backend(group) != "gloo":   # NCCL would exchange through whichever GPU is current: use the CPU
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+        group = dist.new_group(ranks, backend="gloo")
     dist.all_gather_object(here, where_am_i(rank), group=group)
     at = {tuple(w): r for r, w in enumerate(here)}
     wanted = sorted(set(slots))
