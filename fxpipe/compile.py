@@ -20,6 +20,7 @@ from fxpipe.frontend.capture import capture
 from fxpipe.options import CompileOptions, ProfileOptions
 from fxpipe.planning.plan import Plan
 from fxpipe.planning.planner import Planner
+from fxpipe.planning.report import predicted_times
 from fxpipe.refine.rounds import refine
 from fxpipe.runtime.assemble import build_pipeline
 from fxpipe.runtime.batch_check import check_micro_batching
@@ -132,7 +133,7 @@ def compile(
         check_plan(plan, captured, model, devs, chunks)
         check_plan_layout(plan, layout, options)
         warn_batch_norm(model, plan.chunks, options.deferred_batch_norm)
-        return build(plan)
+        return predict_shared_step(build(plan))
     if example_inputs is None:
         raise ValueError("example_inputs is required to profile the model (or pass plan=fxpipe.load_plan(...))")
     dims = layout.input_dims([n.target for n in captured.graph.graph.nodes if n.op == "placeholder"])
@@ -158,5 +159,22 @@ def compile(
     spec = captured.graph.meta.get("fxpipe_out_spec")
     measured_loss = ((lambda out, target: scalar_of(loss_fn(model_output(out, spec), target)))
                      if loss_fn is not None else None)
-    return refine(planner, costs, first_plan, build, example_inputs, profiling,         # 5. refine
-                  loss_fn=measured_loss, example_target=example_target)
+    return predict_shared_step(refine(planner, costs, first_plan, build, example_inputs,   # 5. refine
+                                      profiling, loss_fn=measured_loss, example_target=example_target))
+
+
+def predict_shared_step(pipe: Pipeline) -> Pipeline:
+    """On CPU workers that share the processors, also predict the step as :meth:`Pipeline.report` does, each
+    stage slowed beside the others (``plan.predicted["iteration_shared_s"]``, shown by ``plan.summary()``).
+    ``plan.predicted["iteration_s"]`` stays the solver's figure, every stage on a processor of its own: the
+    plans it ranks are compared on it, and on two CPU workers it was half the measured step."""
+    sharing = pipe.cpu_sharing()
+    if sharing is None:
+        return pipe
+    plan, m = pipe.plan, pipe.plan.chunks
+    # a checkpointed micro-batch's backward recomputes its forward, as the report counts it
+    recompute = [sum(pipe._checkpointed(st.index, i, m) for i in range(m)) / m for st in plan.stages]
+    fwd = [st.fwd_s for st in plan.stages]
+    bwd = [st.bwd_s + r * st.fwd_s for st, r in zip(plan.stages, recompute)]
+    plan.predicted["iteration_shared_s"], _ = predicted_times(fwd, bwd, m, pipe.schedule, plan.workers, sharing)
+    return pipe

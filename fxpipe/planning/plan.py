@@ -122,6 +122,9 @@ class Plan:
                 f"(profile: {self.profile.get('mode', '?')} on {self.profile.get('device', '?')}; "
                 f"solver: {self.solver.get('method', '?')}, optimal={self.solver.get('optimal', '?')})"
             )
+            if "iteration_shared_s" in p:   # CPU workers sharing the processors (fxpipe.compile)
+                out.append(f"with the CPU workers sharing the processors (as pipe.report()): predicted iteration "
+                           f"{p['iteration_shared_s'] * 1e3:.2f} ms")
             if "exact_over" in self.solver and not self.solver.get("optimal"):
                 # "optimal" is over every convex partition and placement; say what was searched exactly
                 out.append(f"exact over: {self.solver['exact_over']}"
