@@ -39,14 +39,28 @@ class TwoPathCNN(nn.Module):
         return self.head((h + h0).mean(dim=(2, 3)))
 
 
-def _make() -> nn.Module:
+class Chain(nn.Module):
+    """Six layers in a row: every value goes to the next stage only, however many stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _make(kind: str = "cnn") -> nn.Module:
     torch.manual_seed(0)
-    return TwoPathCNN()
+    return TwoPathCNN() if kind == "cnn" else Chain()
 
 
-def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(kind: str = "cnn") -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(BATCH, 3, 6, 6, generator=g), torch.randint(0, 5, (BATCH,), generator=g))
+    shape = (BATCH, 3, 6, 6) if kind == "cnn" else (BATCH, 6)
+    return [(torch.randn(*shape, generator=g), torch.randint(0, 5 if kind == "cnn" else 6, (BATCH,), generator=g))
             for _ in range(STEPS)]
 
 
@@ -54,17 +68,29 @@ def _plan(cuts: list[str]) -> fxpipe.Plan:
     return copy.deepcopy(compile_with_cuts(_make(), (_batches()[0][0],), cuts, chunks=CHUNKS).plan)
 
 
-def _torch_ranks(rank: int, world: int, plan_json: str, schedule: str) -> dict:
-    """Three SGD steps with torch's schedule on this rank's stage: the losses, first gradients and parameters."""
+def _interleaved_plan() -> fxpipe.Plan:
+    """Four stages of the chain on two workers (stage s on worker s % 2)."""
+    planned = fxpipe.compile(_make("chain"), ["cpu", "cpu"], (_batches("chain")[0][0],), stages=4, virtual_stages=2,
+                             chunks=CHUNKS, schedule="interleaved-1f1b", profile="estimate")
+    plan = copy.deepcopy(planned.plan)
+    order = [n for stage in plan.stages for n in stage.nodes]
+    bounds = [0] + [order.index(n) for n in ["layers_1", "layers_3", "layers_5"]] + [len(order)]
+    for stage, start, end in zip(plan.stages, bounds, bounds[1:]):
+        stage.nodes, stage.checkpoint = order[start:end], ""
+    return plan
+
+
+def _torch_ranks(rank: int, world: int, plan_json: str, schedule: str, kind: str = "cnn") -> dict:
+    """Three SGD steps with torch's schedule on this rank's stages: the losses, first gradients and parameters."""
     plan = fxpipe.Plan.from_dict(json.loads(plan_json))
-    model = _make()
+    model = _make(kind)
     stages, runner = plan.to_torch_pipelining(model, F.cross_entropy, schedule=schedule)
-    params = dict(stages[0].submod.named_parameters())
+    params = {f"{s.stage_index}.{n}": p for s in stages for n, p in s.submod.named_parameters()}
     opt = torch.optim.SGD(params.values(), lr=0.1)
     losses, grads = [], None
-    for x, y in _batches():
+    for x, y in _batches(kind):
         found: list[torch.Tensor] = []
-        if stages[0].is_first:
+        if any(s.is_first for s in stages):
             runner.step(x)
         else:
             runner.step(target=y, losses=found)
@@ -78,13 +104,13 @@ def _torch_ranks(rank: int, world: int, plan_json: str, schedule: str) -> dict:
             "params": {names[id(p)]: p.detach().clone() for p in params.values()}}
 
 
-def _fxpipe_run(plan: fxpipe.Plan, schedule: str) -> tuple[list[float], dict, dict]:
+def _fxpipe_run(plan: fxpipe.Plan, schedule: str, kind: str = "cnn") -> tuple[list[float], dict, dict]:
     """The same steps on fxpipe's own runtime (one process, the same plan)."""
-    model = _make()
-    pipe = fxpipe.compile(model, ["cpu", "cpu"], (_batches()[0][0],), plan=plan)
+    model = _make(kind)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (_batches(kind)[0][0],), plan=plan)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, grads = [], None
-    for x, y in _batches():
+    for x, y in _batches(kind):
         losses.append(pipe.step(x, y, F.cross_entropy, schedule=schedule).item())
         grads = grads or {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
@@ -92,14 +118,16 @@ def _fxpipe_run(plan: fxpipe.Plan, schedule: str) -> tuple[list[float], dict, di
     return losses, grads, {n: p.detach() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("schedule,ours", [("gpipe", "gpipe"), ("1f1b", "1f1b"), ("fxpipe", "zb-h1")])
+@pytest.mark.parametrize("schedule,ours", [("gpipe", "gpipe"), ("1f1b", "1f1b"), ("fxpipe", "zb-h1"),
+                                           ("interleaved-1f1b", "interleaved-1f1b")])
 def test_torch_schedules_on_fxpipe_stages_train_as_fxpipe(schedule, ours):
-    plan = _plan(["convs_2"])
+    kind = "chain" if ours == "interleaved-1f1b" else "cnn"
+    plan = _interleaved_plan() if kind == "chain" else _plan(["convs_2"])
     plan.schedule = ours   # "fxpipe": the plan's own order (ZB-H1, as torch's I and W actions)
-    results = run_ranks(2, _torch_ranks, plan.to_json(), schedule)
+    results = run_ranks(2, _torch_ranks, plan.to_json(), schedule, kind)
     errors = [r["trace"] for r in results if "ok" not in r]
     assert not errors, errors[0]
-    want_losses, want_grads, want_params = _fxpipe_run(plan, ours)
+    want_losses, want_grads, want_params = _fxpipe_run(plan, ours, kind)
     got = [r["ok"] for r in results]
     assert got[0]["losses"] == [] and len(got[1]["losses"]) == STEPS
     for a, b in zip(got[1]["losses"], want_losses):
