@@ -87,3 +87,26 @@ def test_pp2_dp2_trains_as_one_process_on_the_whole_batch(schedule, batch):
         assert set(params) == set(want_params)
         worst = max((max_relative_error(params[n], want_params[n]), n) for n in want_params)
         assert worst[0] <= 1e-5, (schedule, replica, worst)
+
+
+def _refused(rank: int, world: int, plan_json: str) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from fxpipe.distributed.mesh import MeshPipelineRank
+    plan = fxpipe.Plan.from_dict(json.loads(plan_json))
+    found = []
+    for shape, names in [((1, 1), ("pp", "dp")), ((1,), ("dp",))]:
+        try:
+            MeshPipelineRank(plan, _make, _loss, mesh=init_device_mesh("cpu", shape, mesh_dim_names=names))
+        except (fxpipe.PlanMismatchError, ValueError) as exc:
+            found.append(f"{type(exc).__name__}: {exc}")
+    return found
+
+
+def test_a_mesh_that_does_not_fit_the_plan_is_refused_with_the_numbers():
+    plan = copy.deepcopy(compile_with_cuts(_make(), (_batches(8)[0][0],), ["blocks_3_0"], chunks=2).plan)
+    [result] = run_ranks(1, _refused, plan.to_json())
+    assert "ok" in result, result.get("trace")
+    wrong_pp, wrong_dims = result["ok"]
+    assert wrong_pp.startswith("PlanMismatchError") and "2 workers" in wrong_pp and "pp dimension has 1" in wrong_pp
+    assert "start a multiple of 2 processes" in wrong_pp and "plan for 1 devices" in wrong_pp, wrong_pp
+    assert wrong_dims.startswith("ValueError") and "mesh_dim_names=('pp', 'dp')" in wrong_dims, wrong_dims

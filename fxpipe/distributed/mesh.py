@@ -42,9 +42,11 @@ class MeshPipelineRank:
                              f"dimensions named {names}: use init_device_mesh(device, (pp, dp), "
                              "mesh_dim_names=('pp', 'dp'))")
         if mesh["pp"].size() != plan.workers:
-            raise PlanMismatchError(f"the plan runs on {plan.workers} workers but the mesh's pp dimension has "
-                                    f"{mesh['pp'].size()} ranks: make the mesh ({plan.workers}, "
-                                    f"{mesh.size() // plan.workers}) or plan for {mesh['pp'].size()} devices")
+            world, w = mesh.size(), plan.workers
+            fix = (f"make the mesh ({w}, {world // w})" if world % w == 0 else
+                   f"start a multiple of {w} processes (pp={w} times dp)")
+            raise PlanMismatchError(f"the plan runs on {w} workers but the mesh's pp dimension has "
+                                    f"{mesh['pp'].size()} ranks: {fix}, or plan for {mesh['pp'].size()} devices")
         if reduction not in ("mean", "sum"):
             raise ValueError(f"MeshPipelineRank supports reduction 'mean' or 'sum', got {reduction!r} (a token mean "
                              "needs the count over every replica: use PipelineRank without dp)")
