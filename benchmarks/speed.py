@@ -12,9 +12,11 @@ except naive-2, the unpartitioned model on two intra-op threads.
 - ``pipeline-k-<schedule>``: fxpipe, ``k`` stages on ``k`` CPU worker threads,
   ``pipe.step`` with GPipe, 1F1B, ZB-H1 (all three on one plan, made for GPipe), or
   interleaved 1F1B (its own plan of ``2k`` stages, two per worker).
+- ``fxpipe-dist-2-<schedule>``: fxpipe's own executor on two processes
+  (``fxpipe.distributed.PipelineRank``, the same plan), talking over gloo, one thread each.
 - ``tdp-2-<schedule>``: torch.distributed.pipelining's ``ScheduleGPipe`` /
-  ``Schedule1F1B`` on the *same two stage modules* (fxpipe's plan, loaded in each
-  process), two processes talking over gloo, one thread each.
+  ``Schedule1F1B`` on the *same two stage modules* (``plan.to_torch_pipelining``
+  in each process), two processes talking over gloo, one thread each.
 
 Models: ``transformer`` (a GPT-style decoder, untied head: pipelining gets tied
 weights wrong; its blocks are leaf modules, so stages meet between blocks and
@@ -121,57 +123,50 @@ def run_epochs(name: str, step: Callable[[], Any], batch: int, epochs: int, step
     return avg
 
 
-class _Positional(nn.Module):
-    """A stage module as torch.distributed.pipelining calls it: the previous stage's outputs as positional
-    inputs (reordered to the stage's own input order), a lone output unwrapped."""
-
-    def __init__(self, stage: nn.Module, order: list[int]) -> None:
-        super().__init__()
-        self.stage, self.order = stage, order
-
-    def forward(self, *args: torch.Tensor) -> Any:
-        out = self.stage(*[args[i] for i in self.order])
-        return out[0] if len(out) == 1 else out
-
-
-def _tdp_process(rank: int, args: argparse.Namespace, port: int, plan_path: str, schedule: str, result: Any) -> None:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+def _rank_process(rank: int, args: argparse.Namespace, port: int, plan_path: str, runtime: str, schedule: str,
+                  result: Any) -> None:
+    """One of two processes (gloo, one thread each) training the plan's two stages: ``runtime`` ``"tdp"`` is
+    torch.distributed.pipelining's schedule on them (``plan.to_torch_pipelining``), ``"fxpipe-dist"`` fxpipe's
+    own executor (``fxpipe.distributed.PipelineRank``)."""
+    from fxpipe.distributed import PipelineRank
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.set_num_threads(1)
     model, x, y, loss_fn = build(args)
-    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), plan=fxpipe.load_plan(plan_path), leaf_modules=leaves(args))
-    spec = pipe.specs[rank]
-    if rank == 1 and sorted(spec.inputs) != sorted(pipe.specs[0].outputs):
-        raise SystemExit(f"stage 1 reads {spec.inputs}, stage 0 sends {pipe.specs[0].outputs}: "
-                         "torch.distributed.pipelining passes only the previous stage's outputs")
-    sent = pipe.specs[0].outputs if rank == 1 else spec.inputs
-    module = _Positional(spec.module, [sent.index(name) for name in spec.inputs])
-    stage = PipelineStage(module, rank, 2, torch.device("cpu"))
-    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    runner = kind(stage, n_microbatches=args.chunks, loss_fn=loss_fn)
-    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+    plan = fxpipe.load_plan(plan_path)
+    if runtime == "tdp":
+        stages, runner = plan.to_torch_pipelining(model, loss_fn, schedule=schedule, leaf_modules=leaves(args))
+        opt = torch.optim.SGD(stages[0].submod.parameters(), lr=1e-3)
 
-    def step() -> None:
-        opt.zero_grad()
-        if rank == 0:
-            runner.step(x)
-        else:
-            runner.step(target=y, losses=[])
-        opt.step()
-    rate = run_epochs(f"tdp-2-{schedule}", step, args.batch, args.epochs, args.steps, barrier=dist.barrier,
+        def step() -> None:
+            opt.zero_grad()
+            if rank == 0:
+                runner.step(x)
+            else:
+                runner.step(target=y, losses=[])
+            opt.step()
+    else:
+        ranked = PipelineRank(plan, lambda: build(args)[0], loss_fn, checkpoint=args.checkpoint,
+                              leaf_modules=leaves(args))
+        opt = torch.optim.SGD(ranked.parameters(), lr=1e-3)
+
+        def step() -> None:
+            opt.zero_grad()
+            ranked.step(x, y, schedule=schedule)
+            opt.step()
+    rate = run_epochs(f"{runtime}-2-{schedule}", step, args.batch, args.epochs, args.steps, barrier=dist.barrier,
                       echo=rank == 0)
     if rank == 0:
         result.value = rate
     dist.destroy_process_group()
 
 
-def run_tdp(args: argparse.Namespace, plan_path: str, schedule: str) -> float:
+def run_ranks(args: argparse.Namespace, plan_path: str, runtime: str, schedule: str) -> float:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     result = mp.get_context("spawn").Value("d", 0.0)
-    mp.start_processes(_tdp_process, args=(args, port, plan_path, schedule, result), nprocs=2, join=True,
+    mp.start_processes(_rank_process, args=(args, port, plan_path, runtime, schedule, result), nprocs=2, join=True,
                        start_method="spawn")
     return result.value
 
@@ -186,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="training steps per epoch")
     parser.add_argument("--checkpoint", default="never", choices=("always", "except_last", "never"))
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
-    parser.add_argument("--no-tdp", action="store_true", help="skip torch.distributed.pipelining")
+    parser.add_argument("--no-tdp", action="store_true",
+                        help="skip the two-process rows (torch.distributed.pipelining and fxpipe-dist)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="pipeline widths to run")
     parser.add_argument("--rounds", type=int, default=1,
@@ -258,8 +254,10 @@ def main(argv: list[str] | None = None) -> int:
             experiments[name] = lambda name=name, step=scheduled_step: run_epochs(
                 name, step, args.batch, args.epochs, args.steps, barrier=sync)
     if not args.no_tdp and not gpu and 2 in args.workers:
-        for schedule in ("gpipe", "1f1b"):
-            experiments[f"tdp-2-{schedule}"] = lambda schedule=schedule: run_tdp(args, plan_path, schedule)
+        for schedule in [s for s in ("gpipe", "1f1b") if s in args.schedules]:
+            for runtime in ("fxpipe-dist", "tdp"):
+                experiments[f"{runtime}-2-{schedule}"] = lambda runtime=runtime, schedule=schedule: run_ranks(
+                    args, plan_path, runtime, schedule)
     # Rounds run every experiment in turn, so a machine that drifts during the run moves all of them alike.
     rates: dict[str, list[float]] = {name: [] for name in experiments}
     for r in range(args.rounds):
@@ -283,11 +281,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bubble bound of pipeline-2 with {m} micro-batches: 2m/(m+1) = {bound:.3f}x naive-1")
     for schedule in ("gpipe", "1f1b"):
         ours, theirs = results.get(f"pipeline-2-{schedule}"), results.get(f"tdp-2-{schedule}")
+        ranked = results.get(f"fxpipe-dist-2-{schedule}")
         if ours:
             line = f"pipeline-2-{schedule}: {ours / base / bound:.3f} of the bubble bound"
             if theirs:
                 line += f", {ours / theirs:.3f}x torch.distributed.pipelining's {schedule}"
             print(line)
+        if ranked and theirs and ours:
+            print(f"fxpipe-dist-2-{schedule}: {ranked / theirs:.3f}x torch.distributed.pipelining's {schedule}, "
+                  f"{ranked / ours:.3f}x the embedded executor's")
     return 0
 
 

@@ -48,8 +48,13 @@ class P2P(Transport):
         backend = dist.get_backend(group)
         self.gpu_wire = backend == "nccl"
         self.ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        self.data = dist.new_group(self.ranks, timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
-        self.control = dist.new_group(self.ranks, timeout=datetime.timedelta(days=7), backend="gloo")
+        # Within a sub-group (a pipeline of a pp x dp mesh) only its members make these groups, each pipeline
+        # its own at once: local synchronisation names a group by its ranks, not by a count every rank shares.
+        local = group is not None
+        self.data = dist.new_group(self.ranks, timeout=datetime.timedelta(seconds=timeout_s), backend=backend,
+                                   use_local_synchronization=local)
+        self.control = dist.new_group(self.ranks, timeout=datetime.timedelta(days=7), backend="gloo",
+                                      use_local_synchronization=local)
         self.receiver = Receiver()
 
     def local(self, stage: int) -> bool:

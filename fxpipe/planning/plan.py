@@ -11,13 +11,17 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from fxpipe.planning.memory_model import predict_worker_memory
 from fxpipe.planning.plan_format import PLAN_FORMAT, check_plan_document, read_plan_document
 from solvers.schedules import inflight
 
-__all__ = ["Plan", "PlanStage", "load_plan", "PLAN_FORMAT", "aligned_table"]
+# Exports of a plan that later layers provide (planning does not import them): name -> function(plan, ...).
+# fxpipe.distributed.torch_pipelining registers "torch_pipelining" when imported (``import fxpipe`` does).
+EXPORTERS: dict[str, Callable[..., Any]] = {}
+
+__all__ = ["EXPORTERS", "Plan", "PlanStage", "load_plan", "PLAN_FORMAT", "aligned_table"]
 
 
 
@@ -177,6 +181,16 @@ class Plan:
         """A matplotlib ``Figure``: the traced graph, each node coloured by its stage."""
         from fxpipe.planning.pictures import plot_graph
         return plot_graph(self)
+
+    # ------------------------------------------------------------------ other runtimes
+    def to_torch_pipelining(self, model: Any, loss_fn: Any = None, **kwargs: Any) -> tuple[list[Any], Any]:
+        """This rank's ``torch.distributed.pipelining.PipelineStage`` s and a torch schedule running them, for a
+        plan whose values only cross from a stage to the next (else a ``NotAdjacentError`` saying which value
+        skips and that fxpipe's own runtime runs it): :func:`fxpipe.distributed.torch_pipelining.to_torch_pipelining`."""
+        if "torch_pipelining" not in EXPORTERS:
+            raise RuntimeError("plan.to_torch_pipelining needs fxpipe.distributed: import fxpipe (or "
+                               "fxpipe.distributed.torch_pipelining) first")
+        return EXPORTERS["torch_pipelining"](self, model, loss_fn, **kwargs)
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:

@@ -1,0 +1,109 @@
+"""pp × dp: a plan's pipeline on the ``pp`` dimension of a ``DeviceMesh``, every stage replicated along ``dp``.
+
+``MeshPipelineRank(plan, model_fn, loss_fn, mesh=init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp")))``
+runs the plan's ``pp`` workers as :class:`fxpipe.distributed.PipelineRank` over this rank's ``pp`` sub-group (so
+the same schedule interpreter and transport as without dp), and each of the ``dp`` replicas of that pipeline trains
+its share of the batch (``torch.tensor_split`` along the plan's batch dimensions: shares differ by at most one
+sample). A stage's gradients are all-reduced inside its ``dp`` group by ``DistributedDataParallel`` wrapped round
+this rank's stage modules: the pipeline accumulates every micro-batch's gradients locally (DDP's hooks stay idle,
+as under ``no_sync``), then DDP's reducer all-reduces the accumulated gradients once, in its buckets. Each share's
+loss is weighted by its size, so the gradients and the returned loss are the whole batch's, as one process would
+compute them, even when the shares differ.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from fxpipe.distributed.rank import PipelineRank
+from fxpipe.errors import PlanMismatchError
+from fxpipe.planning.plan import Plan
+from fxpipe.runtime.microbatch import BatchLayout, scatter
+
+__all__ = ["MeshPipelineRank"]
+
+
+class MeshPipelineRank:
+    """This rank's stages of ``plan`` in one of ``dp`` pipeline replicas; :meth:`step` trains its share of a batch
+    and leaves the whole batch's gradients in ``.grad`` (all-reduced over ``dp``). ``mesh`` is a 2-D
+    ``DeviceMesh`` named ``("pp", "dp")`` whose ``pp`` size is the plan's number of workers. ``reduction`` is
+    ``"mean"`` or ``"sum"``; other keywords go to :class:`PipelineRank`."""
+
+    def __init__(self, plan: Plan, model_fn: Callable[[], nn.Module], loss_fn: Callable[[Any, Any], torch.Tensor],
+                 *, mesh: Any, reduction: str = "mean", **rank_kwargs: Any) -> None:
+        names = tuple(mesh.mesh_dim_names or ())
+        if mesh.ndim != 2 or set(names) != {"pp", "dp"}:
+            raise ValueError(f"mesh must be a 2-D DeviceMesh with mesh_dim_names ('pp', 'dp'), got {mesh.ndim} "
+                             f"dimensions named {names}: use init_device_mesh(device, (pp, dp), "
+                             "mesh_dim_names=('pp', 'dp'))")
+        if mesh["pp"].size() != plan.workers:
+            world, w = mesh.size(), plan.workers
+            fix = (f"make the mesh ({w}, {world // w})" if world % w == 0 else
+                   f"start a multiple of {w} processes (pp={w} times dp)")
+            raise PlanMismatchError(f"the plan runs on {w} workers but the mesh's pp dimension has "
+                                    f"{mesh['pp'].size()} ranks: {fix}, or plan for {mesh['pp'].size()} devices")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"MeshPipelineRank supports reduction 'mean' or 'sum', got {reduction!r} (a token mean "
+                             "needs the count over every replica: use PipelineRank without dp)")
+        self.dp, self.dp_rank = mesh["dp"].size(), mesh.get_local_rank("dp")
+        self.dp_group = mesh.get_group("dp")
+        self.reduction, self._scale = reduction, 1.0
+        self.loss_fn = loss_fn
+        self.ranked = PipelineRank(plan, model_fn, self._scaled_loss, group=mesh.get_group("pp"),
+                                   reduction=reduction, **rank_kwargs)
+        self.layout = BatchLayout.of(plan.batch_dims)
+        own = nn.ModuleList(self.ranked.specs[k].module for k in self.ranked.own)
+        # DDP broadcasts replica 0's parameters and buffers: every replica starts from the same weights
+        self.ddp = DistributedDataParallel(own, process_group=self.dp_group)
+
+    def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
+        return self.loss_fn(output, target) * self._scale
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.ranked.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.ranked.named_parameters()
+
+    @property
+    def model(self) -> nn.Module:
+        return self.ranked.model
+
+    def _share(self, inputs: Any, target: Any) -> tuple[tuple, Any, int, int]:
+        """This replica's inputs and target, its samples and the batch's."""
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        names = [p.target for p in self.ranked.pipe.inputs.placeholders[:len(inputs)]]
+        dims = [*self.layout.input_dims(names), self.layout.target]
+        shares = scatter([*inputs, target], self.dp, dims)
+        sizes = [t[-1].size(self.layout.target) for t in shares]
+        mine = shares[self.dp_rank]
+        return tuple(mine[:-1]), mine[-1], sizes[self.dp_rank], sum(sizes)
+
+    def _all_reduce_gradients(self) -> None:
+        """DDP's reducer all-reduces (and averages over ``dp``) the gradients the pipeline accumulated: armed by
+        ``prepare_for_backward``, its hooks fire on a backward that adds zero to every parameter's gradient."""
+        params = [p for p in self.ddp.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:   # a parameter no micro-batch reached still takes part in the all-reduce
+                p.grad = torch.zeros_like(p)
+        self.ddp.reducer.prepare_for_backward([])
+        torch.autograd.backward([(p * 0).sum() for p in params])
+
+    def step(self, inputs: Any, target: Any, **kwargs: Any) -> torch.Tensor | None:
+        """One training step of the whole batch (the same ``inputs`` and ``target`` on every rank). Returns the
+        whole batch's loss on every ``dp`` replica's last-stage rank (with ``broadcast_loss`` on every rank)."""
+        inputs, target, mine, total = self._share(inputs, target)
+        # DDP averages over dp: a share's loss counts n_d / N of the mean (1 of a sum), so scale by dp x that
+        self._scale = self.dp * (mine / total if self.reduction == "mean" else 1.0)
+        loss = self.ranked.step(inputs, target, **kwargs)
+        self._all_reduce_gradients()
+        if loss is None:
+            return None
+        whole = loss.detach() / self.dp   # this share's part of the batch's loss
+        dist.all_reduce(whole, group=self.dp_group)
+        return whole

@@ -1,0 +1,112 @@
+"""pp × dp on a DeviceMesh (4 processes, gloo: pp=2 × dp=2): each pipeline replica trains its share of the batch,
+DistributedDataParallel all-reduces a stage's gradients inside its dp group, and three steps give the losses and
+every parameter of the single-process model on the whole batch (1e-5 relative), for GPipe, 1F1B and ZB-H1 and
+for a batch the replicas share unevenly."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxpipe
+from distributed_run import run_ranks
+from equivalence import max_relative_error
+from forced_cuts import compile_with_cuts
+from models import SkipTied
+
+STEPS = 3
+
+
+def _make() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return SkipTied(vocab=11, width=8, depth=6)
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), target.flatten())
+
+
+def _batches(batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 11, (batch, 4), generator=g), torch.randint(0, 11, (batch, 4), generator=g))
+            for _ in range(STEPS)]
+
+
+def _mesh_ranks(rank: int, world: int, plan_json: str, batch: int, schedule: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from fxpipe.distributed.mesh import MeshPipelineRank
+    plan = fxpipe.Plan.from_dict(json.loads(plan_json))
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+    stage = MeshPipelineRank(plan, _make, _loss, mesh=mesh, timeout_s=60)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    losses = []
+    for x, y in _batches(batch):
+        loss = stage.step(x, y, schedule=schedule)
+        losses.append(None if loss is None else loss.item())
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in stage.named_parameters()}}
+
+
+def _reference(batch: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = _make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x, y in _batches(batch):
+        loss = _loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+# each case starts 4 processes: about 25 s on an idle 2-core machine, 60-85 s at load 15
+@pytest.mark.parametrize("schedule,batch", [pytest.param("gpipe", 8, marks=pytest.mark.slow),
+                                            pytest.param("1f1b", 8, marks=pytest.mark.slow), ("zb-h1", 7)])
+def test_pp2_dp2_trains_as_one_process_on_the_whole_batch(schedule, batch):
+    x = _batches(batch)[0][0]
+    plan = copy.deepcopy(compile_with_cuts(_make(), (x,), ["blocks_3_0"], chunks=2).plan)
+    results = run_ranks(4, _mesh_ranks, plan.to_json(), batch, schedule)
+    errors = [r["trace"] for r in results if "ok" not in r]
+    assert not errors, errors[0]
+    want_losses, want_params = _reference(batch)
+    got = [r["ok"] for r in results]
+    # mesh (2, 2): ranks 0, 1 hold stage 0 (replicas 0, 1), ranks 2, 3 stage 1; the loss on the last stage's
+    with_loss = [r for r in got if r["losses"][0] is not None]
+    assert len(with_loss) == 2 and all(r is got[2] or r is got[3] for r in with_loss)
+    for r in with_loss:
+        for a, b in zip(r["losses"], want_losses):
+            assert abs(a - b) <= 1e-5 * abs(b), (schedule, r["losses"], want_losses)
+    for replica in (0, 1):   # each pipeline replica holds the whole model, trained as one process
+        params = {**got[replica]["params"], **got[2 + replica]["params"]}
+        assert set(params) == set(want_params)
+        worst = max((max_relative_error(params[n], want_params[n]), n) for n in want_params)
+        assert worst[0] <= 1e-5, (schedule, replica, worst)
+
+
+def _refused(rank: int, world: int, plan_json: str) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from fxpipe.distributed.mesh import MeshPipelineRank
+    plan = fxpipe.Plan.from_dict(json.loads(plan_json))
+    found = []
+    for shape, names in [((1, 1), ("pp", "dp")), ((1,), ("dp",))]:
+        try:
+            MeshPipelineRank(plan, _make, _loss, mesh=init_device_mesh("cpu", shape, mesh_dim_names=names))
+        except (fxpipe.PlanMismatchError, ValueError) as exc:
+            found.append(f"{type(exc).__name__}: {exc}")
+    return found
+
+
+def test_a_mesh_that_does_not_fit_the_plan_is_refused_with_the_numbers():
+    plan = copy.deepcopy(compile_with_cuts(_make(), (_batches(8)[0][0],), ["blocks_3_0"], chunks=2).plan)
+    [result] = run_ranks(1, _refused, plan.to_json())
+    assert "ok" in result, result.get("trace")
+    wrong_pp, wrong_dims = result["ok"]
+    assert wrong_pp.startswith("PlanMismatchError") and "2 workers" in wrong_pp and "pp dimension has 1" in wrong_pp
+    assert "start a multiple of 2 processes" in wrong_pp and "plan for 1 devices" in wrong_pp, wrong_pp
+    assert wrong_dims.startswith("ValueError") and "mesh_dim_names=('pp', 'dp')" in wrong_dims, wrong_dims

@@ -1,0 +1,158 @@
+"""``plan.to_torch_pipelining``: a plan's stages run by torch.distributed.pipelining's own schedules (2 processes,
+gloo) train exactly as fxpipe's runtime on the same plan; a plan with a value that skips a stage is refused
+with an error naming the value and fxpipe's runtime, before any communication."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxpipe
+from distributed_run import run_ranks
+from equivalence import max_relative_error
+from forced_cuts import compile_with_cuts
+from fxpipe.distributed.torch_pipelining import NotAdjacentError, compute_actions_csv
+
+STEPS, BATCH, CHUNKS = 3, 8, 4
+
+
+class TwoPathCNN(nn.Module):
+    """A CNN whose stem output is added back before the head: cut in the middle, two tensors cross the boundary;
+    cut twice, the stem output skips the middle stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 6, 3, padding=1)
+        self.convs = nn.ModuleList(nn.Conv2d(6, 6, 3, padding=1) for _ in range(4))
+        self.head = nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h0 = torch.relu(self.stem(x))
+        h = h0
+        for conv in self.convs:
+            h = torch.tanh(conv(h))
+        return self.head((h + h0).mean(dim=(2, 3)))
+
+
+class Chain(nn.Module):
+    """Six layers in a row: every value goes to the next stage only, however many stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _make(kind: str = "cnn") -> nn.Module:
+    torch.manual_seed(0)
+    return TwoPathCNN() if kind == "cnn" else Chain()
+
+
+def _batches(kind: str = "cnn") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    shape = (BATCH, 3, 6, 6) if kind == "cnn" else (BATCH, 6)
+    return [(torch.randn(*shape, generator=g), torch.randint(0, 5 if kind == "cnn" else 6, (BATCH,), generator=g))
+            for _ in range(STEPS)]
+
+
+def _plan(cuts: list[str]) -> fxpipe.Plan:
+    return copy.deepcopy(compile_with_cuts(_make(), (_batches()[0][0],), cuts, chunks=CHUNKS).plan)
+
+
+def _interleaved_plan() -> fxpipe.Plan:
+    """Four stages of the chain on two workers (stage s on worker s % 2)."""
+    planned = fxpipe.compile(_make("chain"), ["cpu", "cpu"], (_batches("chain")[0][0],), stages=4, virtual_stages=2,
+                             chunks=CHUNKS, schedule="interleaved-1f1b", profile="estimate")
+    plan = copy.deepcopy(planned.plan)
+    order = [n for stage in plan.stages for n in stage.nodes]
+    bounds = [0] + [order.index(n) for n in ["layers_1", "layers_3", "layers_5"]] + [len(order)]
+    for stage, start, end in zip(plan.stages, bounds, bounds[1:]):
+        stage.nodes, stage.checkpoint = order[start:end], ""
+    return plan
+
+
+def _torch_ranks(rank: int, world: int, plan_json: str, schedule: str, kind: str = "cnn") -> dict:
+    """Three SGD steps with torch's schedule on this rank's stages: the losses, first gradients and parameters."""
+    plan = fxpipe.Plan.from_dict(json.loads(plan_json))
+    model = _make(kind)
+    stages, runner = plan.to_torch_pipelining(model, F.cross_entropy, schedule=schedule)
+    params = {f"{s.stage_index}.{n}": p for s in stages for n, p in s.submod.named_parameters()}
+    opt = torch.optim.SGD(params.values(), lr=0.1)
+    losses, grads = [], None
+    for x, y in _batches(kind):
+        found: list[torch.Tensor] = []
+        if any(s.is_first for s in stages):
+            runner.step(x)
+        else:
+            runner.step(target=y, losses=found)
+            losses.append(torch.stack(found).mean().item())
+        grads = grads or {n: p.grad.clone() for n, p in params.items()}
+        opt.step()
+        opt.zero_grad()
+    # the stage wrapper's names ("stage.<target>") back to the model's
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {"losses": losses, "grads": {names[id(p)]: grads[n] for n, p in params.items()},
+            "params": {names[id(p)]: p.detach().clone() for p in params.values()}}
+
+
+def _fxpipe_run(plan: fxpipe.Plan, schedule: str, kind: str = "cnn") -> tuple[list[float], dict, dict]:
+    """The same steps on fxpipe's own runtime (one process, the same plan)."""
+    model = _make(kind)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (_batches(kind)[0][0],), plan=plan)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], None
+    for x, y in _batches(kind):
+        losses.append(pipe.step(x, y, F.cross_entropy, schedule=schedule).item())
+        grads = grads or {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    return losses, grads, {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("schedule,ours", [("gpipe", "gpipe"), ("1f1b", "1f1b"), ("fxpipe", "zb-h1"),
+                                           ("interleaved-1f1b", "interleaved-1f1b")])
+def test_torch_schedules_on_fxpipe_stages_train_as_fxpipe(schedule, ours):
+    kind = "chain" if ours == "interleaved-1f1b" else "cnn"
+    plan = _interleaved_plan() if kind == "chain" else _plan(["convs_2"])
+    plan.schedule = ours   # "fxpipe": the plan's own order (ZB-H1, as torch's I and W actions)
+    results = run_ranks(2, _torch_ranks, plan.to_json(), schedule, kind)
+    errors = [r["trace"] for r in results if "ok" not in r]
+    assert not errors, errors[0]
+    want_losses, want_grads, want_params = _fxpipe_run(plan, ours, kind)
+    got = [r["ok"] for r in results]
+    assert got[0]["losses"] == [] and len(got[1]["losses"]) == STEPS
+    for a, b in zip(got[1]["losses"], want_losses):
+        assert abs(a - b) <= 1e-5 * abs(b), (got[1]["losses"], want_losses)
+    grads = {**got[0]["grads"], **got[1]["grads"]}
+    params = {**got[0]["params"], **got[1]["params"]}
+    assert set(params) == set(want_params) and not set(got[0]["params"]) & set(got[1]["params"])
+    worst = max((max_relative_error(grads[n], want_grads[n]), n) for n in want_grads)
+    assert worst[0] <= 1e-5, worst
+    worst = max((max_relative_error(params[n], want_params[n]), n) for n in want_params)
+    assert worst[0] <= 1e-5, worst
+
+
+def test_a_value_that_skips_a_stage_is_refused_naming_it_and_fxpipes_runtime():
+    plan = _plan(["convs_1", "convs_3"])   # the stem's output goes from stage 0 straight to stage 2
+    with pytest.raises(NotAdjacentError) as err:
+        plan.to_torch_pipelining(_make(), F.cross_entropy)   # no process group: refused before it is needed
+    text = str(err.value)
+    assert "from stage 0 to stage 2" in text and "relu" in text, text
+    assert "next stage only" in text and "PipelineRank" in text, text
+
+
+def test_fxpipe_order_as_torch_action_csv():
+    plan = _plan(["convs_2"])
+    plan.schedule = "zb-h1"
+    rows = compute_actions_csv(plan).splitlines()
+    assert rows == ["0F0,0F1,0I0,0W0,0F2,0I1,0W1,0F3,0I2,0W2,0I3,0W3",
+                    "1F0,1I0,1F1,1I1,1W0,1F2,1I2,1W1,1F3,1I3,1W2,1W3"], rows
