@@ -55,8 +55,9 @@ def check_arguments(checkpoint: str, schedule: str, virtual_stages: int | None, 
     if checkpoint == "auto" and plan is not None:
         raise ValueError("checkpoint='auto' is a planning choice; a loaded plan= keeps the modes it was made with "
                          "(pass its checkpoint or compile without plan=)")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule {schedule!r} is not supported by the embedded executor; use one of {SCHEDULES}")
+    if schedule not in SCHEDULES and schedule != "auto":
+        raise ValueError(f"schedule {schedule!r} is not supported by the embedded executor; use 'auto' (the "
+                         f"default: the planner picks) or one of {SCHEDULES}")
     if virtual_stages is not None and schedule != "interleaved-1f1b":
         raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved-1f1b' (got {schedule!r})")
     v = stages_per_worker(schedule, virtual_stages or 2)
@@ -74,7 +75,7 @@ def check_arguments(checkpoint: str, schedule: str, virtual_stages: int | None, 
 
 
 def worker_devices(devices: list[torch.device], schedule: str, v: int, stages: int | None,
-                   chunks: int) -> list[torch.device]:
+                   chunks: int | None) -> list[torch.device]:
     """The devices that run workers: all of them, or for ``v`` stages per worker (interleaved 1F1B, ZB-V)
     ``stages / v`` of them."""
     if v == 1:
@@ -83,7 +84,7 @@ def worker_devices(devices: list[torch.device], schedule: str, v: int, stages: i
     if stages is not None and (stages % v or workers > len(devices)):
         raise ValueError(f"{schedule} with {v} stages per device needs stages = {v} x the devices used "
                          f"(at most {v * len(devices)}), got stages={stages}")
-    check_schedule(schedule, v * workers, workers, chunks)
+    check_schedule(schedule, v * workers, workers, workers if chunks is None else chunks)   # None: chosen later
     return devices[:workers]
 
 
