@@ -20,9 +20,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from solvers.errors import InfeasibleError
+from solvers.problem import Problem
+from solvers.score import score
+from solvers.solution import Solution
 from solvers.schedules import MULTI_STAGE, SCHEDULES, check_schedule, stages_per_worker
 
-__all__ = ["Candidate", "Trial", "chunk_choices", "candidates", "search", "format_trials"]
+__all__ = ["Candidate", "Trial", "LOOSER", "chunk_choices", "candidates", "search", "format_trials", "reuse"]
+
+# the schedule whose memory model holds at most as many micro-batches on every stage: 1F1B's p - s is at most
+# ZB-H1's p and GPipe's m, and the reference score's time does not depend on the schedule
+LOOSER = {"gpipe": "1f1b", "zb-h1": "1f1b"}
 
 
 @dataclass(frozen=True)
@@ -60,11 +67,14 @@ def candidates(workers: int, counts: Sequence[int], schedules: Sequence[str] = S
     (interleaved with a count that is not a multiple of the workers, several stages per worker on one
     worker, or a fixed ``stages`` the schedule cannot have) are left out."""
     out = []
-    for schedule in schedules:
+    # the looser memory model first (its plan may be reused, :func:`reuse`); the choice's ties use SCHEDULES
+    for schedule in sorted(schedules, key=lambda s: s not in LOOSER.values()):
         v = stages_per_worker(schedule, virtual_stages)
         if schedule in MULTI_STAGE and (workers < 2 or (stages is not None and stages != v * workers)):
             continue   # on one worker it is a single-worker schedule with more hand-overs
         for m in counts:
+            if m == 1 and schedule != "gpipe":   # one micro-batch: every schedule runs the stages in turn
+                continue
             try:
                 check_schedule(schedule, v * workers, workers, m)
             except ValueError:
@@ -99,6 +109,20 @@ def search(cands: Sequence[Candidate], evaluate: Callable[[Candidate], Trial]) -
     rank = {s: k for k, s in enumerate(SCHEDULES)}
     best = min(feasible, key=lambda t: (t.iteration_s, t.candidate.micro_batches, rank[t.candidate.schedule]))
     return best, trials
+
+
+def reuse(problem: Problem, looser: Solution | None) -> Solution | None:
+    """``looser`` — the exact solution of the same problem under the :data:`LOOSER` schedule's memory model —
+    if it fits ``problem``'s memory too: then it is optimal for ``problem`` as well (same objective, a feasible
+    set that contains ``problem``'s), with the same certificate. ``None`` when it does not fit."""
+    if looser is None:
+        return None
+    found = score(problem, looser)
+    if not found.feasible:
+        return None
+    out = Solution([s for s in looser.stages], solver=dict(looser.solver))
+    out.predicted = found.as_predicted()
+    return out
 
 
 def format_trials(trials: Sequence[Trial], best: Trial | None = None) -> list[str]:

@@ -46,10 +46,12 @@ def plan_auto(base: Planner, costs: dict[str, Any], profiled_chunks: int, counts
     device; ``costs`` were profiled on micro-batches of the batch cut in ``profiled_chunks``."""
     workers = len(base.devices)
     made: dict[Candidate, tuple[Planner, dict[str, Any]]] = {}
+    solved: dict[tuple[str, int, bool], Any] = {}   # shared by the candidates' planners
 
     def evaluate(cand: Candidate) -> Trial:
         v = stages_per_worker(cand.schedule, virtual_stages)
-        planner = dataclasses.replace(base, schedule=cand.schedule, chunks=cand.micro_batches, virtual_stages=v)
+        planner = dataclasses.replace(base, schedule=cand.schedule, chunks=cand.micro_batches, virtual_stages=v,
+                                      solved=solved)
         scaled = scaled_costs(costs, profiled_chunks, cand.micro_batches)
         try:
             plan = planner.plan(scaled)
@@ -79,6 +81,7 @@ def plan_auto(base: Planner, costs: dict[str, Any], profiled_chunks: int, counts
     except solvers.InfeasibleError as exc:
         raise InfeasiblePlanError(str(exc), exc.min_peak_bytes) from exc
     planner, scaled = made[best.candidate]
+    planner = dataclasses.replace(planner, solved=None)   # re-plans (calibration) have other costs: solve them
     return AutoChoice(best.result, planner, scaled, trials, best)
 
 

@@ -30,6 +30,7 @@ from fxpipe.planning.memory_model import choose_checkpoints
 from fxpipe.planning.plan import Plan, PlanStage
 from fxpipe.planning.topology import Links, links_for_devices, links_from_classes
 from solvers.dp import solve_dp
+from solvers.schedule_search import LOOSER, reuse
 from solvers.schedules import SPLIT_BACKWARD, stage_worker
 from solvers.simulate import simulate_solution
 
@@ -58,6 +59,9 @@ class Planner:
     profile_extra: dict[str, Any] = field(default_factory=dict)
     batch_dims: dict[str, Any] = field(default_factory=dict)   # fxpipe.runtime.microbatch.BatchLayout, as data
     frontend: dict[str, str] = field(default_factory=dict)     # fxpipe.frontend.capture.Captured.frontend
+    # the auto search's solutions by (schedule, chunks, recompute): one under a looser memory model is
+    # reused where it fits (solvers.schedule_search.reuse), not solved again
+    solved: dict[tuple[str, int, bool], Any] | None = None
 
     def __post_init__(self) -> None:
         # one solver device per (chunk, device) for interleaved-1f1b; the links are read once
@@ -83,7 +87,14 @@ class Planner:
             problem = self._problem(costs, recompute)
         except solvers.InvalidProblemError as exc:   # said in the solvers' JSON words: say it in compile's
             raise ValueError(f"{str(exc).replace('use null', 'pass stages=None')}") from exc
-        return problem, solve_dp(problem, placement=False) if self.virtual_stages > 1 else solvers.solve(problem, "dp")
+        if self.solved is not None and self.schedule in LOOSER:
+            found = reuse(problem, self.solved.get((LOOSER[self.schedule], self.chunks, recompute)))
+            if found is not None:
+                return problem, found
+        solution = solve_dp(problem, placement=False) if self.virtual_stages > 1 else solvers.solve(problem, "dp")
+        if self.solved is not None and self.virtual_stages == 1:
+            self.solved[(self.schedule, self.chunks, recompute)] = solution
+        return problem, solution
 
     def plan(self, costs: dict[str, Any]) -> Plan:
         """The best plan for ``costs`` (node name -> :class:`fxpipe.cost.profile.NodeCost`)."""
