@@ -57,7 +57,10 @@ def plan_auto(base: Planner, costs: dict[str, Any], profiled_chunks: int, counts
             plan = planner.plan(scaled)
         except InfeasiblePlanError as exc:
             raise solvers.InfeasibleError(str(exc), min_peak_bytes=exc.min_peak_bytes) from exc
-        except ValueError as exc:   # a shape this graph cannot have (more stages than nodes): not a candidate
+        except ValueError as exc:
+            if v == 1 or len(schedules) == 1:   # the user's own stages= or schedule=: their error to see
+                raise
+            # the search's own shape (v stages per device) this graph cannot have: not a candidate
             raise solvers.InfeasibleError(str(exc), min_peak_bytes=math.nan) from exc
         problem = solvers.Problem.from_dict(plan.problem)
         solution = solvers.Solution([solvers.Stage(list(st.nodes), list(devs)) for st, devs
