@@ -20,7 +20,7 @@ from fxpipe.planning.lowering import device_memory_bytes
 from fxpipe.planning.plan import Plan
 from fxpipe.runtime.microbatch import BatchLayout
 from fxpipe.runtime.pipeline import CHECKPOINT_MODES
-from solvers.schedules import SCHEDULES, check_schedule
+from solvers.schedules import SCHEDULES, check_schedule, stages_per_worker
 
 __all__ = ["batch_layout", "check_arguments", "check_plan", "check_plan_layout", "memory_limits", "parse_devices",
            "warn_batch_norm", "worker_devices"]
@@ -69,11 +69,12 @@ def check_arguments(checkpoint: str, schedule: str, virtual_stages: int | None, 
     if checkpoint == "auto" and plan is not None:
         raise ValueError("checkpoint='auto' is a planning choice; a loaded plan= keeps the modes it was made with "
                          "(pass its checkpoint or compile without plan=)")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule {schedule!r} is not supported by the embedded executor; use one of {SCHEDULES}")
+    if schedule not in SCHEDULES and schedule != "auto":
+        raise ValueError(f"schedule {schedule!r} is not supported by the embedded executor; use 'auto' (the "
+                         f"default: the planner picks) or one of {SCHEDULES}")
     if virtual_stages is not None and schedule != "interleaved-1f1b":
         raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved-1f1b' (got {schedule!r})")
-    v = (virtual_stages or 2) if schedule == "interleaved-1f1b" else 1
+    v = stages_per_worker(schedule, virtual_stages or 2)
     if v < 1:
         raise ValueError(f"virtual_stages must be at least 1, got {v}")
     if (loss_fn is None) != (example_target is None):
@@ -88,15 +89,16 @@ def check_arguments(checkpoint: str, schedule: str, virtual_stages: int | None, 
 
 
 def worker_devices(devices: list[torch.device], schedule: str, v: int, stages: int | None,
-                   chunks: int) -> list[torch.device]:
-    """The devices that run workers: all of them, or for interleaved 1F1B ``stages / v`` of them."""
+                   chunks: int | None) -> list[torch.device]:
+    """The devices that run workers: all of them, or for ``v`` stages per worker (interleaved 1F1B, ZB-V)
+    ``stages / v`` of them."""
     if v == 1:
         return devices
     workers = stages // v if stages is not None else len(devices)
     if stages is not None and (stages % v or workers > len(devices)):
-        raise ValueError(f"interleaved-1f1b with virtual_stages={v} needs stages = {v} x the devices used "
+        raise ValueError(f"{schedule} with {v} stages per device needs stages = {v} x the devices used "
                          f"(at most {v * len(devices)}), got stages={stages}")
-    check_schedule(schedule, v * workers, workers, chunks)
+    check_schedule(schedule, v * workers, workers, workers if chunks is None else chunks)   # None: chosen later
     return devices[:workers]
 
 

@@ -18,6 +18,7 @@ from fxpipe.cost.cpu import CpuHost
 from fxpipe.cost.node_costs import node_costs
 from fxpipe.frontend.capture import capture
 from fxpipe.options import CompileOptions, ProfileOptions
+from fxpipe.planning.auto import plan_auto, search_rows
 from fxpipe.planning.plan import Plan
 from fxpipe.planning.planner import Planner
 from fxpipe.planning.report import predicted_times
@@ -31,6 +32,8 @@ from fxpipe.runtime.losses import scalar_of
 from fxpipe.runtime.microbatch import batch_size_of, scatter
 from fxpipe.runtime.pipeline import Pipeline
 from fxpipe.runtime.structure import FlatInputs, flat_inputs, model_output
+from solvers.schedule_search import chunk_choices
+from solvers.schedules import SCHEDULES
 
 __all__ = ["compile", "parse_devices"]
 
@@ -42,8 +45,8 @@ def compile(
     devices: Sequence[str | torch.device],
     example_inputs: tuple | None = None,
     *,
-    chunks: int | None = None,
-    schedule: str = "gpipe",
+    chunks: int | str | None = "auto",
+    schedule: str = "auto",
     checkpoint: str = "except_last",
     plan: Plan | None = None,
     stages: int | None = None,
@@ -67,11 +70,16 @@ def compile(
             nested tuples, lists and dicts of tensors.
         example_kwargs: the model's keyword inputs of that batch (``{"attention_mask": mask}``); the
             pipeline is then called as the model, ``pipe(ids, attention_mask=mask)``.
-        chunks: micro-batches per batch (default: ``plan.chunks`` or ``min(batch, 4 x devices)``).
-        schedule: ``"gpipe"`` (default), ``"1f1b"``, ``"interleaved-1f1b"`` or ``"zb-h1"``
-            (:mod:`solvers.schedules`): the order :meth:`Pipeline.step` runs and the memory model the
-            planner uses (GPipe: all micro-batches in flight; 1F1B: ``p - s`` on stage ``s``; ZB-H1: ``p``;
-            interleaved: as 1F1B over its ``v·p`` stages, each device's memory shared by its ``v`` stages).
+        chunks: micro-batches per batch, or ``"auto"`` (default; ``None`` is the same): the planner tries
+            powers of two up to ``min(batch, 4 x devices)`` and keeps the fastest that fits (with ``plan=``:
+            the plan's). Any batch is split into ``chunks`` micro-batches (``torch.tensor_split``).
+        schedule: ``"auto"`` (default: the planner makes a plan for every schedule and micro-batch count,
+            :mod:`fxpipe.planning.auto`, and keeps the one whose simulated iteration is fastest within
+            memory; ``plan.summary()`` shows the table), or ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``,
+            ``"zb-h1"``, ``"zb-v"`` (:mod:`solvers.schedules`): the order :meth:`Pipeline.step` runs and the
+            memory model the planner uses (GPipe: all micro-batches in flight; 1F1B: ``p - s`` on stage
+            ``s``; ZB-H1: ``p``; interleaved: as 1F1B over its ``v·p`` stages, each device's memory shared by
+            its ``v`` stages; ZB-V: two stages per device in a V, read off its order).
         checkpoint: ``"always"``, ``"except_last"`` (default, as torchgpipe), ``"never"``, or ``"auto"``:
             the plan chooses per device the cheapest mode whose predicted peak memory
             (:mod:`fxpipe.planning.memory_model`) fits, and if no plan fits without checkpointing, plans
@@ -104,6 +112,10 @@ def compile(
     with ``chunks > 1`` gets a warning: micro-batch statistics are not a full batch's.
     """
     devs = parse_devices(devices)
+    if chunks is not None and chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int)
+                                                    or chunks < 1):
+        raise ValueError(f"chunks must be a positive integer or 'auto' (the planner picks), got {chunks!r}")
+    auto_chunks = chunks is None or chunks == "auto"
     profiling, options = ProfileOptions.of(profile), options or CompileOptions()
     v = check_arguments(checkpoint, schedule, virtual_stages, plan, profiling, loss_fn, example_target)
     example_inputs = example_inputs if isinstance(example_inputs, tuple) or example_inputs is None else (
@@ -130,7 +142,7 @@ def compile(
         return pipe
     layout = batch_layout(options, captured.graph)
     if plan is not None:
-        check_plan(plan, captured, model, devs, chunks)
+        check_plan(plan, captured, model, devs, None if auto_chunks else chunks)
         check_plan_layout(plan, layout, options)
         warn_batch_norm(model, plan.chunks, options.deferred_batch_norm)
         return predict_shared_step(build(plan))
@@ -139,28 +151,42 @@ def compile(
     dims = layout.input_dims([n.target for n in captured.graph.graph.nodes if n.op == "placeholder"])
     dims = dims[:len(example_inputs)] + [0] * (len(example_inputs) - len(dims))
     batch = batch_size_of(list(example_inputs), dims)
-    chunks = chunks if chunks is not None else min(batch, 4 * len(devs))
-    workers = worker_devices(devs, schedule, v, stages, chunks)
-    warn_batch_norm(model, chunks, options.deferred_batch_norm)
+    # costs are measured on micro-batches of this count; an auto search scales them to the others it tries
+    profiled = min(batch, 4 * len(devs)) if auto_chunks else chunks
+    workers = worker_devices(devs, "gpipe" if schedule == "auto" else schedule, v, stages,
+                             None if auto_chunks else chunks)
     if options.check_micro_batching:
-        check_micro_batching(captured.graph, example_inputs, layout, chunks)
+        check_micro_batching(captured.graph, example_inputs, layout, profiled)
     first = tuple(tree_map(lambda x: x.to(workers[0]) if isinstance(x, torch.Tensor) else x, part)
-                  for part in scatter(list(example_inputs), chunks, dims)[0])
+                  for part in scatter(list(example_inputs), profiled, dims)[0])
     captured.graph.to(workers[0])
     costs, cached = node_costs(captured.graph, captured.fingerprint, first, workers[0], profiling)   # 2. cost
     planner = Planner(gm=captured.graph, fingerprint=captured.fingerprint, model_name=type(model).__name__,
                       devices=workers, all_devices=devs, memory_bytes=memory_limits(workers, v, options.memory_bytes),
-                      chunks=chunks, stages=stages, virtual_stages=v, schedule=schedule, checkpoint=checkpoint,
+                      chunks=profiled, stages=stages, virtual_stages=v,
+                      schedule="gpipe" if schedule == "auto" else schedule, checkpoint=checkpoint,
                       optimizer_state_factor=options.optimizer_state_factor, batch=batch, profile=profiling.mode,
                       training=model.training, batch_dims=layout.to_dict(), frontend=captured.frontend,
                       profile_extra={"threads": torch.get_num_threads(), "from_cache": cached,
                                      "inputs": input_signature(captured.graph, example_inputs)})
-    first_plan = planner.plan(costs)                                                    # 3. plan
+    search = None
+    if schedule == "auto" or auto_chunks:                                               # 3. plan
+        search = plan_auto(planner, costs, profiled, chunk_choices(batch, len(workers)) if auto_chunks else [chunks],
+                           SCHEDULES if schedule == "auto" else (schedule,), virtual_stages=v if v > 1 else 2)
+        planner, costs, first_plan = search.planner, search.costs, search.plan
+        if options.check_micro_batching and first_plan.chunks not in (1, profiled):
+            check_micro_batching(captured.graph, example_inputs, layout, first_plan.chunks)
+    else:
+        first_plan = planner.plan(costs)
+    warn_batch_norm(model, first_plan.chunks, options.deferred_batch_norm)
     spec = captured.graph.meta.get("fxpipe_out_spec")
     measured_loss = ((lambda out, target: scalar_of(loss_fn(model_output(out, spec), target)))
                      if loss_fn is not None else None)
-    return predict_shared_step(refine(planner, costs, first_plan, build, example_inputs,   # 5. refine
-                                      profiling, loss_fn=measured_loss, example_target=example_target))
+    pipe = refine(planner, costs, first_plan, build, example_inputs, profiling,         # 5. refine
+                  loss_fn=measured_loss, example_target=example_target)
+    if search is not None:   # what was tried, for plan.summary() and the saved plan
+        pipe.plan.solver["search"] = search_rows(search.trials, search.best)
+    return predict_shared_step(pipe)
 
 
 def predict_shared_step(pipe: Pipeline) -> Pipeline:

@@ -26,7 +26,7 @@ __all__ = ["Node", "Edge", "Device", "Problem", "SCHEDULES", "PROBLEM_FORMAT", "
 
 PROBLEM_FORMAT = "fxpipe-problem/1"
 PROBLEM_FORMATS = ("fxpipe-problem/1", "fxpipe-problem/2")
-SCHEDULES = ("gpipe", "1f1b", "zb-h1")   # the memory models (interleaved-1f1b plans as 1f1b)
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-v")   # the memory models (interleaved-1f1b plans as 1f1b)
 
 
 @dataclass(frozen=True)

@@ -58,8 +58,8 @@ def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedul
     consecutive stages are linked even when nothing crosses (time 0); stages on
     one worker hand over for free. ``allreduce_s[s]`` is the gradient all-reduce of
     a replicated stage, run once after its last backward. ``workers`` (default: one
-    per stage) runs several stages each for ``interleaved-1f1b``. A split backward
-    (``zb-h1``) gives ``weight_share`` of ``bwd_s`` to the weight pass ``W``.
+    per stage) runs several stages each for ``interleaved-1f1b`` and ``zb-v``. A split backward
+    (``zb-h1``, ``zb-v``) gives ``weight_share`` of ``bwd_s`` to the weight pass ``W``.
 
     ``cores`` makes the workers share that many processors (CPU workers of one
     machine, in units of one worker's threads): while ``k`` operations run, each

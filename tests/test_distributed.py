@@ -111,11 +111,13 @@ def _plan(kind: str, world: int, batch: int, chunks: int) -> fxpipe.Plan:
     return copy.deepcopy(pipe.plan)
 
 
-def _interleaved_plan(kind: str, batch: int, chunks: int) -> fxpipe.Plan:
-    """Four stages on two workers (stage s on worker s % 2), cut where the test says."""
+def _interleaved_plan(kind: str, batch: int, chunks: int, schedule: str = "interleaved-1f1b") -> fxpipe.Plan:
+    """Four stages on two workers (interleaved: stage s on worker s % 2; zb-v: stages 0, 3 on worker 0 and
+    1, 2 on worker 1), cut where the test says."""
     x = _batches(kind, batch)[0][0]
-    planned = fxpipe.compile(_make(kind), ["cpu", "cpu"], (x,), stages=4, virtual_stages=2, chunks=chunks,
-                             schedule="interleaved-1f1b", profile="estimate")
+    v = {"virtual_stages": 2} if schedule == "interleaved-1f1b" else {}
+    planned = fxpipe.compile(_make(kind), ["cpu", "cpu"], (x,), stages=4, chunks=chunks, schedule=schedule,
+                             profile="estimate", **v)
     plan = copy.deepcopy(planned.plan)
     order = [n for stage in plan.stages for n in stage.nodes]
     bounds = [0] + [order.index(n) for n in ["blocks_1_0", "blocks_3_0", "blocks_5_0"]] + [len(order)]
@@ -147,12 +149,12 @@ def _check(results: list[dict], kind: str, batch: int, schedules: tuple[str, ...
         assert worst[0] <= 1e-5, (schedule, worst)
 
 
-def test_interleaved_1f1b_runs_two_stages_per_rank_as_one_process():
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-v"])
+def test_two_stages_per_rank_train_as_one_process(schedule):
     batch, chunks = 8, 4
-    plan = _interleaved_plan("gpt", batch, chunks)
-    assert len(plan.stages) == 4 and plan.workers == 2
-    _check(run_ranks(2, _train_ranks, "gpt", plan.to_json(), batch, ("interleaved-1f1b",)), "gpt", batch,
-           ("interleaved-1f1b",))
+    plan = _interleaved_plan("gpt", batch, chunks, schedule)
+    assert len(plan.stages) == 4 and plan.workers == 2 and plan.schedule == schedule
+    _check(run_ranks(2, _train_ranks, "gpt", plan.to_json(), batch, (schedule,)), "gpt", batch, (schedule,))
 
 
 def test_clip_grad_norm_over_all_ranks_is_the_whole_models():

@@ -27,7 +27,8 @@ def compiled():
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(4)])
     x = torch.randn(8, 16)
-    return fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, profile="estimate"), x
+    return fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, schedule="gpipe",
+                          profile="estimate"), x
 
 
 def test_plot_timeline_and_graph_render(compiled, tmp_path):

@@ -16,7 +16,8 @@ def resnet_pipe():
     torch.manual_seed(0)
     model = torchvision.models.resnet18().eval()
     x = torch.randn(6, 3, 32, 32)
-    return model, x, fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=3, profile="estimate")
+    return model, x, fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=3, schedule="gpipe",
+                                     profile="estimate")
 
 
 def test_summary_table_has_every_column(resnet_pipe):

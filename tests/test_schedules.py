@@ -8,6 +8,7 @@ from solvers.simulate import simulate
 SHAPES = [  # (schedule, stages, workers, micro-batches)
     *[(s, p, p, m) for s in ("gpipe", "1f1b", "zb-h1") for p in (1, 2, 3, 5) for m in (1, 2, 4, 7)],
     *[("interleaved-1f1b", p * v, p, m) for p in (1, 2, 3, 4) for v in (1, 2, 3) for m in (p, 2 * p, 4 * p)],
+    *[("zb-v", 2 * p, p, m) for p in (1, 2, 3, 5) for m in (1, 2, 4, 7, 12)],
 ]
 
 
@@ -15,7 +16,7 @@ SHAPES = [  # (schedule, stages, workers, micro-batches)
 def test_every_operation_runs_once_on_its_worker_after_what_it_needs(schedule, stages, workers, m):
     orders = worker_orders(schedule, stages, m, workers)
     assert len(orders) == workers
-    kinds = ("F", "B", "W") if schedule == "zb-h1" else ("F", "B")
+    kinds = ("F", "B", "W") if schedule in ("zb-h1", "zb-v") else ("F", "B")
     ops = [op for order in orders for op in order]
     assert sorted(ops) == sorted((k, s, i) for k in kinds for s in range(stages) for i in range(m))
     for w, order in enumerate(orders):
@@ -91,7 +92,7 @@ def test_bad_shapes_say_what_is_wrong(schedule, stages, workers, m, message):
 
 
 def test_all_schedules_are_listed():
-    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1"}
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"}
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])

@@ -37,7 +37,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image-size", type=int, default=224, help="S of the default input shape (default: 224)")
     parser.add_argument("--leaf-modules", default="", help="module classes kept whole, comma-separated "
                                                            "(e.g. Bottleneck: stages cut between blocks)")
-    parser.add_argument("--schedule", choices=("gpipe", "1f1b", "zb-h1", "interleaved-1f1b"), default="1f1b",
+    parser.add_argument("--schedule", choices=("gpipe", "1f1b", "zb-h1", "zb-v", "interleaved-1f1b"), default="1f1b",
                         help="the schedule whose time and memory the plan is for (default: 1f1b)")
 
 

@@ -48,7 +48,7 @@ PROFILE_MODES = ("measure", "estimate", "analytic")
 # Nominal rates of the "estimate" mode: only ratios between nodes matter there.
 _ESTIMATE_FLOPS = {"cpu": 5e10, "cuda": 1e13}
 _ESTIMATE_BANDWIDTH = {"cpu": 1e10, "cuda": 1e12}
-_ESTIMATE_OVERHEAD_S = 2e-6
+ESTIMATE_OVERHEAD_S = 2e-6
 
 
 @dataclass
@@ -277,7 +277,7 @@ def profile_graph(
                     else:
                         kind = "cuda" if device.type == "cuda" else "cpu"
                         cost.fwd_s = max(cost.flops / _ESTIMATE_FLOPS[kind],
-                                         moved / _ESTIMATE_BANDWIDTH[kind]) + _ESTIMATE_OVERHEAD_S
+                                         moved / _ESTIMATE_BANDWIDTH[kind]) + ESTIMATE_OVERHEAD_S
                     cost.bwd_s = 2.0 * cost.fwd_s
             if progress is not None:
                 progress(i + 1, len(nodes))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from solvers.activation_memory import StageBytes, worker_peak_bytes
-from solvers.schedules import SPLIT_BACKWARD, stage_worker, worker_orders
+from solvers.schedules import MULTI_STAGE, SPLIT_BACKWARD, stage_worker, worker_orders
 
 if TYPE_CHECKING:   # the plan is data this model reads; plan.py imports this module for memory_table
     from fxpipe.planning.plan import Plan, PlanStage
@@ -69,7 +69,7 @@ def predict_worker_memory(plan: Plan, schedule: str | None = None, checkpoint: s
     def mode(stage: int) -> str:   # the given mode for all stages, else each stage's own (checkpoint="auto")
         return checkpoint or plan.stages[stage].checkpoint or plan.checkpoint
     m, p = micro_batches or plan.chunks, len(plan.stages)
-    workers = plan.workers if schedule == "interleaved-1f1b" else p
+    workers = plan.workers if schedule in MULTI_STAGE else p
     factor = 1.0 + float((plan.problem or {}).get("optimizer_state_factor", 0.0))
     sizes = [stage_bytes(st) for st in plan.stages]
     out = []
@@ -89,7 +89,7 @@ def choose_checkpoints(plan: Plan, memory_bytes: list[float] | None = None) -> l
 
     Raises ``MemoryError`` naming the worker, its need and its memory when even ``"always"`` does not fit.
     """
-    workers = plan.workers if plan.schedule == "interleaved-1f1b" else len(plan.stages)
+    workers = plan.workers if plan.schedule in MULTI_STAGE else len(plan.stages)
     if memory_bytes is None:
         memory_bytes = [sum(st.memory_bytes for st in plan.stages if stage_worker(plan.schedule, st.index, workers) == w)
                         for w in range(workers)]

@@ -15,7 +15,7 @@ import networkx as nx
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from solvers.schedules import stage_worker
+from solvers.schedules import MULTI_STAGE, stage_worker
 from solvers.simulate import simulate
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ def plot_timeline(plan: "Plan", measured: Sequence[Any] | None = None) -> Figure
     """The plan's schedule as the simulator predicts it, a Gantt chart per worker (F/B/W coloured, bubbles
     grey, the predicted iteration marked); with ``measured`` (``pipe.last_step["timings"]``: objects with
     ``kind``, ``stage``, ``micro_batch``, ``start_s``, ``end_s``), the measured step below it."""
-    workers = plan.workers if plan.schedule == "interleaved-1f1b" else len(plan.stages)
+    workers = plan.workers if plan.schedule in MULTI_STAGE else len(plan.stages)
     p = len(plan.stages)
     sim = simulate([st.fwd_s for st in plan.stages], [st.bwd_s for st in plan.stages], plan.chunks, plan.schedule,
                    sends={(s, s + 1): plan.stages[s].comm_s for s in range(p - 1)}, workers=workers)

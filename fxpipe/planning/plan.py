@@ -134,6 +134,13 @@ class Plan:
                 out.append(f"exact over: {self.solver['exact_over']}"
                            f"{'' if self.solver.get('space_optimal') else ' (stopped by the time limit)'}; "
                            f"gap to the best possible plan at most {self.solver.get('gap', float('nan')):.1%}")
+        if self.solver.get("search"):   # schedule="auto" / chunks="auto": every candidate, the chosen one marked *
+            out.append("schedule search (simulated iteration; * chosen):")
+            out += aligned_table(["schedule", "chunks", "checkpoint", "iteration ms", "peak MiB", "feasible"], [
+                [("* " if t["chosen"] else "  ") + t["schedule"], str(t["chunks"]), t["checkpoint"] or "-",
+                 f"{t['iteration_s'] * 1e3:.3f}" if t["feasible"] else "-",
+                 f"{t['peak_bytes'] / 2**20:.1f}" if t["feasible"] else "-",
+                 "yes" if t["feasible"] else "no: " + t.get("why", "")[:60]] for t in self.solver["search"]])
         return "\n".join(out)
 
     def memory_table(self) -> str:

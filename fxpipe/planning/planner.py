@@ -30,6 +30,8 @@ from fxpipe.planning.memory_model import choose_checkpoints
 from fxpipe.planning.plan import Plan, PlanStage
 from fxpipe.planning.topology import Links, links_for_devices, links_from_classes
 from solvers.dp import solve_dp
+from solvers.schedule_search import LOOSER, reuse
+from solvers.schedules import SPLIT_BACKWARD, stage_worker
 from solvers.simulate import simulate_solution
 
 __all__ = ["Planner", "plan_from_solution", "stage_buffers", "virtual_links"]
@@ -57,21 +59,26 @@ class Planner:
     profile_extra: dict[str, Any] = field(default_factory=dict)
     batch_dims: dict[str, Any] = field(default_factory=dict)   # fxpipe.runtime.microbatch.BatchLayout, as data
     frontend: dict[str, str] = field(default_factory=dict)     # fxpipe.frontend.capture.Captured.frontend
+    # the auto search's solutions by (schedule, chunks, recompute): one under a looser memory model is
+    # reused where it fits (solvers.schedule_search.reuse), not solved again
+    solved: dict[tuple[str, int, bool], Any] | None = None
 
     def __post_init__(self) -> None:
         # one solver device per (chunk, device) for interleaved-1f1b; the links are read once
         # (on GPUs from nvidia-smi), not for every plan a calibration or checkpoint search makes
         v, devs = self.virtual_stages, self.devices
-        self._solver_devices = [devs[k % len(devs)] for k in range(v * len(devs))]
-        self._links = virtual_links(links_for_devices(devs), v)
+        self._owner = [stage_worker(self.schedule, k, len(devs)) for k in range(v * len(devs))]
+        self._solver_devices = [devs[w] for w in self._owner]
+        self._links = virtual_links(links_for_devices(devs), self._owner)
 
     def _problem(self, costs: dict[str, Any], recompute: bool) -> solvers.Problem:
         v, devs, mem = self.virtual_stages, self.devices, self.memory_bytes
         problem = build_problem(self.gm, costs, self._solver_devices, self._links, self.chunks,
-                                [mem[k % len(devs)] / v for k in range(len(self._solver_devices))],
+                                [mem[w] / v for w in self._owner],
                                 stages=v * len(devs) if v > 1 else self.stages,
                                 optimizer_state_factor=self.optimizer_state_factor,
-                                schedule="1f1b" if v > 1 else self.schedule, name=self.model_name)
+                                schedule="1f1b" if self.schedule == "interleaved-1f1b" else self.schedule,
+                                name=self.model_name)
         problem.recompute = recompute
         return problem
 
@@ -80,7 +87,14 @@ class Planner:
             problem = self._problem(costs, recompute)
         except solvers.InvalidProblemError as exc:   # said in the solvers' JSON words: say it in compile's
             raise ValueError(f"{str(exc).replace('use null', 'pass stages=None')}") from exc
-        return problem, solve_dp(problem, placement=False) if self.virtual_stages > 1 else solvers.solve(problem, "dp")
+        if self.solved is not None and self.schedule in LOOSER:
+            found = reuse(problem, self.solved.get((LOOSER[self.schedule], self.chunks, recompute)))
+            if found is not None:
+                return problem, found
+        solution = solve_dp(problem, placement=False) if self.virtual_stages > 1 else solvers.solve(problem, "dp")
+        if self.solved is not None and self.virtual_stages == 1:
+            self.solved[(self.schedule, self.chunks, recompute)] = solution
+        return problem, solution
 
     def plan(self, costs: dict[str, Any]) -> Plan:
         """The best plan for ``costs`` (node name -> :class:`fxpipe.cost.profile.NodeCost`)."""
@@ -115,7 +129,7 @@ class Planner:
         plan.solver["stage_devices"] = [list(st.devices) for st in solution.stages]   # the solver's device ids
         if v > 1:
             plan.devices = [str(d) for d in self.all_devices]
-        if v > 1 or self.schedule == "zb-h1":   # the solver's formula is 1F1B's bubble
+        if v > 1 or self.schedule in SPLIT_BACKWARD:   # the solver's formula is 1F1B's bubble
             simulated = simulate_solution(problem, solution, self.schedule, workers=workers if v > 1 else None)
             plan.predicted["iteration_s"] = simulated.iteration_s
             plan.predicted["throughput_samples_per_s"] = self.batch / simulated.iteration_s
@@ -190,13 +204,12 @@ def _weight_copies(gm: Any, node: Any) -> int:
     return 1
 
 
-def virtual_links(links: Links, v: int) -> Links:
-    """Links between ``v`` copies of every device (copies of one device hand over in place: ``X``)."""
-    if v == 1:
+def virtual_links(links: Links, owner: Sequence[int]) -> Links:
+    """Links between the stages' copies of the devices, stage ``k`` on device ``owner[k]`` (two stages of
+    one device hand over in place: ``X``)."""
+    if list(owner) == list(range(len(links.classes))):
         return links
-    n = len(links.classes)
-    return links_from_classes([["X" if i % n == j % n else links.classes[i % n][j % n] for j in range(v * n)]
-                               for i in range(v * n)])
+    return links_from_classes([["X" if a == b else links.classes[a][b] for b in owner] for a in owner])
 
 
 def plan_from_solution(problem: solvers.Problem, solution: solvers.Solution, devices: Sequence[Any],

@@ -11,6 +11,8 @@ users override them with ``bandwidth_Bps=``/``latency_s=`` tables. ``NET`` joins
 
 from __future__ import annotations
 
+import functools
+
 import re
 import shutil
 import subprocess
@@ -79,6 +81,7 @@ class Links:
     latency_s: list[list[float]]
 
 
+@functools.lru_cache(maxsize=1)   # the machine's links do not change: a search makes many planners
 def _gpu_topology() -> list[list[str]] | None:
     if shutil.which("nvidia-smi") is None:
         return None

@@ -47,7 +47,7 @@ from fxpipe.runtime.streams import DeviceStreams, Event
 from fxpipe.runtime.transport import Transport
 from fxpipe.runtime.worker import spawn_workers
 from fxpipe.runtime.recompute import checkpoint_stage
-from solvers.schedules import SCHEDULES, worker_orders
+from solvers.schedules import MULTI_STAGE, SCHEDULES, worker_orders
 
 __all__ = ["Pipeline", "CHECKPOINT_MODES", "STEP_SCHEDULES"]
 
@@ -165,7 +165,7 @@ class Pipeline(nn.Module):
         BatchNorm in train mode normalises each micro-batch by its own statistics (as torchgpipe), so
         its gradients differ from a full batch's (``fxpipe.compile`` warns). ``schedule`` defaults to
         the plan's (``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` with the plan's stages per
-        device, or ``"zb-h1"``). With ``return_outputs`` returns ``(loss, output)``.
+        device, ``"zb-h1"`` or ``"zb-v"`` with two stages per device in a V). With ``return_outputs`` returns ``(loss, output)``.
         ``measure_memory`` records each worker's peak memory for :meth:`report`
         (``torch.cuda.max_memory_allocated`` on GPUs; on CPU a profiled replay of each
         worker after the step, :mod:`fxpipe.runtime.memory_probe`, which costs about one more step).
@@ -256,7 +256,7 @@ class Pipeline(nn.Module):
         return self.host.sharing(self.plan, self.devices)
 
     def _workers(self, schedule: str) -> int:
-        return self.plan.workers if schedule == "interleaved-1f1b" else len(self.specs)
+        return self.plan.workers if schedule in MULTI_STAGE else len(self.specs)
 
     def schedule_table(self, schedule: str | None = None, micro_batches: int | None = None) -> str:
         """The operations of every worker in order, one line per worker.

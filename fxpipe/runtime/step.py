@@ -7,7 +7,7 @@ boundary: a stage's inputs from earlier stages are fresh leaves, its backward is
 the leaves' gradients travel back to the producing stages (summed when a value
 feeds several stages, e.g. a skip connection or a tied weight). Each worker runs
 its stages' operations in the schedule's order (:func:`solvers.schedules.worker_orders`:
-GPipe, 1F1B, interleaved 1F1B with several stages per worker, ZB-H1), waiting
+GPipe, 1F1B, interleaved 1F1B with several stages per worker, ZB-H1, ZB-V), waiting
 only for the data it needs: ``F(k, i)`` after the producers' forwards of
 micro-batch ``i``, ``B(k, i)`` after its consumers' backwards. A zero-bubble
 schedule's ``B`` computes only the gradients of the stage's inputs and its ``W``
@@ -103,7 +103,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
              transport: Transport | None = None) -> tuple[torch.Tensor | None, list[Any]]:
     """Run forward and backward of every micro-batch; return the weighted loss and per-micro-batch outputs.
 
-    ``workers`` threads (default: one per stage; fewer for ``interleaved-1f1b``) run
+    ``workers`` threads (default: one per stage; fewer for ``interleaved-1f1b`` and ``zb-v``) run
     the operations of :func:`solvers.schedules.worker_orders`. ``timings``, if given,
     receives an :class:`OpTiming` per operation. ``random[k]`` says that stage ``k`` draws
     random numbers (:mod:`fxpipe.runtime.rng`; default: found from its graph). Every operation runs

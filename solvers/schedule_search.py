@@ -1,0 +1,139 @@
+"""The search behind ``schedule="auto"`` and ``chunks="auto"``: every schedule × micro-batch count, judged
+by the simulator.
+
+The caller (fxpipe's planner) knows how to make a plan for one candidate — a
+partition solved exactly for that schedule's memory model at that micro-batch
+size, its checkpointing chosen — and reports its simulated iteration time
+(:mod:`solvers.simulate`: each schedule's real bubble, its transfers, ZB-H1's and
+ZB-V's split backward, interleaving's extra hops) and predicted peak memory. This
+module says which candidates there are, evaluates them all (the grid is small:
+five schedules × ``log2`` of the batch) and picks the fastest feasible one, ties
+going to fewer micro-batches (less per-micro-batch overhead not modelled) and then
+to the simpler schedule (the order of :data:`solvers.schedules.SCHEDULES`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from solvers.errors import InfeasibleError
+from solvers.problem import Problem
+from solvers.score import score
+from solvers.solution import Solution
+from solvers.schedules import MULTI_STAGE, SCHEDULES, check_schedule, stages_per_worker
+
+__all__ = ["Candidate", "Trial", "LOOSER", "chunk_choices", "candidates", "search", "format_trials", "reuse"]
+
+# the schedule whose memory model holds at most as many micro-batches on every stage: 1F1B's p - s is at most
+# ZB-H1's p and GPipe's m, and the reference score's time does not depend on the schedule
+LOOSER = {"gpipe": "1f1b", "zb-h1": "1f1b"}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    schedule: str
+    micro_batches: int
+
+
+@dataclass
+class Trial:
+    candidate: Candidate
+    iteration_s: float           # simulated; inf when infeasible
+    peak_bytes: float            # the largest worker's predicted peak (0 when infeasible)
+    checkpoint: str              # the checkpointing the plan chose ("" when infeasible)
+    feasible: bool
+    note: str = ""               # why it is infeasible
+    result: Any = None           # the caller's plan
+
+
+def chunk_choices(batch: int, workers: int, most: int | None = None) -> list[int]:
+    """Micro-batch counts to try for a batch of ``batch`` samples: powers of two up to ``most`` (default
+    ``4 x workers``, at most the batch: every micro-batch keeps a sample), and ``most`` itself."""
+    top = max(1, min(batch, 4 * workers if most is None else most))
+    counts = {top}
+    k = 1
+    while k < top:
+        counts.add(k)
+        k *= 2
+    return sorted(counts)
+
+
+def candidates(workers: int, counts: Sequence[int], schedules: Sequence[str] = SCHEDULES,
+               virtual_stages: int = 2, stages: int | None = None) -> list[Candidate]:
+    """Every (schedule, micro-batch count) that can run on ``workers`` workers: shapes a schedule cannot run
+    (interleaved with a count that is not a multiple of the workers, several stages per worker on one
+    worker, or a fixed ``stages`` the schedule cannot have) are left out."""
+    out = []
+    # the looser memory model first (its plan may be reused, :func:`reuse`); the choice's ties use SCHEDULES
+    for schedule in sorted(schedules, key=lambda s: s not in LOOSER.values()):
+        v = stages_per_worker(schedule, virtual_stages)
+        if schedule in MULTI_STAGE and (workers < 2 or (stages is not None and stages != v * workers)):
+            continue   # on one worker it is a single-worker schedule with more hand-overs
+        for m in counts:
+            if m == 1 and schedule != "gpipe":   # one micro-batch: every schedule runs the stages in turn
+                continue
+            try:
+                check_schedule(schedule, v * workers, workers, m)
+            except ValueError:
+                continue
+            out.append(Candidate(schedule, m))
+    return out
+
+
+def search(cands: Sequence[Candidate], evaluate: Callable[[Candidate], Trial]) -> tuple[Trial, list[Trial]]:
+    """Evaluate every candidate; return the best feasible trial and all trials in the order tried.
+
+    ``evaluate`` returns a :class:`Trial` or raises :class:`solvers.InfeasibleError` or ``MemoryError``
+    (recorded as infeasible with the message). Raises ``InfeasibleError`` listing why when none fits.
+    """
+    trials: list[Trial] = []
+    least = math.inf   # the smallest peak any candidate needed, for the error
+    for cand in cands:
+        started = time.perf_counter()
+        try:
+            trial = evaluate(cand)
+        except (InfeasibleError, MemoryError) as exc:
+            trial = Trial(cand, math.inf, 0.0, "", False, str(exc).split("\n")[0])
+            need = getattr(exc, "min_peak_bytes", None)
+            least = min(least, need) if isinstance(need, (int, float)) and math.isfinite(need) else least
+        trial.note = trial.note or f"{time.perf_counter() - started:.3f} s"
+        trials.append(trial)
+    feasible = [t for t in trials if t.feasible]
+    if not feasible:
+        reasons = "; ".join(f"{t.candidate.schedule} x{t.candidate.micro_batches}: {t.note}" for t in trials[-2:])
+        raise InfeasibleError(f"no schedule and micro-batch count fits in memory; with the most micro-batches: "
+                              f"{reasons}", min_peak_bytes=least if math.isfinite(least) else math.nan)
+    rank = {s: k for k, s in enumerate(SCHEDULES)}
+    best = min(feasible, key=lambda t: (t.iteration_s, t.candidate.micro_batches, rank[t.candidate.schedule]))
+    return best, trials
+
+
+def reuse(problem: Problem, looser: Solution | None) -> Solution | None:
+    """``looser`` — the exact solution of the same problem under the :data:`LOOSER` schedule's memory model —
+    if it fits ``problem``'s memory too: then it is optimal for ``problem`` as well (same objective, a feasible
+    set that contains ``problem``'s), with the same certificate. ``None`` when it does not fit."""
+    if looser is None:
+        return None
+    found = score(problem, looser)
+    if not found.feasible:
+        return None
+    out = Solution([s for s in looser.stages], solver=dict(looser.solver))
+    out.predicted = found.as_predicted()
+    return out
+
+
+def format_trials(trials: Sequence[Trial], best: Trial | None = None) -> list[str]:
+    """The trials as table rows (schedule, chunks, checkpoint, predicted time, peak memory, feasible), the
+    chosen one marked ``*``."""
+    lines = ["  schedule          chunks  checkpoint      iteration ms  peak MiB  feasible",
+             "  ----------------  ------  --------------  ------------  --------  --------"]
+    for t in trials:
+        mark = "*" if t is best else " "
+        it = f"{t.iteration_s * 1e3:12.3f}" if math.isfinite(t.iteration_s) else f"{'-':>12s}"
+        peak = f"{t.peak_bytes / 2**20:8.1f}" if t.feasible else f"{'-':>8s}"
+        lines.append(f"{mark} {t.candidate.schedule:16s}  {t.candidate.micro_batches:6d}  {t.checkpoint or '-':14s}  "
+                     f"{it}  {peak}  {'yes' if t.feasible else 'no: ' + t.note}")
+    return lines
