@@ -25,6 +25,9 @@ from torch import nn
 import solvers
 from fxpipe._version import __version__
 from fxpipe.errors import InfeasiblePlanError
+from fxpipe.frontend.kept_whole import KEEP_WHOLE, module_stack
+from fxpipe.planning.blocks import repeated_blocks
+from fxpipe.planning.grouped import Grouping, solve_grouped
 from fxpipe.planning.lowering import build_problem, problem_device_ids
 from fxpipe.planning.memory_model import choose_checkpoints
 from fxpipe.planning.plan import Plan, PlanStage
@@ -64,6 +67,8 @@ class Planner:
         v, devs = self.virtual_stages, self.devices
         self._solver_devices = [devs[k % len(devs)] for k in range(v * len(devs))]
         self._links = virtual_links(links_for_devices(devs), v)
+        # blocks kept in one stage where a plan can (fxpipe.planning.grouped); found once, not per plan
+        self._grouping = Grouping(dict(self.gm.meta.get(KEEP_WHOLE, {})), repeated_blocks(self.gm))
 
     def _problem(self, costs: dict[str, Any], recompute: bool) -> solvers.Problem:
         v, devs, mem = self.virtual_stages, self.devices, self.memory_bytes
@@ -80,7 +85,13 @@ class Planner:
             problem = self._problem(costs, recompute)
         except solvers.InvalidProblemError as exc:   # said in the solvers' JSON words: say it in compile's
             raise ValueError(f"{str(exc).replace('use null', 'pass stages=None')}") from exc
-        return problem, solve_dp(problem, placement=False) if self.virtual_stages > 1 else solvers.solve(problem, "dp")
+        def solve(p: solvers.Problem) -> solvers.Solution:
+            return solve_dp(p, placement=False) if self.virtual_stages > 1 else solvers.solve(p, "dp")
+        try:
+            return problem, solve_grouped(problem, self._grouping, solve)
+        except solvers.InvalidProblemError as exc:   # only the kept-whole modules can make it invalid
+            raise ValueError(f"the modules kept whole (leaf_modules) leave too few pieces for {problem.stages} "
+                             f"stages ({exc}); keep fewer or smaller modules whole, or pass fewer stages") from exc
 
     def plan(self, costs: dict[str, Any]) -> Plan:
         """The best plan for ``costs`` (node name -> :class:`fxpipe.cost.profile.NodeCost`)."""
@@ -167,10 +178,10 @@ def stage_buffers(gm: Any, costs: dict[str, Any], plan: Plan) -> None:
 
 def module_path(node: Any) -> str:
     """The qualified name of the innermost module whose forward made ``node`` ("" for the model's own code)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if stack:
-        path = list(stack.values())[-1][0]
-        return str(path)
+    # torch.export marks nodes it made outside any module with a placeholder path: the model's own code
+    paths = [path for _, path, _ in module_stack(node) if not path.startswith("_empty_nn_module_stack")]
+    if paths:
+        return paths[-1]
     return str(node.target) if node.op == "call_module" else ""
 
 
