@@ -152,6 +152,7 @@ def compile(
                       chunks=chunks, stages=stages, virtual_stages=v, schedule=schedule, checkpoint=checkpoint,
                       optimizer_state_factor=options.optimizer_state_factor, batch=batch, profile=profiling.mode,
                       training=model.training, batch_dims=layout.to_dict(), frontend=captured.frontend,
+                      keep_blocks_whole=options.keep_blocks_whole,
                       profile_extra={"threads": torch.get_num_threads(), "from_cache": cached,
                                      "inputs": input_signature(captured.graph, example_inputs)})
     first_plan = planner.plan(costs)                                                    # 3. plan

@@ -131,6 +131,10 @@ class CompileOptions:
         output_batch_dim, target_batch_dim: the dimension the outputs are gathered along and the one
             ``pipe.step``'s target is split along; default: ``batch_dim`` when all inputs share one, else 0
             (the target: the output's).
+        keep_blocks_whole: plan every repeated block (the layers of a transformer, the blocks of a CNN
+            stage) in one stage, cutting inside blocks only when no such plan exists
+            (:mod:`fxpipe.planning.grouped`; the plan summary's "kept whole" says which). ``False`` lets the
+            planner cut between any two operations.
     """
 
     concrete_args: dict[str, Any] | None = None
@@ -141,6 +145,7 @@ class CompileOptions:
     output_batch_dim: int | None = None
     target_batch_dim: int | None = None
     check_micro_batching: bool = True
+    keep_blocks_whole: bool = True
 
     def __post_init__(self) -> None:
         if self.optimizer_state_factor < 0:

@@ -100,3 +100,15 @@ def test_experts_side_by_side_are_no_blocks_but_the_layers_holding_them_are():
     for frontend in ("fx", "export"):
         blocks = repeated_blocks(capture(model, frontend=frontend, args=(x,)).graph)
         assert sorted(blocks) == ["0", "1", "2"], (frontend, sorted(blocks))
+
+
+def test_keep_blocks_whole_false_lets_the_planner_cut_anywhere():
+    torch.manual_seed(0)
+    model = Stack([32, 512, 32]).eval()     # one heavy block: the balanced cut lies inside it
+    x = torch.randn(6, 8)
+    kept, free = (fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=3, stages=2, frontend="export", profile=EST,
+                                 options=fxpipe.CompileOptions(keep_blocks_whole=keep)) for keep in (True, False))
+    assert "kept whole: 3 blocks" in kept.plan.summary() and "kept whole" not in free.plan.summary()
+    assert free.plan.predicted["iteration_s"] <= kept.plan.predicted["iteration_s"] * (1 + 1e-9)
+    with torch.no_grad():
+        assert max_relative_error(free(x), model(x)) <= 1e-6

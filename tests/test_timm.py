@@ -111,3 +111,24 @@ def test_untraceable_models_raise_a_trace_error_with_a_fix(name):
         fxpipe.compile(model, ["cpu"] * 2, (torch.randn(4, 3, 64, 64),), profile=EST)
     msg = str(info.value)
     assert "operation:" in msg and "fix:" in msg and "torch.export" in msg
+
+
+@pytest.mark.parametrize("name, blocks", [("vit_tiny_patch16_224", 12),
+                                          pytest.param("swin_tiny_patch4_window7_224", 12, marks=pytest.mark.slow)])
+def test_transformer_blocks_are_cut_between_by_default(name, blocks):
+    """ViT's 12 blocks, and Swin's 2+2+6+2 blocks inside its 4 stages (the innermost blocks), each in one stage."""
+    from fxpipe.frontend.capture import capture
+    from fxpipe.planning.blocks import repeated_blocks
+    model = build(name).eval()
+    x = torch.randn(4, 3, 64, 64)
+    pipe = fxpipe.compile(model, ["cpu"] * 3, (x,), chunks=2, stages=3, profile=EST)
+    found = repeated_blocks(capture(model, frontend=pipe.plan.frontend["name"], args=(x,)).graph)
+    inner = [b for b in found if "blocks." in b]
+    assert len(inner) == blocks, sorted(found)
+    stage_of = pipe.plan.stage_of()
+    split = {b: sorted({stage_of[n] for n in names}) for b, names in found.items()
+             if len({stage_of[n] for n in names}) > 1}
+    summary = pipe.plan.summary()
+    assert not split and "kept whole: " in summary and "cut inside blocks" not in summary, (split, summary)
+    with torch.no_grad():
+        assert max_relative_error(pipe(x), torch.cat([model(part) for part in x.tensor_split(2)])) <= 1e-5

@@ -60,6 +60,7 @@ class Planner:
     profile_extra: dict[str, Any] = field(default_factory=dict)
     batch_dims: dict[str, Any] = field(default_factory=dict)   # fxpipe.runtime.microbatch.BatchLayout, as data
     frontend: dict[str, str] = field(default_factory=dict)     # fxpipe.frontend.capture.Captured.frontend
+    keep_blocks_whole: bool = True                             # fxpipe.CompileOptions.keep_blocks_whole
 
     def __post_init__(self) -> None:
         # one solver device per (chunk, device) for interleaved-1f1b; the links are read once
@@ -68,7 +69,8 @@ class Planner:
         self._solver_devices = [devs[k % len(devs)] for k in range(v * len(devs))]
         self._links = virtual_links(links_for_devices(devs), v)
         # blocks kept in one stage where a plan can (fxpipe.planning.grouped); found once, not per plan
-        self._grouping = Grouping(dict(self.gm.meta.get(KEEP_WHOLE, {})), repeated_blocks(self.gm))
+        self._grouping = Grouping(dict(self.gm.meta.get(KEEP_WHOLE, {})),
+                                  repeated_blocks(self.gm) if self.keep_blocks_whole else {})
 
     def _problem(self, costs: dict[str, Any], recompute: bool) -> solvers.Problem:
         v, devs, mem = self.virtual_stages, self.devices, self.memory_bytes
