@@ -249,10 +249,41 @@ def test_a_graph_module_or_exported_program_is_partitioned_as_given():
         assert all(p.grad is not None for p in model.parameters())
 
 
-def test_leaf_modules_with_the_export_front_end_are_said_to_be_ignored():
+@pytest.mark.parametrize("leaves", ["class", "path"])
+def test_leaf_modules_with_the_export_front_end_are_kept_whole(leaves):
+    """``leaf_modules`` under torch.export keep each listed module's operations in one stage, as fx does by not
+    tracing into it: the blocks as a class, or an MLP and a block by path (blocks themselves not kept whole
+    by default here, so only the leaves constrain the cuts)."""
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    model = build("gpt2", layers=6).train()
+    ids, mask = batch(6)
+    kept = [GPT2Block] if leaves == "class" else ["transformer.h.1.mlp", "transformer.h.4"]
+    pipe = fxpipe.compile(model, ["cpu"] * 4, (ids,), example_kwargs={"attention_mask": mask}, chunks=3,
+                          stages=4, leaf_modules=kept, profile=fxpipe.ProfileOptions(mode="estimate"),
+                          options=fxpipe.CompileOptions(keep_blocks_whole=False))
+    assert pipe.plan.frontend["name"] == "export" and "leaf_modules kept whole" in pipe.plan.frontend["reason"]
+    summary = pipe.plan.summary()
+    assert "kept whole as asked: " in summary and "blocks (" not in summary, summary
+    paths = [f"transformer.h.{i}" for i in range(6)] if leaves == "class" else kept
+    stages = [{str(path) for node in spec.module.graph.nodes
+               for path, _ in (node.meta.get("nn_module_stack") or {}).values()} for spec in pipe.specs]
+    for path in paths:
+        holding = [k for k, s in enumerate(stages) if path in s]
+        assert len(holding) == 1, (path, holding, summary)
+    target = target_for("gpt2", ids)
+    model.zero_grad(set_to_none=True)
+    want_loss = loss_fn(model(ids, attention_mask=mask), target)
+    want_loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    loss = pipe.step((ids,), target, loss_fn, kwargs={"attention_mask": mask}, schedule="1f1b")
+    assert abs(loss.item() - want_loss.item()) <= 1e-5 * abs(want_loss.item())
+    assert_same_gradients({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, want)
+
+
+def test_leaf_modules_naming_no_submodule_is_refused_with_the_fix():
     model = build("gpt2").eval()
     ids, mask = batch(4)
-    with pytest.warns(UserWarning, match="leaf_modules=.*are ignored.*frontend='fx'"):
-        pipe = fxpipe.compile(model, ["cpu"] * 2, (ids,), example_kwargs={"attention_mask": mask},
-                              leaf_modules=["transformer.h.0"], profile=fxpipe.ProfileOptions(mode="estimate"))
-    assert "leaf_modules are not kept whole" in pipe.plan.frontend["reason"]
+    with pytest.raises(ValueError, match=r"leaf_modules names \['transformer.h.9'\].*not submodules.*'transformer.h.0'"):
+        fxpipe.compile(model, ["cpu"] * 2, (ids,), example_kwargs={"attention_mask": mask},
+                       leaf_modules=["transformer.h.9"], profile=fxpipe.ProfileOptions(mode="estimate"))
