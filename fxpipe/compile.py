@@ -113,7 +113,7 @@ def compile(
         raise ValueError("the torch.export front end traces the model on example inputs: pass example_inputs "
                          "(and example_kwargs) with plan=, as for the compile that made the plan")
     captured = capture(model, leaf_modules, options.concrete_args, frontend, example_inputs,   # 1. trace
-                       example_kwargs, options.batch_dim if isinstance(options.batch_dim, int) else 0)
+                       example_kwargs, options.batch_dim)
     if example_inputs is not None and captured.graph.meta.get("fxpipe_in_spec") is not None:
         # the flat graph's leaves: profiling, checks and refinement all run the graph on them
         example_inputs = FlatInputs(flat_inputs(example_inputs, example_kwargs or {},

@@ -47,14 +47,14 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _traced(model: nn.Module, name: str, leaf_modules: list[Any], concrete_args: Any, args: tuple,
-            kwargs: dict[str, Any], batch_dim: int) -> fx.GraphModule:
+            kwargs: dict[str, Any], batch_dim: Any) -> fx.GraphModule:
     if name == "fx":
         return trace(model, leaf_modules, concrete_args)
     return export_graph(model, args, kwargs, batch_dim)
 
 
 def _choose(model: nn.Module, frontend: str, leaf_modules: list[Any], concrete_args: Any, args: tuple | None,
-            kwargs: dict[str, Any], batch_dim: int) -> tuple[fx.GraphModule, str, str]:
+            kwargs: dict[str, Any], batch_dim: Any) -> tuple[fx.GraphModule, str, str]:
     """The graph, the front end that made it and why that one."""
     if frontend not in FRONTENDS:
         raise ValueError(f"frontend must be one of {', '.join(FRONTENDS)}, got {frontend!r}")
@@ -85,7 +85,7 @@ def _choose(model: nn.Module, frontend: str, leaf_modules: list[Any], concrete_a
 
 
 def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = None, frontend: str = "auto",
-            args: tuple | None = None, kwargs: dict[str, Any] | None = None, batch_dim: int = 0) -> Captured:
+            args: tuple | None = None, kwargs: dict[str, Any] | None = None, batch_dim: Any = 0) -> Captured:
     """Trace ``model`` with the front end ``frontend`` chooses (module doc) and find whether its graph
     depends on ``model.training``, by tracing it once more in the other mode. Every submodule's own flag
     is restored either way (:func:`fxpipe.frontend.modes.keeping_modes`): a frozen BatchNorm stays in eval
