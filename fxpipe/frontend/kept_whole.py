@@ -2,6 +2,7 @@
 record: what ``leaf_modules`` keeps whole in one stage when the graph is torch.export's (which has no
 ``call_module`` nodes; fx keeps a leaf whole by not tracing into it). The groups go to the planner in
 ``gm.meta["fxpipe_keep_whole"]`` (label -> node names), which hands them to :mod:`solvers.together`.
+Also here: the reads of one Parameter under two names (tied weights), which must share a stage as well.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from typing import Any, Iterable
 
 import torch.fx as fx
 
-__all__ = ["class_name", "module_stack", "module_groups", "operations", "with_parameters", "KEEP_WHOLE"]
+__all__ = ["class_name", "module_stack", "module_groups", "operations", "tied_parameters", "with_parameters",
+           "KEEP_WHOLE"]
 
 KEEP_WHOLE = "fxpipe_keep_whole"   # the graph's meta key of the groups
 
@@ -59,3 +61,21 @@ def module_groups(gm: fx.GraphModule, modules: Iterable[Any]) -> tuple[dict[str,
                 groups.setdefault(path + (key[key.index("@"):] if "@" in key else ""), []).append(node.name)
                 break     # inside a kept module everything is kept with it
     return with_parameters(gm, groups), [m for i, m in enumerate(wanted) if i not in matched]
+
+
+def tied_parameters(gm: fx.GraphModule) -> dict[str, list[str]]:
+    """The ``get_attr`` nodes that read one Parameter object under different names (a tied embedding and
+    head): kept in one stage, so that the Parameter lives in exactly one stage module and the other stages
+    receive it as a value."""
+    by_object: dict[int, list[str]] = {}
+    first: dict[int, str] = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":    # an unused read too: its stage module would hold the Parameter as well
+            continue
+        try:
+            value = gm.get_parameter(node.target)
+        except AttributeError:     # a buffer, a constant or a module: not a shared Parameter
+            continue
+        by_object.setdefault(id(value), []).append(node.name)
+        first.setdefault(id(value), str(node.target))
+    return {f"tied {first[k]}": names for k, names in by_object.items() if len(names) > 1}

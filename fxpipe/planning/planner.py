@@ -25,7 +25,7 @@ from torch import nn
 import solvers
 from fxpipe._version import __version__
 from fxpipe.errors import InfeasiblePlanError
-from fxpipe.frontend.kept_whole import KEEP_WHOLE, module_stack
+from fxpipe.frontend.kept_whole import KEEP_WHOLE, module_stack, tied_parameters
 from fxpipe.planning.blocks import repeated_blocks
 from fxpipe.planning.grouped import Grouping, solve_grouped
 from fxpipe.planning.lowering import build_problem, problem_device_ids
@@ -69,7 +69,7 @@ class Planner:
         self._solver_devices = [devs[k % len(devs)] for k in range(v * len(devs))]
         self._links = virtual_links(links_for_devices(devs), v)
         # blocks kept in one stage where a plan can (fxpipe.planning.grouped); found once, not per plan
-        self._grouping = Grouping(dict(self.gm.meta.get(KEEP_WHOLE, {})),
+        self._grouping = Grouping({**self.gm.meta.get(KEEP_WHOLE, {}), **tied_parameters(self.gm)},
                                   repeated_blocks(self.gm) if self.keep_blocks_whole else {})
 
     def _problem(self, costs: dict[str, Any], recompute: bool) -> solvers.Problem:
