@@ -263,7 +263,7 @@ def test_leaf_modules_with_the_export_front_end_are_kept_whole(leaves):
                           options=fxpipe.CompileOptions(keep_blocks_whole=False))
     assert pipe.plan.frontend["name"] == "export" and "leaf_modules kept whole" in pipe.plan.frontend["reason"]
     summary = pipe.plan.summary()
-    assert "kept whole as asked: " in summary and "blocks (" not in summary, summary
+    assert "also in one stage: " in summary and "blocks (" not in summary, summary
     paths = [f"transformer.h.{i}" for i in range(6)] if leaves == "class" else kept
     stages = [{str(path) for node in spec.module.graph.nodes
                for path, _ in (node.meta.get("nn_module_stack") or {}).values()} for spec in pipe.specs]

@@ -91,7 +91,7 @@ def solve_grouped(problem: solvers.Problem, grouping: Grouping,
             note = (f"cut inside blocks: no plan keeps the {len(blocks)} blocks ({_span(blocks)}) whole "
                     f"({str(failure).splitlines()[0]})")
         if required:
-            note = "; ".join(x for x in (note, f"kept whole as asked: {', '.join(required)}") if x)
+            note = "; ".join(x for x in (note, f"also in one stage: {', '.join(required)}") if x)
         solution.solver["kept_whole"] = "; ".join(x for x in (note, *notes) if x)
         return solution
     raise AssertionError("unreachable: the last attempt raises or returns")
