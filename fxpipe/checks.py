@@ -14,6 +14,7 @@ from torch import nn
 
 from fxpipe.cost.device_names import EXAMPLE, is_device_names, parse_device_names
 from fxpipe.errors import PlanMismatchError
+from fxpipe.frontend.batch_dims import LEAF_DIMS
 from fxpipe.frontend.capture import Captured
 from fxpipe.options import CompileOptions, ProfileOptions
 from fxpipe.planning.lowering import device_memory_bytes
@@ -144,7 +145,9 @@ def batch_layout(options: CompileOptions, gm: fx.GraphModule) -> BatchLayout:
     """``options.batch_dim`` (one number, a sequence or a dict) as a :class:`BatchLayout` by forward argument."""
     arguments = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
     dims = options.batch_dim
-    if isinstance(dims, int):
+    if gm.meta.get(LEAF_DIMS) is not None:    # torch.export resolved them to its placeholders (one per leaf)
+        inputs = dict(zip(arguments, gm.meta[LEAF_DIMS]))
+    elif isinstance(dims, int):
         inputs = {a: dims for a in arguments}
     elif isinstance(dims, Mapping):
         unknown = sorted(set(dims) - set(arguments))

@@ -126,7 +126,7 @@ def compile(
         raise ValueError("the torch.export front end traces the model on example inputs: pass example_inputs "
                          "(and example_kwargs) with plan=, as for the compile that made the plan")
     captured = capture(model, leaf_modules, options.concrete_args, frontend, example_inputs,   # 1. trace
-                       example_kwargs, options.batch_dim if isinstance(options.batch_dim, int) else 0)
+                       example_kwargs, options.batch_dim)
     if example_inputs is not None and captured.graph.meta.get("fxpipe_in_spec") is not None:
         # the flat graph's leaves: profiling, checks and refinement all run the graph on them
         example_inputs = FlatInputs(flat_inputs(example_inputs, example_kwargs or {},
@@ -167,6 +167,7 @@ def compile(
                       schedule="gpipe" if schedule == "auto" else schedule, checkpoint=checkpoint,
                       optimizer_state_factor=options.optimizer_state_factor, batch=batch, profile=profiling.mode,
                       training=model.training, batch_dims=layout.to_dict(), frontend=captured.frontend,
+                      keep_blocks_whole=options.keep_blocks_whole,
                       profile_extra={"threads": torch.get_num_threads(), "from_cache": cached,
                                      "inputs": input_signature(captured.graph, example_inputs)})
     search = None

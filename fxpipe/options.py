@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from torch.utils._pytree import tree_flatten
+
 __all__ = ["COMPILE_MODES", "CONTENTION_STEPS", "EFFORTS", "CompileOptions", "ProfileOptions"]
 
 COMPILE_MODES = ("measure", "estimate")   # cost.profile also has "analytic", for fxpipe.plan()
@@ -122,7 +124,8 @@ class CompileOptions:
         batch_dim: the dimension of the inputs that holds the samples, split into micro-batches: one
             number for every input (``1`` for a sequence-first ``nn.LSTM``/``nn.TransformerEncoder``,
             ``batch_first=False``), a sequence (one per forward argument, in order) or a dict by forward
-            argument name (missing ones: 0).
+            argument name (missing ones: 0). With the torch.export front end a name may be a keyword
+            input's, and a nested input may take the same structure of numbers (one per tensor).
         check_micro_batching: with ``chunks > 1``, run the example batch whole and as micro-batches at
             compile (eval mode, no gradients) and refuse a model whose outputs differ
             (:mod:`fxpipe.runtime.batch_check`). ``False`` for a model whose micro-batches are meant to be
@@ -131,6 +134,10 @@ class CompileOptions:
         output_batch_dim, target_batch_dim: the dimension the outputs are gathered along and the one
             ``pipe.step``'s target is split along; default: ``batch_dim`` when all inputs share one, else 0
             (the target: the output's).
+        keep_blocks_whole: plan every repeated block (the layers of a transformer, the blocks of a CNN
+            stage) in one stage, cutting inside blocks only when no such plan exists
+            (:mod:`fxpipe.planning.grouped`; the plan summary's "kept whole" says which). ``False`` lets the
+            planner cut between any two operations.
     """
 
     concrete_args: dict[str, Any] | None = None
@@ -141,12 +148,13 @@ class CompileOptions:
     output_batch_dim: int | None = None
     target_batch_dim: int | None = None
     check_micro_batching: bool = True
+    keep_blocks_whole: bool = True
 
     def __post_init__(self) -> None:
         if self.optimizer_state_factor < 0:
             raise ValueError(f"optimizer_state_factor must be 0 or more, got {self.optimizer_state_factor!r}")
         dims = self.batch_dim
-        values = (list(dims.values()) if isinstance(dims, Mapping) else
+        values = (tree_flatten(list(dims.values()))[0] if isinstance(dims, Mapping) else
                   [dims] if isinstance(dims, int) else list(dims) if isinstance(dims, (list, tuple)) else [dims])
         if isinstance(dims, Mapping) and not all(isinstance(k, str) for k in dims):
             raise ValueError(f"batch_dim as a dict maps forward argument names to dimensions, got {dims!r}")

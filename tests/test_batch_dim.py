@@ -137,3 +137,59 @@ def test_bad_batch_dim_values_are_refused():
         fxpipe.CompileOptions(batch_dim=-1)
     with pytest.raises(ValueError, match="not arguments of the model's forward"):
         _compile(SeqLSTM(), torch.randn(T, B, F), batch_dim={"tokens": 1})
+
+
+class KeywordMemory(nn.Module):
+    """A batch-first input and a batch-second (time-first) keyword input, as an encoder-decoder takes memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.x_in, self.m_in, self.head = nn.Linear(F, 16), nn.Linear(F, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, *, memory: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.x_in(x) + torch.tanh(self.m_in(memory)).mean(0)
+        return {"out": self.head(torch.relu(h))}
+
+
+class NestedMemory(KeywordMemory):
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:   # type: ignore[override]
+        return super().forward(batch["x"], memory=batch["memory"])
+
+
+def mse(out, target):
+    return (out["out"] - target).square().mean()
+
+
+@pytest.mark.parametrize("shape", ["keyword", "nested"])
+def test_export_batch_dim_by_name_reaches_keyword_inputs_and_pytree_leaves(shape):
+    torch.manual_seed(0)
+    model = KeywordMemory() if shape == "keyword" else NestedMemory()
+    x, memory, target = torch.randn(B, F), torch.randn(T, B, F), torch.randn(B, 3)
+    if shape == "keyword":
+        args, kwargs, dims = (x,), {"memory": memory}, {"memory": 1}
+    else:
+        args, kwargs, dims = ({"x": x, "memory": memory},), {}, {"batch": {"x": 0, "memory": 1}}
+    pipe = fxpipe.compile(model, ["cpu"] * 2, args, example_kwargs=kwargs, chunks=4, stages=2, frontend="export",
+                          profile=ESTIMATE, options=fxpipe.CompileOptions(batch_dim=dims))
+    with torch.no_grad():
+        got, want = pipe(*args, **kwargs), model(*args, **kwargs)
+    assert type(got) is dict and max_relative_error(got["out"], want["out"]) <= 1e-6
+    model.zero_grad(set_to_none=True)
+    mse(model(*args, **kwargs), target).backward()
+    want_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    pipe.step(args, target, mse, kwargs=kwargs)     # 4 equal micro-batches: the mean is exact
+    for got_grad, want_grad in zip((p.grad for p in model.parameters()), want_grads):
+        assert max_relative_error(got_grad, want_grad) <= 1e-5
+
+
+def test_export_batch_dim_naming_no_input_is_refused_with_the_inputs():
+    model = KeywordMemory()
+    with pytest.raises(ValueError, match=r"batch_dim names \['mem'\].*inputs are \['x', 'memory'\]"):
+        fxpipe.compile(model, ["cpu"] * 2, (torch.randn(B, F),), example_kwargs={"memory": torch.randn(T, B, F)},
+                       profile=ESTIMATE, options=fxpipe.CompileOptions(batch_dim={"mem": 1}))
+    with pytest.raises(ValueError, match=r"batch_dim for input 'batch' must be one number or numbers in the "
+                                         r"structure of the input"):
+        fxpipe.compile(NestedMemory(), ["cpu"] * 2, ({"x": torch.randn(B, F), "memory": torch.randn(T, B, F)},),
+                       frontend="export", profile=ESTIMATE,
+                       options=fxpipe.CompileOptions(batch_dim={"batch": {"x": 0}}))

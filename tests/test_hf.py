@@ -5,6 +5,8 @@ gradient, keyword inputs (an attention mask) and uneven batches."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,23 +19,35 @@ transformers = pytest.importorskip("transformers")
 VOCAB, SEQ = 128, 12
 
 
-def build(name: str) -> torch.nn.Module:
+def build(name: str, layers: int = 4, inner: int = 64) -> torch.nn.Module:
     torch.manual_seed(0)
     small = dict(vocab_size=VOCAB, use_cache=False)
     if name == "gpt2":
-        config = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=4, n_positions=64, resid_pdrop=0.0,
-                                         embd_pdrop=0.0, attn_pdrop=0.0, **small)
+        config = transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=4, n_positions=64, resid_pdrop=0.0,
+                                         embd_pdrop=0.0, attn_pdrop=0.0, n_inner=inner, **small)
         model = transformers.GPT2LMHeadModel(config)
     elif name == "bert":
-        config = transformers.BertConfig(num_hidden_layers=4, hidden_size=32, num_attention_heads=4,
-                                         intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+        config = transformers.BertConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4,
+                                         intermediate_size=inner, max_position_embeddings=64, hidden_dropout_prob=0.0,
                                          attention_probs_dropout_prob=0.0, num_labels=3, vocab_size=VOCAB)
         model = transformers.BertForSequenceClassification(config)
     else:
-        config = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=32, num_attention_heads=4,
-                                          num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
+        config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4,
+                                          num_key_value_heads=2, intermediate_size=inner, max_position_embeddings=64,
                                           **small)
         model = transformers.LlamaForCausalLM(config)
+    return model
+
+
+def blocks_of(model: torch.nn.Module) -> torch.nn.ModuleList:
+    return {"GPT2LMHeadModel": lambda m: m.transformer.h, "BertForSequenceClassification": lambda m: m.bert.encoder.layer,
+            "LlamaForCausalLM": lambda m: m.model.layers}[type(model).__name__](model)
+
+
+def uneven(name: str, layers: int, heavy: int) -> torch.nn.Module:
+    """``layers`` blocks of which block ``heavy`` has an MLP eight times as wide: blocks of unequal cost."""
+    model, wide = build(name, layers), build(name, layers, inner=512)
+    blocks_of(model)[heavy] = blocks_of(wide)[heavy]
     return model
 
 
@@ -61,19 +75,44 @@ def compile_hf(model, workers: int, ids, mask, chunks: int, schedule: str = "gpi
                           profile=fxpipe.ProfileOptions(mode="estimate"))
 
 
+BLOCK = re.compile(r"^(.*\.(h|layer|layers)\.\d+)(\.|$)")
+
+
 def block_stages(pipe) -> list[set[str]]:
     """Per stage, the transformer blocks (``...layer.3`` / ``...h.3``) some of its operations belong to."""
-    import re
     found = []
     for spec in pipe.specs:
         blocks = set()
         for node in spec.module.graph.nodes:
             for path, _ in (node.meta.get("nn_module_stack") or {}).values():
-                hit = re.search(r"\.(h|layer|layers)\.(\d+)", str(path))
+                hit = BLOCK.match(str(path))
                 if hit:
-                    blocks.add(hit.group(0))
+                    blocks.add(hit.group(1))
         found.append(blocks)
     return found
+
+
+def assert_cut_between_blocks(pipe, blocks: int) -> None:
+    """Every block's operations in one stage, and the summary names each cut by module paths of which none
+    lies inside a block."""
+    stages = block_stages(pipe)
+    where = {b: [k for k, s in enumerate(stages) if b in s] for s in stages for b in s}
+    assert len(where) == blocks and all(len(ks) == 1 for ks in where.values()), where
+    summary = pipe.plan.summary()
+    assert f"kept whole: {blocks} blocks" in summary and "cut inside blocks" not in summary, summary
+    cuts = next(line for line in summary.splitlines() if line.startswith("stage boundaries: "))
+    for cut in cuts.removeprefix("stage boundaries: ").split("; "):
+        before, after = cut.split(" | ")
+        for side in (before, after):
+            hit = BLOCK.match(side)
+            assert hit is None or hit.group(1) == side, (side, summary)   # a block's path, never inside one
+    for a, b in zip(stages, stages[1:]):   # block-to-block cuts are named "…h.1 | …h.2"
+        if a and b:
+            assert f"{max(a, key=_index)} | {min(b, key=_index)}" in cuts, (a, b, cuts)
+
+
+def _index(block: str) -> int:
+    return int(block.rsplit(".", 1)[1])
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
@@ -86,6 +125,7 @@ def test_eval_outputs_match_and_stages_hold_blocks(name, workers):
     assert "front end: export" in pipe.plan.summary() and "stage boundaries:" in pipe.plan.summary()
     stages = block_stages(pipe)
     assert len(stages) == workers and sum(1 for s in stages if s) >= 2, stages
+    assert_cut_between_blocks(pipe, 4)
     with torch.no_grad():
         got = pipe(ids, attention_mask=mask)
         want = model(ids, attention_mask=mask)
@@ -97,6 +137,32 @@ def test_eval_outputs_match_and_stages_hold_blocks(name, workers):
     with torch.no_grad():
         assert max_relative_error(pipe(ids, attention_mask=other).logits,
                                   model(ids, attention_mask=other).logits) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+def test_blocks_of_unequal_cost_on_3_workers_are_cut_between(name):
+    model = uneven(name, 6, heavy=2).eval()
+    ids, mask = batch(5)
+    pipe = compile_hf(model, 3, ids, mask, chunks=2)
+    assert_cut_between_blocks(pipe, 6)
+    with torch.no_grad():
+        assert max_relative_error(pipe(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits) <= 1e-5
+
+
+def test_zb_h1_on_4_workers_gradients_match_full_batch():
+    model = build("llama", layers=6).train()
+    ids, mask = batch(8)
+    target = target_for("llama", ids)
+    pipe = compile_hf(model, 4, ids, mask, chunks=4, schedule="zb-h1")
+    assert_cut_between_blocks(pipe, 6)
+    model.zero_grad(set_to_none=True)
+    loss_fn(model(ids, attention_mask=mask), target).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    pipe.step((ids,), target, loss_fn, kwargs={"attention_mask": mask}, schedule="zb-h1")
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(got) == set(want)
+    assert_same_gradients(got, want)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
@@ -183,10 +249,41 @@ def test_a_graph_module_or_exported_program_is_partitioned_as_given():
         assert all(p.grad is not None for p in model.parameters())
 
 
-def test_leaf_modules_with_the_export_front_end_are_said_to_be_ignored():
+@pytest.mark.parametrize("leaves", ["class", "path"])
+def test_leaf_modules_with_the_export_front_end_are_kept_whole(leaves):
+    """``leaf_modules`` under torch.export keep each listed module's operations in one stage, as fx does by not
+    tracing into it: the blocks as a class, or an MLP and a block by path (blocks themselves not kept whole
+    by default here, so only the leaves constrain the cuts)."""
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    model = build("gpt2", layers=6).train()
+    ids, mask = batch(6)
+    kept = [GPT2Block] if leaves == "class" else ["transformer.h.1.mlp", "transformer.h.4"]
+    pipe = fxpipe.compile(model, ["cpu"] * 4, (ids,), example_kwargs={"attention_mask": mask}, chunks=3,
+                          stages=4, leaf_modules=kept, profile=fxpipe.ProfileOptions(mode="estimate"),
+                          options=fxpipe.CompileOptions(keep_blocks_whole=False))
+    assert pipe.plan.frontend["name"] == "export" and "leaf_modules kept whole" in pipe.plan.frontend["reason"]
+    summary = pipe.plan.summary()
+    assert "also in one stage: " in summary and "blocks (" not in summary, summary
+    paths = [f"transformer.h.{i}" for i in range(6)] if leaves == "class" else kept
+    stages = [{str(path) for node in spec.module.graph.nodes
+               for path, _ in (node.meta.get("nn_module_stack") or {}).values()} for spec in pipe.specs]
+    for path in paths:
+        holding = [k for k, s in enumerate(stages) if path in s]
+        assert len(holding) == 1, (path, holding, summary)
+    target = target_for("gpt2", ids)
+    model.zero_grad(set_to_none=True)
+    want_loss = loss_fn(model(ids, attention_mask=mask), target)
+    want_loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    loss = pipe.step((ids,), target, loss_fn, kwargs={"attention_mask": mask}, schedule="1f1b")
+    assert abs(loss.item() - want_loss.item()) <= 1e-5 * abs(want_loss.item())
+    assert_same_gradients({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, want)
+
+
+def test_leaf_modules_naming_no_submodule_is_refused_with_the_fix():
     model = build("gpt2").eval()
     ids, mask = batch(4)
-    with pytest.warns(UserWarning, match="leaf_modules=.*are ignored.*frontend='fx'"):
-        pipe = fxpipe.compile(model, ["cpu"] * 2, (ids,), example_kwargs={"attention_mask": mask},
-                              leaf_modules=["transformer.h.0"], profile=fxpipe.ProfileOptions(mode="estimate"))
-    assert "leaf_modules are not kept whole" in pipe.plan.frontend["reason"]
+    with pytest.raises(ValueError, match=r"leaf_modules names \['transformer.h.9'\].*not submodules.*'transformer.h.0'"):
+        fxpipe.compile(model, ["cpu"] * 2, (ids,), example_kwargs={"attention_mask": mask},
+                       leaf_modules=["transformer.h.9"], profile=fxpipe.ProfileOptions(mode="estimate"))

@@ -23,8 +23,9 @@ from torch import nn
 from fxpipe.errors import TraceError
 from fxpipe.frontend.export import export_graph, flat_program
 from fxpipe.frontend.fingerprint import graph_fingerprint
+from fxpipe.frontend.kept_whole import KEEP_WHOLE, module_groups
 from fxpipe.frontend.modes import keeping_modes
-from fxpipe.frontend.trace import trace
+from fxpipe.frontend.trace import has_submodule, trace
 
 __all__ = ["Captured", "capture", "FRONTENDS"]
 
@@ -46,14 +47,14 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _traced(model: nn.Module, name: str, leaf_modules: list[Any], concrete_args: Any, args: tuple,
-            kwargs: dict[str, Any], batch_dim: int) -> fx.GraphModule:
+            kwargs: dict[str, Any], batch_dim: Any) -> fx.GraphModule:
     if name == "fx":
         return trace(model, leaf_modules, concrete_args)
     return export_graph(model, args, kwargs, batch_dim)
 
 
 def _choose(model: nn.Module, frontend: str, leaf_modules: list[Any], concrete_args: Any, args: tuple | None,
-            kwargs: dict[str, Any], batch_dim: int) -> tuple[fx.GraphModule, str, str]:
+            kwargs: dict[str, Any], batch_dim: Any) -> tuple[fx.GraphModule, str, str]:
     """The graph, the front end that made it and why that one."""
     if frontend not in FRONTENDS:
         raise ValueError(f"frontend must be one of {', '.join(FRONTENDS)}, got {frontend!r}")
@@ -84,7 +85,7 @@ def _choose(model: nn.Module, frontend: str, leaf_modules: list[Any], concrete_a
 
 
 def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = None, frontend: str = "auto",
-            args: tuple | None = None, kwargs: dict[str, Any] | None = None, batch_dim: int = 0) -> Captured:
+            args: tuple | None = None, kwargs: dict[str, Any] | None = None, batch_dim: Any = 0) -> Captured:
     """Trace ``model`` with the front end ``frontend`` chooses (module doc) and find whether its graph
     depends on ``model.training``, by tracing it once more in the other mode. Every submodule's own flag
     is restored either way (:func:`fxpipe.frontend.modes.keeping_modes`): a frozen BatchNorm stays in eval
@@ -104,18 +105,32 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
         return Captured(gm, graph_fingerprint(gm, "given"), False,
                         {"name": "given", "reason": "a torch.fx.GraphModule, partitioned as given"})
     leaves = list(leaf_modules)
+    unknown = [n for n in leaves if isinstance(n, str) and n and not has_submodule(model, n)]
+    if unknown:
+        raise ValueError(f"leaf_modules names {unknown}, which are not submodules of the model; name them by "
+                         "their path in model.named_modules() (as 'transformer.h.0') or pass their class")
     gm, name, reason = _choose(model, frontend, leaves, concrete_args, args, kwargs, batch_dim)
+    tag = name
     if name == "export" and leaves:
-        reason += "; leaf_modules are not kept whole by torch.export"
-        warnings.warn(f"leaf_modules={leaves!r} are ignored: the model is traced with torch.export ({reason}), "
-                      "whose graph holds every operation, so the planner may cut inside them; use frontend='fx' "
-                      "to keep them whole", UserWarning, stacklevel=3)
-    fingerprint = graph_fingerprint(gm, name)
+        # torch.export's graph holds every operation: a leaf is kept whole by keeping its operations in one
+        # stage (the planner's groups), as fx keeps it whole by not tracing into it
+        groups, missed = module_groups(gm, leaves)
+        gm.meta[KEEP_WHOLE] = groups
+        reason += "; leaf_modules kept whole in one stage each"
+        if missed:
+            warnings.warn(f"leaf_modules {missed!r} match no module the forward calls: nothing to keep whole",
+                          UserWarning, stacklevel=3)
+        tag = f"{name}+keep:{sorted(groups)}"    # the same graph planned under other constraints
+    fingerprint = graph_fingerprint(gm, tag)
     with keeping_modes(model):
         model.train(not model.training)
         try:
-            other = graph_fingerprint(_traced(model, name, leaves, concrete_args, args or (), kwargs, batch_dim),
-                                      name)
+            other_gm = _traced(model, name, leaves, concrete_args, args or (), kwargs, batch_dim)
+            if tag != name:
+                other_gm.meta[KEEP_WHOLE] = module_groups(other_gm, leaves)[0]
+                other = graph_fingerprint(other_gm, f"{name}+keep:{sorted(other_gm.meta[KEEP_WHOLE])}")
+            else:
+                other = graph_fingerprint(other_gm, name)
         except TraceError:
             other = None   # the other mode does not trace: the graph holds for this mode only
     return Captured(gm, fingerprint, other != fingerprint, {"name": name, "reason": reason})

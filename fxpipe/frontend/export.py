@@ -27,16 +27,17 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.errors import TraceError
+from fxpipe.frontend.batch_dims import LEAF_DIMS, leaf_batch_dims
 from fxpipe.frontend.grad_regions import refusing_grad_regions
 from fxpipe.frontend.trace import dropped_region
 
 __all__ = ["export_graph", "flat_program"]
 
 
-def _dynamic_batch(args: tuple, kwargs: dict, batch_dim: int) -> ShapesCollection:
+def _dynamic_batch(args: tuple, kwargs: dict, dims: list[int]) -> ShapesCollection:
     """Every tensor leaf's batch dimension symbolic (``Dim.AUTO``: export may still find it fixed, checked after)."""
     shapes = ShapesCollection()
-    for leaf in tree_flatten((args, kwargs))[0]:
+    for leaf, batch_dim in zip(tree_flatten((args, kwargs))[0], dims):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > batch_dim:
             shapes[leaf] = {batch_dim: Dim.AUTO}
     return shapes
@@ -105,11 +106,11 @@ def _flatten_graph(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _check_batch_symbolic(gm: fx.GraphModule, args: tuple, kwargs: dict, batch_dim: int) -> None:
+def _check_batch_symbolic(gm: fx.GraphModule, args: tuple, kwargs: dict, dims: list[int]) -> None:
     """Refuse a graph whose batch size export fixed: it would run only batches of the example's size."""
     leaves = tree_flatten((args, kwargs))[0]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, leaf in zip(placeholders, leaves):
+    for node, leaf, batch_dim in zip(placeholders, leaves, dims):
         val = node.meta.get("val")
         if isinstance(leaf, torch.Tensor) and leaf.dim() > batch_dim and isinstance(val, torch.Tensor):
             if is_concrete_int(val.shape[batch_dim]):   # an int, or a SymInt export resolved to one
@@ -122,15 +123,16 @@ def _check_batch_symbolic(gm: fx.GraphModule, args: tuple, kwargs: dict, batch_d
 
 
 def export_graph(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None = None,
-                 batch_dim: int = 0) -> fx.GraphModule:
+                 batch_dim: Any = 0) -> fx.GraphModule:
     """``model`` exported on ``(args, kwargs)`` as a flat GraphModule over its own parameters (module doc).
 
     Raises :class:`fxpipe.TraceError` when torch.export cannot trace it or fixes its batch size."""
     kwargs = dict(kwargs or {})
+    dims = leaf_batch_dims(model, tuple(args), kwargs, batch_dim)   # by input (CompileOptions.batch_dim)
     try:
         with refusing_grad_regions(only=(torch.inference_mode,)):
             program = torch.export.export(model, tuple(args), kwargs, strict=False,
-                                          dynamic_shapes=_dynamic_batch(tuple(args), kwargs, batch_dim)
+                                          dynamic_shapes=_dynamic_batch(tuple(args), kwargs, dims)
                                           .dynamic_shapes(model, tuple(args), kwargs))
     except TraceError:
         raise
@@ -138,7 +140,8 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None = 
         raise _fail(model, exc) from exc
     gm = flat_program(program, type(model).__name__)
     _check_own_tensors(model, gm)
-    _check_batch_symbolic(gm, tuple(args), kwargs, batch_dim)
+    _check_batch_symbolic(gm, tuple(args), kwargs, dims)
+    gm.meta[LEAF_DIMS] = dims
     gm.meta["fxpipe_traced_training"] = model.training
     return gm
 

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from fxpipe.errors import TraceError
 from fxpipe.frontend.grad_regions import DroppedRegion, refusing_grad_regions
 
-__all__ = ["trace", "shared_parameter_owners", "run_failure", "dropped_region"]
+__all__ = ["trace", "shared_parameter_owners", "run_failure", "dropped_region", "has_submodule"]
 
 
 class _Tracer(fx.Tracer):
@@ -188,7 +188,7 @@ def trace(
     leaves = list(leaf_modules)
     leaf_types = tuple(x for x in leaves if isinstance(x, type))
     leaf_names = {x for x in leaves if isinstance(x, str)}
-    unknown = [n for n in leaf_names if n and not _has_submodule(model, n)]
+    unknown = [n for n in leaf_names if n and not has_submodule(model, n)]
     if unknown:
         raise ValueError(f"leaf_modules names {unknown}, which are not submodules of the model")
     groups = shared_parameter_groups(model)
@@ -209,7 +209,7 @@ def trace(
     return gm
 
 
-def _has_submodule(model: nn.Module, name: str) -> bool:
+def has_submodule(model: nn.Module, name: str) -> bool:
     try:
         model.get_submodule(name)
     except AttributeError:

@@ -21,7 +21,7 @@ from solvers.schedules import inflight
 # fxpipe.distributed.torch_pipelining registers "torch_pipelining" when imported (``import fxpipe`` does).
 EXPORTERS: dict[str, Callable[..., Any]] = {}
 
-__all__ = ["EXPORTERS", "Plan", "PlanStage", "load_plan", "PLAN_FORMAT", "aligned_table"]
+__all__ = ["EXPORTERS", "Plan", "PlanStage", "load_plan", "PLAN_FORMAT", "aligned_table", "boundary_name"]
 
 
 
@@ -114,10 +114,12 @@ class Plan:
         out += aligned_table(head, rows)
         if self.frontend:
             out.append(f"front end: {self.frontend.get('name', '?')} ({self.frontend.get('reason', '')})")
-        cuts = [f"{a.modules[-1] or '(model)'} | {b.modules[0] or '(model)'}"
+        cuts = [boundary_name(a.modules[-1], b.modules[0])
                 for a, b in zip(self.stages, self.stages[1:]) if a.modules and b.modules]
         if cuts:
             out.append("stage boundaries: " + "; ".join(cuts))
+        if self.solver.get("kept_whole"):
+            out.append(f"kept whole: {self.solver['kept_whole']}")
         p = self.predicted
         if p:
             out.append(
@@ -224,3 +226,18 @@ class Plan:
 def load_plan(path: str | Path) -> Plan:
     """Read a plan saved by :meth:`Plan.save`. Parses JSON only, with bounded memory; never executes code."""
     return Plan.from_dict(read_plan_document(path))
+
+
+def boundary_name(before: str, after: str) -> str:
+    """A cut between the operations of modules ``before`` and ``after`` named where their paths part, an
+    index kept with its list: ``model.layers.11 | model.layers.12``, ``model.layers.3 | model.norm``;
+    ``(model)`` is the model's own code."""
+    a, b = before.split(".") if before else [], after.split(".") if after else []
+    k = 0
+    while k < min(len(a), len(b)) and a[k] == b[k]:
+        k += 1
+
+    def named(parts: list[str]) -> str:
+        end = k + 1 + (k + 1 < len(parts) and parts[k + 1].isdigit())
+        return ".".join(parts[:end]) or "(model)"
+    return f"{named(a)} | {named(b)}"

@@ -25,6 +25,9 @@ from torch import nn
 import solvers
 from fxpipe._version import __version__
 from fxpipe.errors import InfeasiblePlanError
+from fxpipe.frontend.kept_whole import KEEP_WHOLE, module_stack, tied_parameters
+from fxpipe.planning.blocks import repeated_blocks
+from fxpipe.planning.grouped import Grouping, solve_grouped
 from fxpipe.planning.lowering import build_problem, problem_device_ids
 from fxpipe.planning.memory_model import choose_checkpoints
 from fxpipe.planning.plan import Plan, PlanStage
@@ -62,6 +65,7 @@ class Planner:
     # the auto search's solutions by (schedule, chunks, recompute): one under a looser memory model is
     # reused where it fits (solvers.schedule_search.reuse), not solved again
     solved: dict[tuple[str, int, bool], Any] | None = None
+    keep_blocks_whole: bool = True                             # fxpipe.CompileOptions.keep_blocks_whole
 
     def __post_init__(self) -> None:
         # one solver device per (chunk, device) for interleaved-1f1b; the links are read once
@@ -70,6 +74,9 @@ class Planner:
         self._owner = [stage_worker(self.schedule, k, len(devs)) for k in range(v * len(devs))]
         self._solver_devices = [devs[w] for w in self._owner]
         self._links = virtual_links(links_for_devices(devs), self._owner)
+        # blocks kept in one stage where a plan can (fxpipe.planning.grouped); found once, not per plan
+        self._grouping = Grouping({**self.gm.meta.get(KEEP_WHOLE, {}), **tied_parameters(self.gm)},
+                                  repeated_blocks(self.gm) if self.keep_blocks_whole else {})
 
     def _problem(self, costs: dict[str, Any], recompute: bool) -> solvers.Problem:
         v, devs, mem = self.virtual_stages, self.devices, self.memory_bytes
@@ -91,7 +98,14 @@ class Planner:
             found = reuse(problem, self.solved.get((LOOSER[self.schedule], self.chunks, recompute)))
             if found is not None:
                 return problem, found
-        solution = solve_dp(problem, placement=False) if self.virtual_stages > 1 else solvers.solve(problem, "dp")
+
+        def solve(p: solvers.Problem) -> solvers.Solution:
+            return solve_dp(p, placement=False) if self.virtual_stages > 1 else solvers.solve(p, "dp")
+        try:
+            solution = solve_grouped(problem, self._grouping, solve)
+        except solvers.InvalidProblemError as exc:   # only the kept-whole modules can make it invalid
+            raise ValueError(f"the modules kept whole (leaf_modules) leave too few pieces for {problem.stages} "
+                             f"stages ({exc}); keep fewer or smaller modules whole, or pass fewer stages") from exc
         if self.solved is not None and self.virtual_stages == 1:
             self.solved[(self.schedule, self.chunks, recompute)] = solution
         return problem, solution
@@ -181,10 +195,10 @@ def stage_buffers(gm: Any, costs: dict[str, Any], plan: Plan) -> None:
 
 def module_path(node: Any) -> str:
     """The qualified name of the innermost module whose forward made ``node`` ("" for the model's own code)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if stack:
-        path = list(stack.values())[-1][0]
-        return str(path)
+    # torch.export marks nodes it made outside any module with a placeholder path: the model's own code
+    paths = [path for _, path, _ in module_stack(node) if not path.startswith("_empty_nn_module_stack")]
+    if paths:
+        return paths[-1]
     return str(node.target) if node.op == "call_module" else ""
 
 
