@@ -90,9 +90,9 @@ def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | Non
     certified. ``placement=False`` runs stage ``k`` on device ``k``, the
     topology-blind baseline. With ``max_replicas > 1`` stages may also take runs
     of consecutive devices of the hierarchical order as replica groups.
-    ``time_limit_s`` stops the exact searches (with placement: the topology-blind
-    search, then the placement searches, each within the limit); the solution then
-    reports ``optimal: false`` with a proven lower bound.
+    ``time_limit_s`` bounds the whole call (with placement: the topology-blind search
+    may take half of it, the placement searches the rest); when it stops an exact search
+    the solution reports ``optimal: false`` with a proven lower bound and the best plan found.
     """
     started = time.perf_counter()
     deadline = started + time_limit_s if time_limit_s is not None else math.inf
@@ -113,12 +113,9 @@ def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | Non
     blind_is_all = not placement or len(classes) == 1
     order = hierarchical_order(problem) if placement else identity
     if placement and not blind_is_all:
-        # Stage k on device k gets the whole limit, as the topology-blind baseline would (so it
-        # is never better than ours); the placement searches then get a limit of their own.
-        search.exact(Space("order", table, order=identity), certifies=False)
-        if time_limit_s is not None:
-            search.deadline = time.perf_counter() + time_limit_s
-        deadline = search.deadline
+        # ``time_limit_s`` bounds the whole solve: stage k on device k (the topology-blind plan,
+        # a strong incumbent) may take half of it; the placement searches get what is left.
+        search.exact(Space("order", table, order=identity), certifies=False, share=0.5)
         if order != identity:
             search.exact(Space("order", table, order=order), certifies=False, share=0.5)
     else:
