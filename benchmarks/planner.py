@@ -34,7 +34,7 @@ from solvers.anchors import anchor_solution
 from solvers.compare import compare, format_table
 
 HERE = Path(__file__).parent
-PARTITIONERS = ("uniform", "parameters", "block", "pippy")
+PARTITIONERS = ("uniform", "parameters", "block", "pippy", "pytorch-auto", "megatron")
 COMM_HEAVY = 0.15   # share of transfers in the blind plan's bottleneck stage
 
 

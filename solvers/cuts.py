@@ -80,9 +80,10 @@ def spread_cuts(weights: list[float], parts: int) -> list[int]:
     return _backtrack(lambda i, j: int(backs[j - 1][i]), n, parts)
 
 
-def minmax_cuts(weights: list[float], parts: int) -> list[int]:
+def minmax_cuts(weights: list[float], parts: int, offsets: list[float] | None = None) -> list[int]:
     """Contiguous parts with the smallest maximum part weight (exact); ties to the earliest split.
 
+    ``offsets[j]`` is added to part ``j``'s weight (a cost the part pays whatever it holds).
     Row ``j`` of the table depends on row ``j - 1`` only: each is computed for every ``(i, k)`` at once.
     """
     n = len(weights)
@@ -94,7 +95,8 @@ def minmax_cuts(weights: list[float], parts: int) -> list[int]:
     best[0] = 0.0
     backs = []
     for j in range(1, parts + 1):
-        val = np.where(lower, np.maximum(best[None, :], block), inf)
+        extra = offsets[j - 1] if offsets is not None else 0.0
+        val = np.where(lower, np.maximum(best[None, :], block + extra), inf)
         k = np.argmin(val, axis=1)            # first minimum: ties to the earliest split
         row = val[np.arange(n + 1), k]
         valid = np.zeros(n + 1, dtype=bool)

@@ -6,6 +6,7 @@ import math
 import time
 
 from solvers.cuts import CUT_ANCHORS, QUADRATIC_ANCHORS
+from solvers.cuts_scheduled import PROBLEM_CUTTERS
 from solvers.certificate import certify, contiguous_is_convex
 from solvers.errors import InfeasibleError
 from solvers.groups import GroupTable, hierarchical_order
@@ -108,6 +109,10 @@ def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | Non
         if cutter in QUADRATIC_ANCHORS and tables.n ** 2 * anchor_p > ANCHOR_SEED_LIMIT:
             continue  # their O(n^2 p) DPs would cost more than they save here
         search.offer(anchor_p, cutter(weights(problem), anchor_p), [(k,) for k in range(anchor_p)])
+    for name, problem_cutter in PROBLEM_CUTTERS.items():
+        if name == "pytorch-auto" and tables.n ** 2 * anchor_p > ANCHOR_SEED_LIMIT:
+            continue  # its min-max DP is quadratic too
+        search.offer(anchor_p, problem_cutter(problem, anchor_p), [(k,) for k in range(anchor_p)])
     exhaustive = placement and n_dev <= MAX_EXACT_PLACEMENT_DEVICES
     classes = device_classes(problem) if placement else [[d] for d in identity]
     blind_is_all = not placement or len(classes) == 1
