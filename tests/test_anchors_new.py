@@ -45,6 +45,8 @@ def test_autopartition_refines_the_min_max_dp_against_the_simulator(seed):
     assert len(cuts) == p - 1 and cuts == sorted(set(cuts)) and 0 < cuts[0] and cuts[-1] < len(fwd)
     t = _simulated_s(fwd, bwd, cuts, comm, problem)
     assert t <= _simulated_s(fwd, bwd, start, comm, problem) * (1 + 1e-12)   # refinement never worsens
+    if 2 * (p - 1) * 4 > 60:   # small enough that the simulation budget never binds: a local optimum
+        return
     for i in range(len(cuts)):   # and stops at a local optimum of single-node moves
         for step in (-1, 1):
             moved = cuts[:i] + [cuts[i] + step] + cuts[i + 1:]

@@ -6,7 +6,7 @@ import math
 import time
 
 from solvers.cuts import CUT_ANCHORS, QUADRATIC_ANCHORS
-from solvers.cuts_scheduled import PROBLEM_CUTTERS
+from solvers.cuts_scheduled import autopartition_cuts, megatron_cuts
 from solvers.certificate import certify, contiguous_is_convex
 from solvers.errors import InfeasibleError
 from solvers.groups import GroupTable, hierarchical_order
@@ -15,7 +15,8 @@ from solvers.problem import Problem
 from solvers.score import Score, score_assignment
 from solvers.solution import Solution, Stage, assignment_from_cuts
 from solvers.dp.tables import REL_TOL, Tables, balanced_cuts, device_classes, stage_counts
-from solvers.dp.labels import analytic_lower, Space, Timeout, deepening
+from solvers.dp.labels import analytic_lower, plan_of, Space, Timeout, deepening
+from solvers.dp.symmetry import Canon, automorphisms
 from solvers.dp.bounds import min_peak_bytes, placement_floor
 
 __all__ = ['ANCHOR_SEED_LIMIT', 'MAX_EXACT_PLACEMENT_DEVICES', 'Search', 'solve_dp']
@@ -72,13 +73,8 @@ class Search:
                     self.lower = min([self.lower] + rest)
                 return
             if label is not None and t <= self.ub * (1 + REL_TOL):
-                cuts, groups = [], []
-                while label is not None and label.parent is not None:
-                    if label.start > 0:
-                        cuts.append(label.start)
-                    groups.append(self.table.groups[label.device].devices)
-                    label = label.parent
-                self.ub, self.incumbent = t, (p, sorted(cuts), groups[::-1])
+                cuts, devices = plan_of(label)
+                self.ub, self.incumbent = t, (p, cuts, [self.table.groups[d].devices for d in devices])
 
 
 def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | None = None) -> Solution:
@@ -109,10 +105,11 @@ def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | Non
         if cutter in QUADRATIC_ANCHORS and tables.n ** 2 * anchor_p > ANCHOR_SEED_LIMIT:
             continue  # their O(n^2 p) DPs would cost more than they save here
         search.offer(anchor_p, cutter(weights(problem), anchor_p), [(k,) for k in range(anchor_p)])
-    for name, problem_cutter in PROBLEM_CUTTERS.items():
-        if name == "pytorch-auto" and tables.n ** 2 * anchor_p > ANCHOR_SEED_LIMIT:
-            continue  # its min-max DP is quadratic too
-        search.offer(anchor_p, problem_cutter(problem, anchor_p), [(k,) for k in range(anchor_p)])
+    if tables.n ** 2 * anchor_p <= ANCHOR_SEED_LIMIT:   # its min-max DP is quadratic too
+        # its simulator refinement stops at the deadline (so, under a limit too short for it, the
+        # anchor itself may end a little better than this seed)
+        search.offer(anchor_p, autopartition_cuts(problem, anchor_p, deadline), [(k,) for k in range(anchor_p)])
+    search.offer(anchor_p, megatron_cuts(problem, anchor_p), [(k,) for k in range(anchor_p)])
     exhaustive = placement and n_dev <= MAX_EXACT_PLACEMENT_DEVICES
     classes = device_classes(problem) if placement else [[d] for d in identity]
     blind_is_all = not placement or len(classes) == 1
@@ -144,7 +141,10 @@ def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | Non
     if exhaustive and not blind_is_all and len(problem.devices) > 1:
         floor = (placement_floor(problem, search.ub, time.perf_counter() + 0.5 * max(0.0, deadline - time.perf_counter()))
                  if search.incumbent is not None else {})
-        search.exact(Space("classes", table, classes=classes), certifies=True, floor=floor)
+        group = automorphisms(problem)
+        # with more automorphisms than the pairwise classes, one state per orbit of the whole group
+        canon = Canon(group) if group is not None and len(group) > 2 ** sum(len(c) > 1 for c in classes) else None
+        search.exact(Space("classes", table, classes=classes, canon=canon), certifies=True, floor=floor)
     if search.incumbent is None:
         need = min_peak_bytes(problem)
         have = max(d.memory_bytes for d in problem.devices)
