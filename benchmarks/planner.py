@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=10.0, help="of the whole solve, seconds")
     parser.add_argument("--only", nargs="*", help="problem names containing any of these")
     parser.add_argument("--skip-scaling", action="store_true")
+    parser.add_argument("--skip-interleaved", action="store_true", help="skip the interleaved Titan V table")
     parser.add_argument("--scale-only", action="store_true", help="only the scale table")
     parser.add_argument("--repeats", type=int, default=3, help="runs per scale problem (default 3)")
     args = parser.parse_args(argv)
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     interleave = [0, 4, 1, 5, 2, 6, 3, 7]
     shuffled = []
     for p in problems:
-        if not p.name.endswith("@titan8"):
+        if not p.name.endswith("@titan8") or args.skip_interleaved:
             continue
         doc = p.to_dict()
         doc["name"] = p.name + "-interleaved"
