@@ -9,7 +9,7 @@
    ILP over convex partitions on the DP's placement, warm-started from the DP.
 
 ``time_limit_s`` bounds the whole solve: the DP takes all of it when its space
-holds an optimum of the reference problem, else half, and the second phase (model
+holds an optimum of the reference problem, else 80 %, and the second phase (model
 building included) what is left. A phase that finds nothing or times out
 leaves the earlier phases' plan, and ``solver["phases"]`` says what each did.
 The certificate combines them: every phase's ``lower_bound_s`` holds over the
@@ -72,7 +72,7 @@ def solve_auto(problem: Problem, time_limit_s: float = 10.0) -> Solution:
     deadline = started + time_limit_s
     # When the DP's space may hold an optimum (a chain-like order), no later phase searches
     # anything new: the DP may take the whole budget; otherwise it leaves half to the convex phase.
-    dp_share = 1.0 if contiguous_is_convex(problem) and problem.max_replicas == 1 else 0.5
+    dp_share = 1.0 if contiguous_is_convex(problem) and problem.max_replicas == 1 else 0.8
     found = [s for s in [_phase("dp", keep_error(lambda: solve_dp(problem, time_limit_s=dp_share * time_limit_s)),
                                 log)] if s is not None]
     dp = found[0] if found else None

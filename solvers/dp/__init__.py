@@ -20,7 +20,7 @@ a best-link relaxation that skips stage counts which cannot win. The anchors'
 plans seed the incumbent (their quadratic partitioners only up to
 :data:`ANCHOR_SEED_LIMIT`), so no anchor partitioner beats the result. With
 placement, ``time_limit_s`` bounds the whole search: the stage-``k``-on-device-``k``
-search may take half of it, the placement searches the rest.
+search may take 80 % of it, the placement searches the rest.
 
 Why a label-setting DP rather than the textbook ``(position, stage)`` table:
 a stage's time includes its outgoing transfers, one per *later stage* that

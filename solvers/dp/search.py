@@ -115,9 +115,10 @@ def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | Non
     blind_is_all = not placement or len(classes) == 1
     order = hierarchical_order(problem) if placement else identity
     if placement and not blind_is_all:
-        # ``time_limit_s`` bounds the whole solve: stage k on device k (the topology-blind plan,
-        # a strong incumbent) may take half of it; the placement searches get what is left.
-        search.exact(Space("order", table, order=identity), certifies=False, share=0.5)
+        # ``time_limit_s`` bounds the whole solve: stage k on device k (the topology-blind plan, a strong
+        # incumbent, and an anchor that gets a whole limit of its own) may take 80 % of it; the placement
+        # searches get what is left.
+        search.exact(Space("order", table, order=identity), certifies=False, share=0.8)
         if order != identity:
             search.exact(Space("order", table, order=order), certifies=False, share=0.5)
     else:
