@@ -71,7 +71,7 @@ def solve_auto(problem: Problem, time_limit_s: float = 10.0) -> Solution:
 
     deadline = started + time_limit_s
     # When the DP's space may hold an optimum (a chain-like order), no later phase searches
-    # anything new: the DP may take the whole budget; otherwise it leaves half to the convex phase.
+    # anything new: the DP may take the whole budget; otherwise it leaves 20 % to the convex phase.
     dp_share = 1.0 if contiguous_is_convex(problem) and problem.max_replicas == 1 else 0.8
     found = [s for s in [_phase("dp", keep_error(lambda: solve_dp(problem, time_limit_s=dp_share * time_limit_s)),
                                 log)] if s is not None]

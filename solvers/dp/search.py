@@ -88,7 +88,7 @@ def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | Non
     topology-blind baseline. With ``max_replicas > 1`` stages may also take runs
     of consecutive devices of the hierarchical order as replica groups.
     ``time_limit_s`` bounds the whole call (with placement: the topology-blind search
-    may take half of it, the placement searches the rest); when it stops an exact search
+    may take 80 % of it, the placement searches the rest); when it stops an exact search
     the solution reports ``optimal: false`` with a proven lower bound and the best plan found.
     """
     started = time.perf_counter()
