@@ -10,11 +10,18 @@ The corpus is fixed: ``benchmarks/problems/*.json`` is committed and
 
     python benchmarks/make_problems.py            # all models, a few minutes on 2 cores
     python benchmarks/make_problems.py --models unet
+    python benchmarks/make_problems.py --scale    # only the synthetic scale problems (seconds)
+
+``--scale`` writes ``benchmarks/problems/scale/``: seeded residual chains of 400 nodes on
+the Titan V box and 3000 nodes on two such boxes over a network (the issue's scale
+targets), on the devices and links of the corpus problems; ``planner.py`` times the
+whole command on them.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import time
 from pathlib import Path
@@ -141,13 +148,37 @@ def costed_nodes(name: str) -> tuple[list[dict], list[dict]]:
     return nodes, edges
 
 
+SCALE = ((400, "titan8"), (3000, "titan16x2"))
+
+
+def scale_problem(n: int, box: str, seed: int = 0) -> solvers.Problem:
+    """A residual chain (a skip over every 3 nodes) on the devices and links of a corpus topology
+    (``titan8``: the 8-GPU PIX/PHB/SYS Titan V box; ``titan16x2``: two of them over a network)."""
+    rng = random.Random(seed)
+    like = solvers.Problem.load(HERE / "problems" / f"resnet101@{box}.json").to_dict()
+    nodes = [dict(id=f"n{i}", fwd_s=rng.uniform(1e-4, 1e-3), bwd_s=rng.uniform(2e-4, 2e-3),
+                  param_bytes=rng.uniform(0, 4e6), act_bytes=rng.uniform(1e6, 8e6)) for i in range(n)]
+    edges = [dict(src=f"n{i}", dst=f"n{i + 1}", bytes=rng.uniform(1e6, 8e6)) for i in range(n - 1)]
+    edges += [dict(src=f"n{i}", dst=f"n{i + 3}", bytes=rng.uniform(1e6, 8e6)) for i in range(0, n - 3, 3)]
+    return solvers.Problem.from_dict(dict(format="fxpipe-problem/1", name=f"chain{n}@{box}", micro_batches=8,
+                                          schedule="1f1b", optimizer_state_factor=2.0, nodes=nodes, edges=edges,
+                                          devices=like["devices"], links=like["links"]))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--out", default=str(HERE / "problems"))
+    parser.add_argument("--scale", action="store_true", help="write only the synthetic scale problems")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.scale:
+        (out / "scale").mkdir(exist_ok=True)
+        for n, box in SCALE:
+            problem = scale_problem(n, box)
+            problem.save(out / "scale" / f"{problem.name}.json")
+        return 0
     torch.set_num_threads(max(1, torch.get_num_threads()))
     for name in args.models:
         start = time.perf_counter()

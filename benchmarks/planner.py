@@ -8,28 +8,33 @@ time limit, and every anchor. Prints per problem and method the reference
 iteration time, the ratio to fxpipe, the certified gap and the solve time; then
 geometric means, the best anchor partitioner per problem, and topology-blind
 placement on the communication-heavy problems of the Titan V boxes. Then the
-whole solve on synthetic residual chains of 400 nodes on the Titan V box and 3000
-nodes on two such boxes (the issue's scale targets: certified in < 1 s and < 10 s).
+scale table: the whole command (``python -m solvers solve``) on the synthetic residual
+chains of ``benchmarks/problems/scale/`` (400 nodes on the Titan V box, 3000 on two such
+boxes; the issue's targets: certified in < 1 s and < 10 s), repeated, with the load average.
 
     python benchmarks/planner.py                      # whole corpus, ~10 minutes
     python benchmarks/planner.py --only resnet101 --time-limit 5
+    python benchmarks/planner.py --scale-only
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
-import random
+import os
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-from solvers import Problem, score, solve
+from solvers import Problem, score
 from solvers.anchors import anchor_solution
 from solvers.compare import compare, format_table
 
 HERE = Path(__file__).parent
-PARTITIONERS = ("uniform", "parameters", "block", "pippy")
+PARTITIONERS = ("uniform", "parameters", "block", "pippy", "pytorch-auto", "megatron")
 COMM_HEAVY = 0.15   # share of transfers in the blind plan's bottleneck stage
 
 
@@ -37,26 +42,43 @@ def geomean(values: list[float]) -> float:
     return math.exp(sum(map(math.log, values)) / len(values)) if values else math.nan
 
 
-def synthetic(n: int, box: str, seed: int = 0) -> Problem:
-    """A residual chain (a skip over every 3 nodes) on the devices and links of a corpus topology
-    (``titan8``: the 8-GPU PIX/PHB/SYS Titan V box; ``titan16x2``: two of them over a network)."""
-    rng = random.Random(seed)
-    like = Problem.load(HERE / "problems" / f"resnet101@{box}.json").to_dict()
-    nodes = [dict(id=f"n{i}", fwd_s=rng.uniform(1e-4, 1e-3), bwd_s=rng.uniform(2e-4, 2e-3),
-                  param_bytes=rng.uniform(0, 4e6), act_bytes=rng.uniform(1e6, 8e6)) for i in range(n)]
-    edges = [dict(src=f"n{i}", dst=f"n{i + 1}", bytes=rng.uniform(1e6, 8e6)) for i in range(n - 1)]
-    edges += [dict(src=f"n{i}", dst=f"n{i + 3}", bytes=rng.uniform(1e6, 8e6)) for i in range(0, n - 3, 3)]
-    return Problem.from_dict(dict(format="fxpipe-problem/1", name=f"chain{n}@{box}", micro_batches=8,
-                                  schedule="1f1b", optimizer_state_factor=2.0, nodes=nodes, edges=edges,
-                                  devices=like["devices"], links=like["links"]))
+def scale_table(time_limit_s: float, repeats: int) -> str:
+    """Whole command (``python -m solvers solve P.json``, a fresh process) on the scale problems."""
+    rows = []
+    for path in sorted((HERE / "problems" / "scale").glob("*.json")):
+        problem = Problem.load(path)
+        times, doc = [], {}
+        for _ in range(repeats):
+            started = time.perf_counter()
+            run = subprocess.run([sys.executable, "-m", "solvers", "solve", str(path),
+                                  "--time-limit", str(time_limit_s)], capture_output=True, text=True)
+            times.append(time.perf_counter() - started)
+            doc = json.loads(run.stdout) if run.returncode == 0 else {}
+        solver = doc.get("solver", {})
+        rows.append([problem.name, str(len(problem.nodes)), str(len(problem.devices)),
+                     f"{min(times):.2f}", f"{statistics.median(times):.2f}",
+                     "yes" if solver.get("optimal") else "no",
+                     f"{solver['gap']:.2%}" if "gap" in solver else "no plan"])
+    head = ["problem", "nodes", "devices", "seconds (min)", "seconds (median)", "certified", "gap"]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in [head] + rows]
+    load = os.getloadavg()
+    return "\n".join(lines + [f"({repeats} runs each, time limit {time_limit_s} s, whole command; "
+                               f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f})"])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--time-limit", type=float, default=10.0, help="per method phase (DP, ILP), seconds")
+    parser.add_argument("--time-limit", type=float, default=10.0, help="of the whole solve, seconds")
     parser.add_argument("--only", nargs="*", help="problem names containing any of these")
     parser.add_argument("--skip-scaling", action="store_true")
+    parser.add_argument("--skip-interleaved", action="store_true", help="skip the interleaved Titan V table")
+    parser.add_argument("--scale-only", action="store_true", help="only the scale table")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per scale problem (default 3)")
     args = parser.parse_args(argv)
+    if args.scale_only:
+        print(scale_table(args.time_limit, args.repeats))
+        return 0
     paths = sorted((HERE / "problems").glob("*.json"))
     problems = [Problem.load(p) for p in paths]
     if args.only:
@@ -92,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     interleave = [0, 4, 1, 5, 2, 6, 3, 7]
     shuffled = []
     for p in problems:
-        if not p.name.endswith("@titan8"):
+        if not p.name.endswith("@titan8") or args.skip_interleaved:
             continue
         doc = p.to_dict()
         doc["name"] = p.name + "-interleaved"
@@ -107,13 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(extra))
 
     if not args.skip_scaling:
-        print("\nWhole solve (method auto, the command's default) on synthetic residual chains:")
-        for n, box in ((400, "titan8"), (3000, "titan16x2")):
-            p = synthetic(n, box)
-            started = time.perf_counter()
-            sol = solve(p, "auto", args.time_limit)
-            print(f"  {n} nodes x {len(p.devices)} devices ({box}): {time.perf_counter() - started:.2f} s, "
-                  f"{len(sol.stages)} stages, optimal={sol.solver['optimal']}, gap {sol.solver['gap']:.2%}")
+        print("\nScale: the whole command on synthetic residual chains (benchmarks/make_problems.py --scale):")
+        print(scale_table(args.time_limit, args.repeats))
     return 0
 
 

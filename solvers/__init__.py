@@ -32,8 +32,10 @@ def solve(problem: Problem, method: str = "dp", time_limit_s: float = 10.0) -> S
     * ``"exact"``: convex partitions on every placement (:mod:`solvers.exact`), within
       ``time_limit_s``; for small and medium problems.
     * ``"auto"``: the DP, then the exact decomposition (or, with too many placements, the
-      ILP on the DP's placement), each within ``time_limit_s``; the best plan any phase
-      found, certified as far as the phases together prove (:mod:`solvers.auto`).
+      ILP on the DP's placement); the best plan any phase found, certified as far as the
+      phases together prove (:mod:`solvers.auto`).
+
+    ``time_limit_s`` bounds the whole solve, whatever the method (building an ILP included).
     """
     if method not in METHODS:
         raise InvalidProblemError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")

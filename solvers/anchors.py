@@ -14,6 +14,11 @@ per device. None of them looks at memory; their plans are scored as they are.
   arXiv:1308.2452, solved exactly here by a min-max DP).
 * ``pippy``: PiPPy's ``split_into_equal_size``: walk the nodes, cut when the
   running parameter size reaches total / stages.
+* ``pytorch-auto``: PyTorch's proposed automatic partitioner (pytorch/pytorch#179212):
+  min-max DP over per-layer costs with one scalar communication cost, refined against
+  a schedule simulator (:mod:`solvers.cuts_scheduled`).
+* ``megatron``: Megatron-LM's even split with fewer layers on the first and last
+  stages, the two counts tuned by the reference score (:mod:`solvers.cuts_scheduled`).
 * ``blind``: fxpipe's own exact DP with the devices in the order given
   (topology-blind placement): the anchor for topology-aware placement.
 """
@@ -24,6 +29,7 @@ import time
 from typing import Callable
 
 from solvers.cuts import equal_size_cuts, minmax_cuts, node_weights, spread_cuts, uniform_cuts
+from solvers.cuts_scheduled import PROBLEM_CUTTERS
 from solvers.dp import solve_dp
 from solvers.problem import Problem
 from solvers.score import score_assignment
@@ -52,6 +58,13 @@ def _cut_anchor(name: str, field: str, cutter: Callable[[list[float], int], list
     return run
 
 
+def _problem_anchor(name: str):
+    def run(problem: Problem) -> Solution:
+        started = time.perf_counter()
+        return _solution_from_cuts(problem, PROBLEM_CUTTERS[name](problem, _parts(problem)), name, started)
+    return run
+
+
 BLIND_TIME_LIMIT_S = 10.0
 """The blind anchor's exact search stops here (its plan is then its best so far)."""
 
@@ -67,6 +80,8 @@ ANCHORS: dict[str, Callable[[Problem], Solution]] = {
     "parameters": _cut_anchor("parameters", "params", spread_cuts),
     "block": _cut_anchor("block", "time", minmax_cuts),
     "pippy": _cut_anchor("pippy", "params", equal_size_cuts),
+    "pytorch-auto": _problem_anchor("pytorch-auto"),
+    "megatron": _problem_anchor("megatron"),
     "blind": _blind,
 }
 

@@ -8,7 +8,9 @@
    placements (:mod:`solvers.exact`) when the placements are few enough, else the
    ILP over convex partitions on the DP's placement, warm-started from the DP.
 
-Each phase runs within ``time_limit_s``. A phase that finds nothing or times out
+``time_limit_s`` bounds the whole solve: the DP takes all of it when its space
+holds an optimum of the reference problem, else 80 %, and the second phase (model
+building included) what is left. A phase that finds nothing or times out
 leaves the earlier phases' plan, and ``solver["phases"]`` says what each did.
 The certificate combines them: every phase's ``lower_bound_s`` holds over the
 whole reference space (:mod:`solvers.certificate`), so the largest one does.
@@ -19,7 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from solvers.certificate import certify
+from solvers.certificate import certify, contiguous_is_convex
 from solvers.dp import solve_dp
 from solvers.errors import InfeasibleError
 from solvers.problem import Problem
@@ -67,24 +69,33 @@ def solve_auto(problem: Problem, time_limit_s: float = 10.0) -> Solution:
                 raise
         return wrapped
 
-    found = [s for s in [_phase("dp", keep_error(lambda: solve_dp(problem, time_limit_s=time_limit_s)), log)]
-             if s is not None]
+    deadline = started + time_limit_s
+    # When the DP's space may hold an optimum (a chain-like order), no later phase searches
+    # anything new: the DP may take the whole budget; otherwise it leaves 20 % to the convex phase.
+    dp_share = 1.0 if contiguous_is_convex(problem) and problem.max_replicas == 1 else 0.8
+    found = [s for s in [_phase("dp", keep_error(lambda: solve_dp(problem, time_limit_s=dp_share * time_limit_s)),
+                                log)] if s is not None]
     dp = found[0] if found else None
+    rest = lambda: max(0.0, deadline - time.perf_counter())  # noqa: E731
+    left = rest()
     if dp is not None and (dp.solver["optimal"] or dp.solver["covers_reference"]):
         pass   # every convex partition on every placement was in the DP's space: nothing else to search
+    elif left <= 0:
+        log.append({"phase": "convex", "status": f"skipped: the time limit of {time_limit_s} s is spent",
+                    "time_s": 0.0})
     elif not ilp_available():
-        log.append({"phase": "convex", "status": "skipped: HiGHS (highspy) is not installed"})
+        log.append({"phase": "convex", "status": "skipped: HiGHS (highspy) is not installed", "time_s": 0.0})
     elif problem.max_replicas > 1:
         log.append({"phase": "convex", "status": "skipped: the ILP models one device per stage, "
-                                                 "the problem allows replica groups"})
+                                                 "the problem allows replica groups", "time_s": 0.0})
     else:
         candidates = placements(problem, MAX_PLACEMENTS)
         if candidates is not None:
-            sol = _phase("exact", keep_error(lambda: solve_exact(problem, time_limit_s, dp, candidates)), log)
+            sol = _phase("exact", keep_error(lambda: solve_exact(problem, rest(), dp, candidates)), log)
         elif dp is not None:
-            sol = _phase("ilp", keep_error(lambda: solve_ilp(problem, time_limit_s, warm_start=dp)), log)
+            sol = _phase("ilp", keep_error(lambda: solve_ilp(problem, rest(), warm_start=dp)), log)
         else:
-            sol = _phase("ilp", keep_error(lambda: solve_ilp(problem, time_limit_s)), log)
+            sol = _phase("ilp", keep_error(lambda: solve_ilp(problem, rest())), log)
         if sol is not None:
             found.append(sol)
     if not found:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import numpy as np
+
 from solvers.problem import Problem
 
 __all__ = ["CUT_ANCHORS", "QUADRATIC_ANCHORS", "equal_size_cuts", "minmax_cuts", "node_weights", "spread_cuts",
@@ -43,44 +45,65 @@ def _backtrack(back, n: int, parts: int) -> list[int]:
 
 
 def spread_cuts(weights: list[float], parts: int) -> list[int]:
-    """DeepSpeed-style DP: per (prefix i, parts j) keep the split with the least max - min."""
+    """DeepSpeed-style DP: per (prefix i, parts j) keep the split with the least max - min.
+
+    Ties go to the latest split point, as a scan that replaces on ``<=`` would. Each row of
+    the table depends on the previous one only, so a row is computed for every ``(i, k)`` at once.
+    """
     n = len(weights)
     if n <= parts:
         return uniform_cuts(weights, parts)
-    prefix = _prefix_sums(weights)
+    prefix = np.array(_prefix_sums(weights))
     inf = math.inf
-    cost = [[inf] * (parts + 1) for _ in range(n + 1)]
-    hi = [[inf] * (parts + 1) for _ in range(n + 1)]
-    lo = [[inf] * (parts + 1) for _ in range(n + 1)]
-    back = [[0] * (parts + 1) for _ in range(n + 1)]
-    cost[0][0], hi[0][0] = 0.0, 0.0
-    for i in range(1, n + 1):
-        for j in range(1, min(i, parts) + 1):
-            for k in range(j - 1, i):
-                if cost[k][j - 1] == inf:
-                    continue
-                block = prefix[i] - prefix[k]
-                h, lw = max(hi[k][j - 1], block), min(lo[k][j - 1], block)
-                if h - lw <= cost[i][j]:
-                    cost[i][j], hi[i][j], lo[i][j], back[i][j] = h - lw, h, lw, k
-    return _backtrack(lambda i, j: back[i][j], n, parts)
+    block = prefix[:, None] - prefix[None, :]          # block[i, k]: weight of items k..i-1
+    lower = np.tril(np.ones((n + 1, n + 1), dtype=bool), -1)   # k < i
+    cost, hi, lo = np.full(n + 1, inf), np.full(n + 1, inf), np.full(n + 1, inf)
+    cost[0], hi[0] = 0.0, 0.0
+    backs = []
+    with np.errstate(invalid="ignore"):
+        for _ in range(parts):
+            ok = lower & np.isfinite(cost)[None, :]
+            h = np.maximum(hi[None, :], block)
+            lw = np.minimum(lo[None, :], block)
+            val = np.where(ok, h - lw, inf)
+            best = val.min(axis=1)
+            # last k reaching the minimum (ties to the latest split, as DeepSpeed's scan)
+            hit = (val == best[:, None]) & ok
+            k = n - np.argmax(hit[:, ::-1], axis=1)
+            found = hit.any(axis=1)
+            rows = np.arange(n + 1)
+            kk = np.where(found, k, 0)
+            cost = np.where(found, best, inf)
+            hi = np.where(found, h[rows, kk], inf)
+            lo = np.where(found, lw[rows, kk], inf)
+            backs.append(kk)
+    return _backtrack(lambda i, j: int(backs[j - 1][i]), n, parts)
 
 
-def minmax_cuts(weights: list[float], parts: int) -> list[int]:
-    """Contiguous parts with the smallest maximum part weight (exact)."""
+def minmax_cuts(weights: list[float], parts: int, offsets: list[float] | None = None) -> list[int]:
+    """Contiguous parts with the smallest maximum part weight (exact); ties to the earliest split.
+
+    ``offsets[j]`` is added to part ``j``'s weight (a cost the part pays whatever it holds).
+    Row ``j`` of the table depends on row ``j - 1`` only: each is computed for every ``(i, k)`` at once.
+    """
     n = len(weights)
-    prefix = _prefix_sums(weights)
+    prefix = np.array(_prefix_sums(weights))
     inf = math.inf
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    back = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
+    block = prefix[:, None] - prefix[None, :]
+    lower = np.tril(np.ones((n + 1, n + 1), dtype=bool), -1)
+    best = np.full(n + 1, inf)
+    best[0] = 0.0
+    backs = []
     for j in range(1, parts + 1):
-        for i in range(j, n - (parts - j) + 1):
-            for k in range(j - 1, i):
-                v = max(best[j - 1][k], prefix[i] - prefix[k])
-                if v < best[j][i]:
-                    best[j][i], back[j][i] = v, k
-    return _backtrack(lambda i, j: back[j][i], n, parts)
+        extra = offsets[j - 1] if offsets is not None else 0.0
+        val = np.where(lower, np.maximum(best[None, :], block + extra), inf)
+        k = np.argmin(val, axis=1)            # first minimum: ties to the earliest split
+        row = val[np.arange(n + 1), k]
+        valid = np.zeros(n + 1, dtype=bool)
+        valid[j:n - (parts - j) + 1] = True   # part j ends where the remaining parts still fit
+        best = np.where(valid, row, inf)
+        backs.append(k)
+    return _backtrack(lambda i, j: int(backs[j - 1][i]), n, parts)
 
 
 def equal_size_cuts(weights: list[float], parts: int) -> list[int]:

@@ -85,8 +85,12 @@ class _WarmHiGHS(pulp.HiGHS):
         lp.solverModel.run()
 
 
+class _OutOfTime(Exception):
+    """Building the model ran past the deadline (a large model takes seconds in pulp)."""
+
+
 def _model(problem: Problem, p: int, devices: list[int], start: dict[str, int] | None,
-           cutoff: float | None = None):
+           cutoff: float | None = None, deadline: float = math.inf):
     nodes = problem.node_map()
     ids = problem.order
     m = problem.micro_batches
@@ -98,7 +102,9 @@ def _model(problem: Problem, p: int, devices: list[int], start: dict[str, int] |
     for s in range(p):
         lp += pulp.lpSum(x[v, s] for v in ids) >= 1
     consumers: dict[str, dict[str, float]] = {}
-    for e in problem.edges:
+    for i, e in enumerate(problem.edges):
+        if i % 64 == 0 and time.perf_counter() > deadline:
+            raise _OutOfTime
         for s in range(p - 1):
             lp += (pulp.lpSum(x[e.dst, t] for t in range(s + 1))
                    <= pulp.lpSum(x[e.src, t] for t in range(s + 1)))
@@ -112,6 +118,8 @@ def _model(problem: Problem, p: int, devices: list[int], start: dict[str, int] |
     index = {v: i for i, v in enumerate(ids)}
     levels_of = {u: sorted(set(byw.values())) for u, byw in consumers.items()}
     for u, byw in consumers.items():
+        if time.perf_counter() > deadline:
+            raise _OutOfTime
         levels = levels_of[u]
         iu = index[u]
         for b in range(1, p):
@@ -177,10 +185,19 @@ class PlacementRun:
 
 def run_placement(problem: Problem, devices: list[int], time_limit_s: float,
                   start: dict[str, int] | None = None, cutoff: float | None = None) -> PlacementRun:
-    """Best convex partition with stage ``s`` on ``devices[s]``, faster than ``cutoff`` if given."""
+    """Best convex partition with stage ``s`` on ``devices[s]``, faster than ``cutoff`` if given.
+
+    ``time_limit_s`` covers building the model as well as solving it."""
     p = len(devices)
-    lp, x = _model(problem, p, devices, start, cutoff)
-    lp.solve(_WarmHiGHS(msg=False, timeLimit=max(time_limit_s, 0.05), gapRel=GAP_REL, gapAbs=0.0))
+    deadline = time.perf_counter() + time_limit_s
+    try:
+        lp, x = _model(problem, p, devices, start, cutoff, deadline)
+    except _OutOfTime:
+        return PlacementRun(None, 0.0, False)
+    remaining = deadline - time.perf_counter()
+    if remaining <= 0:
+        return PlacementRun(None, 0.0, False)
+    lp.solve(_WarmHiGHS(msg=False, timeLimit=remaining, gapRel=GAP_REL, gapAbs=0.0))
     info: Any = lp.solverModel.getInfo()
     status = str(lp.solverModel.getModelStatus())
     if status.endswith("kInfeasible"):   # nothing fits (or nothing beats the cutoff)

@@ -19,9 +19,8 @@ mapping alternated with exact cutting, replica runs, then every mapping under
 a best-link relaxation that skips stage counts which cannot win. The anchors'
 plans seed the incumbent (their quadratic partitioners only up to
 :data:`ANCHOR_SEED_LIMIT`), so no anchor partitioner beats the result. With
-placement, ``time_limit_s`` applies twice: once to the stage-``k``-on-device-``k``
-search (as the topology-blind baseline gets it, so that it never beats ours),
-and once to all the placement searches together.
+placement, ``time_limit_s`` bounds the whole search: the stage-``k``-on-device-``k``
+search may take 80 % of it, the placement searches the rest.
 
 Why a label-setting DP rather than the textbook ``(position, stage)`` table:
 a stage's time includes its outgoing transfers, one per *later stage* that

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 from solvers.groups import GroupTable, allreduce_s
 from solvers.problem import Problem
+from solvers.dp.symmetry import Canon
 from solvers.dp.tables import REL_TOL, Tables
 
-__all__ = ['analytic_lower', 'Label', 'Space', 'Timeout', 'deepening', 'insert_label', 'solve_fixed_p']
+__all__ = ['analytic_lower', 'Label', 'plan_of', 'Space', 'Timeout', 'deepening', 'insert_label', 'solve_fixed_p']
 
 
 @dataclass
@@ -25,7 +26,8 @@ class Label:
     parent: "Label | None"
     start: int                 # segment of the stage this label closed: [start, end)
     end: int
-    device: int                # device index of that stage
+    device: int                # device index of that stage (in the frame of the state it entered)
+    sigma: tuple | None = None  # the automorphism that mapped that state to its canonical form
 
 
 class Timeout(Exception):
@@ -42,8 +44,10 @@ class Space:
     """
 
     def __init__(self, kind: str, table: GroupTable, order: list[int] | None = None,
-                 classes: list[list[int]] | None = None, max_replicas: int = 1) -> None:
+                 classes: list[list[int]] | None = None, max_replicas: int = 1,
+                 canon: Canon | None = None) -> None:
         self.kind, self.table, self.order, self.classes = kind, table, order, classes
+        self.canon = canon if kind == "classes" else None   # then ``used`` is a bit mask of devices
         self.max_replicas = max_replicas
         n = len(table.problem.devices)
         self._runs: dict[tuple[int, int], int] = {}
@@ -52,12 +56,21 @@ class Space:
                 for r in range(1, min(max_replicas, n - start) + 1):
                     self._runs[(start, r)] = table.add(tuple(order[start:start + r]))
 
-    def start(self) -> tuple:
+    def start(self) -> tuple | int:
+        if self.canon is not None:
+            return 0
         return (0,) * len(self.classes) if self.kind == "classes" else ()
 
     def candidates(self, used: tuple, k: int, p: int) -> list[tuple[int, tuple]]:
         if self.kind == "order":
             return [(self.order[k], used)]
+        if self.canon is not None:   # the lowest unused device of each class
+            out = []
+            for group in self.classes:
+                d = next((d for d in group if not used >> d & 1), None)
+                if d is not None:
+                    out.append((d, used | 1 << d))
+            return out
         if self.kind == "classes":
             return [(group[used[c]], used[:c] + (used[c] + 1,) + used[c + 1:])
                     for c, group in enumerate(self.classes) if used[c] < len(group)]
@@ -107,6 +120,7 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
     cap = ub / m * (1 + REL_TOL) if math.isfinite(ub) else math.inf
     ub_limit = ub * (1 + REL_TOL) if math.isfinite(ub) else math.inf
     max_speed = space.speeds(p)[0]
+    canon = space.canon
     # frontier[(j, k)] maps (used devices, pending senders) to Pareto sets of labels.
     frontier: dict[tuple[int, int], dict[tuple, list[Label]]] = {
         (0, 0): {(space.start(), ()): [Label(0.0, 0.0, (), None, 0, 0, -1)]}
@@ -202,9 +216,28 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                                     ub_limit = min(ub_limit, t_iter * (1 + REL_TOL))
                                     cap = min(cap, t_iter / m * (1 + REL_TOL))
                                 continue
-                            insert_label(frontier.setdefault((j2, k + 1), {}).setdefault((new_used, new_pending), []),
-                                    new_label, m - 1)
+                            key = (new_used, new_pending)
+                            if canon is not None:   # one state per orbit of the topology's automorphisms
+                                key, perm = canon.canonical(new_used, new_pending)
+                                new_label.device, new_label.sigma = perm[d], perm
+                            insert_label(frontier.setdefault((j2, k + 1), {}).setdefault(key, []), new_label, m - 1)
     return best, best_t, pruned
+
+
+def plan_of(label: Label) -> tuple[list[int], list[int]]:
+    """Cut positions and the device (group) of every stage of the plan that ends in ``label``,
+    mapped through the automorphisms that canonicalised its states into real devices."""
+    cuts: list[int] = []
+    devices: list[int] = []
+    to_final: tuple | None = None   # the frame of the current label -> the frame of the last one
+    while label is not None and label.parent is not None:
+        if label.start > 0:
+            cuts.append(label.start)
+        devices.append(label.device if to_final is None else to_final[label.device])
+        if label.sigma is not None:   # the parent's frame maps into this label's by sigma
+            to_final = label.sigma if to_final is None else tuple(to_final[x] for x in label.sigma)
+        label = label.parent
+    return sorted(cuts), devices[::-1]
 
 
 def analytic_lower(problem: Problem, tables: Tables, p: int, space: Space) -> float:

@@ -6,6 +6,7 @@ import math
 import time
 
 from solvers.cuts import CUT_ANCHORS, QUADRATIC_ANCHORS
+from solvers.cuts_scheduled import autopartition_cuts, megatron_cuts
 from solvers.certificate import certify, contiguous_is_convex
 from solvers.errors import InfeasibleError
 from solvers.groups import GroupTable, hierarchical_order
@@ -14,7 +15,8 @@ from solvers.problem import Problem
 from solvers.score import Score, score_assignment
 from solvers.solution import Solution, Stage, assignment_from_cuts
 from solvers.dp.tables import REL_TOL, Tables, balanced_cuts, device_classes, stage_counts
-from solvers.dp.labels import analytic_lower, Space, Timeout, deepening
+from solvers.dp.labels import analytic_lower, plan_of, Space, Timeout, deepening
+from solvers.dp.symmetry import Canon, automorphisms
 from solvers.dp.bounds import min_peak_bytes, placement_floor
 
 __all__ = ['ANCHOR_SEED_LIMIT', 'MAX_EXACT_PLACEMENT_DEVICES', 'Search', 'solve_dp']
@@ -71,13 +73,8 @@ class Search:
                     self.lower = min([self.lower] + rest)
                 return
             if label is not None and t <= self.ub * (1 + REL_TOL):
-                cuts, groups = [], []
-                while label is not None and label.parent is not None:
-                    if label.start > 0:
-                        cuts.append(label.start)
-                    groups.append(self.table.groups[label.device].devices)
-                    label = label.parent
-                self.ub, self.incumbent = t, (p, sorted(cuts), groups[::-1])
+                cuts, devices = plan_of(label)
+                self.ub, self.incumbent = t, (p, cuts, [self.table.groups[d].devices for d in devices])
 
 
 def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | None = None) -> Solution:
@@ -90,9 +87,9 @@ def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | Non
     certified. ``placement=False`` runs stage ``k`` on device ``k``, the
     topology-blind baseline. With ``max_replicas > 1`` stages may also take runs
     of consecutive devices of the hierarchical order as replica groups.
-    ``time_limit_s`` stops the exact searches (with placement: the topology-blind
-    search, then the placement searches, each within the limit); the solution then
-    reports ``optimal: false`` with a proven lower bound.
+    ``time_limit_s`` bounds the whole call (with placement: the topology-blind search
+    may take 80 % of it, the placement searches the rest); when it stops an exact search
+    the solution reports ``optimal: false`` with a proven lower bound and the best plan found.
     """
     started = time.perf_counter()
     deadline = started + time_limit_s if time_limit_s is not None else math.inf
@@ -108,17 +105,20 @@ def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | Non
         if cutter in QUADRATIC_ANCHORS and tables.n ** 2 * anchor_p > ANCHOR_SEED_LIMIT:
             continue  # their O(n^2 p) DPs would cost more than they save here
         search.offer(anchor_p, cutter(weights(problem), anchor_p), [(k,) for k in range(anchor_p)])
+    if tables.n ** 2 * anchor_p <= ANCHOR_SEED_LIMIT:   # its min-max DP is quadratic too
+        # its simulator refinement stops at the deadline (so, under a limit too short for it, the
+        # anchor itself may end a little better than this seed)
+        search.offer(anchor_p, autopartition_cuts(problem, anchor_p, deadline), [(k,) for k in range(anchor_p)])
+    search.offer(anchor_p, megatron_cuts(problem, anchor_p), [(k,) for k in range(anchor_p)])
     exhaustive = placement and n_dev <= MAX_EXACT_PLACEMENT_DEVICES
     classes = device_classes(problem) if placement else [[d] for d in identity]
     blind_is_all = not placement or len(classes) == 1
     order = hierarchical_order(problem) if placement else identity
     if placement and not blind_is_all:
-        # Stage k on device k gets the whole limit, as the topology-blind baseline would (so it
-        # is never better than ours); the placement searches then get a limit of their own.
-        search.exact(Space("order", table, order=identity), certifies=False)
-        if time_limit_s is not None:
-            search.deadline = time.perf_counter() + time_limit_s
-        deadline = search.deadline
+        # ``time_limit_s`` bounds the whole solve: stage k on device k (the topology-blind plan, a strong
+        # incumbent, and an anchor that gets a whole limit of its own) may take 80 % of it; the placement
+        # searches get what is left.
+        search.exact(Space("order", table, order=identity), certifies=False, share=0.8)
         if order != identity:
             search.exact(Space("order", table, order=order), certifies=False, share=0.5)
     else:
@@ -142,7 +142,10 @@ def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | Non
     if exhaustive and not blind_is_all and len(problem.devices) > 1:
         floor = (placement_floor(problem, search.ub, time.perf_counter() + 0.5 * max(0.0, deadline - time.perf_counter()))
                  if search.incumbent is not None else {})
-        search.exact(Space("classes", table, classes=classes), certifies=True, floor=floor)
+        group = automorphisms(problem)
+        # with more automorphisms than the pairwise classes, one state per orbit of the whole group
+        canon = Canon(group) if group is not None and len(group) > 2 ** sum(len(c) > 1 for c in classes) else None
+        search.exact(Space("classes", table, classes=classes, canon=canon), certifies=True, floor=floor)
     if search.incumbent is None:
         need = min_peak_bytes(problem)
         have = max(d.memory_bytes for d in problem.devices)

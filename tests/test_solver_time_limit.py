@@ -1,0 +1,68 @@
+"""``--time-limit`` bounds the whole solve (every phase, ILP model building included), and a solve
+cut short still returns the best plan it found, with a consistent certificate."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from solvers import InfeasibleError, Problem, score, solve
+from solvers.__main__ import main
+from solvers.ilp import ilp_available
+from test_solver_certificates import check_certificate, residual_chain
+
+MARGIN_S = 0.5   # bookkeeping after the last deadline check (certificates, scoring) on a loaded machine
+
+
+@pytest.mark.parametrize("method, boxes, branchy, stages", [
+    ("auto", 1, False, None),   # a chain: the DP alone (it used to get the limit twice)
+    ("auto", 2, True, None),    # DP, then the convex ILP on 16 devices (its model build was not counted)
+    ("auto", 1, True, 3),       # DP, then the exact decomposition over placements
+    ("dp", 2, False, None),
+    ("ilp", 1, True, None),
+])
+def test_a_tiny_time_limit_bounds_the_whole_solve_and_keeps_the_best_plan(method, boxes, branchy, stages):
+    if method in ("ilp", "exact") and not ilp_available():
+        pytest.skip("needs HiGHS")
+    problem = residual_chain(200, boxes, branchy=branchy)
+    if stages is not None:   # few enough placements for the exact decomposition
+        problem = Problem.from_dict({**problem.to_dict(), "stages": stages})
+    limit = 0.3
+    started = time.perf_counter()
+    sol = solve(problem, method, limit)
+    wall = time.perf_counter() - started
+    assert wall <= limit + MARGIN_S, f"{method}: {wall:.2f} s for a limit of {limit} s"
+    assert score(problem, sol).feasible
+    check_certificate(problem, sol, wall, None)
+    assert sol.solver["optimal"] is False   # nothing this size is proven in 0.3 s: the limit did stop it
+    phases = [p["iteration_s"] for p in sol.solver.get("phases", []) if "iteration_s" in p]
+    if phases:   # never lose a plan: the best of what every phase found
+        assert sol.predicted["iteration_s"] == min(phases)
+
+
+def test_the_exact_method_alone_keeps_to_the_limit_or_says_to_raise_it():
+    """Without the DP's incumbent, 0.3 s may find nothing: then a clear error, still in time."""
+    if not ilp_available():
+        pytest.skip("needs HiGHS")
+    problem = Problem.from_dict({**residual_chain(200, 1, branchy=True).to_dict(), "stages": 3})
+    started = time.perf_counter()
+    try:
+        sol = solve(problem, "exact", 0.3)
+    except InfeasibleError as exc:
+        assert "raise the time limit" in str(exc)
+    else:
+        check_certificate(problem, sol, time.perf_counter() - started, None)
+    assert time.perf_counter() - started <= 0.3 + MARGIN_S
+
+
+def test_the_command_counts_its_whole_run(tmp_path, capsys):
+    problem = residual_chain(200, 2, branchy=True)
+    problem.save(tmp_path / "p.json")
+    started = time.perf_counter()
+    assert main(["solve", str(tmp_path / "p.json"), "--time-limit", "0.3"]) == 0
+    wall = time.perf_counter() - started
+    doc = json.loads(capsys.readouterr().out)
+    assert wall <= 0.3 + MARGIN_S
+    assert doc["solver"]["time_s"] <= wall and doc["stages"]
