@@ -92,3 +92,13 @@ def test_the_solver_is_never_behind_the_new_anchors(seed):
         sc = score(problem, anchor_solution(problem, name))
         if sc.feasible:
             assert best <= sc.iteration_s * (1 + 1e-9), name
+
+
+@pytest.mark.parametrize("schedule", ["zb-v"])
+def test_autopartition_judges_several_stages_per_worker_by_their_one_stage_form(schedule):
+    """A problem of 2p virtual stages (how the planner poses ZB-V plans) is refined too: the
+    simulator cannot run the V on one worker per stage, so the anchor scores the one-stage-per-worker form."""
+    rng = random.Random(5)
+    problem = random_problem(rng, n=12, devices=4, skips=False, schedule=schedule, tight_memory=False)
+    cuts = autopartition_cuts(problem, 4)
+    assert len(cuts) == 3 and cuts == sorted(set(cuts))
