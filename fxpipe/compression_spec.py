@@ -2,8 +2,9 @@
 
 ``CompileOptions(compression=...)`` takes a name — ``"fp16"``, ``"bf16"``, ``"int8"`` (optionally
 ``"int8:channel"`` for one scale per channel, ``":stochastic"`` for stochastic rounding, in either order), or
-``"topk:R"`` with ``0 < R <= 1`` the share of elements kept — or a dict of such names by producing stage
-(the boundary after that stage). :func:`parse_codec` checks a name and :meth:`CodecSpec.sent_bytes` is what a
+``"topk:R"`` with ``0 < R <= 1`` the share of elements kept — for both directions, or ``"FORWARD/BACKWARD"``
+(``"int8/topk:0.01"``: activations in int8, gradients top-k; ``"fp32"`` leaves a direction exact); or a dict
+of such names by producing stage (the boundary after that stage). :func:`parse_codec` checks a name and :meth:`CodecSpec.sent_bytes` is what a
 codec puts on the wire for a float tensor, which the planner's transfer cost and ``plan.summary()`` read; the
 codecs themselves are :mod:`fxpipe.runtime.compression`. Lives at the base of the data flow because the
 options (checked when made), the planner and the runtime all read it.
@@ -15,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["CODEC_NAMES", "CodecSpec", "parse_codec", "check_compression"]
+__all__ = ["CODEC_NAMES", "BoundaryCodec", "CodecSpec", "parse_boundary", "parse_codec", "check_compression"]
 
 CODEC_NAMES = ("fp16", "bf16", "int8", "topk:R")
 _ALLOWED = ("'fp16', 'bf16', 'int8' (also 'int8:channel', 'int8:stochastic', 'int8:channel:stochastic') or "
@@ -76,7 +77,29 @@ def parse_codec(name: Any) -> CodecSpec:
     raise ValueError(f"unknown compression {name!r}: use one of {_ALLOWED}, or None for exact boundaries")
 
 
-def check_compression(value: Any) -> dict[int, CodecSpec] | CodecSpec | None:
+@dataclass(frozen=True)
+class BoundaryCodec:
+    """What one boundary uses each way: the forward activations' codec and the gradients' (``None``: exact)."""
+
+    name: str
+    forward: CodecSpec | None
+    backward: CodecSpec | None
+
+
+def parse_boundary(name: Any) -> BoundaryCodec:
+    """A codec name for both directions, or ``"FORWARD/BACKWARD"`` (each a codec name or ``"fp32"``: exact)."""
+    if isinstance(name, str) and "/" in name:
+        parts = name.split("/")
+        if len(parts) != 2:
+            raise ValueError(f"compression {name!r}: one '/' at most, between the forward activations' codec and "
+                             f"the gradients' (e.g. 'int8/topk:0.01'); each of {_ALLOWED} or 'fp32' (exact)")
+        fwd, bwd = (None if p.strip().lower() == "fp32" else parse_codec(p) for p in parts)
+        return BoundaryCodec(name, fwd, bwd)
+    codec = parse_codec(name)
+    return BoundaryCodec(name, codec, codec)
+
+
+def check_compression(value: Any) -> dict[int, BoundaryCodec] | BoundaryCodec | None:
     """``CompileOptions.compression`` checked: ``None``, one codec for every boundary, or codecs by stage."""
     if value is None:
         return None
@@ -86,6 +109,6 @@ def check_compression(value: Any) -> dict[int, CodecSpec] | CodecSpec | None:
             if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
                 raise ValueError(f"compression as a dict maps a stage index (the boundary after that stage: "
                                  f"0 is between stages 0 and 1) to a codec name, got key {stage!r}")
-            out[stage] = parse_codec(name)
+            out[stage] = parse_boundary(name)
         return out
-    return parse_codec(value)
+    return parse_boundary(value)

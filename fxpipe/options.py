@@ -135,8 +135,9 @@ class CompileOptions:
             (the target: the output's).
         compression: trade exactness for bytes at stage boundaries in ``pipe.step``: ``None`` (default,
             exact), ``"fp16"``, ``"bf16"``, ``"int8"`` (``"int8:channel"``, ``"int8:stochastic"``) or
-            ``"topk:R"`` (the share ``R`` of largest magnitudes, with error feedback) for the activations
-            that cross a boundary and their gradients; or a dict ``{stage: name}`` for the boundary after
+            ``"topk:R"`` (the share ``R`` of largest magnitudes; gradients with error feedback) for the
+            activations that cross a boundary and their gradients, ``"FORWARD/BACKWARD"`` for one codec each
+            way (``"int8/topk:0.01"``; ``"fp32"``: exact), or a dict ``{stage: name}`` for the boundary after
             that stage (:mod:`fxpipe.runtime.compression`). ``pipe(x)`` stays exact. The planner costs the
             compressed bytes; ``plan.summary()`` lists each boundary's bytes before and after.
     """

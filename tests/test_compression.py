@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.compression_spec import parse_codec
+from fxpipe.compression_spec import parse_boundary, parse_codec
 from fxpipe.runtime.compression import BoundaryCompression, decode, encode
 from tests.forced_cuts import compile_with_cuts
 
@@ -70,17 +70,27 @@ def test_topk_keeps_exactly_the_k_largest_magnitudes() -> None:
 
 def test_topk_error_feedback_loses_nothing_over_steps() -> None:
     # integer values: every sum is exact in float32, so the identity must hold bit for bit
-    compression = BoundaryCompression({0: parse_codec("topk:0.05")})
+    compression = BoundaryCompression({0: parse_boundary("topk:0.05")})
     gen = torch.Generator().manual_seed(3)
     values = [torch.randint(-50, 50, (4, 25), generator=gen).float() for _ in range(30)]
     sent = torch.zeros(4, 25)
     for v in values:
-        got, size = compression.send(0, ("F", "h", 1, 0, 0), v)
+        got, size = compression.send(0, ("B", "h", 1, 0, 0), v)
         assert size == 5 * 8 and (got != 0).sum() <= 5
         sent += got
-    residual = compression.residuals[("F", "h", 1, 0, 0)].reshape(4, 25)
+    residual = compression.residuals[("B", "h", 1, 0, 0)].reshape(4, 25)
     assert torch.equal(sent, sum(values) - residual)
     assert residual.abs().sum() < sum(v.abs() for v in values).sum() / 10   # it is sent, not piling up
+
+
+def test_forward_top_k_carries_no_residual() -> None:
+    # an activation is a new value each step, not a term of a sum: what is not sent is not added later
+    compression = BoundaryCompression({0: parse_boundary("topk:0.1")})
+    x = torch.arange(1.0, 21.0)
+    for _ in range(3):
+        got, _ = compression.send(0, ("F", "h", 1, 0, 0), x)
+        assert torch.equal(got, torch.where(x > 18, x, 0.0))
+    assert compression.residuals == {}
 
 
 class _Net(nn.Module):
@@ -100,10 +110,12 @@ def _pipe(compression: object) -> tuple[nn.Module, fxpipe.Pipeline]:
     return model, pipe
 
 
-@pytest.mark.parametrize("name", ["fp16", "bf16", "int8", "int8:channel", "topk:0.25"])
+@pytest.mark.parametrize("name", ["fp16", "bf16", "int8", "int8:channel", "topk:0.25", "int8/topk:0.25",
+                                  "fp32/topk:0.25"])
 def test_pipeline_outputs_and_gradients_are_the_model_through_the_codec(name: str) -> None:
     model, pipe = _pipe(name)
-    spec = parse_codec(name)
+    codec = parse_boundary(name)
+    spec = codec.forward
     x, y = torch.randn(16, 12), torch.randn(16, 3)
     loss, out = pipe.step(x, y, nn.functional.mse_loss, return_outputs=True)
     pipe_grad_b = model.b.weight.grad.clone()
@@ -111,7 +123,7 @@ def test_pipeline_outputs_and_gradients_are_the_model_through_the_codec(name: st
     expect = []
     for xi, yi in zip(x.chunk(4), y.chunk(4)):
         h = torch.relu(model.a(xi)).detach()
-        received = decode(spec, encode(spec, h)[0]).requires_grad_(False)
+        received = h if spec is None else decode(spec, encode(spec, h)[0])
         oi = model.b(received)
         (nn.functional.mse_loss(oi, yi) / 4).backward(inputs=[model.b.weight])
         expect.append(oi.detach())
@@ -120,7 +132,8 @@ def test_pipeline_outputs_and_gradients_are_the_model_through_the_codec(name: st
     # backward above added the same again
     assert torch.allclose(model.b.weight.grad, 2 * pipe_grad_b, atol=1e-6)
     # the bytes the transport measured are the codec's: forward activation and its gradient, 4 micro-batches
-    assert pipe.last_step["bytes_moved"] == {"raw": 2 * 16 * 32 * 4, "sent": 2 * 4 * spec.sent_bytes((4, 32))}
+    sent = [4 * 32 * 4 if c is None else c.sent_bytes((4, 32)) for c in (codec.forward, codec.backward)]
+    assert pipe.last_step["bytes_moved"] == {"raw": 2 * 16 * 32 * 4, "sent": 4 * sum(sent)}
 
 
 def test_exact_by_default_and_bytes_counted() -> None:
@@ -153,6 +166,9 @@ def test_compressed_pipeline_trains(name: str, falls_to: float) -> None:
     ("topk:abc", "top-k ratio must be a number in (0, 1]"),
     ("int8:channel:channel", "unknown compression"),
     ({"0": "int8"}, "maps a stage index"),
+    ("int8/topk:0.01/fp16", "one '/' at most"),
+    ("int8/topk:2", "top-k ratio must be a number in (0, 1]"),
+    ("fp32", "unknown compression 'fp32'"),
 ])
 def test_bad_compression_is_refused_when_the_options_are_made(value: object, words: str) -> None:
     with pytest.raises(ValueError) as caught:
@@ -164,4 +180,44 @@ def test_compression_on_a_boundary_the_plan_lacks_is_refused_before_training() -
     with pytest.raises(ValueError, match=r"boundaries after stage\(s\) \[1\].*after stages \[0\]"):
         _pipe({1: "int8"})
     _, pipe = _pipe({0: "int8"})   # the one boundary there is
-    assert pipe.compression is not None and pipe.compression.codec(0).kind == "int8"
+    assert pipe.compression is not None and pipe.compression.codec(0).forward.kind == "int8"
+
+
+def _mlp() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3)), \
+        torch.randn(16, 12)
+
+
+def test_planned_boundary_bytes_are_what_the_transport_moves() -> None:
+    model, x = _mlp()
+    # a codec for boundary 0 only: the planner chooses the cut on exact bytes, then reports that boundary
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, profile="estimate",
+                          options=fxpipe.CompileOptions(compression={0: "int8"}))
+    rows = pipe.plan.predicted["boundaries"]
+    assert [r["stage"] for r in rows] == [0] and rows[0]["codec"] == "int8"
+    row = rows[0]
+    assert row["forward_bytes"] == row["backward_bytes"] < row["bytes"] / 3
+    assert (f"after stage 0: {row['bytes'] / 1024:.1f} KiB each way -> {row['forward_bytes'] / 1024:.1f} KiB "
+            f"forward, {row['backward_bytes'] / 1024:.1f} KiB back (int8)") in pipe.plan.summary()
+    pipe.step(x, torch.randn(16, 3), nn.functional.mse_loss)
+    # per micro-batch, one way: the step moved it forward and its gradient back for each of 4 micro-batches
+    assert pipe.last_step["bytes_moved"] == {"raw": 8 * row["bytes"],
+                                             "sent": 4 * (row["forward_bytes"] + row["backward_bytes"])}
+
+
+@pytest.mark.parametrize("name", ["fp16", "int8:channel", "topk:0.05", "int8/topk:0.05"])
+def test_the_solver_is_charged_compressed_bytes_plus_the_codec_time(name: str) -> None:
+    model, x = _mlp()
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, profile="estimate",
+                          options=fxpipe.CompileOptions(compression=name))
+    codec, problem = parse_boundary(name), pipe.plan.problem
+    codec_s = pipe.plan.predicted["codec_s_per_byte"]
+    assert codec_s > 0   # measured at compile
+    bandwidth = problem["links"]["bandwidth_Bps"][0][1]
+    charged = {e["src"]: e["bytes"] for e in problem["edges"]}
+    name_of_first_linear = "_0"   # nn.Sequential's first Linear, traced by fx
+    raw = 4 * 64 * 4   # its output per micro-batch: (4, 64) float32
+    each_way = (codec.forward.sent_bytes((4, 64)) + codec.backward.sent_bytes((4, 64))) / 2
+    assert charged[name_of_first_linear] == pytest.approx(each_way + codec_s * raw * bandwidth)
+    assert charged["input_1"] == 4 * 12 * 4   # an input needs no gradient: charged as it is

@@ -3,11 +3,13 @@
 A codec turns a float tensor into a :class:`Payload` (what would be sent: its tensors' bytes are the
 bytes moved) and back: ``fp16``/``bf16`` (a cast), ``int8`` (``round(x / scale)`` with one float32 scale
 per tensor or per channel, ``scale = max|x| / 127``; optionally stochastic rounding, unbiased), ``topk:R``
-(the ``ceil(R * n)`` largest magnitudes with their int32 indices). Top-k keeps what it did not send as an
-error-feedback residual, added to the next tensor of the same boundary, direction, consumer, micro-batch
-slot and position (the next step's), so over steps the sum of what was sent is the sum of the values minus
-the last residual: nothing is lost, only delayed. A residual whose shape no longer matches (a smaller last
-batch) is dropped.
+(the ``ceil(R * n)`` largest magnitudes with their int32 indices). For gradients, top-k keeps what it did
+not send as an error-feedback residual, added to the next gradient of the same boundary, consumer,
+micro-batch slot and position (the next step's), so over steps the sum of what was sent is the sum of the
+gradients minus the last residual: nothing is lost, only delayed (gradients are summed into the weights,
+so a delayed part still arrives). Forward activations get no residual: each is a new value, not a term of
+a sum, and a residual carried over (``x`` summed over steps, ``1 - R`` of it unsent) grows without bound.
+A residual whose shape no longer matches (a smaller last batch) is dropped.
 
 :class:`BoundaryCompression` is one pipeline's: which codec each boundary (the values a stage sends to
 other stages) uses, the residuals, and a lock (workers encode concurrently). The in-process transport
@@ -19,14 +21,15 @@ gradient is straight-through: the consumer's gradient with respect to the decode
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Hashable, Mapping
 
 import torch
 
-from fxpipe.compression_spec import CodecSpec, check_compression
+from fxpipe.compression_spec import BoundaryCodec, CodecSpec, check_compression
 
-__all__ = ["Payload", "encode", "decode", "BoundaryCompression", "crossing_stages"]
+__all__ = ["Payload", "encode", "decode", "BoundaryCompression", "crossing_stages", "codec_seconds_per_byte"]
 
 
 @dataclass
@@ -95,7 +98,7 @@ class BoundaryCompression:
 
     ``codecs[k]`` compresses what stage ``k`` sends to other stages (and the gradients sent back to it)."""
 
-    def __init__(self, codecs: Mapping[int, CodecSpec], seed: int = 0) -> None:
+    def __init__(self, codecs: Mapping[int, BoundaryCodec], seed: int = 0) -> None:
         self.codecs = dict(codecs)
         self.residuals: dict[Hashable, torch.Tensor] = {}
         self.lock = threading.Lock()
@@ -108,7 +111,7 @@ class BoundaryCompression:
         checked = check_compression(value)
         if checked is None:
             return None
-        if isinstance(checked, CodecSpec):
+        if isinstance(checked, BoundaryCodec):
             return cls({k: checked for k in boundaries})
         wrong = sorted(set(checked) - set(boundaries))
         if wrong:
@@ -117,16 +120,19 @@ class BoundaryCompression:
                              f"after it): use those keys, or one codec name for every boundary")
         return cls(checked)
 
-    def codec(self, stage: int) -> CodecSpec | None:
+    def codec(self, stage: int) -> BoundaryCodec | None:
         return self.codecs.get(stage)
 
-    def send(self, stage: int, key: Hashable, t: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """What the receiver of ``t`` (sent across stage ``stage``'s boundary) gets, and the bytes sent."""
-        spec = self.codecs.get(stage)
+    def send(self, stage: int, key: tuple[Any, ...], t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """What the receiver of ``t`` (sent across stage ``stage``'s boundary; ``key[0]``: ``"F"`` forward,
+        ``"B"`` a gradient back) gets, and the bytes sent."""
+        both = self.codecs.get(stage)
+        spec = None if both is None else both.forward if key[0] == "F" else both.backward
         if spec is None or not t.is_floating_point():
             return t, t.numel() * t.element_size()
+        feedback = spec.kind == "topk" and key[0] == "B"
         with self.lock:
-            residual = self.residuals.pop(key, None) if spec.kind == "topk" else None
+            residual = self.residuals.pop(key, None) if feedback else None
         if residual is not None and residual.shape != (t.numel(),):
             residual = None   # another shape (a smaller last batch): it cannot be added
         if spec.stochastic:
@@ -134,7 +140,7 @@ class BoundaryCompression:
                 payload, left = encode(spec, t, residual, self.generator)
         else:
             payload, left = encode(spec, t, residual)
-        if left is not None:
+        if feedback and left is not None:
             with self.lock:
                 self.residuals[key] = left
         return decode(spec, payload).requires_grad_(t.requires_grad), payload.nbytes
@@ -147,3 +153,18 @@ def crossing_stages(specs: list[Any], output_names: list[str]) -> list[int]:
     return [k for k, spec in enumerate(specs)
             if any(name in read and name not in spec.inputs for name in spec.outputs)
             or (k != last and any(name in output_names for name in spec.outputs))]
+
+
+def codec_seconds_per_byte(spec: CodecSpec, device: torch.device, numel: int = 1 << 18, repeats: int = 3) -> float:
+    """The time one encode and decode by ``spec`` takes per raw byte of a float32 tensor on ``device`` (the
+    fastest of ``repeats``, on 1 MiB by default): the planner adds it to a compressed boundary's transfer."""
+    t = torch.randn(numel // 256, 256, device=device, generator=None)
+    best = float("inf")
+    for _ in range(repeats + 1):   # the first is a warm-up
+        start = time.perf_counter()
+        payload, _ = encode(spec, t)
+        decode(spec, payload)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best / (t.numel() * t.element_size())
