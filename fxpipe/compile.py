@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from fxpipe.compression_spec import BoundaryCodec, check_compression
 from fxpipe.checks import (batch_layout, check_arguments, check_plan, check_plan_layout, memory_limits, parse_devices, warn_batch_norm,
                            worker_devices)
 from fxpipe.cost.cpu import CpuHost
@@ -26,6 +27,7 @@ from fxpipe.refine.rounds import refine
 from fxpipe.runtime.assemble import build_pipeline
 from fxpipe.runtime.batch_check import check_micro_batching
 from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
+from fxpipe.runtime.compression import BoundaryCompression, codec_seconds_per_byte, crossing_stages
 from fxpipe.runtime.guards import ModelGuard, input_signature
 from fxpipe.runtime.host import UNSHARED
 from fxpipe.runtime.losses import scalar_of
@@ -139,6 +141,9 @@ def compile(
     def build(chosen: Plan) -> Pipeline:                                                # 4. codegen, run
         pipe = build_pipeline(captured.graph, chosen, checkpoint, captured.mode_dependent, host)
         pipe.guard = ModelGuard(model)   # after the moves: .to(device) replaces buffer tensors
+        outputs: list[str] = []
+        torch.fx.node.map_arg(pipe._output.args[0], lambda n: outputs.append(n.name) or n)
+        pipe.compression = BoundaryCompression.of(options.compression, crossing_stages(pipe.specs, outputs))
         return pipe
     layout = batch_layout(options, captured.graph)
     if plan is not None:
@@ -169,7 +174,8 @@ def compile(
                       training=model.training, batch_dims=layout.to_dict(), frontend=captured.frontend,
                       keep_blocks_whole=options.keep_blocks_whole,
                       profile_extra={"threads": torch.get_num_threads(), "from_cache": cached,
-                                     "inputs": input_signature(captured.graph, example_inputs)})
+                                     "inputs": input_signature(captured.graph, example_inputs)},
+                      compression=options.compression, codec_s_per_byte=codec_cost(options.compression, workers[0]))
     search = None
     if schedule == "auto" or auto_chunks:                                               # 3. plan
         search = plan_auto(planner, costs, profiled, chunk_choices(batch, len(workers)) if auto_chunks else [chunks],
@@ -205,3 +211,12 @@ def predict_shared_step(pipe: Pipeline) -> Pipeline:
     bwd = [st.bwd_s + r * st.fwd_s for st, r in zip(plan.stages, recompute)]
     plan.predicted["iteration_shared_s"], _ = predicted_times(fwd, bwd, m, pipe.schedule, plan.workers, sharing)
     return pipe
+
+
+def codec_cost(compression: Any, device: torch.device) -> float:
+    """The measured time per raw byte of one codec for every boundary, the mean of its two directions (0 for
+    none, or codecs by stage)."""
+    spec = check_compression(compression)
+    if not isinstance(spec, BoundaryCodec):
+        return 0.0
+    return sum(codec_seconds_per_byte(c, device) for c in (spec.forward, spec.backward) if c is not None) / 2

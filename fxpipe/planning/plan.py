@@ -120,6 +120,12 @@ class Plan:
             out.append("stage boundaries: " + "; ".join(cuts))
         if self.solver.get("kept_whole"):
             out.append(f"kept whole: {self.solver['kept_whole']}")
+        sizes = [f"after stage {b['stage']}: {b['bytes'] / 1024:.1f} KiB each way"
+                 + (f" -> {b['forward_bytes'] / 1024:.1f} KiB forward, {b['backward_bytes'] / 1024:.1f} KiB "
+                    f"back ({b['codec']})" if b["codec"] else " (exact)")
+                 for b in self.predicted.get("boundaries", [])]
+        if sizes:
+            out.append("boundary bytes per micro-batch: " + "; ".join(sizes))
         p = self.predicted
         if p:
             out.append(
