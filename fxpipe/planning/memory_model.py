@@ -62,8 +62,13 @@ class WorkerPrediction:
 
 
 def predict_worker_memory(plan: Plan, schedule: str | None = None, checkpoint: str | None = None,
-                          micro_batches: int | None = None) -> list[WorkerPrediction]:
-    """Predicted peak memory of every worker of ``plan`` for one step."""
+                          micro_batches: int | None = None,
+                          weight_versions: list[int] | None = None) -> list[WorkerPrediction]:
+    """Predicted peak memory of every worker of ``plan`` for one step.
+
+    ``weight_versions[s]``: weight versions stage ``s`` keeps besides its parameters (asynchronous training's
+    stash, :func:`solvers.asynchronous.stashed_versions`); each costs the stage's parameter bytes once more.
+    """
     schedule = schedule or plan.schedule
 
     def mode(stage: int) -> str:   # the given mode for all stages, else each stage's own (checkpoint="auto")
@@ -76,8 +81,8 @@ def predict_worker_memory(plan: Plan, schedule: str | None = None, checkpoint: s
     for w, order in enumerate(worker_orders(schedule, p, m, workers)):
         act = worker_peak_bytes(order, lambda s: sizes[s], lambda s, i: checkpointed(mode(s), i, m),
                                 split_backward=schedule in SPLIT_BACKWARD)
-        params = sum(st.param_bytes * factor for st in plan.stages
-                     if stage_worker(schedule, st.index, workers) == w)
+        params = sum(st.param_bytes * (factor + (weight_versions[st.index] if weight_versions else 0))
+                     for st in plan.stages if stage_worker(schedule, st.index, workers) == w)
         out.append(WorkerPrediction(w, params, act))
     return out
 
