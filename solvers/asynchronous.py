@@ -16,7 +16,7 @@ synchronous training. :func:`check_orders` runs the orders' dependencies to the 
 says where they deadlock), so an executor never waits forever on a bad order.
 
 A stage keeps, per micro-batch in flight, the weight version its forward used (its backward
-uses it again). Under 1F1B stage ``k`` has ``n = min(p - k, M)`` micro-batches in flight, on
+uses it again). Under 1F1B stage ``k`` has ``n = min(p - k + ahead, M)`` micro-batches in flight, on
 consecutive indices, so with groups of ``u`` micro-batches they span at most
 ``1 + ceil((n - 1) / u)`` versions (:func:`stashed_versions`): ``n`` for ``u = 1`` (PipeDream),
 2 for ``u >= n - 1`` (PipeDream-2BW's double buffer).
@@ -31,16 +31,30 @@ __all__ = ["ASYNC_MODES", "async_orders", "check_orders", "stashed_versions"]
 ASYNC_MODES = ("stash", "2bw", "ssp")
 
 
-def stashed_versions(stage: int, stages: int, micro_batches: int, update_every: int) -> int:
-    """The most weight versions stage ``stage`` keeps for its in-flight micro-batches under 1F1B."""
+def stashed_versions(stage: int, stages: int, micro_batches: int, update_every: int, ahead: int = 0) -> int:
+    """The most weight versions stage ``stage`` keeps for its in-flight micro-batches (1F1B's ``p - stage``,
+    plus ``ahead``)."""
     if update_every < 1:
         raise ValueError(f"update_every must be at least 1, got {update_every}")
-    n = max(1, min(stages - stage, micro_batches))
+    n = max(1, min(stages - stage + ahead, micro_batches))
     return 1 + -(-(n - 1) // update_every)
 
 
-def async_orders(stages: int, groups: list[int], staleness: int | None) -> list[list[Op]]:
+def _one_f_one_b(k: int, p: int, m: int, ahead: int) -> list[Op]:
+    """1F1B's order of stage ``k`` with ``ahead`` more forwards in its warm-up (``ahead=0``: 1F1B's own)."""
+    warm = min(p - k - 1 + ahead, m)
+    order: list[Op] = [("F", k, i) for i in range(warm)]
+    for f in range(warm, m):
+        order += [("F", k, f), ("B", k, f - warm)]
+    return order + [("B", k, b) for b in range(m - warm, m)]
+
+
+def async_orders(stages: int, groups: list[int], staleness: int | None, ahead: int = 0) -> list[list[Op]]:
     """Every worker's operations (one stage per worker, 1F1B) with the forwards held back by ``staleness``.
+
+    ``ahead`` lets every stage run that many more forwards ahead of its backwards than 1F1B's ``p - k``
+    (stale-synchronous training lets the first stages run ``staleness`` mini-batches ahead; more
+    micro-batches in flight, more activations and weight versions kept).
 
     ``groups[j]`` is micro-batch ``j``'s update group (0, 1, 2, ... in order); ``staleness=None`` holds nothing.
     """
@@ -51,7 +65,10 @@ def async_orders(stages: int, groups: list[int], staleness: int | None) -> list[
     m = len(groups)
     last_of: dict[int, int] = {g: j for j, g in enumerate(groups)}   # each group's last micro-batch
     orders = []
-    for order in worker_orders("1f1b", stages, m):
+    if ahead < 0:
+        raise ValueError(f"ahead must be a non-negative integer, got {ahead}")
+    worker_orders("1f1b", stages, max(m, 1))   # the shape's checks
+    for order in [_one_f_one_b(k, stages, m, ahead) for k in range(stages)]:
         finished = set()   # micro-batches whose F or B this worker has emitted, as (kind, j)
         remaining, out = list(order), []
         while remaining:

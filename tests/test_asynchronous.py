@@ -41,7 +41,7 @@ def _chain_pipe(p: int, chunks: int, checkpoint: str = "never"):
     return model, pipe
 
 
-def _expected_chain(model, pipe, batches, groups, staleness, lr):
+def _expected_chain(model, pipe, batches, groups, staleness, lr, ahead=0):
     """The weights after SGD where micro-batch j's forward and backward both use the version its forward saw."""
     p = len(pipe.specs)
     stage_of = {}
@@ -53,7 +53,7 @@ def _expected_chain(model, pipe, batches, groups, staleness, lr):
     last_of = {g: j for j, g in enumerate(groups)}
     seen = [[0] * len(groups) for _ in range(p)]   # seen[k][j]: stage k's version at F(k, j)
     lags = []
-    for k, order in enumerate(async_orders(p, groups, staleness)):
+    for k, order in enumerate(async_orders(p, groups, staleness, ahead)):
         version = 0
         for kind, _, j in order:
             if kind == "F":
@@ -98,7 +98,7 @@ def test_backward_uses_the_version_its_forward_used(mode, update_every, stalenes
     m = len(batches) * chunks
     u = trainer.update_every
     groups = [j // chunks for j in range(m)] if mode == "ssp" else [j // u for j in range(m)]
-    expected, lag = _expected_chain(model, pipe, batches, groups, trainer.staleness, lr)
+    expected, lag = _expected_chain(model, pipe, batches, groups, trainer.staleness, lr, trainer.ahead)
     assert lag >= 1   # forwards really ran on stale weights: the test tells the versions apart
     got = [getattr(model, f"w{i}").item() for i in range(p)]
     assert got == pytest.approx(expected, rel=1e-12, abs=1e-12)
@@ -114,6 +114,12 @@ def test_stashed_versions_are_bounded_by_the_in_flight_micro_batches_and_2bw_kee
     two = fxpipe.AsyncTrainer(pipe, lambda ps: torch.optim.SGD(ps, lr=0.01), mode="2bw")
     two.train(_batches(3), lambda out, t: out.mean())
     assert two.last["versions"] == [2, 2, 2, 1] == two.version_bound()
+    ssp = fxpipe.AsyncTrainer(pipe, lambda ps: torch.optim.SGD(ps, lr=0.01), mode="ssp", staleness=2)
+    ssp.train(_batches(6), lambda out, t: out.mean())   # up to 2 mini-batches ahead: more in flight, bounded
+    assert max(ssp.last["lag"]) == 2
+    assert all(a <= b for a, b in zip(ssp.last["versions"], ssp.version_bound(24)))
+    assert ssp.last["versions"][0] == 3
+    assert ssp.predicted_memory()[0].activation_bytes > stash.predicted_memory()[0].activation_bytes
     # the memory model counts each stashed version once more as the stage's parameters
     plain = predict_worker_memory(pipe.plan, schedule="1f1b")
     for w, (a, b) in enumerate(zip(stash.predicted_memory(), plain)):

@@ -11,9 +11,9 @@ parameters) after each *group* of micro-batches:
   version per in-flight micro-batch (``p - k``; :func:`solvers.asynchronous.stashed_versions`).
 - ``mode="2bw"`` (PipeDream-2BW, Narayanan et al. 2021): the same with gradients accumulated over
   ``update_every >= p - 1`` micro-batches (default: one mini-batch, at least ``p - 1``), so at most two versions are live.
-- ``mode="ssp"`` (stale-synchronous): one group per mini-batch (as ``pipe.step`` + ``optimizer.step``),
-  and a forward may miss at most ``staleness`` of its stage's updates (default 1); ``staleness=0`` is
-  synchronous training, bit for bit.
+- ``mode="ssp"`` (stale-synchronous): one group per mini-batch (as ``pipe.step`` + ``optimizer.step``);
+  a stage may run forwards up to ``staleness`` mini-batches ahead of 1F1B, and a forward may miss at
+  most ``staleness`` of its stage's updates (default 1); ``staleness=0`` is synchronous training, bit for bit.
 
 ``staleness`` bounds the lag in every mode (:mod:`solvers.asynchronous` holds forwards back). The
 weights live as the model's parameters (the optimizers' copy); a version is a detached clone that the
@@ -137,6 +137,9 @@ class AsyncTrainer:
                              f"(stages - 1) micro-batches; got {self.update_every}: raise update_every or chunks, "
                              "or use mode='stash'")
         self.staleness = 1 if mode == "ssp" and staleness is None else staleness
+        # SSP lets the first stages run `staleness` mini-batches ahead (more micro-batches in flight); the
+        # others keep 1F1B's p - k, PipeDream's
+        self.ahead = self.staleness * pipe.chunks if mode == "ssp" else 0
         self.pipe, self.mode, self.reduction = pipe, mode, reduction
         owner: dict[int, int] = {}
         for k, spec in enumerate(pipe.specs):
@@ -153,11 +156,21 @@ class AsyncTrainer:
         """The most weight versions each stage keeps (its in-flight micro-batches' distinct versions)."""
         m, p = micro_batches or 10**9, len(self.stages)
         u = self.update_every if self.mode != "ssp" else self.pipe.chunks
-        return [stashed_versions(k, p, m, u) for k in range(p)]
+        return [stashed_versions(k, p, m, u, self.ahead) for k in range(p)]
 
-    def predicted_memory(self) -> list[WorkerPrediction]:
-        """:func:`fxpipe.planning.memory_model.predict_worker_memory` of 1F1B with the stashed versions counted."""
-        return predict_worker_memory(self.pipe.plan, schedule="1f1b", weight_versions=self.version_bound())
+    def predicted_memory(self, mini_batches: int = 8) -> list[WorkerPrediction]:
+        """:func:`fxpipe.planning.memory_model.predict_worker_memory` of a stream of ``mini_batches`` in this
+        trainer's order, the stashed weight versions counted."""
+        m = mini_batches * self.pipe.chunks
+        orders = async_orders(len(self.stages), self._groups([b for b in range(mini_batches)
+                                                              for _ in range(self.pipe.chunks)]),
+                              self.staleness, self.ahead)
+        return predict_worker_memory(self.pipe.plan, schedule="1f1b", micro_batches=m, orders=orders,
+                                     weight_versions=self.version_bound(m))
+
+    def _groups(self, batch_of: list[int]) -> list[int]:
+        """Each micro-batch's update group: its mini-batch (SSP) or ``update_every`` micro-batches."""
+        return batch_of if self.mode == "ssp" else [j // self.update_every for j in range(len(batch_of))]
 
     def train(self, batches: Iterable[tuple[Any, Any]], loss_fn: Callable[[Any, Any], torch.Tensor]) -> list[float]:
         """Train on ``batches`` (``(inputs, target)`` mini-batches) as one stream; return each mini-batch's loss.
@@ -184,8 +197,8 @@ class AsyncTrainer:
             batch_of += [b] * len(mb)
         if not micro:
             return []
-        groups = batch_of if self.mode == "ssp" else [j // self.update_every for j in range(len(micro))]
-        orders = async_orders(len(self.stages), groups, self.staleness)
+        groups = self._groups(batch_of)
+        orders = async_orders(len(self.stages), groups, self.staleness, self.ahead)
         check_orders(orders)   # never start an order that cannot finish
         group_samples: dict[int, int] = {}
         for g, n in zip(groups, sizes):
