@@ -223,3 +223,21 @@ def test_bad_arguments_are_refused_before_training_naming_the_allowed_values():
     with pytest.raises(ValueError, match=r"one stage per worker.*schedule='1f1b'"):
         fxpipe.AsyncTrainer(inter, opt)
     assert all(torch.equal(a, b) for a, b in zip(before, pipe.parameters()))
+
+
+def test_a_failing_loss_is_reported_and_the_trainer_runs_again():
+    model, pipe = _chain_pipe(3, 2)
+    trainer = fxpipe.AsyncTrainer(pipe, lambda ps: torch.optim.SGD(ps, lr=0.01), mode="stash")
+    calls = []
+
+    def failing(out, t):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("bad target")
+        return out.mean()
+    with pytest.raises(fxpipe.StageError, match="loss_fn failed on micro-batch 4.*bad target"):
+        trainer.train(_batches(4), failing)
+    assert all(not st.in_flight for st in trainer.stages)
+    assert all(q.grad is None for q in model.parameters())
+    trainer.train(_batches(4), lambda out, t: out.mean())
+    assert trainer.last["versions"] == [3, 2, 1]

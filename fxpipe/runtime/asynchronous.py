@@ -175,7 +175,8 @@ class AsyncTrainer:
     def train(self, batches: Iterable[tuple[Any, Any]], loss_fn: Callable[[Any, Any], torch.Tensor]) -> list[float]:
         """Train on ``batches`` (``(inputs, target)`` mini-batches) as one stream; return each mini-batch's loss.
 
-        The versions kept and the lags seen are in :attr:`last` (``versions``, ``lag`` per stage).
+        The versions kept and the lags seen are in :attr:`last` (``versions``, ``lag`` per stage). A failing
+        operation raises :class:`fxpipe.StageError` (as ``pipe.step``); the updates applied before it stay.
         """
         pipe = self.pipe
         pipe._check_mode()
@@ -237,8 +238,13 @@ class AsyncTrainer:
                      weighted_loss, "1f1b", lambda k, j: pipe._checkpointed(k, position[j], count[j]), "sum",
                      random=pipe._random_stages(), host=pipe.host, caller=caller, sizes=sizes,
                      orders=orders, around=around)
-        except StepFailure as failure:
+        except StepFailure as failure:   # the updates already applied stay; nothing in flight survives
             commit_statistics(pipe.modules(), discard=True)
+            for st in self.stages:
+                st.in_flight.clear()
+                st.max_versions, st.max_lag, st.lags = 0, 0, []
+            for q in pipe.parameters():
+                q.grad = None
             raise step_error(failure, pipe.devices) from failure.exc
         commit_statistics(pipe.modules())
         self.last = {"versions": [st.max_versions for st in self.stages], "lag": [st.max_lag for st in self.stages],
