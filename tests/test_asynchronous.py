@@ -165,6 +165,8 @@ def test_staleness_zero_is_synchronous_training_exactly(make_opt):
         assert torch.equal(a, b), name                                   # bit for bit the synchronous pipeline
         assert torch.allclose(a, c, rtol=1e-5, atol=1e-6), name          # and the unpartitioned model
     assert losses == pytest.approx(sync_losses, rel=1e-6)
+    with torch.no_grad():   # the stages compute with the trained parameters again (every swap undone)
+        assert torch.equal(pipe(x[:10]), sync(x[:10]))
 
 
 @pytest.mark.parametrize("staleness", [1, 2])
