@@ -31,13 +31,16 @@ __all__ = ["ASYNC_MODES", "async_orders", "check_orders", "stashed_versions"]
 ASYNC_MODES = ("stash", "2bw", "ssp")
 
 
-def stashed_versions(stage: int, stages: int, micro_batches: int, update_every: int, ahead: int = 0) -> int:
+def stashed_versions(stage: int, stages: int, micro_batches: int, update_every: int, ahead: int = 0,
+                     staleness: int | None = None) -> int:
     """The most weight versions stage ``stage`` keeps for its in-flight micro-batches (1F1B's ``p - stage``,
-    plus ``ahead``)."""
+    plus ``ahead``), groups of ``update_every``; with a ``staleness`` bound at most ``staleness + 1`` (the
+    oldest in-flight group is unfinished, so every version in flight lies within ``staleness`` of it)."""
     if update_every < 1:
         raise ValueError(f"update_every must be at least 1, got {update_every}")
     n = max(1, min(stages - stage + ahead, micro_batches))
-    return 1 + -(-(n - 1) // update_every)
+    spanned = 1 + -(-(n - 1) // update_every)
+    return spanned if staleness is None else min(spanned, staleness + 1)
 
 
 def _one_f_one_b(k: int, p: int, m: int, ahead: int) -> list[Op]:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import fxpipe
+from models import SkipTied
 from fxpipe.planning.memory_model import predict_worker_memory
 from solvers.asynchronous import async_orders, check_orders, stashed_versions
 
@@ -182,22 +183,26 @@ def test_observed_lag_never_exceeds_the_staleness(staleness):
     assert all(lag <= staleness for lags in bounded.last["lags"] for lag in lags)
 
 
-def test_orders_run_to_the_end_and_bound_the_lag():
+def test_orders_run_to_the_end_and_bound_the_lag_and_the_versions():
     for p in range(1, 6):
         for m in range(1, 14):
             for u in (1, 2, 3, 5):
                 groups = [j // u for j in range(m)]
-                for s in (None, 0, 1, 3):
-                    orders = async_orders(p, groups, s)
+                for s, ahead in ((None, 0), (0, 0), (1, 0), (3, 0), (1, u), (3, 3 * u), (None, 2)):
+                    orders = async_orders(p, groups, s, ahead)
                     check_orders(orders)
                     for k, order in enumerate(orders):
-                        version, ends = 0, {g: j for j, g in enumerate(groups)}
+                        version, ends, flight, most = 0, {g: j for j, g in enumerate(groups)}, {}, 0
                         assert sorted(order) == sorted([("F", k, j) for j in range(m)] + [("B", k, j) for j in range(m)])
                         for kind, _, j in order:
                             if kind == "F":
                                 assert s is None or groups[j] - version <= s
-                            elif ends[groups[j]] == j:
-                                version += 1
+                                flight[j] = version
+                                most = max(most, len(set(flight.values())))
+                            else:
+                                del flight[j]
+                                version += ends[groups[j]] == j
+                        assert most <= stashed_versions(k, p, m, u, ahead, s)
     with pytest.raises(ValueError, match="deadlocks"):
         check_orders([[("B", 0, 0), ("F", 0, 0)], [("F", 1, 0), ("B", 1, 0)]])
 
@@ -243,3 +248,26 @@ def test_a_failing_loss_is_reported_and_the_trainer_runs_again():
     assert all(q.grad is None for q in model.parameters())
     trainer.train(_batches(4), lambda out, t: out.mean())
     assert trainer.last["versions"] == [3, 2, 1]
+
+
+def test_skips_and_tied_weights_train_synchronously_at_staleness_zero():
+    """The tied embedding crosses the stage boundary as a value: its gradient comes back to the owning stage."""
+    torch.manual_seed(1)
+    model = SkipTied(vocab=7, width=8, depth=4)
+    twin = copy.deepcopy(model)
+    tokens, target = torch.randint(0, 7, (16, 3)), torch.randint(0, 7, (16, 3))
+    batches = [(tokens[i:i + 8], target[i:i + 8]) for i in (0, 8)]
+
+    def loss_fn(logits, t):
+        return nn.functional.cross_entropy(logits.reshape(-1, 7), t.reshape(-1))
+    pipes = [fxpipe.compile(m, ["cpu"] * 3, (tokens[:8],), chunks=4, stages=3, schedule="1f1b", profile="estimate")
+             for m in (model, twin)]
+    fxpipe.AsyncTrainer(pipes[0], lambda ps: torch.optim.SGD(ps, lr=0.5), mode="ssp", staleness=0).train(
+        batches, loss_fn)
+    opt = torch.optim.SGD(twin.parameters(), lr=0.5)
+    for xb, yb in batches:
+        pipes[1].step(xb, yb, loss_fn, schedule="1f1b")
+        opt.step()
+        opt.zero_grad()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(a, b), name

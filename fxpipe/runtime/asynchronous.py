@@ -156,7 +156,7 @@ class AsyncTrainer:
         """The most weight versions each stage keeps (its in-flight micro-batches' distinct versions)."""
         m, p = micro_batches or 10**9, len(self.stages)
         u = self.update_every if self.mode != "ssp" else self.pipe.chunks
-        return [stashed_versions(k, p, m, u, self.ahead) for k in range(p)]
+        return [stashed_versions(k, p, m, u, self.ahead, self.staleness) for k in range(p)]
 
     def predicted_memory(self, mini_batches: int = 8) -> list[WorkerPrediction]:
         """:func:`fxpipe.planning.memory_model.predict_worker_memory` of a stream of ``mini_batches`` in this
