@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from fxpipe.compression_spec import BoundaryCodec, check_compression
 from fxpipe.checks import (batch_layout, check_arguments, check_plan, check_plan_layout, memory_limits, parse_devices, warn_batch_norm,
                            worker_devices)
 from fxpipe.cost.cpu import CpuHost
@@ -24,6 +25,7 @@ from fxpipe.refine.rounds import refine
 from fxpipe.runtime.assemble import build_pipeline
 from fxpipe.runtime.batch_check import check_micro_batching
 from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
+from fxpipe.runtime.compression import BoundaryCompression, codec_seconds_per_byte, crossing_stages
 from fxpipe.runtime.guards import ModelGuard, input_signature
 from fxpipe.runtime.host import UNSHARED
 from fxpipe.runtime.losses import scalar_of
@@ -126,6 +128,9 @@ def compile(
     def build(chosen: Plan) -> Pipeline:                                                # 4. codegen, run
         pipe = build_pipeline(captured.graph, chosen, checkpoint, captured.mode_dependent, host)
         pipe.guard = ModelGuard(model)   # after the moves: .to(device) replaces buffer tensors
+        outputs: list[str] = []
+        torch.fx.node.map_arg(pipe._output.args[0], lambda n: outputs.append(n.name) or n)
+        pipe.compression = BoundaryCompression.of(options.compression, crossing_stages(pipe.specs, outputs))
         return pipe
     layout = batch_layout(options, captured.graph)
     if plan is not None:
@@ -153,10 +158,20 @@ def compile(
                       optimizer_state_factor=options.optimizer_state_factor, batch=batch, profile=profiling.mode,
                       training=model.training, batch_dims=layout.to_dict(), frontend=captured.frontend,
                       profile_extra={"threads": torch.get_num_threads(), "from_cache": cached,
-                                     "inputs": input_signature(captured.graph, example_inputs)})
+                                     "inputs": input_signature(captured.graph, example_inputs)},
+                      compression=options.compression, codec_s_per_byte=codec_cost(options.compression, workers[0]))
     first_plan = planner.plan(costs)                                                    # 3. plan
     spec = captured.graph.meta.get("fxpipe_out_spec")
     measured_loss = ((lambda out, target: scalar_of(loss_fn(model_output(out, spec), target)))
                      if loss_fn is not None else None)
     return refine(planner, costs, first_plan, build, example_inputs, profiling,         # 5. refine
                   loss_fn=measured_loss, example_target=example_target)
+
+
+def codec_cost(compression: Any, device: torch.device) -> float:
+    """The measured time per raw byte of one codec for every boundary, the mean of its two directions (0 for
+    none, or codecs by stage)."""
+    spec = check_compression(compression)
+    if not isinstance(spec, BoundaryCodec):
+        return 0.0
+    return sum(codec_seconds_per_byte(c, device) for c in (spec.forward, spec.backward) if c is not None) / 2

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from fxpipe.compression_spec import check_compression
+
 __all__ = ["COMPILE_MODES", "CONTENTION_STEPS", "EFFORTS", "CompileOptions", "ProfileOptions"]
 
 COMPILE_MODES = ("measure", "estimate")   # cost.profile also has "analytic", for fxpipe.plan()
@@ -131,6 +133,13 @@ class CompileOptions:
         output_batch_dim, target_batch_dim: the dimension the outputs are gathered along and the one
             ``pipe.step``'s target is split along; default: ``batch_dim`` when all inputs share one, else 0
             (the target: the output's).
+        compression: trade exactness for bytes at stage boundaries in ``pipe.step``: ``None`` (default,
+            exact), ``"fp16"``, ``"bf16"``, ``"int8"`` (``"int8:channel"``, ``"int8:stochastic"``) or
+            ``"topk:R"`` (the share ``R`` of largest magnitudes; gradients with error feedback) for the
+            activations that cross a boundary and their gradients, ``"FORWARD/BACKWARD"`` for one codec each
+            way (``"int8/topk:0.01"``; ``"fp32"``: exact), or a dict ``{stage: name}`` for the boundary after
+            that stage (:mod:`fxpipe.runtime.compression`). ``pipe(x)`` stays exact. The planner costs the
+            compressed bytes; ``plan.summary()`` lists each boundary's bytes before and after.
     """
 
     concrete_args: dict[str, Any] | None = None
@@ -141,8 +150,10 @@ class CompileOptions:
     output_batch_dim: int | None = None
     target_batch_dim: int | None = None
     check_micro_batching: bool = True
+    compression: str | Mapping[int, str] | None = None
 
     def __post_init__(self) -> None:
+        check_compression(self.compression)   # ValueError naming the allowed codecs
         if self.optimizer_state_factor < 0:
             raise ValueError(f"optimizer_state_factor must be 0 or more, got {self.optimizer_state_factor!r}")
         dims = self.batch_dim

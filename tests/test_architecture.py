@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ["base", "frontend", "cost", "planning", "runtime", "distributed", "refine", "api"]
-BASE = {"fxpipe._version", "fxpipe.errors", "fxpipe.options"}
+BASE = {"fxpipe._version", "fxpipe.errors", "fxpipe.options", "fxpipe.compression_spec"}
 
 
 def _modules(package: str) -> dict[str, Path]:

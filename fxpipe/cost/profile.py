@@ -27,7 +27,7 @@ import contextlib
 import logging
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -60,6 +60,8 @@ class NodeCost:
     output_bytes: int = 0
     flops: int = 0
     output_saved_by: str = ""   # the node that saves this node's output for backward ("" if none)
+    # shape and element bytes of each float output that carries a gradient: what boundary compression encodes
+    float_outputs: list[tuple[list[int], int]] = field(default_factory=list)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -261,6 +263,8 @@ def profile_graph(
                     cost.param_bytes += p.numel() * p.element_size()
             if node.op != "output":
                 cost.output_bytes = _unique_bytes(_tensors(env.get(node.name)))
+                cost.float_outputs = [(list(t.shape), t.element_size()) for t in _tensors(env.get(node.name))
+                                      if t.is_floating_point() and t.requires_grad]
                 cost.output_saved_by = next((recorder.saver[k] for k in map(storage_key, _tensors(env.get(node.name)))
                                              if k in recorder.saver), "")
             cost.act_bytes = recorder.act_bytes.get(node.name, 0)

@@ -31,7 +31,7 @@ from fxpipe.cost.profile import NodeCost
 
 __all__ = ["ProfileCache", "profile_key", "default_cache_dir", "CACHE_FORMAT"]
 
-CACHE_FORMAT = "fxpipe-profile/1"
+CACHE_FORMAT = "fxpipe-profile/2"   # 2: NodeCost.float_outputs
 log = logging.getLogger(__name__)
 
 

@@ -67,6 +67,9 @@ class P2P(Transport):
             raise FxpipeError(f"an earlier step failed ({self.broken}); messages of that step may still be in "
                               "flight, so this process group cannot run another: restart the processes (torchrun "
                               "does when the script exits with the error)")
+        if self.compression is not None:
+            raise FxpipeError("compressed stage boundaries (CompileOptions.compression) run in the in-process "
+                              "executor only: leave compression=None for a pipeline over torch.distributed")
         super().begin(specs, devices, streams, micro_inputs, output_names)
         self.channels = {(name, c): n for n, (name, c) in enumerate(   # numbered alike on every rank
             (name, c) for name in sorted(self.readers) for c in self.readers[name]

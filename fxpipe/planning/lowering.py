@@ -8,6 +8,7 @@ a node lands in that node's stage rather than wherever tracing met it.
 from __future__ import annotations
 
 import os
+from typing import Mapping
 
 import torch
 import torch.fx as fx
@@ -68,12 +69,16 @@ def build_problem(
     schedule: str = "gpipe",
     name: str = "model",
     speeds: list[float] | None = None,
+    output_bytes: Mapping[str, float] | None = None,
 ) -> solvers.Problem:
+    """The solver's problem; ``output_bytes`` (default: each node's) is what a cut after a node costs
+    (:func:`fxpipe.planning.boundaries.charged_bytes` under boundary compression)."""
     order = solver_order(gm)
     in_problem = set(order)
     nodes = [solvers.Node(n.name, costs[n.name].fwd_s, costs[n.name].bwd_s,
                           float(costs[n.name].param_bytes), float(costs[n.name].act_bytes)) for n in order]
-    edges = [solvers.Edge(n.name, u.name, float(costs[n.name].output_bytes))
+    edges = [solvers.Edge(n.name, u.name, float(costs[n.name].output_bytes if output_bytes is None
+                                                else output_bytes[n.name]))
              for n in order for u in n.users if u in in_problem]
     ids = problem_device_ids(devices)
     return solvers.Problem(

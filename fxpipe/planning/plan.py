@@ -108,6 +108,12 @@ class Plan:
                 for a, b in zip(self.stages, self.stages[1:]) if a.modules and b.modules]
         if cuts:
             out.append("stage boundaries: " + "; ".join(cuts))
+        sizes = [f"after stage {b['stage']}: {b['bytes'] / 1024:.1f} KiB each way"
+                 + (f" -> {b['forward_bytes'] / 1024:.1f} KiB forward, {b['backward_bytes'] / 1024:.1f} KiB "
+                    f"back ({b['codec']})" if b["codec"] else " (exact)")
+                 for b in self.predicted.get("boundaries", [])]
+        if sizes:
+            out.append("boundary bytes per micro-batch: " + "; ".join(sizes))
         p = self.predicted
         if p:
             out.append(

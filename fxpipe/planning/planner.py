@@ -6,7 +6,8 @@ again from other costs (``calibrate=True``). It builds the ``solvers.Problem``
 (for ``interleaved-1f1b`` one solver device per chunk and device, each with its
 share of the memory, placement fixed), solves it, and fills in what only the
 torch side knows: each stage's boundary, workspace and loss bytes
-(:func:`stage_buffers`), the schedule's simulated iteration time, and with
+(:func:`stage_buffers`), each boundary's bytes with and without compression
+(:mod:`fxpipe.planning.boundaries`), the schedule's simulated iteration time, and with
 ``checkpoint="auto"`` the mode of each device (:func:`fxpipe.planning.memory_model.choose_checkpoints`).
 When no plan fits without checkpointing, ``"auto"`` plans again with every stage
 recomputing (``Problem.recompute``: one micro-batch's activations at a time,
@@ -16,6 +17,8 @@ backward time plus forward).
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -24,7 +27,9 @@ from torch import nn
 
 import solvers
 from fxpipe._version import __version__
+from fxpipe.compression_spec import BoundaryCodec, check_compression
 from fxpipe.errors import InfeasiblePlanError
+from fxpipe.planning.boundaries import boundary_table, charged_bytes, codecs_by_stage
 from fxpipe.planning.lowering import build_problem, problem_device_ids
 from fxpipe.planning.memory_model import choose_checkpoints
 from fxpipe.planning.plan import Plan, PlanStage
@@ -57,6 +62,8 @@ class Planner:
     profile_extra: dict[str, Any] = field(default_factory=dict)
     batch_dims: dict[str, Any] = field(default_factory=dict)   # fxpipe.runtime.microbatch.BatchLayout, as data
     frontend: dict[str, str] = field(default_factory=dict)     # fxpipe.frontend.capture.Captured.frontend
+    compression: Any = None            # CompileOptions.compression (a dict by stage is costed as exact)
+    codec_s_per_byte: float = 0.0      # the codec's measured encode + decode time per raw byte
 
     def __post_init__(self) -> None:
         # one solver device per (chunk, device) for interleaved-1f1b; the links are read once
@@ -71,9 +78,19 @@ class Planner:
                                 [mem[k % len(devs)] / v for k in range(len(self._solver_devices))],
                                 stages=v * len(devs) if v > 1 else self.stages,
                                 optimizer_state_factor=self.optimizer_state_factor,
-                                schedule="1f1b" if v > 1 else self.schedule, name=self.model_name)
+                                schedule="1f1b" if v > 1 else self.schedule, name=self.model_name,
+                                output_bytes=self._charged(costs))
         problem.recompute = recompute
         return problem
+
+    def _charged(self, costs: dict[str, Any]) -> dict[str, float] | None:
+        """What a cut after each node costs under one codec for every boundary; ``None``: its bytes."""
+        spec = check_compression(self.compression)
+        if not isinstance(spec, BoundaryCodec):   # none, or per stage: the stages are what is being chosen
+            return None
+        links = [b for i, row in enumerate(self._links.bandwidth_Bps) for j, b in enumerate(row) if i != j and math.isfinite(b)]
+        bandwidth = statistics.median(links) if links else 0.0
+        return charged_bytes(costs, spec, self.codec_s_per_byte, bandwidth)
 
     def _solve(self, costs: dict[str, Any], recompute: bool) -> tuple[solvers.Problem, solvers.Solution]:
         try:
@@ -123,6 +140,10 @@ class Planner:
         plan.batch_dims, plan.frontend = dict(self.batch_dims), dict(self.frontend)
         stage_modules(self.gm, plan)
         stage_buffers(self.gm, costs, plan)
+        if self.compression is not None:
+            plan.predicted["codec_s_per_byte"] = self.codec_s_per_byte
+            plan.predicted["boundaries"] = boundary_table(self.gm, costs, plan.stage_of(),
+                                                          codecs_by_stage(self.compression, len(plan.stages)))
         memory_of = {d.id: d.memory_bytes for d in problem.devices}
         for st, chosen in zip(plan.stages, solution.stages):   # interleaved: each stage's share of its device
             st.memory_bytes = float(memory_of[chosen.devices[0]])

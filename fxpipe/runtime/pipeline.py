@@ -44,6 +44,7 @@ from fxpipe.runtime.losses import REDUCTIONS
 from fxpipe.runtime.structure import FlatInputs, flat_inputs, model_output
 from fxpipe.runtime.step import OpTiming, StepFailure, run_step
 from fxpipe.runtime.streams import DeviceStreams, Event
+from fxpipe.runtime.compression import BoundaryCompression
 from fxpipe.runtime.transport import Transport
 from fxpipe.runtime.worker import spawn_workers
 from fxpipe.runtime.recompute import checkpoint_stage
@@ -75,6 +76,7 @@ class Pipeline(nn.Module):
         self._mode_dependent = mode_dependent
         self.host = host   # CPU workers take turns through it (fxpipe.cost.cpu.CpuHost); GPUs never wait
         self.transport: Transport | None = None   # how stages exchange values in pipe.step (default: in-process)
+        self.compression: BoundaryCompression | None = None   # CompileOptions.compression, kept across steps
         self._output = next(n for n in graph_module.graph.nodes if n.op == "output")
         # a torch.export graph is flat: the model's input and output structures (fxpipe.runtime.structure)
         self._out_spec = graph_module.meta.get("fxpipe_out_spec")
@@ -205,12 +207,14 @@ class Pipeline(nn.Module):
         on_gpu = measure_memory and len(cuda) == len(set(self.devices))
         with ExitStack() as measuring:   # each GPU's peak above what it held before the step
             gpu_memory = {d: measuring.enter_context(allocations(d)) for d in (cuda if on_gpu else [])}
+            transport = self.transport or Transport()
+            transport.compression = self.compression
             started = time.perf_counter()
             try:
                 loss, outs = run_step(self.specs, self.devices, self._output.args[0], micro, targets,
                                       loss_fn, schedule, ckpt, reduction, timings, workers=self._workers(schedule),
                                       random=self._random_stages(), host=self.host, caller=caller, sizes=sizes,
-                                      grad_tensors=list(self.parameters()) + grad_leaves, transport=self.transport)
+                                      grad_tensors=list(self.parameters()) + grad_leaves, transport=transport)
             except BaseException as failure:
                 commit_statistics(self.modules(), discard=True)
                 if not isinstance(failure, StepFailure):
@@ -219,7 +223,7 @@ class Pipeline(nn.Module):
             wall_s = time.perf_counter() - started
         commit_statistics(self.modules())
         self.last_step = {"schedule": schedule, "micro_batches": m, "wall_s": wall_s,
-                          "timings": timings, "workers": self._workers(schedule)}
+                          "timings": timings, "workers": self._workers(schedule), "bytes_moved": dict(transport.moved)}
         if on_gpu:
             owner = [self.devices[w] for w in range(self._workers(schedule))]
             self.last_step.update(memory=[gpu_memory[d].peak_bytes for d in owner],

@@ -9,6 +9,10 @@ consumers'. :class:`fxpipe.distributed.transport.P2P` subclasses it for one proc
 calls for stages of this rank, torch.distributed point-to-point for the others.
 
 The consumer :data:`LOSS` is the loss, computed beside the last stage from the model's outputs.
+
+With ``compression`` (:class:`fxpipe.runtime.compression.BoundaryCompression`) a value that crosses from one
+stage to another, and its gradient back, is what its codec's receiver decodes; either way :attr:`moved` counts
+the bytes that crossed in the step (``raw``: as produced, ``sent``: as encoded), measured on the tensors.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.runtime.codegen import StageSpec
+from fxpipe.runtime.compression import BoundaryCompression
 from fxpipe.runtime.streams import DeviceStreams, Event
 
 __all__ = ["LOSS", "Transport", "fresh_leaves"]
@@ -42,6 +47,8 @@ class Transport:
     """In-process: every stage is here; values and gradients go through tables shared by the worker threads.
 
     One object serves one step at a time: :meth:`begin` resets it."""
+
+    compression: BoundaryCompression | None = None   # set by the pipeline (fxpipe.CompileOptions.compression)
 
     def local(self, stage: int) -> bool:
         """Whether ``stage`` (or :data:`LOSS`) runs in this process."""
@@ -70,6 +77,7 @@ class Transport:
         # (stage, mb) -> output name -> flat position -> gradients from its consumers, each with its copy's event
         self.grads: dict[tuple[int, int], dict[str, dict[int, list[tuple[torch.Tensor, Event]]]]] = {}
         self.lock = threading.Lock()
+        self.moved = {"raw": 0, "sent": 0}   # bytes that crossed between stages this step, both directions
         self.unread = {(i, name): sum(self.local(c) for c in cs)
                        for i in range(len(micro_inputs)) for name, cs in self.readers.items()}
 
@@ -88,7 +96,8 @@ class Transport:
 
     def fetch(self, name: str, consumer: int, i: int, device: torch.device) -> tuple[Any, Event]:
         """The consumer's copy of value ``name`` of micro-batch ``i``, as fresh leaves on ``device``."""
-        value, event = fresh_leaves(self.envs[i][name], device, self.streams, self.ready.get((name, i)))
+        value = self._cross(self.envs[i][name], self.producer[name], consumer, ("F", name, consumer, i))
+        value, event = fresh_leaves(value, device, self.streams, self.ready.get((name, i)))
         with self.lock:   # a value every consumer here has read is dropped (the producer keeps it to its B)
             self.unread[(i, name)] -= 1
             if self.unread[(i, name)] == 0:
@@ -101,7 +110,28 @@ class Transport:
         devices = self.origin[(name, i)]
         for pos, leaf in enumerate(tree_flatten(value)[0]):
             if isinstance(leaf, torch.Tensor) and leaf.grad is not None:
-                self._add(name, i, pos, *self.streams.move(leaf.grad, devices[pos], ready))
+                grad = self._cross(leaf.grad, self.producer[name], consumer, ("B", name, consumer, i, pos))
+                self._add(name, i, pos, *self.streams.move(grad, devices[pos], ready))
+
+    def _cross(self, value: Any, producer: int, consumer: int, key: tuple[Any, ...]) -> Any:
+        """``value`` (a pytree) as the consumer receives it across the boundary, counted in :attr:`moved`:
+        decoded where it is compressed (float tensors that carry gradients), itself otherwise."""
+        if (len(self.specs) - 1 if consumer == LOSS else consumer) == producer:
+            return value   # the loss beside its own stage: nothing crosses
+        flat, structure = tree_flatten(value)
+        raw = sent = 0
+        out = []
+        for pos, t in enumerate(flat):
+            if isinstance(t, torch.Tensor):
+                size = t.numel() * t.element_size()
+                if self.compression is not None and (key[0] == "B" or t.requires_grad):
+                    t, size = self.compression.send(producer, key + (pos,), t)
+                raw, sent = raw + t.numel() * t.element_size(), sent + size
+            out.append(t)
+        with self.lock:
+            self.moved["raw"] += raw
+            self.moved["sent"] += sent
+        return tree_unflatten(out, structure)
 
     def _add(self, name: str, i: int, pos: int, grad: torch.Tensor, event: Event) -> None:
         with self.lock:
