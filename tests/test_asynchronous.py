@@ -224,6 +224,11 @@ def test_bad_arguments_are_refused_before_training_naming_the_allowed_values():
         fxpipe.AsyncTrainer(pipe, opt, mode="2bw", update_every=1)
     with pytest.raises(ValueError, match=r"reduction must be one of \('mean', 'sum'\)"):
         fxpipe.AsyncTrainer(pipe, opt, reduction="token")
+    compressed = fxpipe.compile(Chain(3), ["cpu"] * 3, (torch.ones(4, 3, dtype=torch.float64),), chunks=2,
+                                stages=3, schedule="1f1b", profile="estimate",
+                                options=fxpipe.CompileOptions(compression="fp16"))
+    with pytest.raises(ValueError, match=r"do not compress.*compile without CompileOptions\(compression"):
+        fxpipe.AsyncTrainer(compressed, opt)
     before = [q.detach().clone() for q in pipe.parameters()]
     inter = fxpipe.compile(Chain(4), ["cpu"] * 2, (torch.ones(4, 3, dtype=torch.float64),), chunks=2, stages=4,
                            schedule="interleaved-1f1b", profile="estimate")

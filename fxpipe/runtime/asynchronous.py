@@ -122,6 +122,9 @@ class AsyncTrainer:
         if pipe.transport is not None:
             raise ValueError("asynchronous modes run in one process (the embedded executor); this pipeline has "
                              "a torch.distributed transport: use pipe.step there")
+        if getattr(pipe, "compression", None) is not None:
+            raise ValueError("asynchronous modes do not compress stage boundaries yet (error feedback is kept per "
+                             "micro-batch slot of a step); compile without CompileOptions(compression=...)")
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS} for asynchronous training, got {reduction!r}")
         for name, value, low in (("update_every", update_every, 1), ("staleness", staleness, 0)):
