@@ -55,6 +55,9 @@ class Trainer:
         self.optimizer.step()
         self.steps += 1
 
+    def finish(self) -> None:
+        """The end of an epoch: nothing left to run for a synchronous trainer."""
+
 
 class PipelineTrainer(Trainer):
     """``pipe.step`` of ``fxpipe.compile(model, 2 CPU workers)`` with ``schedule`` and ``compression``."""
@@ -79,6 +82,30 @@ class PipelineTrainer(Trainer):
         self.steps += 1
 
 
+class AsyncPipelineTrainer(Trainer):
+    """:class:`fxpipe.AsyncTrainer` on the 2-worker 1F1B pipeline: an epoch's batches run as one stream
+    (:meth:`finish`), each stage stepping its own SGD with this momentum."""
+
+    def __init__(self, model: nn.Module, lr: float, example: torch.Tensor, **mode: object) -> None:
+        super().__init__(model, lr)
+        pipe = fxpipe.compile(model, ["cpu", "cpu"], (example,), chunks=CHUNKS, stages=2, schedule="1f1b",
+                              profile=fxpipe.ProfileOptions(mode="estimate"))
+        self.trainer = fxpipe.AsyncTrainer(pipe, lambda ps: torch.optim.SGD(ps, lr=lr, momentum=MOMENTUM), **mode)
+        self.batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.batches.append((x, y))
+        self.steps += 1
+
+    def finish(self) -> None:
+        self.trainer.train(self.batches, loss_fn)
+        self.batches = []
+
+
+def asynchronous(**mode: object) -> Callable[[nn.Module, float, torch.Tensor], Trainer]:
+    return lambda model, lr, example: AsyncPipelineTrainer(model, lr, example, **mode)
+
+
 @dataclass(frozen=True)
 class Variant:
     """A row of the table: its name, and how to make its trainer from a model, a learning rate and a batch."""
@@ -96,6 +123,10 @@ VARIANTS: list[Variant] = [
     Variant("gpipe", pipelined("gpipe")),
     Variant("1f1b", pipelined("1f1b")),
     *[Variant(f"gpipe+{c}", pipelined("gpipe", c)) for c in ("fp16", "bf16", "int8", "topk:0.01", "int8/topk:0.01")],
+    Variant("async-stash", asynchronous(mode="stash")),   # PipeDream: an update per micro-batch
+    Variant("async-2bw", asynchronous(mode="2bw")),       # an update per mini-batch, two weight versions
+    Variant("ssp-s1", asynchronous(mode="ssp", staleness=1)),
+    Variant("ssp-s4", asynchronous(mode="ssp", staleness=4)),
 ]
 
 
@@ -152,6 +183,7 @@ def train(variant: Variant, model_name: str, seed: int, epochs: int,
         for b in range(len(order) // BATCH):   # whole batches only: every step has the same micro-batches
             idx = order[b * BATCH:(b + 1) * BATCH]
             trainer.step(x_train[idx], y_train[idx])
+        trainer.finish()   # an asynchronous trainer runs the epoch's batches here, as one stream
         result.epoch_s.append(time.perf_counter() - start)
         model.eval()
         with torch.no_grad():

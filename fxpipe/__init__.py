@@ -18,12 +18,13 @@ from fxpipe.errors import (
 from fxpipe.frontend.trace import trace
 from fxpipe.options import CompileOptions, ProfileOptions
 from fxpipe.planning.plan import Plan, PlanStage, load_plan
+from fxpipe.runtime.asynchronous import AsyncTrainer
 from fxpipe.runtime.pipeline import Pipeline
 
 import fxpipe.distributed.torch_pipelining  # noqa: E402,F401  registers Plan.to_torch_pipelining
 
 __all__ = [
-    "CompileOptions", "DeviceSpec", "Devices", "FxpipeError", "InfeasiblePlanError", "Pipeline", "Plan",
+    "AsyncTrainer", "CompileOptions", "DeviceSpec", "Devices", "FxpipeError", "InfeasiblePlanError", "Pipeline", "Plan",
     "PlanFormatError", "PlanMismatchError", "PlanStage", "ProfileOptions", "StageError", "TraceError",
     "__version__", "compile", "load_plan", "parse_devices", "plan", "trace",
 ]

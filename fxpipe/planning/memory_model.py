@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from solvers.activation_memory import StageBytes, worker_peak_bytes
-from solvers.schedules import MULTI_STAGE, SPLIT_BACKWARD, stage_worker, worker_orders
+from solvers.schedules import MULTI_STAGE, SPLIT_BACKWARD, Op, stage_worker, worker_orders
 
 if TYPE_CHECKING:   # the plan is data this model reads; plan.py imports this module for memory_table
     from fxpipe.planning.plan import Plan, PlanStage
@@ -62,8 +62,15 @@ class WorkerPrediction:
 
 
 def predict_worker_memory(plan: Plan, schedule: str | None = None, checkpoint: str | None = None,
-                          micro_batches: int | None = None) -> list[WorkerPrediction]:
-    """Predicted peak memory of every worker of ``plan`` for one step."""
+                          micro_batches: int | None = None,
+                          weight_versions: list[int] | None = None,
+                          orders: list[list[Op]] | None = None) -> list[WorkerPrediction]:
+    """Predicted peak memory of every worker of ``plan`` for one step.
+
+    ``weight_versions[s]``: weight versions stage ``s`` keeps besides its parameters (asynchronous training's
+    stash, :func:`solvers.asynchronous.stashed_versions`); each costs the stage's parameter bytes once more.
+    ``orders`` replaces the schedule's per-worker orders (one stage per worker; asynchronous training's).
+    """
     schedule = schedule or plan.schedule
 
     def mode(stage: int) -> str:   # the given mode for all stages, else each stage's own (checkpoint="auto")
@@ -73,11 +80,11 @@ def predict_worker_memory(plan: Plan, schedule: str | None = None, checkpoint: s
     factor = 1.0 + float((plan.problem or {}).get("optimizer_state_factor", 0.0))
     sizes = [stage_bytes(st) for st in plan.stages]
     out = []
-    for w, order in enumerate(worker_orders(schedule, p, m, workers)):
+    for w, order in enumerate(orders or worker_orders(schedule, p, m, workers)):
         act = worker_peak_bytes(order, lambda s: sizes[s], lambda s, i: checkpointed(mode(s), i, m),
                                 split_backward=schedule in SPLIT_BACKWARD)
-        params = sum(st.param_bytes * factor for st in plan.stages
-                     if stage_worker(schedule, st.index, workers) == w)
+        params = sum(st.param_bytes * (factor + (weight_versions[st.index] if weight_versions else 0))
+                     for st in plan.stages if stage_worker(schedule, st.index, workers) == w)
         out.append(WorkerPrediction(w, params, act))
     return out
 

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.fx as fx
@@ -44,7 +45,7 @@ from fxpipe.runtime.split_backward import WeightPass, backward_inputs, full_back
 from fxpipe.runtime.streams import DeviceStreams, Event
 from fxpipe.runtime.transport import LOSS, Transport
 from fxpipe.runtime.recompute import checkpoint_stage
-from solvers.schedules import SPLIT_BACKWARD, worker_orders
+from solvers.schedules import SPLIT_BACKWARD, Op, worker_orders
 
 __all__ = ["run_step", "StepFailure", "REDUCTIONS", "OpTiming"]
 
@@ -100,7 +101,9 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
              random: list[bool] | None = None, host: Host = UNSHARED, caller: CallerState | None = None,
              sizes: list[int] | None = None,
              grad_tensors: list[torch.Tensor] | None = None,
-             transport: Transport | None = None) -> tuple[torch.Tensor | None, list[Any]]:
+             transport: Transport | None = None, orders: list[list[Op]] | None = None,
+             around: Callable[[str, int, int], ContextManager[None]] | None = None,
+             ) -> tuple[torch.Tensor | None, list[Any]]:
     """Run forward and backward of every micro-batch; return the weighted loss and per-micro-batch outputs.
 
     ``workers`` threads (default: one per stage; fewer for ``interleaved-1f1b`` and ``zb-v``) run
@@ -114,13 +117,18 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
     divided by the global count. ``transport`` (:mod:`fxpipe.runtime.transport`; default: every stage in this
     process) moves values and gradients between stages and says which workers run here; where the last
     stage runs elsewhere the loss is that process's (from :meth:`Transport.end`) and the outputs are ``None``.
+    ``orders`` replaces the schedule's per-worker orders (one stage per worker; :mod:`solvers.asynchronous`
+    holds forwards back for bounded staleness), and ``around(kind, stage, micro_batch)``, a context manager,
+    wraps each operation on its worker (asynchronous training swaps weight versions and steps optimizers in it,
+    :mod:`fxpipe.runtime.asynchronous`).
 
     Raises :class:`StepFailure` for the first operation that failed (all workers stop).
     """
     p, m = len(specs), len(micro_inputs)
     caller = CallerState.capture() if caller is None else caller
     n_workers = p if workers is None else workers
-    orders = worker_orders(schedule, p, m, n_workers)   # raises ValueError for a shape it cannot run
+    if orders is None:
+        orders = worker_orders(schedule, p, m, n_workers)   # raises ValueError for a shape it cannot run
     split = schedule in SPLIT_BACKWARD
     weight_passes: dict[tuple[int, int], WeightPass] = {}
     random = [is_random(spec.module) for spec in specs] if random is None else random
@@ -234,6 +242,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
 
     origin = time.perf_counter()
 
+    wrap = around or (lambda kind, k, i: nullcontext())
     run_op = {"F": forward, "B": backward, "W": weights}
     pass_name = {"F": "forward", "B": "backward", "W": "weight-gradient pass"}
 
@@ -244,8 +253,8 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
             with turns.turn(devices[k]):   # may this operation run now (fxpipe.runtime.host)
                 start = time.perf_counter()
                 try:
-                    with streams.computing(devices[k]), caller.entered():   # new threads have torch's defaults
-                        run_op[kind](k, i)
+                    with streams.computing(devices[k]), caller.entered(), wrap(kind, k, i):   # new threads
+                        run_op[kind](k, i)                                                 # have torch's defaults
                 except LossFailure as exc:
                     board.fail(StepFailure(k, i, "loss", exc.exc))
                     return

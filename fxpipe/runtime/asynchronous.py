@@ -1,0 +1,260 @@
+"""``fxpipe.AsyncTrainer``: asynchronous 1F1B training — PipeDream weight stashing, PipeDream-2BW, stale-synchronous.
+
+``pipe.step`` is synchronous: every micro-batch of a mini-batch sees the same weights and the
+optimizer steps after the flush. :class:`AsyncTrainer` runs a whole stream of mini-batches through
+the stages in 1F1B order without that flush, and every stage steps its own optimizer (over its own
+parameters) after each *group* of micro-batches:
+
+- ``mode="stash"`` (PipeDream, Narayanan et al. 2019): a group is ``update_every`` micro-batches
+  (default 1). A forward uses the stage's latest weights; the stage stashes that version and the
+  micro-batch's backward uses it again, so forward and backward agree. Stage ``k`` keeps at most one
+  version per in-flight micro-batch (``p - k``; :func:`solvers.asynchronous.stashed_versions`).
+- ``mode="2bw"`` (PipeDream-2BW, Narayanan et al. 2021): the same with gradients accumulated over
+  ``update_every >= p - 1`` micro-batches (default: one mini-batch, at least ``p - 1``), so at most two versions are live.
+- ``mode="ssp"`` (stale-synchronous): one group per mini-batch (as ``pipe.step`` + ``optimizer.step``);
+  a stage may run forwards up to ``staleness`` mini-batches ahead of 1F1B, and a forward may miss at
+  most ``staleness`` of its stage's updates (default 1); ``staleness=0`` is synchronous training, bit for bit.
+
+``staleness`` bounds the lag in every mode (:mod:`solvers.asynchronous` holds forwards back). The
+weights live as the model's parameters (the optimizers' copy); a version is a detached clone that the
+forward runs on in place of the parameters (swapped in as ``torch.func.functional_call`` does), inside ``pipe.step``'s schedule interpreter
+(:func:`fxpipe.runtime.step.run_step`, given the orders and a wrapper around every operation).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from fxpipe.errors import FxpipeError
+from fxpipe.planning.memory_model import WorkerPrediction, predict_worker_memory
+from fxpipe.runtime.batchnorm import commit_statistics
+from fxpipe.runtime.caller_state import CallerState
+from fxpipe.runtime.failures import step_error
+from fxpipe.runtime.microbatch import batch_size_of
+from fxpipe.runtime.step import StepFailure, run_step
+from solvers.asynchronous import ASYNC_MODES, async_orders, check_orders, stashed_versions
+
+__all__ = ["AsyncTrainer", "ASYNC_MODES"]
+
+REDUCTIONS = ("mean", "sum")
+
+
+class _Stage:
+    """One stage's weights: the parameters its optimizer steps, and the versions its in-flight micro-batches use."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self.module, self.optimizer = module, optimizer
+        self.params = dict(module.named_parameters())
+        self.version = 0                                   # groups finished (updates applied)
+        self.latest: dict[str, torch.Tensor] | None = None   # the current version's clone, made when first used
+        self.in_flight: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}   # micro-batch -> (version, weights)
+        self.max_versions = 0
+        self.max_lag = 0
+        self.lags: list[int] = []
+
+    def begin(self, j: int, group: int) -> None:
+        if self.latest is None:   # a clone: the optimizer steps the parameters in place, a saved version must stay
+            self.latest = {n: q.detach().clone().requires_grad_(q.requires_grad) for n, q in self.params.items()}
+        self.in_flight[j] = (self.version, self.latest)
+        self.max_versions = max(self.max_versions, len({v for v, _ in self.in_flight.values()}))
+        self.lags.append(group - self.version)
+        self.max_lag = max(self.max_lag, group - self.version)
+
+    def finish(self, j: int, ends_group: bool) -> None:
+        """After micro-batch ``j``'s backward: its version's gradients join the parameters'; step at a group's end."""
+        _, used = self.in_flight.pop(j)
+        for name, t in used.items():
+            if t.grad is not None:
+                q = self.params[name]
+                q.grad = t.grad if q.grad is None else q.grad + t.grad   # same sums, same order as autograd's
+                t.grad = None
+        if ends_group:
+            if self.optimizer is not None:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            self.version += 1
+            self.latest = None
+
+
+@contextmanager
+def _swapped(module: nn.Module, weights: dict[str, torch.Tensor]) -> Iterator[None]:
+    """``module`` computing with ``weights`` in place of its parameters (every name a tied one has), then back.
+    Only the stage's own worker runs the module, so the swap is seen by no other thread."""
+    by_id = {id(q): weights[name] for name, q in module.named_parameters()}
+    places = []
+    for name, q in module.named_parameters(remove_duplicate=False):
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        places.append((owner, attr, q))
+        owner._parameters[attr] = by_id[id(q)]   # as torch.func.functional_call does, for the whole operation
+    try:
+        yield
+    finally:
+        for owner, attr, q in places:
+            owner._parameters[attr] = q
+
+
+class AsyncTrainer:
+    """Asynchronous training of a compiled pipeline (see the module docstring for the modes).
+
+    ``optimizer_fn(params)`` makes one stage's optimizer (e.g. ``lambda ps: torch.optim.SGD(ps, lr=0.1)``);
+    ``update_every`` counts micro-batches per update (``"stash"``: 1; ``"2bw"``: a mini-batch's, at least ``p - 1``); ``staleness``
+    the updates a forward may miss (``None``: unbounded; ``"ssp"``: 1). Errors in the arguments are raised here.
+    """
+
+    def __init__(self, pipe: Any, optimizer_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
+                 mode: str = "stash", update_every: int | None = None, staleness: int | None = None,
+                 schedule: str = "1f1b", reduction: str = "mean") -> None:
+        p = len(pipe.specs)
+        if mode not in ASYNC_MODES:
+            raise ValueError(f"unknown asynchronous mode {mode!r}; allowed: {', '.join(map(repr, ASYNC_MODES))}")
+        if schedule != "1f1b":
+            raise ValueError(f"asynchronous modes run the 1f1b schedule (PipeDream's one-forward-one-backward), "
+                             f"got schedule={schedule!r}; allowed: '1f1b' (gpipe, interleaved-1f1b and zb-h1 "
+                             "are synchronous schedules of pipe.step)")
+        if pipe.plan.workers != p:
+            raise ValueError(f"asynchronous modes need one stage per worker, and this plan puts {p} stages on "
+                             f"{pipe.plan.workers} workers (interleaved-1f1b): compile with schedule='1f1b'")
+        if pipe.transport is not None:
+            raise ValueError("asynchronous modes run in one process (the embedded executor); this pipeline has "
+                             "a torch.distributed transport: use pipe.step there")
+        if getattr(pipe, "compression", None) is not None:
+            raise ValueError("asynchronous modes do not compress stage boundaries yet (error feedback is kept per "
+                             "micro-batch slot of a step); compile without CompileOptions(compression=...)")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS} for asynchronous training, got {reduction!r}")
+        for name, value, low in (("update_every", update_every, 1), ("staleness", staleness, 0)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"{name} must be None or an integer >= {low}, got {value!r}")
+        if mode == "ssp" and update_every is not None:
+            raise ValueError("mode='ssp' updates once per mini-batch (as synchronous training); "
+                             "update_every is for 'stash' and '2bw'")
+        # 2BW's default: a mini-batch, and never fewer than the p - 1 that keep the versions at two
+        self.update_every = update_every or {"stash": 1, "2bw": max(pipe.chunks, p - 1)}.get(mode, pipe.chunks)
+        if mode == "2bw" and self.update_every < p - 1:
+            raise ValueError(f"mode='2bw' keeps two weight versions, which needs update_every >= {p - 1} "
+                             f"(stages - 1) micro-batches; got {self.update_every}: raise update_every or chunks, "
+                             "or use mode='stash'")
+        self.staleness = 1 if mode == "ssp" and staleness is None else staleness
+        # SSP lets the first stages run `staleness` mini-batches ahead (more micro-batches in flight); the
+        # others keep 1F1B's p - k, PipeDream's
+        self.ahead = self.staleness * pipe.chunks if mode == "ssp" else 0
+        self.pipe, self.mode, self.reduction = pipe, mode, reduction
+        owner: dict[int, int] = {}
+        for k, spec in enumerate(pipe.specs):
+            for name, q in spec.module.named_parameters():
+                if owner.setdefault(id(q), k) != k:
+                    raise ValueError(f"parameter {name!r} is shared by stages {owner[id(q)]} and {k} (tied weights); "
+                                     "asynchronous modes update each stage's parameters apart: use pipe.step")
+        self.stages = [_Stage(spec.module, optimizer_fn(trained) if (trained := [q for q in spec.module.parameters()
+                                                                                  if q.requires_grad]) else None)
+                       for spec in pipe.specs]   # a stage without trained parameters has no optimizer
+        self.last: dict[str, Any] | None = None
+
+    def version_bound(self, micro_batches: int | None = None) -> list[int]:
+        """The most weight versions each stage keeps (its in-flight micro-batches' distinct versions)."""
+        m, p = micro_batches or 10**9, len(self.stages)
+        u = self.update_every if self.mode != "ssp" else self.pipe.chunks
+        return [stashed_versions(k, p, m, u, self.ahead, self.staleness) for k in range(p)]
+
+    def predicted_memory(self, mini_batches: int = 8) -> list[WorkerPrediction]:
+        """:func:`fxpipe.planning.memory_model.predict_worker_memory` of a stream of ``mini_batches`` in this
+        trainer's order, the stashed weight versions counted."""
+        m = mini_batches * self.pipe.chunks
+        orders = async_orders(len(self.stages), self._groups([b for b in range(mini_batches)
+                                                              for _ in range(self.pipe.chunks)]),
+                              self.staleness, self.ahead)
+        return predict_worker_memory(self.pipe.plan, schedule="1f1b", micro_batches=m, orders=orders,
+                                     weight_versions=self.version_bound(m))
+
+    def _groups(self, batch_of: list[int]) -> list[int]:
+        """Each micro-batch's update group: its mini-batch (SSP) or ``update_every`` micro-batches."""
+        return batch_of if self.mode == "ssp" else [j // self.update_every for j in range(len(batch_of))]
+
+    def train(self, batches: Iterable[tuple[Any, Any]], loss_fn: Callable[[Any, Any], torch.Tensor]) -> list[float]:
+        """Train on ``batches`` (``(inputs, target)`` mini-batches) as one stream; return each mini-batch's loss.
+
+        The versions kept and the lags seen are in :attr:`last` (``versions``, ``lag`` per stage). A failing
+        operation raises :class:`fxpipe.StageError` (as ``pipe.step``); the updates applied before it stay.
+        """
+        pipe = self.pipe
+        pipe._check_mode()
+        caller = CallerState.capture()
+        if not caller.grad:
+            raise FxpipeError(f"AsyncTrainer.train computes gradients, but it is called under {caller.describe()}")
+        loss_fn = pipe.structured_loss(loss_fn)
+        micro, targets, sizes, batch_of = [], [], [], []
+        for b, (inputs, target) in enumerate(batches):
+            inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+            mb = pipe.inputs.micro_batches(inputs, {})
+            n = pipe.inputs.sizes(mb)
+            tg = pipe.inputs.micro_targets(target)
+            if len(tg) != len(mb) or any(batch_size_of([t], pipe.layout.target) != s for t, s in zip(tg, n)):
+                raise ValueError(f"mini-batch {b}: the target must have the inputs' batch size, {sum(n)}")
+            micro += mb
+            targets += tg
+            sizes += n
+            batch_of += [b] * len(mb)
+        if not micro:
+            return []
+        groups = self._groups(batch_of)
+        orders = async_orders(len(self.stages), groups, self.staleness, self.ahead)
+        check_orders(orders)   # never start an order that cannot finish
+        group_samples: dict[int, int] = {}
+        for g, n in zip(groups, sizes):
+            group_samples[g] = group_samples.get(g, 0) + n
+        last_of = {g: j for j, g in enumerate(groups)}
+        weight = [n / group_samples[g] if self.reduction == "mean" else 1.0 for n, g in zip(sizes, groups)]
+        raw: list[float] = [0.0] * len(micro)
+        batch_samples = [0] * (batch_of[-1] + 1)
+        for b, n in zip(batch_of, sizes):
+            batch_samples[b] += n
+        first = {b: batch_of.index(b) for b in set(batch_of)}   # checkpoint modes count within a mini-batch
+        last_of_batch = {b: j for j, b in enumerate(batch_of)}
+        position = [j - first[b] for j, b in enumerate(batch_of)]
+        count = [position[last_of_batch[b]] + 1 for b in batch_of]
+
+        def weighted_loss(out: Any, tagged: tuple[Any, int]) -> torch.Tensor:
+            target, j = tagged
+            loss = loss_fn(out, target)
+            raw[j] = float(loss.detach())
+            return loss * weight[j]   # as pipe.step weighs a micro-batch of its mini-batch (bit for bit)
+
+        @contextmanager
+        def around(kind: str, k: int, j: int) -> Iterator[None]:
+            stage = self.stages[k]
+            if kind == "F":
+                stage.begin(j, groups[j])
+            with _swapped(stage.module, stage.in_flight[j][1]):   # this micro-batch's version, also in a recompute
+                yield
+            if kind == "B":
+                stage.finish(j, last_of[groups[j]] == j)
+
+        for q in pipe.parameters():
+            q.grad = None
+        try:
+            run_step(pipe.specs, pipe.devices, pipe._output.args[0], micro, [(t, j) for j, t in enumerate(targets)],
+                     weighted_loss, "1f1b", lambda k, j: pipe._checkpointed(k, position[j], count[j]), "sum",
+                     random=pipe._random_stages(), host=pipe.host, caller=caller, sizes=sizes,
+                     orders=orders, around=around)
+        except StepFailure as failure:   # the updates already applied stay; nothing in flight survives
+            commit_statistics(pipe.modules(), discard=True)
+            for st in self.stages:
+                st.in_flight.clear()
+                st.max_versions, st.max_lag, st.lags = 0, 0, []
+            for q in pipe.parameters():
+                q.grad = None
+            raise step_error(failure, pipe.devices) from failure.exc
+        commit_statistics(pipe.modules())
+        self.last = {"versions": [st.max_versions for st in self.stages], "lag": [st.max_lag for st in self.stages],
+                     "lags": [st.lags for st in self.stages], "micro_batches": len(micro)}
+        for st in self.stages:
+            st.max_versions, st.max_lag, st.lags = 0, 0, []
+        per_batch = [0.0] * (batch_of[-1] + 1)
+        for j, b in enumerate(batch_of):
+            per_batch[b] += raw[j] * (sizes[j] / batch_samples[b] if self.reduction == "mean" else 1.0)
+        return per_batch
