@@ -161,3 +161,16 @@ def test_buffer_updates_run_at_every_call_not_once_while_tracing():
                 twin(half)
     assert model.calls.item() == twin.calls.item() == 6
     assert torch.allclose(model.ema, twin.ema, rtol=1e-6, atol=1e-7)
+
+
+def test_the_users_line_is_found_in_a_project_folder_named_fxpipe():
+    """Frames are told apart by the libraries' own folders, not by a path that merely contains /fxpipe/
+    (CI clones the repository into a folder named fxpipe: the user's line was dropped)."""
+    from fxpipe.frontend.trace import _user_frame
+    code = compile("def forward(x):\n    raise ValueError('data-dependent')\n", "/home/me/fxpipe/model.py", "exec")
+    scope: dict = {}
+    exec(code, scope)
+    try:
+        scope["forward"](1)
+    except ValueError as exc:
+        assert _user_frame(exc).startswith("/home/me/fxpipe/model.py:2")

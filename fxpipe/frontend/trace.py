@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import linecache
+import os
 import traceback
 from collections import Counter
 from typing import Any, Iterable, Iterator
@@ -87,10 +88,16 @@ def shared_parameter_groups(model: nn.Module) -> list[set[str]]:
     return [{n.rpartition(".")[0] for n in names} for names in names_of.values() if len(names) > 1]
 
 
+# torch.fx's folder and fxpipe's own (this file's parent's parent)
+_LIBRARY_FOLDERS = tuple(os.path.dirname(os.path.abspath(path)) + os.sep
+                         for path in (fx.__file__, os.path.dirname(os.path.abspath(__file__))))
+
+
 def _user_frame(exc: BaseException) -> str:
     """``file:line: code`` of the innermost frame outside torch, for the error message."""
+    # by the packages' own folders, not a path's words: a user's project may itself live in a folder named fxpipe
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if "/torch/fx/" not in f.filename and "/fxpipe/" not in f.filename]
+              if not os.path.abspath(f.filename).startswith(_LIBRARY_FOLDERS)]
     if not frames:
         return "unknown location"
     f = frames[-1]
