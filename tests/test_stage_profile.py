@@ -109,7 +109,7 @@ def test_cuts_that_never_settle_end_on_the_fastest_measured_plan(monkeypatch):
     monkeypatch.setattr(sys.modules["fxpipe.refine.rounds"], "stage_factors", first_stage_slow)
     torch.manual_seed(3)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(8)])
-    pipe = fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(32, 64),), chunks=4, stages=2,
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(32, 64),), chunks=4, stages=2, schedule="gpipe",
                           profile=fxpipe.ProfileOptions(effort="thorough", cache=False))
     rounds = pipe.plan.profile["stage_profile"]
     assert len(rounds) == 3 and len(seen) == 3 and rounds[-1].get("chosen_of_unsettled") is True
@@ -152,7 +152,7 @@ def test_contention_is_measured_in_steps_of_the_plan_on_its_own_stages(spin):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)    # one intra-op thread per worker: two workers fit two processors
     try:
-        pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=8, stages=2, leaf_modules=[Busy],
+        pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=8, stages=2, leaf_modules=[Busy], schedule="gpipe",
                               profile=fxpipe.ProfileOptions(effort="thorough", cache=False))
     finally:
         torch.set_num_threads(threads)
