@@ -44,8 +44,10 @@ def main() -> None:
         pipe.plan.save(path)
     dist.barrier()
     stage = PipelineRank(path, make_model, loss_fn)
-    print(f"rank {rank} (node {os.environ.get('GROUP_RANK', 0)}): stages {stage.own}, "
-          f"{sum(p.numel() for p in stage.parameters())} parameters", flush=True)
+    # one write per line: the ranks share torchrun's stdout, and print's separate newline could interleave
+    sys.stdout.write(f"rank {rank} (node {os.environ.get('GROUP_RANK', 0)}): stages {stage.own}, "
+                     f"{sum(p.numel() for p in stage.parameters())} parameters\n")
+    sys.stdout.flush()
     opt = torch.optim.SGD(stage.parameters(), lr=0.5)
     reference = make_model()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)

@@ -101,8 +101,10 @@ def _train(args: argparse.Namespace, rank: int) -> None:
     stage = PipelineRank(args.plan, model_fn, loss_fn, weights=args.weights, timeout_s=args.timeout)
     node, local = int(os.environ.get("FXPIPE_NODE", 0)), int(os.environ.get("LOCAL_RANK", rank))
     devices = sorted({stage.pipe.devices[k].type for k in stage.own})
-    print(f"rank {rank} (node {node}, local {local}): stages {stage.own} on {','.join(devices)}, "
-          f"{sum(p.numel() for p in stage.parameters())} parameters", flush=True)
+    # one write per line: the ranks share torchrun's stdout, and print's separate newline could interleave
+    sys.stdout.write(f"rank {rank} (node {node}, local {local}): stages {stage.own} on {','.join(devices)}, "
+                     f"{sum(p.numel() for p in stage.parameters())} parameters\n")
+    sys.stdout.flush()
     opt = OPTIMIZERS[args.optimizer](stage.parameters(), lr=args.lr)
     done = 0
     state = os.path.join(args.checkpoint or "", "fxpipe-launch.json")

@@ -278,3 +278,17 @@ def test_resuming_from_a_checkpoint_gives_the_losses_of_an_uninterrupted_run(tmp
     assert not errors, errors[0]
     for r in results:   # every rank reports the loss (broadcast_loss=True)
         assert r["ok"]["resumed"] == r["ok"]["straight"], r["ok"]
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "interleaved-1f1b"])
+def test_a_stage_runs_on_the_process_of_its_schedules_worker(schedule):
+    """Several stages per worker: stage k's process is the schedule's worker of k (the V for ZB-V), the one the
+    executor sends to; mapping the solver's devices round-robin put ZB-V's last two stages on swapped ranks,
+    and the two processes waited for each other until the deadline."""
+    from fxpipe.distributed.placement import plan_slots
+    from solvers.schedules import stage_worker
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(8)])
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (torch.randn(8, 8),), schedule=schedule, chunks=4,
+                          profile="estimate")
+    assert plan_slots(pipe.plan) == [(0, stage_worker(schedule, k, 2)) for k in range(len(pipe.plan.stages))]

@@ -53,12 +53,16 @@ def blocks() -> list[Block]:
 
 
 def heads(text: str) -> list[str]:
-    """Each line's first two words, numbers masked: the shape of an output, not its values."""
-    out = []
+    """Each line's first two words, numbers masked, runs of equal heads once: the shape of an output, not its
+    values (a plan measured on a busy machine may have another number of stages or another chosen row)."""
+    out: list[str] = []
     for line in text.strip().splitlines():
         masked = re.sub(r"[-+]?\d+(\.\d+)?(e[-+]?\d+)?[%*]?", "#", line.strip())
-        if masked:
-            out.append(" ".join(masked.split()[:2]))
+        words = [w for w in masked.split() if w != "*"]   # a "* chosen" mark moves with the measurement
+        head = " ".join(words[:2])
+        # a table's rows share one head: as many stages as the measured plan has, one line in the shape
+        if head and (not out or out[-1] != head):
+            out.append(head)
     return out
 
 

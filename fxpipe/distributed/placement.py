@@ -27,10 +27,13 @@ __all__ = ["plan_slots", "where_am_i", "stage_ranks"]
 def plan_slots(plan: Plan) -> list[tuple[int, int]]:
     """``(node, local index)`` of every stage's device."""
     workers = plan.workers
-    # interleaved: the solver's device i (one per chunk of stages and device) is the plan's device i % workers
-    wrap = workers if plan.virtual_stages > 1 else 1 << 30
-    slot = [(st.node, st.device_index % wrap if st.device_index >= 0 else stage_worker(plan.schedule, k, workers))
-            for k, st in enumerate(plan.stages)]
+    # several stages per device (interleaved, ZB-V): the solver's device i (one per stage) is the schedule's
+    # worker of stage i (i % workers interleaved, the V for ZB-V)
+    def device(k: int, index: int) -> int:
+        if index < 0:
+            return stage_worker(plan.schedule, k, workers)
+        return stage_worker(plan.schedule, index, workers) if plan.virtual_stages > 1 else index
+    slot = [(st.node, device(k, st.device_index)) for k, st in enumerate(plan.stages)]
     local: dict[tuple[int, int], int] = {}
     for node in sorted({n for n, _ in slot}):
         for i, index in enumerate(sorted({d for n, d in slot if n == node})):
