@@ -41,6 +41,11 @@ def main() -> None:
     if rank == 0:
         pipe = fxpipe.compile(make_model(), ["cpu"] * world, (batches[0][0],), stages=world, chunks=4,
                               schedule="1f1b", profile="estimate")
+        # compiled here for CPU workers of one process: say which node runs each stage (torchrun's
+        # LOCAL_WORLD_SIZE processes per node), as a plan for GPUs on several nodes records it
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        for st in pipe.plan.stages:
+            st.node, st.device_index = divmod(st.index, per_node)
         pipe.plan.save(path)
     dist.barrier()
     stage = PipelineRank(path, make_model, loss_fn)
