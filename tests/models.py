@@ -27,6 +27,24 @@ class SkipTied(nn.Module):
         return self.head(self.norm(h + h0))  # h0 crosses every stage boundary
 
 
+class SkipCNN(nn.Module):
+    """A CNN whose stem output is added back just before the head: cut once, two tensors cross the boundary;
+    cut at more places, the stem output skips to the last stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 6, 3, padding=1)
+        self.convs = nn.ModuleList(nn.Conv2d(6, 6, 3, padding=1) for _ in range(4))
+        self.head = nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h0 = torch.relu(self.stem(x))
+        h = h0
+        for conv in self.convs:
+            h = torch.tanh(conv(h))
+        return self.head((h + h0).mean(dim=(2, 3)))
+
+
 class Boom(nn.Module):
     """Raises when ``armed`` and given a micro-batch of one sample."""
 

@@ -17,27 +17,10 @@ import fxpipe
 from distributed_run import run_ranks
 from equivalence import max_relative_error
 from forced_cuts import compile_with_cuts
-from models import SkipTied, WithBoom, Boom
+from models import Boom, SkipCNN, SkipTied, WithBoom
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 STEPS = 3
-
-
-class SkipCNN(nn.Module):
-    """A CNN whose first block's output is added back just before the head: a skip from the first stage to the last."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = nn.Conv2d(3, 6, 3, padding=1)
-        self.convs = nn.ModuleList(nn.Conv2d(6, 6, 3, padding=1) for _ in range(4))
-        self.head = nn.Linear(6, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h0 = torch.relu(self.stem(x))
-        h = h0
-        for conv in self.convs:
-            h = torch.tanh(conv(h))
-        return self.head((h + h0).mean(dim=(2, 3)))
 
 
 def _make(kind: str) -> nn.Module:

@@ -16,27 +16,10 @@ import fxpipe
 from distributed_run import run_ranks
 from equivalence import max_relative_error
 from forced_cuts import compile_with_cuts
+from models import SkipCNN
 from fxpipe.distributed.torch_pipelining import NotAdjacentError, compute_actions_csv
 
 STEPS, BATCH, CHUNKS = 3, 8, 4
-
-
-class TwoPathCNN(nn.Module):
-    """A CNN whose stem output is added back before the head: cut in the middle, two tensors cross the boundary;
-    cut twice, the stem output skips the middle stage."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = nn.Conv2d(3, 6, 3, padding=1)
-        self.convs = nn.ModuleList(nn.Conv2d(6, 6, 3, padding=1) for _ in range(4))
-        self.head = nn.Linear(6, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h0 = torch.relu(self.stem(x))
-        h = h0
-        for conv in self.convs:
-            h = torch.tanh(conv(h))
-        return self.head((h + h0).mean(dim=(2, 3)))
 
 
 class Chain(nn.Module):
@@ -54,7 +37,7 @@ class Chain(nn.Module):
 
 def _make(kind: str = "cnn") -> nn.Module:
     torch.manual_seed(0)
-    return TwoPathCNN() if kind == "cnn" else Chain()
+    return SkipCNN() if kind == "cnn" else Chain()
 
 
 def _batches(kind: str = "cnn") -> list[tuple[torch.Tensor, torch.Tensor]]:
