@@ -17,13 +17,9 @@ compared term for term (``benchmarks/memory.py``, ``benchmarks/fidelity.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from solvers.activation_memory import StageBytes, worker_peak_bytes
+from fxpipe.planning.plan_view import PlanView, StageView
 from solvers.schedules import MULTI_STAGE, SPLIT_BACKWARD, Op, stage_worker, worker_orders
-
-if TYPE_CHECKING:   # the plan is data this model reads; plan.py imports this module for memory_table
-    from fxpipe.planning.plan import Plan, PlanStage
 
 __all__ = ["WorkerPrediction", "predict_worker_memory", "checkpointed", "stage_bytes", "choose_checkpoints"]
 
@@ -35,7 +31,7 @@ def checkpointed(mode: str, micro_batch: int, micro_batches: int) -> bool:
     return mode == "always" or (mode == "except_last" and micro_batch != micro_batches - 1)
 
 
-def stage_bytes(st: PlanStage) -> StageBytes:
+def stage_bytes(st: StageView) -> StageBytes:
     """The memory model's sizes of one plan stage: measured when the plan has them
     (:mod:`fxpipe.refine.stage_memory`), else estimated from the profile's node sizes."""
     if st.measured_bytes:
@@ -61,7 +57,7 @@ class WorkerPrediction:
         return self.param_bytes + self.activation_bytes
 
 
-def predict_worker_memory(plan: Plan, schedule: str | None = None, checkpoint: str | None = None,
+def predict_worker_memory(plan: PlanView, schedule: str | None = None, checkpoint: str | None = None,
                           micro_batches: int | None = None,
                           weight_versions: list[int] | None = None,
                           orders: list[list[Op]] | None = None) -> list[WorkerPrediction]:
@@ -89,7 +85,7 @@ def predict_worker_memory(plan: Plan, schedule: str | None = None, checkpoint: s
     return out
 
 
-def choose_checkpoints(plan: Plan, memory_bytes: list[float] | None = None) -> list[str]:
+def choose_checkpoints(plan: PlanView, memory_bytes: list[float] | None = None) -> list[str]:
     """Give every worker of ``plan`` the cheapest checkpoint mode whose predicted peak fits its
     ``memory_bytes`` (default: the memory the plan gives its stages); set it on the worker's stages and
     return the modes per worker.

@@ -9,17 +9,15 @@ predicted it; a measured step (``pipe.last_step["timings"]``) can be drawn besid
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import networkx as nx
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from fxpipe.planning.plan_view import PlanView
 from solvers.schedules import MULTI_STAGE, stage_worker
 from solvers.simulate import simulate
-
-if TYPE_CHECKING:
-    from fxpipe.planning.plan import Plan
 
 __all__ = ["plot_stages", "plot_timeline", "plot_topology", "plot_graph", "KIND_COLOURS"]
 
@@ -27,7 +25,7 @@ KIND_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "send": "#8C8C8C
 CLASS_ORDER = ["X", "NV", "PIX", "PXB", "PHB", "NODE", "SYS", "NET", "HOST"]   # fastest link first
 
 
-def plot_stages(plan: "Plan") -> Figure:
+def plot_stages(plan: PlanView) -> Figure:
     """Per stage: compute (forward and backward of all micro-batches) and transfer seconds, and peak memory
     against the memory its device gives it."""
     fig = Figure(figsize=(8, 3.5), layout="constrained")
@@ -67,7 +65,7 @@ def _lanes(ax: Any, events: Sequence[tuple[int, str, int, float, float]], worker
     ax.invert_yaxis()
 
 
-def plot_timeline(plan: "Plan", measured: Sequence[Any] | None = None) -> Figure:
+def plot_timeline(plan: PlanView, measured: Sequence[Any] | None = None) -> Figure:
     """The plan's schedule as the simulator predicts it, a Gantt chart per worker (F/B/W coloured, bubbles
     grey, the predicted iteration marked); with ``measured`` (``pipe.last_step["timings"]``: objects with
     ``kind``, ``stage``, ``micro_batch``, ``start_s``, ``end_s``), the measured step below it."""
@@ -100,7 +98,7 @@ def _class_rank(cls: str) -> int:
     return CLASS_ORDER.index(base) if base in CLASS_ORDER else len(CLASS_ORDER)
 
 
-def plot_topology(classes: Sequence[Sequence[str]], plan: "Plan | None" = None) -> Figure:
+def plot_topology(classes: Sequence[Sequence[str]], plan: PlanView | None = None) -> Figure:
     """The device-to-device link matrix (``nvidia-smi topo -m`` classes: NV#, PIX, PXB, PHB, NODE, SYS, ...) as
     a heat map, fastest class lightest; with ``plan``, the stages' path over its devices drawn on it."""
     n = len(classes)
@@ -128,7 +126,7 @@ def _device_index(device: str) -> int | None:
     return int(tail) if tail.isdigit() else None
 
 
-def plot_graph(plan: "Plan") -> Figure:
+def plot_graph(plan: PlanView) -> Figure:
     """The traced graph (the plan's problem: nodes and the edges that carry values), each node coloured by its
     stage, laid out in topological layers from left to right."""
     if not plan.problem:
