@@ -31,6 +31,9 @@ def test_zb_v_step_equals_one_full_batch_backward_with_a_long_skip_and_tied_weig
     plan = pipe.plan
     assert plan.schedule == "zb-v" and len(plan.stages) == 2 * devices and plan.workers == devices
     assert len(fxpipe.Plan.from_dict(plan.to_dict()).stages) == 2 * devices   # survives JSON
+    # the certificate says where the stages really are and what it is exact for (not "stage k on device k")
+    assert "on its zb-v worker" in plan.solver["exact_over"] and "device k" not in plan.summary()
+    assert "zb-v simulated" in plan.solver["objective"]
     # the embedding (stage 0) and the tied head (the last stage) are on worker 0, the V's two ends
     assert {stage_worker("zb-v", 0, devices), stage_worker("zb-v", 2 * devices - 1, devices)} == {0}
 

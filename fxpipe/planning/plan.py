@@ -141,7 +141,8 @@ class Plan:
                 # "optimal" is over every convex partition and placement; say what was searched exactly
                 out.append(f"exact over: {self.solver['exact_over']}"
                            f"{'' if self.solver.get('space_optimal') else ' (stopped by the time limit)'}; "
-                           f"gap to the best possible plan at most {self.solver.get('gap', float('nan')):.1%}")
+                           f"gap to the best possible plan at most {self.solver.get('gap', float('nan')):.1%}"
+                           + (f" ({self.solver['objective']})" if self.solver.get("objective") else ""))
         if self.solver.get("search"):   # schedule="auto" / chunks="auto": every candidate, the chosen one marked *
             out.append("schedule search (simulated iteration; * chosen):")
             out += aligned_table(["schedule", "chunks", "checkpoint", "iteration ms", "peak MiB", "feasible"], [

@@ -164,6 +164,12 @@ class Planner:
             simulated = simulate_solution(problem, solution, self.schedule, workers=workers if v > 1 else None)
             plan.predicted["iteration_s"] = simulated.iteration_s
             plan.predicted["throughput_samples_per_s"] = self.batch / simulated.iteration_s
+            # the certificate is the solver's, on its objective and its devices: say which, not "device k"
+            plan.solver["objective"] = (f"the solver's cuts are exact for 1F1B's bubble formula; the iteration is "
+                                        f"{self.schedule} simulated on them")
+            if v > 1 and "exact_over" in plan.solver:
+                plan.solver["exact_over"] = plan.solver["exact_over"].replace(
+                    "stage k on device k", f"stage k on its {self.schedule} worker")
         plan.schedule, plan.virtual_stages = self.schedule, v
         plan.batch_dims, plan.frontend = dict(self.batch_dims), dict(self.frontend)
         stage_modules(self.gm, plan)
