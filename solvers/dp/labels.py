@@ -147,62 +147,81 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                 for d, new_used in space.candidates(used, k, p):
                     group = groups[d]
                     act_scale = inflight / group.replicas
-                    for label in labels:
-                        compute = params = acts = 0.0
-                        recv: dict[int, float] = {}        # pending node -> bytes received
-                        recv_cost: dict[int, float] = {}   # pending node -> 2 x one-way time
-                        comm_in = 0.0
-                        alive_seg: list[int] = []
-                        for j2 in range(j + 1, j_max + 1):
-                            x = j2 - 1
-                            compute += tables.fb[x]
-                            params += tables.param[x]
-                            acts += tables.act[x]
-                            for u, nbytes in tables.inputs[x]:
-                                if u < j and nbytes >= recv.get(u, -1.0):
-                                    recv[u] = nbytes
-                                    c = 2.0 * space.table.transfer_s(nbytes, pend_dev[u], d)
-                                    comm_in += c - recv_cost.get(u, 0.0)
-                                    recv_cost[u] = c
-                            if params * factor + acts * act_scale > group.memory_bytes:
-                                break
-                            ar = allreduce_s(group, params) / m
-                            t_k = compute / group.speed + comm_in + ar
-                            alive_seg = [u for u in alive_seg if tables.last_use[u] >= j2]
-                            if tables.last_use[x] >= j2:
-                                alive_seg.append(x)
-                            # Grow the pending stages by what they sent to this stage.
-                            grown = list(label.pending_t)
-                            for u, c in recv_cost.items():
-                                grown[slot[pend_stage[u]]] += c
-                            new_pending = tuple(
-                                [(u, a, da) for u, a, da in pending if tables.last_use[u] >= j2]
-                                + [(u, k, d) for u in alive_seg]
-                            )
-                            still = {a for _, a, _ in new_pending}
+                    # Everything of a stage [j, j2) on d but the labels' own sums is the same for every label
+                    # of this state: computed once per j2, then each label still growing takes its share.
+                    active = list(labels)
+                    compute = params = acts = 0.0
+                    recv: dict[int, float] = {}        # pending node -> bytes received
+                    recv_cost: dict[int, float] = {}   # pending node -> 2 x one-way time
+                    comm_in = 0.0
+                    alive_seg: list[int] = []
+                    for j2 in range(j + 1, j_max + 1):
+                        x = j2 - 1
+                        compute += tables.fb[x]
+                        params += tables.param[x]
+                        acts += tables.act[x]
+                        for u, nbytes in tables.inputs[x]:
+                            if u < j and nbytes >= recv.get(u, -1.0):
+                                recv[u] = nbytes
+                                c = 2.0 * space.table.transfer_s(nbytes, pend_dev[u], d)
+                                comm_in += c - recv_cost.get(u, 0.0)
+                                recv_cost[u] = c
+                        if params * factor + acts * act_scale > group.memory_bytes:
+                            break
+                        ar = allreduce_s(group, params) / m
+                        t_k = compute / group.speed + comm_in + ar
+                        alive_seg = [u for u in alive_seg if tables.last_use[u] >= j2]
+                        if tables.last_use[x] >= j2:
+                            alive_seg.append(x)
+                        # what each pending stage grows by: what it sent to this stage (added in this order)
+                        sent: list[list[float]] = [[] for _ in pend_stages]
+                        for u, c in recv_cost.items():
+                            sent[slot[pend_stage[u]]].append(c)
+                        new_pending = tuple(
+                            [(u, a, da) for u, a, da in pending if tables.last_use[u] >= j2]
+                            + [(u, k, d) for u in alive_seg]
+                        )
+                        still = {a for _, a, _ in new_pending}
+                        done_slots = [i for i, a in enumerate(pend_stages) if a not in still]
+                        kept_slots = [i for i, a in enumerate(pend_stages) if a in still]
+                        k_done = k not in still
+                        stage_total = compute / group.speed + 2.0 * comm_in + ar
+                        rest = tables.suffix_fb[j2] / max_speed
+                        future_max = rest / stages_left if stages_left else 0.0
+                        transfer_lb = tables.future_transfer_lb(j2, stages_left) if stages_left else 0.0
+                        key: tuple | None = None
+                        perm: tuple | None = None
+                        still_growing: list[Label] = []
+                        grows = any(sent)
+                        for label in active:
+                            if grows:
+                                grown = list(label.pending_t)
+                                for i, costs in enumerate(sent):
+                                    for c in costs:
+                                        grown[i] += c
+                            else:
+                                grown = label.pending_t
                             max_done = label.max_done
-                            for a, t_a in zip(pend_stages, grown):
-                                if a not in still:
-                                    max_done = max(max_done, t_a)
-                            if k not in still:
-                                max_done = max(max_done, t_k)
-                            new_t = tuple(
-                                [t_a for a, t_a in zip(pend_stages, grown) if a in still]
-                                + ([t_k] if k in still else [])
-                            )
-                            biggest = max((max_done, *new_t))
+                            for i in done_slots:
+                                if grown[i] > max_done:
+                                    max_done = grown[i]
+                            if k_done and t_k > max_done:
+                                max_done = t_k
+                            if kept_slots:
+                                new_t = tuple([grown[i] for i in kept_slots] + ([] if k_done else [t_k]))
+                                biggest = max(max_done, *new_t)
+                            else:
+                                new_t = () if k_done else (t_k,)
+                                biggest = max_done if k_done or max_done >= t_k else t_k
                             if biggest > cap:
                                 pruned = min(pruned, m * biggest)  # T >= m max t_s
-                                break  # every quantity here only grows with j2
-                            total = label.total + compute / group.speed + 2.0 * comm_in + ar
-                            rest = tables.suffix_fb[j2] / max_speed
-                            future_max = rest / stages_left if stages_left else 0.0
+                                continue  # every quantity here only grows with j2: this label is done
+                            total = label.total + stage_total
                             if total + rest + (m - 1) * biggest > ub_limit:
                                 pruned = min(pruned, total + rest + (m - 1) * biggest)
-                                break  # grows with j2
-                            bound = total + rest + (m - 1) * max(biggest, future_max)
-                            if stages_left:
-                                bound += tables.future_transfer_lb(j2, stages_left)
+                                continue  # grows with j2: done
+                            still_growing.append(label)
+                            bound = total + rest + (m - 1) * max(biggest, future_max) + transfer_lb
                             if bound > ub_limit:
                                 pruned = min(pruned, bound)
                                 continue  # may shrink with j2: a longer stage may still do
@@ -216,11 +235,16 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                                     ub_limit = min(ub_limit, t_iter * (1 + REL_TOL))
                                     cap = min(cap, t_iter / m * (1 + REL_TOL))
                                 continue
-                            key = (new_used, new_pending)
-                            if canon is not None:   # one state per orbit of the topology's automorphisms
-                                key, perm = canon.canonical(new_used, new_pending)
+                            if key is None:
+                                key = (new_used, new_pending)
+                                if canon is not None:   # one state per orbit of the topology's automorphisms
+                                    key, perm = canon.canonical(new_used, new_pending)
+                            if perm is not None:
                                 new_label.device, new_label.sigma = perm[d], perm
                             insert_label(frontier.setdefault((j2, k + 1), {}).setdefault(key, []), new_label, m - 1)
+                        active = still_growing
+                        if not active:
+                            break
     return best, best_t, pruned
 
 
@@ -248,16 +272,17 @@ def analytic_lower(problem: Problem, tables: Tables, p: int, space: Space) -> fl
 
 
 def deepening(problem: Problem, tables: Tables, p: int, ub: float, space: Space,
-               deadline: float, proven: dict[int, float]) -> tuple[Label | None, float]:
+               deadline: float, proven: dict[int, float], floor: float = 0.0) -> tuple[Label | None, float]:
     """Run the search under growing bounds ``G``, starting just above a lower bound.
 
     A search bounded by ``G`` finds the optimum whenever it is ``<= G`` (only
     labels whose lower bound exceeds ``G`` are pruned), so the first bound
     that yields a solution yields the optimal one, and tight bounds prune hard.
     ``proven[p]`` records the best lower bound on ``p`` stages proven so far,
-    which is what a timed-out search can still certify.
+    which is what a timed-out search can still certify. ``floor`` is a lower bound known from elsewhere
+    (a relaxation): the first bound starts above it, not above the analytic one.
     """
-    lower = analytic_lower(problem, tables, p, space)
+    lower = max(analytic_lower(problem, tables, p, space), floor)
     proven[p] = lower
     if lower > ub * (1 + REL_TOL):
         return None, math.inf

@@ -63,7 +63,8 @@ class Search:
                 continue
             proven: dict[int, float] = {}
             try:
-                label, t = deepening(self.problem, self.tables, p, self.ub, space, deadline, proven)
+                label, t = deepening(self.problem, self.tables, p, self.ub, space, deadline, proven,
+                                     floor.get(p, 0.0))
             except Timeout:
                 if certifies:
                     self.complete = False
