@@ -98,15 +98,16 @@ def insert_label(front: list[Label], new: Label, weight: float) -> None:
     no larger for every future maximum ``X`` iff ``a.total <= b.total`` and
     ``a.total + weight a.max_done <= b.total + weight b.max_done``; pending
     stages grow by the same amounts in both, so theirs must be no larger.
+    (Written out inline: this is the search's innermost loop.)
     """
-    def leq(a: Label, b: Label) -> bool:
-        return (a.total <= b.total
-                and a.total + weight * a.max_done <= b.total + weight * b.max_done
-                and all(x <= y for x, y in zip(a.pending_t, b.pending_t)))
+    total, ending, pending = new.total, new.total + weight * new.max_done, new.pending_t
     for old in front:
-        if leq(old, new):
+        if (old.total <= total and old.total + weight * old.max_done <= ending
+                and (not pending or all(x <= y for x, y in zip(old.pending_t, pending)))):
             return
-    front[:] = [old for old in front if not leq(new, old)]
+    front[:] = [old for old in front
+                if not (total <= old.total and ending <= old.total + weight * old.max_done
+                        and (not pending or all(x <= y for x, y in zip(pending, old.pending_t))))]
     front.append(new)
 
 
