@@ -215,16 +215,20 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                                 new_t = () if k_done else (t_k,)
                                 biggest = max_done if k_done or max_done >= t_k else t_k
                             if biggest > cap:
-                                pruned = min(pruned, m * biggest)  # T >= m max t_s
+                                if m * biggest < pruned:   # T >= m max t_s
+                                    pruned = m * biggest
                                 continue  # every quantity here only grows with j2: this label is done
                             total = label.total + stage_total
-                            if total + rest + (m - 1) * biggest > ub_limit:
-                                pruned = min(pruned, total + rest + (m - 1) * biggest)
+                            least = total + rest + (m - 1) * biggest
+                            if least > ub_limit:
+                                if least < pruned:
+                                    pruned = least
                                 continue  # grows with j2: done
                             still_growing.append(label)
-                            bound = total + rest + (m - 1) * max(biggest, future_max) + transfer_lb
+                            bound = total + rest + (m - 1) * (biggest if biggest > future_max else future_max) + transfer_lb
                             if bound > ub_limit:
-                                pruned = min(pruned, bound)
+                                if bound < pruned:
+                                    pruned = bound
                                 continue  # may shrink with j2: a longer stage may still do
                             if last_stage and j2 < n:
                                 continue
