@@ -151,6 +151,7 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                     # Everything of a stage [j, j2) on d but the labels' own sums is the same for every label
                     # of this state: computed once per j2, then each label still growing takes its share.
                     active = list(labels)
+                    least_total = min(label.total for label in active)
                     compute = params = acts = 0.0
                     recv: dict[int, float] = {}        # pending node -> bytes received
                     recv_cost: dict[int, float] = {}   # pending node -> 2 x one-way time
@@ -174,6 +175,29 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                         alive_seg = [u for u in alive_seg if tables.last_use[u] >= j2]
                         if tables.last_use[x] >= j2:
                             alive_seg.append(x)
+                        stage_total = compute / group.speed + 2.0 * comm_in + ar
+                        rest = tables.suffix_fb[j2] / max_speed
+                        # Tests for every label at once (each label's max is at least t_k): t_k and
+                        # total + rest only grow with j2, so past these no label does at any later j2.
+                        if t_k > cap:
+                            if m * t_k < pruned:
+                                pruned = m * t_k
+                            break
+                        least = least_total + stage_total + rest + (m - 1) * t_k
+                        if least > ub_limit:
+                            if least < pruned:
+                                pruned = least
+                            break
+                        future_max = rest / stages_left if stages_left else 0.0
+                        transfer_lb = tables.future_transfer_lb(j2, stages_left) if stages_left else 0.0
+                        # every label's bound is at least this one (its max at least the rest shared out):
+                        # when it is over the limit, no label here can end a plan at j2 (a longer stage may:
+                        # the rest shrinks); the labels' own drop tests are made at the next j2
+                        floor_j2 = least_total + stage_total + rest + (m - 1) * future_max + transfer_lb
+                        if floor_j2 > ub_limit:
+                            if floor_j2 < pruned:
+                                pruned = floor_j2
+                            continue
                         # what each pending stage grows by: what it sent to this stage (added in this order)
                         sent: list[list[float]] = [[] for _ in pend_stages]
                         for u, c in recv_cost.items():
@@ -186,10 +210,6 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                         done_slots = [i for i, a in enumerate(pend_stages) if a not in still]
                         kept_slots = [i for i, a in enumerate(pend_stages) if a in still]
                         k_done = k not in still
-                        stage_total = compute / group.speed + 2.0 * comm_in + ar
-                        rest = tables.suffix_fb[j2] / max_speed
-                        future_max = rest / stages_left if stages_left else 0.0
-                        transfer_lb = tables.future_transfer_lb(j2, stages_left) if stages_left else 0.0
                         key: tuple | None = None
                         perm: tuple | None = None
                         still_growing: list[Label] = []
@@ -247,9 +267,11 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                             if perm is not None:
                                 new_label.device, new_label.sigma = perm[d], perm
                             insert_label(frontier.setdefault((j2, k + 1), {}).setdefault(key, []), new_label, m - 1)
-                        active = still_growing
-                        if not active:
-                            break
+                        if len(still_growing) < len(active):
+                            active = still_growing
+                            if not active:
+                                break
+                            least_total = min(label.total for label in active)
     return best, best_t, pruned
 
 
