@@ -9,7 +9,8 @@ import pytest
 
 from problems import random_problem
 from solvers import InfeasibleError, Problem, brute_force_contiguous, score, solve_dp
-from solvers.dp.labels import Space, plan_of, solve_fixed_p
+from solvers.dp.labels import plan_of, solve_fixed_p
+from solvers.dp.space import Space
 from solvers.dp.symmetry import Canon, automorphisms
 from solvers.dp.tables import Tables, device_classes
 from solvers.groups import GroupTable

@@ -8,7 +8,8 @@ from dataclasses import replace
 from solvers.groups import GroupTable
 from solvers.problem import Problem
 from solvers.dp.tables import Tables, device_classes, fastest_link, stage_counts
-from solvers.dp.labels import Space, Timeout, deepening
+from solvers.dp.labels import Timeout, deepening
+from solvers.dp.space import Space
 
 __all__ = ['min_peak_bytes', 'placement_floor']
 

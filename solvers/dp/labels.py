@@ -1,7 +1,8 @@
 """The label-setting search: contiguous cuts for a fixed stage count, in one space of stage-to-device choices.
 
 A state is ``(cut position, stages so far, pending senders)``; each keeps the Pareto set of
-:class:`Label` s (see :mod:`solvers.dp`). :func:`deepening` runs :func:`solve_fixed_p` under
+:class:`Label` s (see :mod:`solvers.dp`); which devices a stage may take is a
+:class:`solvers.dp.space.Space`. :func:`deepening` runs :func:`solve_fixed_p` under
 rising upper bounds."""
 
 from __future__ import annotations
@@ -10,12 +11,12 @@ import math
 import time
 from dataclasses import dataclass
 
-from solvers.groups import GroupTable, allreduce_s
+from solvers.groups import allreduce_s
 from solvers.problem import Problem
-from solvers.dp.symmetry import Canon
+from solvers.dp.space import Space
 from solvers.dp.tables import REL_TOL, Tables
 
-__all__ = ['analytic_lower', 'Label', 'plan_of', 'Space', 'Timeout', 'deepening', 'insert_label', 'solve_fixed_p']
+__all__ = ['analytic_lower', 'Label', 'plan_of', 'Timeout', 'deepening', 'insert_label', 'solve_fixed_p']
 
 
 @dataclass
@@ -32,62 +33,6 @@ class Label:
 
 class Timeout(Exception):
     """The deadline passed inside a search."""
-
-
-class Space:
-    """Which device group stage ``k`` may take, given the devices used so far.
-
-    * ``"order"``: stage ``k`` on device ``order[k]`` (``order = 0, 1, ...`` is topology-blind).
-    * ``"classes"``: any unused device, one per group of interchangeable devices
-      (any injective mapping, up to relabelling).
-    * ``"runs"``: the next ``r = 1..max_replicas`` devices of ``order`` as one replica group.
-    """
-
-    def __init__(self, kind: str, table: GroupTable, order: list[int] | None = None,
-                 classes: list[list[int]] | None = None, max_replicas: int = 1,
-                 canon: Canon | None = None) -> None:
-        self.kind, self.table, self.order, self.classes = kind, table, order, classes
-        self.canon = canon if kind == "classes" else None   # then ``used`` is a bit mask of devices
-        self.max_replicas = max_replicas
-        n = len(table.problem.devices)
-        self._runs: dict[tuple[int, int], int] = {}
-        if kind == "runs":
-            for start in range(n):
-                for r in range(1, min(max_replicas, n - start) + 1):
-                    self._runs[(start, r)] = table.add(tuple(order[start:start + r]))
-
-    def start(self) -> tuple | int:
-        if self.canon is not None:
-            return 0
-        return (0,) * len(self.classes) if self.kind == "classes" else ()
-
-    def candidates(self, used: tuple, k: int, p: int) -> list[tuple[int, tuple]]:
-        if self.kind == "order":
-            return [(self.order[k], used)]
-        if self.canon is not None:   # the lowest unused device of each class
-            out = []
-            for group in self.classes:
-                d = next((d for d in group if not used >> d & 1), None)
-                if d is not None:
-                    out.append((d, used | 1 << d))
-            return out
-        if self.kind == "classes":
-            return [(group[used[c]], used[:c] + (used[c] + 1,) + used[c + 1:])
-                    for c, group in enumerate(self.classes) if used[c] < len(group)]
-        taken = used[0] if used else 0
-        room = len(self.order) - taken - (p - k - 1)
-        return [(self._runs[(taken, r)], (taken + r,)) for r in range(1, min(self.max_replicas, room) + 1)]
-
-    def speeds(self, p: int) -> tuple[float, float]:
-        """(fastest stage speed, largest total speed of ``p`` stages) over this space."""
-        devs = self.table.problem.devices
-        if self.kind == "order":
-            sp = [devs[d].speed for d in self.order[:p]]
-            return max(sp), sum(sp)
-        if self.kind == "classes":
-            sp = sorted((d.speed for d in devs), reverse=True)[:p]
-            return max(sp), sum(sp)
-        return max(self.table.groups[g].speed for g in self._runs.values()), sum(d.speed for d in devs)
 
 
 def insert_label(front: list[Label], new: Label, weight: float) -> None:

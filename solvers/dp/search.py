@@ -15,7 +15,8 @@ from solvers.problem import Problem
 from solvers.score import Score, score_assignment
 from solvers.solution import Solution, Stage, assignment_from_cuts
 from solvers.dp.tables import REL_TOL, Tables, balanced_cuts, device_classes, stage_counts
-from solvers.dp.labels import analytic_lower, plan_of, Space, Timeout, deepening
+from solvers.dp.labels import analytic_lower, plan_of, Timeout, deepening
+from solvers.dp.space import Space
 from solvers.dp.symmetry import Canon, automorphisms
 from solvers.dp.bounds import min_peak_bytes, placement_floor
 
