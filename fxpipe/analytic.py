@@ -52,7 +52,7 @@ def plan(
     the memory kept per parameter (``OPTIMIZER_STATE``: Adam keeps gradients and two
     moments). Raises :class:`fxpipe.InfeasiblePlanError` when nothing fits.
     """
-    from fxpipe.planning.planner import plan_from_solution, stage_buffers
+    from fxpipe.planning.planner import plan_from_solution, recompute_share, stage_buffers, with_recomputation
 
     if not isinstance(devices, Devices):
         raise TypeError("devices must be fxpipe.Devices, e.g. fxpipe.Devices.preset('h100', 8)")
@@ -66,7 +66,8 @@ def plan(
     first = tuple(scatter(list(example_inputs), chunks)[0])
     reference = devices.specs[0]
     costs = profile_graph(gm, first, torch.device("cpu"), mode="analytic", spec=reference)
-    problem = build_problem(gm, costs, [torch.device(i) for i in devices.ids], links_from_classes(devices.link_classes, devices.bandwidth_Bps),
+    share = recompute_share(checkpoint, chunks, False)   # the checkpointed micro-batches' forward, again
+    problem = build_problem(gm, with_recomputation(costs, share), [torch.device(i) for i in devices.ids], links_from_classes(devices.link_classes, devices.bandwidth_Bps),
                             chunks, [s.memory_bytes for s in devices.specs], stages=stages,
                             optimizer_state_factor=OPTIMIZER_STATE[optimizer], schedule=schedule,
                             name=type(model).__name__,
@@ -77,6 +78,6 @@ def plan(
         raise InfeasiblePlanError(str(exc), exc.min_peak_bytes) from exc
     result = plan_from_solution(problem, solution, devices.ids, graph_fingerprint(gm), type(model).__name__,
                                  chunks, checkpoint, batch, "analytic", reference.name, model.training,
-                                 hosts=devices.nodes)
+                                 hosts=devices.nodes, recompute_share=share)
     stage_buffers(gm, costs, result)
     return result

@@ -34,7 +34,7 @@ from fxpipe.planning.blocks import repeated_blocks
 from fxpipe.planning.grouped import Grouping, solve_grouped
 from fxpipe.planning.boundaries import boundary_table, charged_bytes, codecs_by_stage
 from fxpipe.planning.lowering import build_problem, problem_device_ids
-from fxpipe.planning.memory_model import choose_checkpoints
+from fxpipe.planning.memory_model import checkpointed, choose_checkpoints
 from fxpipe.planning.plan import Plan, PlanStage
 from fxpipe.planning.topology import Links, links_for_devices, links_from_classes
 from solvers.dp import solve_dp
@@ -42,7 +42,7 @@ from solvers.schedule_search import LOOSER, reuse
 from solvers.schedules import SPLIT_BACKWARD, stage_worker
 from solvers.simulate import simulate_solution
 
-__all__ = ["Planner", "plan_from_solution", "stage_buffers", "virtual_links"]
+__all__ = ["Planner", "plan_from_solution", "recompute_share", "stage_buffers", "virtual_links", "with_recomputation"]
 
 
 @dataclass
@@ -133,8 +133,9 @@ class Planner:
         failure: Exception | None = None
         for recompute in attempts:
             try:
-                problem, solution = self._solve(_recomputing(costs, recompute), recompute)
-                return self._finish(problem, solution, costs)
+                share = recompute_share(self.checkpoint, self.chunks, recompute)
+                problem, solution = self._solve(with_recomputation(costs, share), recompute)
+                return self._finish(problem, solution, costs, share)
             except (solvers.InfeasibleError, MemoryError) as exc:
                 failure = exc
         assert failure is not None
@@ -146,17 +147,19 @@ class Planner:
         """``like``'s stages (the same nodes on the same devices) costed with ``costs``: what a plan made
         earlier is worth on times measured since (:func:`fxpipe.compile` picks among measured plans)."""
         recompute = bool((like.problem or {}).get("recompute", False))
-        problem = self._problem(_recomputing(costs, recompute), recompute)
+        share = recompute_share(self.checkpoint, self.chunks, recompute)
+        problem = self._problem(with_recomputation(costs, share), recompute)
         solution = solvers.Solution([solvers.Stage(list(st.nodes), list(devices)) for st, devices
                                      in zip(like.stages, like.solver["stage_devices"])], solver=dict(like.solver))
         solution.predicted = solvers.score(problem, solution).as_predicted()
-        return self._finish(problem, solution, costs)
+        return self._finish(problem, solution, costs, share)
 
-    def _finish(self, problem: solvers.Problem, solution: solvers.Solution, costs: dict[str, Any]) -> Plan:
+    def _finish(self, problem: solvers.Problem, solution: solvers.Solution, costs: dict[str, Any],
+                share: float) -> Plan:
         v, workers = self.virtual_stages, len(self.devices)
         plan = plan_from_solution(problem, solution, self._solver_devices, self.fingerprint, self.model_name, self.chunks,
                                   self.checkpoint, self.batch, self.profile, str(self.devices[0]), self.training,
-                                  self.profile_extra)
+                                  self.profile_extra, recompute_share=share)
         plan.solver["stage_devices"] = [list(st.devices) for st in solution.stages]   # the solver's device ids
         if v > 1:
             plan.devices = [str(d) for d in self.all_devices]
@@ -186,11 +189,21 @@ class Planner:
         return plan
 
 
-def _recomputing(costs: dict[str, Any], recompute: bool) -> dict[str, Any]:
-    """``costs`` as a recomputing (checkpointed) stage pays them: the forward again in the backward."""
-    if not recompute:
+def recompute_share(checkpoint: str, chunks: int, recompute: bool) -> float:
+    """The share of a stage's micro-batches whose backward recomputes the forward under ``checkpoint``
+    (``recompute``: the plan is made with every stage checkpointed, as ``"auto"`` tries second): what the
+    solver adds to each node's backward, so its cuts and its iteration pay for the recomputation."""
+    if checkpoint == "auto":
+        return 1.0 if recompute else 0.0
+    return sum(checkpointed(checkpoint, i, chunks) for i in range(chunks)) / chunks
+
+
+def with_recomputation(costs: dict[str, Any], share: float) -> dict[str, Any]:
+    """``costs`` as a stage that recomputes ``share`` of its micro-batches pays them on average: that much of
+    the forward again in the backward."""
+    if not share:
         return costs
-    return {n: dataclasses.replace(c, bwd_s=c.bwd_s + c.fwd_s) for n, c in costs.items()}
+    return {n: dataclasses.replace(c, bwd_s=c.bwd_s + share * c.fwd_s) for n, c in costs.items()}
 
 
 def stage_buffers(gm: Any, costs: dict[str, Any], plan: Plan) -> None:
@@ -256,8 +269,12 @@ def virtual_links(links: Links, owner: Sequence[int]) -> Links:
 def plan_from_solution(problem: solvers.Problem, solution: solvers.Solution, devices: Sequence[Any],
                         fingerprint: str, model_name: str, chunks: int, checkpoint: str, batch: int,
                         profile: str, profile_device: str, training: bool,
-                        profile_extra: dict[str, Any] | None = None, hosts: Sequence[int] | None = None) -> Plan:
-    """The :class:`Plan` of ``solution``; ``hosts[d]`` is the host of ``devices[d]`` (default: all on node 0)."""
+                        profile_extra: dict[str, Any] | None = None, hosts: Sequence[int] | None = None,
+                        recompute_share: float = 0.0) -> Plan:
+    """The :class:`Plan` of ``solution``; ``hosts[d]`` is the host of ``devices[d]`` (default: all on node 0).
+    ``problem``'s backwards include ``recompute_share`` of the forward (:func:`recompute_share`): the predicted
+    iteration keeps it, each stage's ``bwd_s`` is its backward alone (the runtime's report adds the
+    recomputation of the micro-batches it checkpointed)."""
     ids = problem_device_ids([torch.device(d) for d in devices])
     nodes = problem.node_map()
     pred = solution.predicted
@@ -269,11 +286,13 @@ def plan_from_solution(problem: solvers.Problem, solution: solvers.Solution, dev
         stages.append(PlanStage(
             index=k, device=dev, nodes=list(st.nodes),
             param_bytes=sum(n.param_bytes for n in members), act_bytes=sum(n.act_bytes for n in members),
-            fwd_s=sum(n.fwd_s for n in members), bwd_s=sum(n.bwd_s for n in members),
+            fwd_s=sum(n.fwd_s for n in members),
+            bwd_s=sum(n.bwd_s - recompute_share * n.fwd_s for n in members),
             comm_s=pred["comm_s"][k], stage_s=pred["stage_s"][k], peak_bytes=pred["peak_bytes"][k],
             node=hosts[index] if hosts is not None else 0, device_index=index,
         ))
     predicted = {"iteration_s": pred["iteration_s"], "bottleneck_stage": pred["bottleneck"],
+                 "recompute_share": recompute_share,
                  "throughput_samples_per_s": batch / pred["iteration_s"] if pred["iteration_s"] > 0 else float("inf")}
     return Plan(
         fingerprint=fingerprint, model=model_name, devices=[str(torch.device(d)) for d in devices],
