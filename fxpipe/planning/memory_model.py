@@ -17,8 +17,9 @@ compared term for term (``benchmarks/memory.py``, ``benchmarks/fidelity.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from solvers.activation_memory import StageBytes, worker_peak_bytes
+
 from fxpipe.planning.plan_view import PlanView, StageView
+from solvers.activation_memory import StageBytes, worker_peak_bytes
 from solvers.schedules import MULTI_STAGE, SPLIT_BACKWARD, Op, stage_worker, worker_orders
 
 __all__ = ["WorkerPrediction", "predict_worker_memory", "checkpointed", "stage_bytes", "choose_checkpoints"]

@@ -128,10 +128,10 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                             if m * t_k < pruned:
                                 pruned = m * t_k
                             break
-                        least = least_total + stage_total + rest + (m - 1) * t_k
-                        if least > ub_limit:
-                            if least < pruned:
-                                pruned = least
+                        end_j2 = least_total + stage_total + rest + (m - 1) * t_k   # no label ends lower
+                        if end_j2 > ub_limit:
+                            if end_j2 < pruned:
+                                pruned = end_j2
                             break
                         future_max = rest / stages_left if stages_left else 0.0
                         transfer_lb = tables.future_transfer_lb(j2, stages_left) if stages_left else 0.0
