@@ -208,8 +208,9 @@ def predict_shared_step(pipe: Pipeline) -> Pipeline:
     # a checkpointed micro-batch's backward recomputes its forward, as the report counts it
     recompute = [sum(pipe._checkpointed(st.index, i, m) for i in range(m)) / m for st in plan.stages]
     fwd = [st.fwd_s for st in plan.stages]
-    bwd = [st.bwd_s + r * st.fwd_s for st, r in zip(plan.stages, recompute)]
-    plan.predicted["iteration_shared_s"], _ = predicted_times(fwd, bwd, m, pipe.schedule, plan.workers, sharing)
+    plan.predicted["iteration_shared_s"], _ = predicted_times(fwd, [st.bwd_s for st in plan.stages], m, pipe.schedule,
+                                                              plan.workers, sharing,
+                                                              [r * st.fwd_s for st, r in zip(plan.stages, recompute)])
     return pipe
 
 

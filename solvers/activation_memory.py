@@ -14,8 +14,10 @@ follows the worker's operations in order and returns the largest total:
 - ``B(i)``: ``backward_peak`` on top while it runs (the loss first, on the stage that computes it;
   the recomputation too when checkpointed; ``backward_peak_split`` for a split backward's input
   pass); then what ``F`` added is released, and a split backward keeps ``weight_pending``
-  until ``W(i)`` (``weight_peak`` on top while it runs; a checkpointed micro-batch's backward is
-  whole, :mod:`fxpipe.runtime.split_backward`, and its ``W`` does nothing).
+  until ``W(i)`` (``weight_peak`` on top while it runs). A checkpointed micro-batch's split ``B``
+  first recomputes its activations (``full - checkpointed`` more) and keeps them, with the
+  gradients at the weight frontier, until its ``W``
+  (:func:`fxpipe.runtime.recompute.forward_saving_nothing`).
 
 The sizes come measured (:mod:`fxpipe.refine.stage_memory`: one forward and backward of
 every stage under the allocator's eye) or estimated (:meth:`StageBytes.estimate`).
@@ -45,6 +47,9 @@ class StageBytes:
     backward_peak_split: float      # B of a split backward (input gradients only)
     weight_pending: float = 0.0     # kept from a split backward's B to its W
     weight_peak: float = 0.0        # W
+    # the same for a checkpointed micro-batch, whose B recomputes first (None: estimated from the above)
+    backward_peak_split_checkpointed: float | None = None
+    weight_pending_checkpointed: float | None = None
 
     @classmethod
     def estimate(cls, full: float, checkpointed: float, recompute: float, workspace: float = 0.0,
@@ -69,13 +74,21 @@ def worker_peak_bytes(order: Sequence[Op], stage_bytes: Callable[[int], StageByt
             peak = max(peak, live + (b.forward_peak_checkpointed if ckpt else b.forward_peak))
             live += b.checkpointed if ckpt else b.full
         elif kind == "B":
-            peak = max(peak, live + (b.backward_peak_checkpointed if ckpt else
-                                     b.backward_peak_split if split_backward else b.backward_peak))
+            if split_backward and ckpt:   # the recomputed activations, then the input gradients on top
+                during = b.backward_peak_split_checkpointed
+                if during is None:
+                    during = max(b.backward_peak_checkpointed, b.full - b.checkpointed + b.backward_peak_split)
+            else:
+                during = (b.backward_peak_checkpointed if ckpt else
+                          b.backward_peak_split if split_backward else b.backward_peak)
+            peak = max(peak, live + during)
             live -= b.checkpointed if ckpt else b.full
-            if split_backward and not ckpt:
-                pending[(stage, i)] = b.weight_pending
-                live += b.weight_pending
-        elif kind == "W":   # a checkpointed micro-batch did its whole backward in B: its W does nothing
+            if split_backward:
+                held = b.weight_pending_checkpointed if ckpt and b.weight_pending_checkpointed is not None \
+                    else b.weight_pending
+                pending[(stage, i)] = held
+                live += held
+        elif kind == "W":
             if (stage, i) in pending:
                 peak = max(peak, live + b.weight_peak)
                 live -= pending.pop((stage, i))

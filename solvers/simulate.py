@@ -49,7 +49,8 @@ class Simulation:
 def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedule: str,
              sends: dict[tuple[int, int], float] | None = None,
              allreduce_s: list[float] | None = None, workers: int | None = None,
-             weight_share: float = 0.5, cores: float | None = None, parallel_efficiency: float = 1.0,
+             weight_share: float | Sequence[float] = 0.5, cores: float | None = None,
+             parallel_efficiency: float = 1.0,
              stage_efficiency: Sequence[Sequence[float]] | None = None, slots: int | None = None) -> Simulation:
     """Simulate stages with per-micro-batch times ``fwd_s[s]``, ``bwd_s[s]``.
 
@@ -59,7 +60,8 @@ def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedul
     one worker hand over for free. ``allreduce_s[s]`` is the gradient all-reduce of
     a replicated stage, run once after its last backward. ``workers`` (default: one
     per stage) runs several stages each for ``interleaved-1f1b`` and ``zb-v``. A split backward
-    (``zb-h1``, ``zb-v``) gives ``weight_share`` of ``bwd_s`` to the weight pass ``W``.
+    (``zb-h1``, ``zb-v``) gives ``weight_share`` of ``bwd_s`` to the weight pass ``W`` (one share for all
+    stages, or one per stage: a checkpointed micro-batch's recomputation belongs to ``B``).
 
     ``cores`` makes the workers share that many processors (CPU workers of one
     machine, in units of one worker's threads): while ``k`` operations run, each
@@ -76,8 +78,11 @@ def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedul
     n_workers = p if workers is None else workers
     orders = worker_orders(schedule, p, m, n_workers)
     split = schedule in SPLIT_BACKWARD
-    length = {"F": list(fwd_s), "B": [b * (1 - weight_share) if split else b for b in bwd_s],
-              "W": [b * weight_share for b in bwd_s]}
+    shares = [weight_share] * p if isinstance(weight_share, (int, float)) else list(weight_share)
+    if len(shares) != p or not all(0.0 <= w <= 1.0 for w in shares):
+        raise ValueError(f"weight_share must be a share in [0, 1], or one per stage ({p}), got {weight_share!r}")
+    length = {"F": list(fwd_s), "B": [b * (1 - w) if split else b for b, w in zip(bwd_s, shares)],
+              "W": [b * w for b, w in zip(bwd_s, shares)]}
     owner = [stage_worker(schedule, s, n_workers) for s in range(p)]
     sends = dict(sends or {})
     for s in range(p - 1):  # consecutive stages always hand over (the executors run them in order)
@@ -188,10 +193,12 @@ def stage_medians(timeline: list[Event], stages: int) -> list[tuple[float, float
 
 
 def simulate_solution(problem: Problem, solution: Solution, schedule: str | None = None,
-                      workers: int | None = None) -> Simulation:
+                      workers: int | None = None, recompute_share: float = 0.0) -> Simulation:
     """Simulate ``solution`` with the problem's costs (forward/backward split per stage).
 
-    ``schedule`` (default: the problem's) and ``workers`` as for :func:`simulate`.
+    ``schedule`` (default: the problem's) and ``workers`` as for :func:`simulate`. ``recompute_share``: the
+    problem's backward costs include that share of the forward, recomputed for checkpointed micro-batches;
+    a split backward runs it in ``B``, and ``W`` takes half of the rest.
     """
     device_index = {d.id: i for i, d in enumerate(problem.devices)}
     nodes = problem.node_map()
@@ -212,4 +219,6 @@ def simulate_solution(problem: Problem, solution: Solution, schedule: str | None
     for (src, b), nbytes in tensors.items():
         a = stage_of[src]
         sends[(a, b)] = sends.get((a, b), 0.0) + table.transfer_s(nbytes, devs[a], devs[b])
-    return simulate(fwd, bwd, problem.micro_batches, schedule or problem.schedule, sends, ar, workers)
+    shares = [0.5 * max(0.0, b - recompute_share * f) / b if b > 0 else 0.5 for f, b in zip(fwd, bwd)]
+    return simulate(fwd, bwd, problem.micro_batches, schedule or problem.schedule, sends, ar, workers,
+                    weight_share=shares)

@@ -21,9 +21,11 @@ def _mlp(width: int = 256, depth: int = 8) -> nn.Module:
 
 
 def _simulated(plan: fxpipe.Plan) -> float:
-    """The plan's iteration on its schedule's timeline, simulated here from the plan's own data."""
+    """The plan's iteration on its schedule's timeline, simulated here from the plan's own data (its backward
+    costs carry the recomputed forwards, which a split backward runs in B)."""
     solution = Solution([Stage(list(st.nodes), list(devs)) for st, devs in zip(plan.stages, plan.solver["stage_devices"])])
-    return simulate_solution(Problem.from_dict(plan.problem), solution, plan.schedule, workers=plan.workers).iteration_s
+    return simulate_solution(Problem.from_dict(plan.problem), solution, plan.schedule, workers=plan.workers,
+                             recompute_share=plan.predicted["recompute_share"]).iteration_s
 
 
 def test_auto_picks_the_simulator_best_of_every_candidate_brute_force():

@@ -34,17 +34,23 @@ def test_activation_peaks_by_hand():
     assert _peak("zb-h1", 1, 2, 4) == 40
 
 
-def test_the_weight_pass_of_a_checkpointed_micro_batch_allocates_nothing():
-    """A checkpointed stage does its whole backward in B (fxpipe.runtime.split_backward), so W's peak, however large,
-    must not count for it (found on a 3-stage net where one stage's W peak alone was 0.5 MB: predicted 543 KB,
-    measured 377 KB)."""
-    sizes = StageBytes(full=10, checkpointed=1, forward_peak=0, forward_peak_checkpointed=0, backward_peak=0,
-                       backward_peak_checkpointed=12, backward_peak_split=0, weight_pending=20, weight_peak=100)
+def test_a_checkpointed_split_backward_recomputes_then_holds_until_its_weight_pass():
+    """Under a zero-bubble schedule a checkpointed micro-batch's B recomputes its forward and keeps the recomputed
+    activations for its deferred W (fxpipe.runtime.recompute.forward_saving_nothing): W's peak counts for it too.
+    Worker 1 of ZB-H1 on 2 stages runs F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3."""
+    base = dict(full=10, checkpointed=1, forward_peak=0, forward_peak_checkpointed=0, backward_peak=0,
+                backward_peak_checkpointed=12, backward_peak_split=0, weight_pending=20, weight_peak=100)
     order = worker_orders("zb-h1", 2, 4)[1]
-    always = worker_peak_bytes(order, lambda s: sizes, lambda s, i: True, split_backward=True)
-    assert always == 1 + 12          # B0 right after F0 (1 kept) recomputes: 12 on top; no W ever adds 100
-    never = worker_peak_bytes(order, lambda s: sizes, lambda s, i: False, split_backward=True)
-    assert never >= 100              # a deferred weight pass does count
+    measured = StageBytes(**base, backward_peak_split_checkpointed=15, weight_pending_checkpointed=18)
+    always = worker_peak_bytes(order, lambda s: measured, lambda s, i: True, split_backward=True)
+    # B1 holds F1's input (1) and W0's 18, and rebuilds 15 on top: 34; then W0 runs on 18 + 18 held: 136
+    assert always == 18 + 18 + 100
+    # without the measured pair: B's peak is the larger of a whole recomputed backward (12) and the
+    # recomputed activations (10 - 1) plus the input pass (0); what waits for W is the weight_pending of 20
+    estimated = worker_peak_bytes(order, lambda s: StageBytes(**base), lambda s, i: True, split_backward=True)
+    assert estimated == 20 + 20 + 100
+    never = worker_peak_bytes(order, lambda s: StageBytes(**base), lambda s, i: False, split_backward=True)
+    assert never == 20 + 20 + 100    # F0 B0 F1 B1: two pending weight passes, then W0's peak
 
 
 class MLP(nn.Module):

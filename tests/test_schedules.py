@@ -59,6 +59,18 @@ def test_zb_h1_bubble_is_p_minus_1_times_f_plus_b_minus_w(p, m):
     assert simulate([f] * p, [b] * p, m, "1f1b").iteration_s == pytest.approx(m * (f + b) + (p - 1) * (f + b))
 
 
+@pytest.mark.parametrize("p,m", [(2, 2), (3, 3), (4, 8), (5, 9)])
+@pytest.mark.parametrize("w", [0.25, 0.4])
+def test_zb_h1_bubble_follows_a_per_stage_weight_share(p, m, w):
+    """A checkpointed micro-batch's B also recomputes its forward, so W's share of the backward is smaller:
+    the bubble (p - 1)(F + B - W) grows to (p - 1)(f + b - 2bw)."""
+    f, b = 1.0, 2.0
+    sim = simulate([f] * p, [b] * p, m, "zb-h1", weight_share=[w] * p)
+    assert sim.iteration_s == pytest.approx(m * (f + b) + (p - 1) * (f + b - 2 * b * w))
+    with pytest.raises(ValueError, match="one per stage"):
+        simulate([f] * p, [b] * p, m, "zb-h1", weight_share=[w] * (p + 1))
+
+
 @pytest.mark.parametrize("p,v,m", [(2, 2, 4), (3, 2, 6), (4, 3, 8), (4, 2, 12)])
 def test_interleaving_divides_the_bubble_by_v(p, v, m):
     f, b = 1.0, 2.0       # the model's time per micro-batch per worker; each of the v chunks has 1/v of it

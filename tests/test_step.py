@@ -406,7 +406,7 @@ class _FixedMask(nn.Module):
         return x.mul(mask).mul_(1.0 / (1 - self.p))     # native_dropout's arithmetic, bit for bit
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"])
 def test_concurrent_random_stages_replay_their_own_masks_on_recompute(schedule):
     """Four workers with dropout in every stage, all checkpointed. The gradient must be that of the masks
     the forwards drew: a recomputation that drew other masks (the device generator moved by another
@@ -414,8 +414,9 @@ def test_concurrent_random_stages_replay_their_own_masks_on_recompute(schedule):
     torch.manual_seed(10)
     model = DropoutEverywhere().train()
     x, target = torch.randn(16, 24), torch.randn(16, 24)
+    two_each = schedule in ("interleaved-1f1b", "zb-v")   # two stages on each of two workers
     kwargs = {"virtual_stages": 2} if schedule == "interleaved-1f1b" else {"stages": 4}
-    pipe = fxpipe.compile(model, ["cpu"] * (2 if schedule == "interleaved-1f1b" else 4), (x,), chunks=4,
+    pipe = fxpipe.compile(model, ["cpu"] * (2 if two_each else 4), (x,), chunks=4,
                           schedule=schedule, checkpoint="always", profile="estimate", **kwargs)
     assert all(pipe._random_stages())
     seen: dict[tuple[int, bytes], list[torch.Tensor]] = {}

@@ -65,7 +65,8 @@ def plan_auto(base: Planner, costs: dict[str, Any], profiled_chunks: int, counts
         problem = solvers.Problem.from_dict(plan.problem)
         solution = solvers.Solution([solvers.Stage(list(st.nodes), list(devs)) for st, devs
                                      in zip(plan.stages, plan.solver["stage_devices"])])
-        simulated = simulate_solution(problem, solution, cand.schedule, workers=plan.workers)
+        simulated = simulate_solution(problem, solution, cand.schedule, workers=plan.workers,
+                                      recompute_share=plan.predicted.get("recompute_share", 0.0))
         plan.predicted["iteration_s"] = simulated.iteration_s
         plan.predicted["throughput_samples_per_s"] = plan.batch_size / simulated.iteration_s
         predicted = predict_worker_memory(plan)

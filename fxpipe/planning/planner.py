@@ -164,7 +164,8 @@ class Planner:
         if v > 1:
             plan.devices = [str(d) for d in self.all_devices]
         if v > 1 or self.schedule in SPLIT_BACKWARD:   # the solver's formula is 1F1B's bubble
-            simulated = simulate_solution(problem, solution, self.schedule, workers=workers if v > 1 else None)
+            simulated = simulate_solution(problem, solution, self.schedule, workers=workers if v > 1 else None,
+                                          recompute_share=share)
             plan.predicted["iteration_s"] = simulated.iteration_s
             plan.predicted["throughput_samples_per_s"] = self.batch / simulated.iteration_s
             # the certificate is the solver's, on its objective and its devices: say which, not "device k"

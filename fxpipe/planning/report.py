@@ -35,10 +35,17 @@ def _error(measured: float, predicted: float) -> float:
 
 
 def predicted_times(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedule: str, workers: int,
-                    sharing: CpuSharing | None = None) -> tuple[float, list[tuple[float, float]]]:
+                    sharing: CpuSharing | None = None,
+                    recompute_s: list[float] | None = None) -> tuple[float, list[tuple[float, float]]]:
     """The simulated iteration and, per stage, the median forward and backward (B plus W) duration of
-    one micro-batch: the times alone, or stretched where workers share CPU cores."""
-    sim = simulate(fwd_s, bwd_s, micro_batches, schedule, workers=workers,
+    one micro-batch: the times alone, or stretched where workers share CPU cores. ``recompute_s[s]``: the
+    recomputed forward a micro-batch of stage ``s`` adds to its backward on average, run in ``B`` under a
+    split backward (the weight pass takes half of the backward proper, as :func:`solvers.simulate.simulate`'s
+    default)."""
+    recompute_s = recompute_s or [0.0] * len(fwd_s)
+    total = [b + r for b, r in zip(bwd_s, recompute_s)]
+    shares = [0.5 * b / t if t > 0 else 0.5 for b, t in zip(bwd_s, total)]
+    sim = simulate(fwd_s, total, micro_batches, schedule, workers=workers, weight_share=shares,
                    cores=sharing.cores if sharing else None,
                    parallel_efficiency=sharing.parallel_efficiency if sharing else 1.0,
                    stage_efficiency=sharing.stage_efficiency if sharing else None,
@@ -53,13 +60,14 @@ def step_report(plan: Plan, last_step: dict[str, Any], sharing: CpuSharing | Non
     schedule, m, workers = last_step["schedule"], last_step["micro_batches"], last_step["workers"]
     head = ["stage", "fwd ms pred", "meas", "err", "bwd ms pred", "meas", "err", "busy ms", "idle"]
     rows, stages, errors = [], [], []
-    alone_fwd, alone_bwd = [], []
+    alone_fwd, alone_bwd, recomputed = [], [], []
     for st in plan.stages:
         recompute = statistics.mean(1.0 if t.checkpointed else 0.0 for t in timings
                                     if t.stage == st.index and t.kind == "B")
         alone_fwd.append(st.fwd_s)
-        alone_bwd.append(st.bwd_s + recompute * st.fwd_s)
-    pred_iter, pred_ops = predicted_times(alone_fwd, alone_bwd, m, schedule, workers, sharing)
+        alone_bwd.append(st.bwd_s)
+        recomputed.append(recompute * st.fwd_s)
+    pred_iter, pred_ops = predicted_times(alone_fwd, alone_bwd, m, schedule, workers, sharing, recomputed)
     for st in plan.stages:
         fwd, bwd = per_micro_batch([(t.kind, t.micro_batch, t.end_s - t.start_s) for t in timings
                                     if t.stage == st.index])

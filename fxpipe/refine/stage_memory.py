@@ -16,7 +16,8 @@ events; CUDA: the caching allocator's counters):
 - the same with activation checkpointing: ``checkpointed``, ``*_checkpointed``;
 - a split backward (zero-bubble schedules) and its weight pass:
   ``backward_peak_split``, ``weight_pending`` (what the forward and the
-  input-gradient pass leave) and ``weight_peak``.
+  input-gradient pass leave) and ``weight_peak``; checkpointed (the input pass
+  recomputes first): ``backward_peak_split_checkpointed``, ``weight_pending_checkpointed``.
 
 Parameter gradients exist during the measurement (as after a first step), and
 one unmeasured forward and backward comes first, so one-off allocations are not
@@ -63,6 +64,7 @@ def measure_stage_bytes(pipe: Any, example_inputs: Any, target: Any = None,
             forward, backward = measured(k, False, False, "FB")
             forward_c, backward_c = measured(k, True, False, "FB")
             forward_s, backward_s, weight = measured(k, False, True, "FBW")
+            forward_sc, backward_sc, _ = measured(k, True, True, "FBW")
             loss = 1.5 * pipe.plan.stages[k].loss_bytes if k == last and loss_fn is None else 0.0
             sizes.append({
                 "full": float(forward.net_bytes), "checkpointed": float(forward_c.net_bytes),
@@ -72,5 +74,7 @@ def measure_stage_bytes(pipe: Any, example_inputs: Any, target: Any = None,
                 "backward_peak_split": float(max(backward_s.peak_bytes, loss)),
                 "weight_pending": float(forward_s.net_bytes + backward_s.net_bytes),
                 "weight_peak": float(weight.peak_bytes),
+                "backward_peak_split_checkpointed": float(max(backward_sc.peak_bytes, loss)),
+                "weight_pending_checkpointed": float(forward_sc.net_bytes + backward_sc.net_bytes),
             })
     return sizes

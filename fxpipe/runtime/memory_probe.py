@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from fxpipe.runtime.losses import scalar_of
 from fxpipe.runtime.no_trace import leaving_no_trace
 from fxpipe.runtime.split_backward import WeightPass, backward_inputs, full_backward
-from fxpipe.runtime.recompute import checkpoint_stage
+from fxpipe.runtime.recompute import checkpoint_stage, forward_saving_nothing
 from solvers.schedules import SPLIT_BACKWARD, worker_orders
 
 # Kineto, the profiler's backend, writes two lines to stderr ("profiler_start", "profiler_stop") for every
@@ -153,7 +153,7 @@ class Replay:
         self.pipe, self.seen, self.targets, self.loss_fn = pipe, seen, targets, loss_fn
         self.checkpointed, self.split_backward = checkpointed, split_backward
         self.produced = {name for spec in pipe.specs for name in spec.outputs}
-        self.held: dict[tuple[int, int], tuple[list[Any], list[Any]]] = {}
+        self.held: dict[tuple[int, int], tuple[list[Any], list[Any], Callable[[], Any] | None]] = {}
         self.weights: dict[tuple[int, int], WeightPass] = {}
 
     def run(self, kind: str, k: int, i: int) -> None:
@@ -161,13 +161,18 @@ class Replay:
         if kind == "F":
             device = self.pipe.devices[k]
             args = [_to(self.seen[i][n], device, copy=n in self.produced) for n in spec.inputs]
-            if self.checkpointed(k, i):
+            again = None
+            if self.checkpointed(k, i) and self.split_backward:   # recomputed by hand, as run_step does
+                outs, again = forward_saving_nothing(spec.module, *args)
+            elif self.checkpointed(k, i):
                 outs = checkpoint_stage(spec.module, *args, preserve_rng_state=False)
             else:
                 outs = spec.module(*args)
-            self.held[(k, i)] = (args, list(outs))
+            self.held[(k, i)] = (args, list(outs), again)
         elif kind == "B":
-            args, outs = self.held.pop((k, i))
+            args, outs, again = self.held.pop((k, i))
+            if again is not None:
+                outs = list(again())
             roots, grads = [], []
             if k == len(self.pipe.specs) - 1 and self.loss_fn is not None:
                 by_name = dict(zip(spec.outputs, outs))
@@ -180,7 +185,7 @@ class Replay:
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         roots.append(t)
                         grads.append(torch.ones_like(t))
-            if self.split_backward and not self.checkpointed(k, i):
+            if self.split_backward:
                 leaves = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
                 self.weights[(k, i)] = backward_inputs(roots, grads, leaves, list(spec.module.parameters()))
             else:

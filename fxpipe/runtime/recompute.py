@@ -16,11 +16,18 @@ writes land in the copies. Both contexts are checkpoint's own hooks
 (``context_fn``, non-reentrant mode). The swap is safe because a stage's
 backward never runs beside its own forward (one worker per stage; ``pipe(x)``
 leaves backward until all forwards are done).
+
+A split backward (zero-bubble schedules: input gradients now, weight gradients
+later) needs the recomputed graph twice, which checkpoint's recomputation does
+not allow (it frees what it recomputed as the backward uses it). For it,
+:func:`forward_saving_nothing` runs the forward keeping no saved tensor and
+returns ``again()``, the recomputation the caller runs itself before that
+backward, with the same buffer replay.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -29,7 +36,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from fxpipe.runtime.aliasing import written_buffers
 
-__all__ = ["checkpoint_stage"]
+__all__ = ["checkpoint_stage", "forward_saving_nothing"]
 
 _META_KEY = "fxpipe_written_buffers"
 
@@ -97,3 +104,27 @@ def checkpoint_stage(module: fx.GraphModule, *args: Any, preserve_rng_state: boo
     snapshot = _Snapshot(places)
     return torch_checkpoint(module, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
                             context_fn=lambda: (snapshot, _Replay(snapshot)))
+
+
+def _drop(_: torch.Tensor) -> None:
+    return None
+
+
+def _never_unpacked(_: None) -> torch.Tensor:
+    raise RuntimeError("fxpipe: this stage forward saved nothing for backward; backpropagate the outputs of its "
+                       "recomputation (forward_saving_nothing's again()) instead")
+
+
+def forward_saving_nothing(module: fx.GraphModule, *args: Any) -> tuple[Any, Callable[[], Any]]:
+    """``module(*args)`` keeping no tensor for backward (its outputs carry ``requires_grad`` for the next stage,
+    but are never backpropagated), and ``again()``: the forward run once more, the written buffers as this
+    forward found them and left unchanged, returning outputs whose graph keeps what backward needs. The caller
+    replays the random numbers around ``again()`` (the seeded guard of :mod:`fxpipe.runtime.rng`)."""
+    snapshot = _Snapshot(_written(module))
+    with snapshot, torch.autograd.graph.saved_tensors_hooks(_drop, _never_unpacked):
+        result = module(*args)
+
+    def again() -> Any:
+        with _Replay(snapshot):
+            return module(*args)
+    return result, again

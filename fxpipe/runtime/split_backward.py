@@ -29,9 +29,9 @@ Only a parameter's own leaf may be met by several groups: accumulating into
 ``.grad`` saves nothing. A frontier whose parameter side is also reached from a
 frontier *below* it on the input path (a module applied twice in a row) cannot be
 asked for its own share alone (autograd sums every path), so such a stage does its
-whole backward at once (:func:`_reached_from_below`). A checkpointed stage (whose recomputation cannot be
-replayed twice) does its full backward in the first pass and nothing in the
-second (``deferred`` is ``False``); gradients are the same either way.
+whole backward at once (:func:`_reached_from_below`). A checkpointed micro-batch splits too: checkpoint's
+own recomputation cannot serve two passes, so its forward saves nothing and the executor recomputes it by
+hand just before the input pass (:func:`fxpipe.runtime.recompute.forward_saving_nothing`).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ from fxpipe.runtime.rng import is_random, rng_guard, step_seed
 from fxpipe.runtime.split_backward import WeightPass, backward_inputs, full_backward
 from fxpipe.runtime.streams import DeviceStreams, Event
 from fxpipe.runtime.transport import LOSS, Transport
-from fxpipe.runtime.recompute import checkpoint_stage
+from fxpipe.runtime.recompute import checkpoint_stage, forward_saving_nothing
 from solvers.schedules import SPLIT_BACKWARD, Op, worker_orders
 
 __all__ = ["run_step", "StepFailure", "REDUCTIONS", "OpTiming"]
@@ -131,6 +131,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         orders = worker_orders(schedule, p, m, n_workers)   # raises ValueError for a shape it cannot run
     split = schedule in SPLIT_BACKWARD
     weight_passes: dict[tuple[int, int], WeightPass] = {}
+    recomputations: dict[tuple[int, int], Callable[[], Any]] = {}   # checkpointed forwards of a split backward
     random = [is_random(spec.module) for spec in specs] if random is None else random
     seed = step_seed(random)   # masks depend on (seed, stage, micro-batch), not on which thread ran first
     producer = {name: k for k, spec in enumerate(specs) for name in spec.outputs}
@@ -176,7 +177,9 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         args = [inputs[name] for name in spec.inputs]
         # deferred BatchNorm counts this forward (not a checkpoint's recomputation)
         with tracking(), rng_guard(device, random[k], seed, k, i):
-            if checkpoint(k, i):
+            if checkpoint(k, i) and split:   # its backward recomputes by hand, so that it can split too
+                result, recomputations[(k, i)] = forward_saving_nothing(spec.module, *args)
+            elif checkpoint(k, i):
                 result = checkpoint_stage(spec.module, *args, preserve_rng_state=random[k])
             else:
                 result = spec.module(*args)
@@ -207,16 +210,20 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         if k == p - 1:
             loss_backward(i)
         received = transport.received(k, i)
+        stage_outs = outs[(k, i)]
+        if (k, i) in recomputations:   # the same random numbers as its forward drew
+            with rng_guard(devices[k], random[k], seed, k, i):
+                stage_outs = dict(zip(specs[k].outputs, recomputations.pop((k, i))()))
         pairs = []
         for name, by_pos in received.items():
-            flat = tree_flatten(outs[(k, i)][name])[0]
+            flat = tree_flatten(stage_outs[name])[0]
             pairs += [(flat[pos], _with_standard_strides(g)) for pos, g in by_pos.items() if flat[pos].requires_grad]
         roots, root_grads = [t for t, _ in pairs], [g for _, g in pairs]
         stage_leaves = leaves.pop((k, i))
-        if split and not checkpoint(k, i):
+        if split:
             inputs = [t for t in tree_flatten(list(stage_leaves.values()))[0] if isinstance(t, torch.Tensor)]
             weight_passes[(k, i)] = backward_inputs(roots, root_grads, inputs, list(specs[k].module.parameters()))
-        else:   # a checkpointed stage recomputes once: its backward is whole (W then does nothing)
+        else:   # checkpoint's own recomputation, replaying the forward's random numbers
             with rng_guard(devices[k], random[k] and checkpoint(k, i)):
                 weight_passes[(k, i)] = full_backward(roots, root_grads)
         send_back(stage_leaves, k, i, streams.record(devices[k]))
