@@ -8,6 +8,10 @@ work, seconds drift with the load; the ratio drifts less), the plan's predicted 
 (``plan.predicted["iteration_s"]``), the report's prediction with CPU workers sharing the cores
 (``pipe.report()``) and the measured median step. The load average is printed with each row.
 
+The process keeps freed memory mapped (``--allocator keep``, the default, as ``benchmarks/speed.py``; the
+README's advice for training on CPU workers): under glibc's defaults every step faults its activations back
+in, and the measured step drifts by 10-20 % from one compile to the next (``--allocator default`` shows it).
+
     python benchmarks/compile_time.py                       # ResNet-50, two CPU workers, batch 32, chunks 4
     python benchmarks/compile_time.py --efforts fast --repeat 3
 """
@@ -17,13 +21,18 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torchvision
 
 import fxpipe
+
+sys.path.insert(0, str(Path(__file__).parent))
+from allocator import KEEP_FREED_MEMORY, keep_freed_memory  # noqa: E402
 
 __all__ = ["main", "compile_once", "training_step_s"]
 
@@ -56,7 +65,12 @@ def main() -> None:
     parser.add_argument("--efforts", default="fast,thorough")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--allocator", default="keep", choices=("keep", "default"),
+                        help=f"keep: glibc keeps freed memory mapped ({' '.join(f'{k}={v}' for k, v in KEEP_FREED_MEMORY.items())}, "
+                             "benchmarks/allocator.py); default: the environment as it is")
     args = parser.parse_args()
+    if args.allocator == "keep":
+        keep_freed_memory()
     torch.manual_seed(0)
     model = torchvision.models.get_model(args.model, num_classes=1000).eval()   # eval: BatchNorm as the demo
     x = torch.randn(args.batch, 3, args.image_size, args.image_size)
@@ -64,7 +78,7 @@ def main() -> None:
     devices = args.devices.split(",")
     step = training_step_s(model, x, target)
     print(f"{args.model}, batch {args.batch}, chunks {args.chunks}, devices {devices}, {os.cpu_count()} processors, "
-          f"torch {torch.__version__}; one unpartitioned training step: {step:.2f}s")
+          f"torch {torch.__version__}, allocator {args.allocator}; one unpartitioned training step: {step:.2f}s")
     head = ("effort", "cold s", "steps", "cached s", "steps", "pred s", "report s", "meas s", "err", "load")
     print(" | ".join(f"{h:>8}" for h in head))
     for _ in range(args.repeat):
