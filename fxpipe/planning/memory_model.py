@@ -22,7 +22,8 @@ from fxpipe.planning.plan_view import PlanView, StageView
 from solvers.activation_memory import StageBytes, worker_peak_bytes
 from solvers.schedules import MULTI_STAGE, SPLIT_BACKWARD, Op, stage_worker, worker_orders
 
-__all__ = ["WorkerPrediction", "predict_worker_memory", "checkpointed", "stage_bytes", "choose_checkpoints"]
+__all__ = ["WorkerPrediction", "predict_worker_memory", "checkpointed", "stage_bytes", "choose_checkpoints",
+           "worker_memory", "check_fits"]
 
 PREFERENCE = ("never", "except_last", "always")   # cheapest first: each recomputes more forwards
 
@@ -94,9 +95,7 @@ def choose_checkpoints(plan: PlanView, memory_bytes: list[float] | None = None) 
     Raises ``MemoryError`` naming the worker, its need and its memory when even ``"always"`` does not fit.
     """
     workers = plan.workers if plan.schedule in MULTI_STAGE else len(plan.stages)
-    if memory_bytes is None:
-        memory_bytes = [sum(st.memory_bytes for st in plan.stages if stage_worker(plan.schedule, st.index, workers) == w)
-                        for w in range(workers)]
+    memory_bytes = memory_bytes if memory_bytes is not None else worker_memory(plan)
     predictions = {mode: predict_worker_memory(plan, checkpoint=mode) for mode in PREFERENCE}
     chosen = []
     for w in range(workers):
@@ -110,3 +109,23 @@ def choose_checkpoints(plan: PlanView, memory_bytes: list[float] | None = None) 
             if stage_worker(plan.schedule, st.index, workers) == w:
                 st.checkpoint = mode
     return chosen
+
+
+def worker_memory(plan: PlanView) -> list[float]:
+    """The memory the plan gives each worker: the sum over its stages (an interleaved worker's share each)."""
+    workers = plan.workers if plan.schedule in MULTI_STAGE else len(plan.stages)
+    return [sum(st.memory_bytes for st in plan.stages if stage_worker(plan.schedule, st.index, workers) == w)
+            for w in range(workers)]
+
+
+def check_fits(plan: PlanView) -> None:
+    """Raise ``MemoryError`` naming the first worker whose predicted peak under the plan's checkpoint mode is
+    above the memory the plan gives it."""
+    for w, (pred, memory) in enumerate(zip(predict_worker_memory(plan), worker_memory(plan))):
+        if pred.peak_bytes > memory:
+            raise MemoryError(f"worker {w} is predicted to peak at {_size(pred.peak_bytes)} under "
+                              f"checkpoint={plan.checkpoint!r} and has {_size(memory)}")
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"

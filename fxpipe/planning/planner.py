@@ -9,9 +9,11 @@ torch side knows: each stage's boundary, workspace and loss bytes
 (:func:`stage_buffers`), each boundary's bytes with and without compression
 (:mod:`fxpipe.planning.boundaries`), the schedule's simulated iteration time, and with
 ``checkpoint="auto"`` the mode of each device (:func:`fxpipe.planning.memory_model.choose_checkpoints`).
-When no plan fits without checkpointing, ``"auto"`` plans again with every stage
-recomputing (``Problem.recompute``: one micro-batch's activations at a time,
-backward time plus forward).
+When no plan fits without checkpointing, ``"auto"`` and ``"except_last"`` plan again
+with every stage recomputing (``Problem.recompute``: one micro-batch's activations
+at a time, backward time plus forward), which ``"always"`` does at once; the
+inputs a checkpointed micro-batch keeps, which the solver leaves out, are then
+checked by walking the schedule per worker (:func:`fxpipe.planning.memory_model.check_fits`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from fxpipe.planning.blocks import repeated_blocks
 from fxpipe.planning.grouped import Grouping, solve_grouped
 from fxpipe.planning.boundaries import boundary_table, charged_bytes, codecs_by_stage
 from fxpipe.planning.lowering import build_problem, problem_device_ids
-from fxpipe.planning.memory_model import checkpointed, choose_checkpoints
+from fxpipe.planning.memory_model import check_fits, checkpointed, choose_checkpoints
 from fxpipe.planning.plan import Plan, PlanStage
 from fxpipe.planning.topology import Links, links_for_devices, links_from_classes
 from solvers.dp import solve_dp
@@ -129,7 +131,9 @@ class Planner:
 
     def plan(self, costs: dict[str, Any]) -> Plan:
         """The best plan for ``costs`` (node name -> :class:`fxpipe.cost.profile.NodeCost`)."""
-        attempts = (False, True) if self.checkpoint == "auto" else (False,)
+        # the solver's memory with every micro-batch's activations kept, then with one recomputed at a time
+        # (Problem.recompute; what it leaves out, the kept inputs, the schedule walk checks in _finish)
+        attempts = {"never": (False,), "always": (True,)}.get(self.checkpoint, (False, True))
         failure: Exception | None = None
         for recompute in attempts:
             try:
@@ -139,8 +143,10 @@ class Planner:
             except (solvers.InfeasibleError, MemoryError) as exc:
                 failure = exc
         assert failure is not None
-        hint = ("even with every stage checkpointed" if self.checkpoint == "auto"
-                else "checkpoint='auto' would also consider recomputation")
+        hint = {"never": "checkpoint='auto' would also consider recomputation",
+                "always": "with every micro-batch checkpointed: add devices or memory, or use more micro-batches",
+                "except_last": "with every micro-batch but the last checkpointed; checkpoint='always' keeps less"
+                }.get(self.checkpoint, "even with every stage checkpointed")
         raise InfeasiblePlanError(f"{failure} ({hint})", getattr(failure, "min_peak_bytes", None)) from failure
 
     def costed(self, costs: dict[str, Any], like: Plan) -> Plan:
@@ -187,6 +193,8 @@ class Planner:
             st.memory_bytes = float(memory_of[chosen.devices[0]])
         if self.checkpoint == "auto":
             choose_checkpoints(plan)     # MemoryError when even "always" does not fit
+        elif problem.recompute:
+            check_fits(plan)             # MemoryError: the solver's recomputing model left the kept inputs out
         return plan
 
 
