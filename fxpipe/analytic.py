@@ -21,6 +21,7 @@ from fxpipe.cost.devices import Devices
 from fxpipe.errors import InfeasiblePlanError
 from fxpipe.frontend.fingerprint import graph_fingerprint
 from fxpipe.planning.lowering import build_problem
+from fxpipe.planning.memory_model import check_fits
 from fxpipe.runtime.microbatch import batch_size_of, scatter
 from fxpipe.planning.plan import Plan
 from fxpipe.cost.profile import profile_graph
@@ -66,18 +67,32 @@ def plan(
     first = tuple(scatter(list(example_inputs), chunks)[0])
     reference = devices.specs[0]
     costs = profile_graph(gm, first, torch.device("cpu"), mode="analytic", spec=reference)
-    share = recompute_share(checkpoint, chunks, False)   # the checkpointed micro-batches' forward, again
-    problem = build_problem(gm, with_recomputation(costs, share), [torch.device(i) for i in devices.ids], links_from_classes(devices.link_classes, devices.bandwidth_Bps),
-                            chunks, [s.memory_bytes for s in devices.specs], stages=stages,
-                            optimizer_state_factor=OPTIMIZER_STATE[optimizer], schedule=schedule,
-                            name=type(model).__name__,
-                            speeds=[s.flops["float32"] / reference.flops["float32"] for s in devices.specs])
-    try:
-        solution = solvers.solve(problem, "dp", time_limit_s)
-    except solvers.InfeasibleError as exc:
-        raise InfeasiblePlanError(str(exc), exc.min_peak_bytes) from exc
-    result = plan_from_solution(problem, solution, devices.ids, graph_fingerprint(gm), type(model).__name__,
-                                 chunks, checkpoint, batch, "analytic", reference.name, model.training,
-                                 hosts=devices.nodes, recompute_share=share)
-    stage_buffers(gm, costs, result)
-    return result
+    links = links_from_classes(devices.link_classes, devices.bandwidth_Bps)
+    failure: Exception | None = None
+    # as fxpipe.planning.planner.Planner.plan: the solver's memory with every micro-batch's activations kept,
+    # then (checkpointed modes) with one recomputed at a time, the kept inputs checked by walking the schedule
+    for recompute in {"never": (False,), "always": (True,)}.get(checkpoint, (False, True)):
+        share = recompute_share(checkpoint, chunks, recompute)   # the checkpointed micro-batches' forward, again
+        problem = build_problem(gm, with_recomputation(costs, share), [torch.device(i) for i in devices.ids], links,
+                                chunks, [s.memory_bytes for s in devices.specs], stages=stages,
+                                optimizer_state_factor=OPTIMIZER_STATE[optimizer], schedule=schedule,
+                                name=type(model).__name__,
+                                speeds=[s.flops["float32"] / reference.flops["float32"] for s in devices.specs])
+        problem.recompute = recompute
+        try:
+            solution = solvers.solve(problem, "dp", time_limit_s)
+            result = plan_from_solution(problem, solution, devices.ids, graph_fingerprint(gm), type(model).__name__,
+                                        chunks, checkpoint, batch, "analytic", reference.name, model.training,
+                                        hosts=devices.nodes, recompute_share=share)
+            stage_buffers(gm, costs, result)
+            memory_of = {d.id: d.memory_bytes for d in problem.devices}
+            for st, chosen in zip(result.stages, solution.stages):
+                st.memory_bytes = float(memory_of[chosen.devices[0]])
+            if recompute:
+                check_fits(result)
+            return result
+        except (solvers.InfeasibleError, MemoryError) as exc:
+            failure = exc
+    assert failure is not None
+    hint = "" if checkpoint == "never" else f" (under checkpoint={checkpoint!r}, recomputation counted)"
+    raise InfeasiblePlanError(f"{failure}{hint}", getattr(failure, "min_peak_bytes", None)) from failure

@@ -69,3 +69,21 @@ def test_bad_targets_are_named():
     with pytest.raises(fxpipe.InfeasiblePlanError, match="smallest possible stage peak"):
         fxpipe.plan(nn.Linear(4096, 4096), fxpipe.Devices([DeviceSpec("tiny", {"float32": 1e12}, 1e11, 1e6)],
                                                            [["X"]]), (torch.randn(8, 4096),))
+
+
+def test_checkpointed_modes_plan_under_the_memory_their_recomputation_needs():
+    """A batch whose activations only fit recomputed: 'never' is infeasible on two 80 GiB GPUs, 'always' and
+    'except_last' fit (the solver counted them as if nothing were recomputed before), and every worker's walked
+    peak is within its memory, which the plan's stages now carry."""
+    from fxpipe.planning.memory_model import predict_worker_memory
+    with torch.device("meta"):
+        model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(4096, 4096), nn.ReLU())])
+    x = torch.empty(1572864, 4096, device="meta")
+    devices = fxpipe.Devices.preset("h100", 2)
+    with pytest.raises(fxpipe.InfeasiblePlanError, match="fits in memory"):
+        fxpipe.plan(model, devices, (x,), chunks=8, checkpoint="never", schedule="gpipe")
+    for checkpoint in ("always", "except_last"):
+        plan = fxpipe.plan(model, devices, (x,), chunks=8, checkpoint=checkpoint, schedule="gpipe")
+        assert plan.problem["recompute"] is True
+        assert [st.memory_bytes for st in plan.stages] == [d.memory_bytes for d in devices.specs]
+        assert all(0 < w.peak_bytes <= st.memory_bytes for w, st in zip(predict_worker_memory(plan), plan.stages))
