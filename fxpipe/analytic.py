@@ -53,7 +53,8 @@ def plan(
     the memory kept per parameter (``OPTIMIZER_STATE``: Adam keeps gradients and two
     moments). Raises :class:`fxpipe.InfeasiblePlanError` when nothing fits.
     """
-    from fxpipe.planning.planner import plan_from_solution, recompute_share, stage_buffers, with_recomputation
+    from fxpipe.planning.planner import (give_stage_memory, plan_from_solution, recompute_attempts, recompute_share,
+                                         stage_buffers, with_recomputation)
 
     if not isinstance(devices, Devices):
         raise TypeError("devices must be fxpipe.Devices, e.g. fxpipe.Devices.preset('h100', 8)")
@@ -69,9 +70,7 @@ def plan(
     costs = profile_graph(gm, first, torch.device("cpu"), mode="analytic", spec=reference)
     links = links_from_classes(devices.link_classes, devices.bandwidth_Bps)
     failure: Exception | None = None
-    # as fxpipe.planning.planner.Planner.plan: the solver's memory with every micro-batch's activations kept,
-    # then (checkpointed modes) with one recomputed at a time, the kept inputs checked by walking the schedule
-    for recompute in {"never": (False,), "always": (True,)}.get(checkpoint, (False, True)):
+    for recompute in recompute_attempts(checkpoint):   # as fxpipe.planning.planner.Planner.plan
         share = recompute_share(checkpoint, chunks, recompute)   # the checkpointed micro-batches' forward, again
         problem = build_problem(gm, with_recomputation(costs, share), [torch.device(i) for i in devices.ids], links,
                                 chunks, [s.memory_bytes for s in devices.specs], stages=stages,
@@ -85,9 +84,7 @@ def plan(
                                         chunks, checkpoint, batch, "analytic", reference.name, model.training,
                                         hosts=devices.nodes, recompute_share=share)
             stage_buffers(gm, costs, result)
-            memory_of = {d.id: d.memory_bytes for d in problem.devices}
-            for st, chosen in zip(result.stages, solution.stages):
-                st.memory_bytes = float(memory_of[chosen.devices[0]])
+            give_stage_memory(result, problem, solution)
             if recompute:
                 check_fits(result)
             return result

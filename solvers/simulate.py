@@ -25,7 +25,7 @@ from solvers.groups import allreduce_s as allreduce
 from solvers.schedules import SPLIT_BACKWARD, Op, stage_worker, worker_orders
 from solvers.solution import Solution
 
-__all__ = ["Event", "Simulation", "simulate", "simulate_solution", "per_micro_batch", "stage_medians"]
+__all__ = ["Event", "Simulation", "simulate", "simulate_solution", "per_micro_batch", "stage_medians", "weight_shares"]
 
 
 @dataclass(frozen=True)
@@ -192,6 +192,12 @@ def stage_medians(timeline: list[Event], stages: int) -> list[tuple[float, float
     return out
 
 
+def weight_shares(backward_s: Sequence[float], total_s: Sequence[float]) -> list[float]:
+    """Per stage, the weight pass's share of a split backward of ``total_s`` that is ``backward_s`` proper and
+    the rest a checkpointed micro-batch's recomputed forward (run in ``B``): half of the backward proper."""
+    return [0.5 * max(0.0, b) / t if t > 0 else 0.5 for b, t in zip(backward_s, total_s)]
+
+
 def simulate_solution(problem: Problem, solution: Solution, schedule: str | None = None,
                       workers: int | None = None, recompute_share: float = 0.0) -> Simulation:
     """Simulate ``solution`` with the problem's costs (forward/backward split per stage).
@@ -219,6 +225,5 @@ def simulate_solution(problem: Problem, solution: Solution, schedule: str | None
     for (src, b), nbytes in tensors.items():
         a = stage_of[src]
         sends[(a, b)] = sends.get((a, b), 0.0) + table.transfer_s(nbytes, devs[a], devs[b])
-    shares = [0.5 * max(0.0, b - recompute_share * f) / b if b > 0 else 0.5 for f, b in zip(fwd, bwd)]
     return simulate(fwd, bwd, problem.micro_batches, schedule or problem.schedule, sends, ar, workers,
-                    weight_share=shares)
+                    weight_share=weight_shares([b - recompute_share * f for f, b in zip(fwd, bwd)], bwd))

@@ -44,7 +44,8 @@ from solvers.schedule_search import LOOSER, reuse
 from solvers.schedules import SPLIT_BACKWARD, stage_worker
 from solvers.simulate import simulate_solution
 
-__all__ = ["Planner", "plan_from_solution", "recompute_share", "stage_buffers", "virtual_links", "with_recomputation"]
+__all__ = ["Planner", "give_stage_memory", "plan_from_solution", "recompute_attempts", "recompute_share",
+           "stage_buffers", "virtual_links", "with_recomputation"]
 
 
 @dataclass
@@ -131,11 +132,8 @@ class Planner:
 
     def plan(self, costs: dict[str, Any]) -> Plan:
         """The best plan for ``costs`` (node name -> :class:`fxpipe.cost.profile.NodeCost`)."""
-        # the solver's memory with every micro-batch's activations kept, then with one recomputed at a time
-        # (Problem.recompute; what it leaves out, the kept inputs, the schedule walk checks in _finish)
-        attempts = {"never": (False,), "always": (True,)}.get(self.checkpoint, (False, True))
         failure: Exception | None = None
-        for recompute in attempts:
+        for recompute in recompute_attempts(self.checkpoint):
             try:
                 share = recompute_share(self.checkpoint, self.chunks, recompute)
                 problem, solution = self._solve(with_recomputation(costs, share), recompute)
@@ -188,14 +186,26 @@ class Planner:
             plan.predicted["codec_s_per_byte"] = self.codec_s_per_byte
             plan.predicted["boundaries"] = boundary_table(self.gm, costs, plan.stage_of(),
                                                           codecs_by_stage(self.compression, len(plan.stages)))
-        memory_of = {d.id: d.memory_bytes for d in problem.devices}
-        for st, chosen in zip(plan.stages, solution.stages):   # interleaved: each stage's share of its device
-            st.memory_bytes = float(memory_of[chosen.devices[0]])
+        give_stage_memory(plan, problem, solution)
         if self.checkpoint == "auto":
             choose_checkpoints(plan)     # MemoryError when even "always" does not fit
         elif problem.recompute:
             check_fits(plan)             # MemoryError: the solver's recomputing model left the kept inputs out
         return plan
+
+
+def recompute_attempts(checkpoint: str) -> tuple[bool, ...]:
+    """The ``Problem.recompute`` values to plan with under ``checkpoint``, in turn: the solver's memory with
+    every micro-batch's activations kept, then (a checkpointed mode) with one recomputed at a time; what that
+    leaves out, the inputs a checkpointed micro-batch keeps, the caller checks by walking the schedule."""
+    return {"never": (False,), "always": (True,)}.get(checkpoint, (False, True))
+
+
+def give_stage_memory(plan: Plan, problem: solvers.Problem, solution: solvers.Solution) -> None:
+    """Each stage's ``memory_bytes``: its solver device's (interleaved: each stage's share of its device)."""
+    memory_of = {d.id: d.memory_bytes for d in problem.devices}
+    for st, chosen in zip(plan.stages, solution.stages):
+        st.memory_bytes = float(memory_of[chosen.devices[0]])
 
 
 def recompute_share(checkpoint: str, chunks: int, recompute: bool) -> float:

@@ -25,7 +25,7 @@ from fxpipe.cost.cpu.sharing import CpuSharing
 from fxpipe.planning.memory_model import predict_worker_memory
 from fxpipe.planning.plan import Plan, aligned_table
 from solvers.schedules import stage_worker
-from solvers.simulate import per_micro_batch, simulate, stage_medians
+from solvers.simulate import per_micro_batch, simulate, stage_medians, weight_shares
 
 __all__ = ["step_report", "predicted_times", "per_micro_batch"]
 
@@ -44,8 +44,7 @@ def predicted_times(fwd_s: list[float], bwd_s: list[float], micro_batches: int, 
     default)."""
     recompute_s = recompute_s or [0.0] * len(fwd_s)
     total = [b + r for b, r in zip(bwd_s, recompute_s)]
-    shares = [0.5 * b / t if t > 0 else 0.5 for b, t in zip(bwd_s, total)]
-    sim = simulate(fwd_s, total, micro_batches, schedule, workers=workers, weight_share=shares,
+    sim = simulate(fwd_s, total, micro_batches, schedule, workers=workers, weight_share=weight_shares(bwd_s, total),
                    cores=sharing.cores if sharing else None,
                    parallel_efficiency=sharing.parallel_efficiency if sharing else 1.0,
                    stage_efficiency=sharing.stage_efficiency if sharing else None,
