@@ -263,6 +263,57 @@ def test_resuming_from_a_checkpoint_gives_the_losses_of_an_uninterrupted_run(tmp
         assert r["ok"]["resumed"] == r["ok"]["straight"], r["ok"]
 
 
+def _reshard_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(4)
+    return [(torch.randint(0, 11, (8, 4), generator=g), torch.randint(0, 11, (8, 4), generator=g)) for _ in range(5)]
+
+
+def _reshard_ranks(rank: int, world: int, plan_json: str, path: str, first: bool) -> list[float]:
+    """``first``: two steps from seed 0, then a checkpoint; else fresh stages from seed 1, the checkpoint, three more."""
+    from fxpipe.distributed import PipelineRank, checkpoint
+    plan = fxpipe.Plan.from_dict(__import__("json").loads(plan_json))
+    torch.manual_seed(0 if first else 1)
+    stage = PipelineRank(plan, lambda: SkipTied(vocab=11, width=8, depth=6), functools.partial(_loss, "gpt"),
+                         timeout_s=60, broadcast_loss=True)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
+    if not first:
+        checkpoint.load(stage, opt, path)
+    losses = []
+    for x, y in _reshard_batches()[:2] if first else _reshard_batches()[2:]:
+        losses.append(stage.step(x, y).item())
+        opt.step()
+        opt.zero_grad()
+    if first:
+        checkpoint.save(stage, opt, path)
+    return losses
+
+
+def test_a_checkpoint_of_four_stages_resumes_on_a_plan_of_two(tmp_path):
+    """Resharding: every key is the model's own name, so a checkpoint written by 4 ranks of a 4-stage plan loads
+    into 2 ranks of a 2-stage plan (parameters and momentum), and the five losses are the one-process model's."""
+    path = str(tmp_path / "ckpt")
+    x = _reshard_batches()[0][0]
+    four = compile_with_cuts(_make("gpt"), (x,), ["blocks_1_0", "blocks_3_0", "blocks_5_0"], chunks=2).plan
+    two = compile_with_cuts(_make("gpt"), (x,), ["blocks_3_0"], chunks=4).plan
+    before = run_ranks(4, _reshard_ranks, copy.deepcopy(four).to_json(), path, True)
+    after = run_ranks(2, _reshard_ranks, copy.deepcopy(two).to_json(), path, False)
+    errors = [r["trace"] for r in before + after if "ok" not in r]
+    assert not errors, errors[0]
+    torch.manual_seed(0)
+    model = SkipTied(vocab=11, width=8, depth=6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    want = []
+    for x, y in _reshard_batches():
+        loss = _loss("gpt", model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    for r in after:   # every rank has the loss (broadcast_loss=True)
+        got = before[0]["ok"] + r["ok"]
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want)), (got, want)
+
+
 @pytest.mark.parametrize("schedule", ["zb-v", "interleaved-1f1b"])
 def test_a_stage_runs_on_the_process_of_its_schedules_worker(schedule):
     """Several stages per worker: stage k's process is the schedule's worker of k (the V for ZB-V), the one the

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 
 import pytest
 import torch
@@ -110,3 +111,106 @@ def test_a_mesh_that_does_not_fit_the_plan_is_refused_with_the_numbers():
     assert wrong_pp.startswith("PlanMismatchError") and "2 workers" in wrong_pp and "pp dimension has 1" in wrong_pp
     assert "start a multiple of 2 processes" in wrong_pp and "plan for 1 devices" in wrong_pp, wrong_pp
     assert wrong_dims.startswith("ValueError") and "mesh_dim_names=('pp', 'dp')" in wrong_dims, wrong_dims
+
+
+SLEEP_S = 0.5   # each backward of the slow first stage
+
+
+class _SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(SLEEP_S)
+        return grad
+
+
+class SlowBackward(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SleepInBackward.apply(x)
+
+
+class SlowFirstStage(torch.nn.Module):
+    """Two stages when cut at ``rest``: the first one's backward sleeps, so the second ends its step first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(8, 8)
+        self.slow = SlowBackward()
+        self.rest = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.rest(self.slow(torch.tanh(self.first(x))))))
+
+
+def _make_slow() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return SlowFirstStage()
+
+
+def _slow_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)) for _ in range(2)]
+
+
+def _overlap_ranks(rank: int, world: int, plan_json: str, fail_rank: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from fxpipe.distributed.mesh import MeshPipelineRank
+
+    def loss(out, target):
+        if torch.distributed.get_rank() == fail_rank:
+            raise RuntimeError("injected loss failure")
+        return F.mse_loss(out, target)
+    plan = fxpipe.Plan.from_dict(json.loads(plan_json))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage = MeshPipelineRank(plan, _make_slow, loss, mesh=mesh, timeout_s=60, leaf_modules=[SlowBackward])
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    spans = []
+    for x, y in _slow_batches():
+        stage.step(x, y, schedule="gpipe")
+        spans.append(stage.all_reduce_s)
+        opt.step()
+        opt.zero_grad()
+    return {"spans": spans, "params": {n: p.detach().clone() for n, p in stage.named_parameters()}}
+
+
+def _slow_plan() -> str:
+    x = _slow_batches()[0][0]
+    return copy.deepcopy(compile_with_cuts(_make_slow(), (x,), ["rest"], chunks=2,
+                                           leaf_modules=[SlowBackward]).plan).to_json()
+
+
+def test_a_late_stage_all_reduces_its_gradients_while_the_first_stage_still_drains():
+    results = run_ranks(4, _overlap_ranks, _slow_plan(), -1)
+    errors = [r["trace"] for r in results if "ok" not in r]
+    assert not errors, errors[0]
+    got = [r["ok"] for r in results]
+    # mesh (2, 2): ranks 0, 1 hold stage 0, whose backwards sleep 2 x SLEEP_S; ranks 2, 3 hold stage 1, whose
+    # gradients are all-reduced before stage 0's last backwards end, so before stage 0's all-reduce starts
+    for step in range(2):
+        first_starts = min(got[r]["spans"][step][0] for r in (0, 1))
+        last_ends = max(got[r]["spans"][step][1] for r in (2, 3))
+        assert last_ends < first_starts - SLEEP_S / 2, (step, [g["spans"] for g in got])
+    model = _make_slow()   # and the all-reduce is the whole batch's gradient, as before
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in _slow_batches():
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    want = dict(model.named_parameters())
+    for replica in (0, 1):
+        params = {**got[replica]["params"], **got[2 + replica]["params"]}
+        assert set(params) == set(want)
+        assert max(max_relative_error(params[n], want[n].detach()) for n in want) <= 1e-5
+
+
+def test_a_replica_whose_step_fails_ends_every_rank_of_both_replicas_with_an_error():
+    results = run_ranks(4, _overlap_ranks, _slow_plan(), 3, deadline_s=120)
+    assert all("error" in r for r in results), results
+    assert "injected loss failure" in results[3]["text"], results[3]["text"]
+    assert "rank 3" in results[1]["text"], results[1]["text"]   # its pipeline's first stage names the rank
+    for rank in (0, 2):   # the healthy replica's ranks: their dp partner failed
+        assert "another dp replica" in results[rank]["text"], results[rank]["text"]

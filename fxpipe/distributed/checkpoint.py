@@ -5,7 +5,10 @@ the keys of different ranks never collide and a checkpoint does not depend on wh
 optimizer's state goes under ``optim.<parameter name>.<state key>`` (an optimizer's own ``state_dict`` numbers
 its parameters per rank, which would collide). Loading reads the checkpoint's metadata for the optimizer
 entries of this rank's parameters, so a fresh optimizer can be resumed; its hyper-parameters are the ones it
-was constructed with. Loading into another plan's ranks (resharding) is not done yet.
+was constructed with. Because nothing in a key names a rank or a stage, a checkpoint loads into the ranks of
+another plan of the same model (resharding: 4 stages written, 2 read, or another ``dp``): each rank reads the
+entries of the tensors it now holds, wherever they were written from. Replicas of a ``dp`` group write the same
+keys; ``torch.distributed.checkpoint`` keeps one copy.
 """
 
 from __future__ import annotations

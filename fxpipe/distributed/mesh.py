@@ -9,10 +9,20 @@ this rank's stage modules: the pipeline accumulates every micro-batch's gradient
 as under ``no_sync``), then DDP's reducer all-reduces the accumulated gradients once, in its buckets. Each share's
 loss is weighted by its size, so the gradients and the returned loss are the whole batch's, as one process would
 compute them, even when the shares differ.
+
+The all-reduce overlaps the pipeline's drain: it starts the moment this rank's own operations of the step are
+over (the transport's ``when_local_done``), not when the whole pipeline's are, so a late stage's gradients are
+reduced while the earlier stages still run their last backwards; only the first stage's all-reduce, which ends
+the step, is not hidden. Before the gradients, the replicas all-reduce one flag saying whether any of their
+steps failed, so no replica waits in the gradients' all-reduce for one that will never join it, and every
+replica of a failed step raises. The ``dp`` group is made here with ``timeout_s`` as its timeout: a replica that
+died ends the others' all-reduce with an error, not a hang.
 """
 
 from __future__ import annotations
 
+import datetime
+import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -21,7 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fxpipe.distributed.rank import PipelineRank
-from fxpipe.errors import PlanMismatchError
+from fxpipe.errors import FxpipeError, PlanMismatchError
 from fxpipe.planning.plan import Plan
 from fxpipe.runtime.microbatch import BatchLayout, scatter
 
@@ -51,7 +61,10 @@ class MeshPipelineRank:
             raise ValueError(f"MeshPipelineRank supports reduction 'mean' or 'sum', got {reduction!r} (a token mean "
                              "needs the count over every replica: use PipelineRank without dp)")
         self.dp, self.dp_rank = mesh["dp"].size(), mesh.get_local_rank("dp")
-        self.dp_group = mesh.get_group("dp")
+        timeout_s = float(rank_kwargs.get("timeout_s", 300.0))
+        self.dp_group = dist.new_group(dist.get_process_group_ranks(mesh.get_group("dp")),
+                                       timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=True)
+        self.timeout_s = timeout_s
         self.reduction, self._scale = reduction, 1.0
         self.loss_fn = loss_fn
         self.ranked = PipelineRank(plan, model_fn, self._scaled_loss, group=mesh.get_group("pp"),
@@ -60,6 +73,10 @@ class MeshPipelineRank:
         own = nn.ModuleList(self.ranked.specs[k].module for k in self.ranked.own)
         # DDP broadcasts replica 0's parameters and buffers: every replica starts from the same weights
         self.ddp = DistributedDataParallel(own, process_group=self.dp_group)
+        self.ranked.pipe.transport.when_local_done = self._reduce_when_done
+        self._reduced: BaseException | str | None = None
+        # (start, end) wall-clock times of the last step's gradient all-reduce, comparable across processes
+        self.all_reduce_s: tuple[float, float] | None = None
 
     def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
         return self.loss_fn(output, target) * self._scale
@@ -94,14 +111,42 @@ class MeshPipelineRank:
         self.ddp.reducer.prepare_for_backward([])
         torch.autograd.backward([(p * 0).sum() for p in params])
 
+    def _reduce_when_done(self, failed: bool) -> None:
+        """The transport's call once this rank's operations are over: all-reduce the gradients over ``dp``
+        unless a replica's step failed. Never raises (the transport is ending its step); :meth:`step` does."""
+        try:
+            device = next(iter(self.ddp.parameters()), torch.empty(0)).device
+            flag = torch.tensor([1.0 if failed else 0.0],
+                                device=device if dist.get_backend(self.dp_group) == "nccl" else "cpu")
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
+            if flag.item() > 0:
+                self._reduced = "failed"
+                return
+            started = time.time()
+            self._all_reduce_gradients()
+            self.all_reduce_s = (started, time.time())
+            self._reduced = None
+        except BaseException as exc:   # raised by step, after the transport has heard the other ranks
+            self._reduced = exc
+
     def step(self, inputs: Any, target: Any, **kwargs: Any) -> torch.Tensor | None:
         """One training step of the whole batch (the same ``inputs`` and ``target`` on every rank). Returns the
         whole batch's loss on every ``dp`` replica's last-stage rank (with ``broadcast_loss`` on every rank)."""
         inputs, target, mine, total = self._share(inputs, target)
         # DDP averages over dp: a share's loss counts n_d / N of the mean (1 of a sum), so scale by dp x that
         self._scale = self.dp * (mine / total if self.reduction == "mean" else 1.0)
-        loss = self.ranked.step(inputs, target, **kwargs)
-        self._all_reduce_gradients()
+        self._reduced, self.all_reduce_s = "not run", None
+        loss = self.ranked.step(inputs, target, **kwargs)   # its transport all-reduces when this rank is done
+        if self._reduced == "failed":
+            raise FxpipeError(f"rank {dist.get_rank()}: another dp replica of this rank's stages failed its step, "
+                              "so the gradients were not all-reduced; that replica's processes report the error")
+        if isinstance(self._reduced, BaseException):
+            raise FxpipeError(f"rank {dist.get_rank()}: the all-reduce of this rank's gradients over its dp group "
+                              f"failed ({type(self._reduced).__name__}: {self._reduced}); a replica that died or "
+                              f"took longer than timeout_s={self.timeout_s:g} s ends it") from self._reduced
+        if self._reduced is not None:
+            raise FxpipeError(f"rank {dist.get_rank()}: the step ended without this rank's dp all-reduce "
+                              f"({self._reduced})")
         if loss is None:
             return None
         whole = loss.detach() / self.dp   # this share's part of the batch's loss

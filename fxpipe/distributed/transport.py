@@ -56,6 +56,10 @@ class P2P(Transport):
         self.control = dist.new_group(self.ranks, timeout=datetime.timedelta(days=7), backend="gloo",
                                       use_local_synchronization=local)
         self.receiver = Receiver()
+        # called once this rank's own operations of a step are over (argument: whether one failed), before it
+        # hears how the other ranks' steps ended: pp x dp all-reduces a stage's gradients there, overlapped
+        # with the stages that are still draining (fxpipe.distributed.mesh)
+        self.when_local_done: Callable[[bool], None] | None = None
 
     def local(self, stage: int) -> bool:
         return self.stage_rank[-1 if stage == LOSS else stage] == self.rank
@@ -86,7 +90,7 @@ class P2P(Transport):
         self.layout: dict[tuple[str, int], list[tuple[int, torch.Tensor]]] = {}   # grads a producer awaits
         # works with the tensors they read, kept to the step's end (gloo says a send is done only when waited for)
         self.sending: list[tuple[Any, torch.Tensor]] = []
-        self.statuses = Statuses(self.peers, self._status_receive)
+        self.statuses = Statuses(self.peers, self._status_receive, self._global)
 
     def _rank(self, stage: int) -> int:
         return self.stage_rank[-1 if stage == LOSS else stage]
@@ -136,7 +140,7 @@ class P2P(Transport):
         if self.local(self.producer[name]):
             return super().fetch(name, consumer, i, device)
         channel, src = self.channels[(name, consumer)], self._rank(self.producer[name])
-        what = f"value {name!r} of micro-batch {i} from rank {src} (stage {self.producer[name]})"
+        what = f"value {name!r} of micro-batch {i} from rank {self._global(src)} (stage {self.producer[name]})"
         key = (channel, self.signatures[i])
         if key not in self.headers:   # sent with the first micro-batch of this signature
             j = self.first[self.signatures[i]]
@@ -170,7 +174,7 @@ class P2P(Transport):
                 if (name, c) not in self.channels or not layout:
                     continue
                 channel, src = self.channels[(name, c)], self._rank(c)
-                what = f"gradient of {name!r} of micro-batch {i} from rank {src} ({'the loss' if c == LOSS else f'stage {c}'})"
+                what = f"gradient of {name!r} of micro-batch {i} from rank {self._global(src)} ({'the loss' if c == LOSS else f'stage {c}'})"
                 posted = [self._receive((tuple(t.shape), t.dtype), device, src, tag(channel, True, i, 2 + j))
                           for j, (_, t) in enumerate(layout)]
                 for (pos, t), g in zip(layout, self._wait(posted, what)):
@@ -182,7 +186,7 @@ class P2P(Transport):
     # ------------------------------------------------------------------ waiting, the end of a step
     def _wait(self, posted: list[tuple[Any, torch.Tensor]], what: str) -> list[torch.Tensor]:
         """The buffers of ``posted`` receives once all have landed; a peer's failure or the deadline raises."""
-        self.receiver.wait([work for work, _ in posted], f"{what} (rank {self.rank})", self.timeout_s,
+        self.receiver.wait([work for work, _ in posted], f"{what} (rank {self._global(self.rank)})", self.timeout_s,
                            self.statuses.failure)
         return [buf for _, buf in posted]
 
@@ -195,8 +199,10 @@ class P2P(Transport):
                     "remote": isinstance(failure.exc, PeerFailed)}
         out = result() if failure is None else None
         for peer in self.peers:
-            self._send(encode_status({"rank": self.rank, "failure": mine, "result": out}), peer, STATUS_TAG,
+            self._send(encode_status({"rank": self._global(self.rank), "failure": mine, "result": out}), peer, STATUS_TAG,
                        self.control)
+        if self.when_local_done is not None:
+            self.when_local_done(failure is not None)
         got, silent = self.statuses.collect(self.timeout_s)
         roots = [s for _, s in sorted(got.items()) if s["failure"] is not None and not s["failure"]["remote"]]
         if roots and (mine is None or mine["remote"]):   # the rank where it started, not where it was noticed
@@ -204,7 +210,7 @@ class P2P(Transport):
             failure = StepFailure(f["stage"], f["micro_batch"], f["kind"], PeerFailed(roots[0]))
         elif silent and failure is None:
             failure = StepFailure(-1, -1, "step", TimeoutError(
-                f"rank {self.rank} waited {self.timeout_s:g} s for ranks {silent} to end the step"))
+                f"rank {self._global(self.rank)} waited {self.timeout_s:g} s for ranks {silent} to end the step"))
         if failure is None and any(s["failure"] is not None for s in got.values()):
             failure = StepFailure(-1, -1, "step", PeerFailed(next(s for s in got.values() if s["failure"])))
         if failure is None:

@@ -69,7 +69,10 @@ class Receiver:
 class Statuses:
     """Each peer's status for one step, received by a thread per peer as soon as the peer sends it."""
 
-    def __init__(self, peers: list[int], post: Callable[[int], tuple[Any, torch.Tensor]]) -> None:
+    def __init__(self, peers: list[int], post: Callable[[int], tuple[Any, torch.Tensor]],
+                 name: Callable[[int], int] = int) -> None:
+        """``name(peer)`` is the peer's rank in messages (the global rank when ``peers`` are a sub-group's)."""
+        self.name = name
         self.got: dict[int, dict[str, Any]] = {}
         self.lock = threading.Lock()
         self.threads = [threading.Thread(target=self._listen, args=(peer, post), daemon=True,
@@ -83,7 +86,7 @@ class Statuses:
             work.wait()
             status = decode_status(buf)
         except BaseException as exc:   # the peer is gone: its connection closed
-            status = {"rank": peer, "result": None, "failure": {"stage": -1, "micro_batch": -1, "kind": "step",
+            status = {"rank": self.name(peer), "result": None, "failure": {"stage": -1, "micro_batch": -1, "kind": "step",
                                                                 "error": f"lost: {exc}", "remote": False}}
         with self.lock:
             self.got[peer] = status
@@ -101,4 +104,4 @@ class Statuses:
             t.join(max(0.0, end - time.monotonic()))
         with self.lock:
             got = dict(self.got)
-        return got, [t.name.rsplit("-", 1)[1] for t in self.threads if t.is_alive()]
+        return got, [self.name(int(t.name.rsplit("-", 1)[1])) for t in self.threads if t.is_alive()]
