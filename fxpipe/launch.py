@@ -89,6 +89,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--plan-node", dest="node", type=int,
                    help="this host's node in the plan (default: torchrun's GROUP_RANK)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any wait for another process may take")
+    p.add_argument("--compression", help="compress what crosses stage boundaries: fp16, bf16, int8, topk:R, or "
+                                         "FORWARD/BACKWARD such as int8/topk:0.01 (default: exact)")
     return p
 
 
@@ -98,7 +100,8 @@ def _train(args: argparse.Namespace, rank: int) -> None:
     loss_fn = LOSSES.get(args.loss) or _import(args.loss, "--loss")
     if args.resume and not args.checkpoint:
         raise UsageError("--resume needs --checkpoint DIR")
-    stage = PipelineRank(args.plan, model_fn, loss_fn, weights=args.weights, timeout_s=args.timeout)
+    stage = PipelineRank(args.plan, model_fn, loss_fn, weights=args.weights, timeout_s=args.timeout,
+                         compression=args.compression)
     node, local = int(os.environ.get("FXPIPE_NODE", 0)), int(os.environ.get("LOCAL_RANK", rank))
     devices = sorted({stage.pipe.devices[k].type for k in stage.own})
     # one write per line: the ranks share torchrun's stdout, and print's separate newline could interleave

@@ -314,6 +314,97 @@ def test_a_checkpoint_of_four_stages_resumes_on_a_plan_of_two(tmp_path):
         assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want)), (got, want)
 
 
+def _compressed_ranks(rank: int, world: int, plan_json: str, compression: str) -> dict:
+    from fxpipe.distributed import PipelineRank
+    plan = fxpipe.Plan.from_dict(__import__("json").loads(plan_json))
+    stage = PipelineRank(plan, functools.partial(_make, "gpt"), functools.partial(_loss, "gpt"), timeout_s=60,
+                         broadcast_loss=True, compression=compression)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    losses, moved = [], []
+    for x, y in _batches("gpt", 7):
+        losses.append(stage.step(x, y, schedule="1f1b").item())
+        moved.append(dict(stage.pipe.last_step["bytes_moved"]))
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "moved": moved, "params": {n: p.detach().clone() for n, p in stage.named_parameters()}}
+
+
+@pytest.mark.parametrize("compression,most", [("int8", 0.3), ("fp16/topk:0.1", 0.55), ("topk:0.2", 0.45)])
+def test_compressed_boundaries_over_processes_train_as_the_in_process_compressed_pipeline(compression, most):
+    """What crosses between the ranks is the codec's payload (int8 and its scales, top-k's values and indices),
+    decoded by the receiver; three steps (top-k's residuals carried between them, a smaller last batch) give the
+    losses and parameters of the in-process executor with the same compression."""
+    plan = _plan("gpt", 2, 7, 3)
+    results = run_ranks(2, _compressed_ranks, plan.to_json(), compression)
+    errors = [r["trace"] for r in results if "ok" not in r]
+    assert not errors, errors[0]
+    model = _make("gpt")   # the pipeline trains the model's own parameters
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (_batches("gpt", 7)[0][0],), plan=copy.deepcopy(plan),
+                          options=fxpipe.CompileOptions(compression=compression))
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    want = []
+    for x, y in _batches("gpt", 7):
+        want.append(pipe.step(x, y, functools.partial(_loss, "gpt"), schedule="1f1b").item())
+        opt.step()
+        opt.zero_grad()
+    exact = _reference("gpt", 7)[0]
+    assert any(abs(a - b) > 1e-6 * abs(b) for a, b in zip(want, exact)), "the codec changed nothing"
+    for r in results:
+        got = r["ok"]
+        assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got["losses"], want)), (got["losses"], want)
+        for step in got["moved"]:   # each rank counts what it sent: values from rank 0, gradients from rank 1
+            assert 0 < step["sent"] <= most * step["raw"], (compression, step)
+    params = {n: t for r in results for n, t in r["ok"]["params"].items()}
+    named = {n: p.detach() for n, p in model.named_parameters()}
+    assert set(params) == set(named), set(params) ^ set(named)
+    worst = max((max_relative_error(params[n], named[n]), n) for n in named)
+    assert worst[0] <= 1e-6, worst
+
+
+ASYNC_CASES = [("stash", {}), ("2bw", {}), ("ssp", {"staleness": 1})]
+
+
+def _async_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(4)]
+
+
+def _async_ranks(rank: int, world: int, plan_json: str) -> dict:
+    from fxpipe.distributed import PipelineRank
+    plan = fxpipe.Plan.from_dict(__import__("json").loads(plan_json))
+    found = {}
+    for mode, kwargs in ASYNC_CASES:
+        stage = PipelineRank(plan, functools.partial(_make, "cnn"), functools.partial(_loss, "cnn"), timeout_s=60)
+        trainer = fxpipe.AsyncTrainer(stage, lambda ps: torch.optim.SGD(ps, lr=0.05), mode=mode, **kwargs)
+        losses = trainer.train(_async_batches(), functools.partial(_loss, "cnn"))
+        found[mode] = {"losses": losses, "versions": trainer.last["versions"],
+                       "params": {n: p.detach().clone() for n, p in stage.named_parameters()}}
+    return found
+
+
+def test_asynchronous_modes_over_processes_train_as_in_one_process():
+    """PipeDream weight stashing, 2BW and SSP on two ranks (each rank stashes its own stage's versions and steps
+    its own optimizer): the losses, the versions kept and every parameter of the in-process AsyncTrainer."""
+    plan = _plan("cnn", 2, 8, 4)
+    results = run_ranks(2, _async_ranks, plan.to_json())
+    errors = [r["trace"] for r in results if "ok" not in r]
+    assert not errors, errors[0]
+    for mode, kwargs in ASYNC_CASES:
+        model = _make("cnn")
+        pipe = fxpipe.compile(model, ["cpu", "cpu"], (_async_batches()[0][0],), plan=copy.deepcopy(plan))
+        trainer = fxpipe.AsyncTrainer(pipe, lambda ps: torch.optim.SGD(ps, lr=0.05), mode=mode, **kwargs)
+        want = trainer.train(_async_batches(), functools.partial(_loss, "cnn"))
+        first, last = results[0]["ok"][mode], results[1]["ok"][mode]
+        assert first["losses"] is None, "the loss is the last stage's rank's"
+        assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(last["losses"], want)), (mode, last["losses"], want)
+        assert [first["versions"][0], last["versions"][1]] == trainer.last["versions"], mode
+        params = {**first["params"], **last["params"]}
+        named = {n: p.detach() for n, p in model.named_parameters()}
+        assert set(params) == set(named)
+        worst = max((max_relative_error(params[n], named[n]), n) for n in named)
+        assert worst[0] <= 1e-6, (mode, worst)
+
+
 @pytest.mark.parametrize("schedule", ["zb-v", "interleaved-1f1b"])
 def test_a_stage_runs_on_the_process_of_its_schedules_worker(schedule):
     """Several stages per worker: stage k's process is the schedule's worker of k (the V for ZB-V), the one the

@@ -122,6 +122,10 @@ def test_bad_arguments_end_every_process_with_one_error_line(tmp_path):
     assert rc != 0
     assert re.search(r"^error: rank [01]: PlanMismatchError: the plan runs 3 stages on 3 workers but the process "
                      r"group has 2 processes: start one process per worker \(torchrun --nproc-per-node 3", err, re.M), err
+    out, err, rc = _torchrun(["--plan", plan, "--model", "launch_target:make_model", "--data", "launch_target:batches",
+                              "--compression", "zstd"])
+    assert rc != 0
+    assert re.search(r"^error: rank [01]: ValueError: unknown compression 'zstd': use one of 'fp16'", err, re.M), err
 
 
 def test_help_shows_a_real_example():

@@ -21,8 +21,10 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.fx
 from torch import nn
 
+from fxpipe.compression_spec import check_compression
 from fxpipe.distributed.materialise import materialise
 from fxpipe.distributed.placement import stage_ranks
 from fxpipe.distributed.transport import P2P
@@ -32,6 +34,7 @@ from fxpipe.frontend.capture import capture
 from fxpipe.planning.plan import Plan, load_plan
 from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
 from fxpipe.runtime.codegen import StageSpec, move_stage, split_graph
+from fxpipe.runtime.compression import BoundaryCompression, crossing_stages
 from fxpipe.runtime.pipeline import Pipeline
 
 __all__ = ["PipelineRank"]
@@ -56,17 +59,21 @@ class PipelineRank:
     ``torch.save``'d one or a ``.safetensors`` file, or a ``torch.distributed.checkpoint`` directory) builds it
     on ``meta`` instead and loads only this rank's tensors from there. ``loss_fn(output, target)`` and ``reduction`` are
     :meth:`fxpipe.Pipeline.step`'s. ``device`` puts this rank's stages elsewhere than the plan says (e.g.
-    ``cuda:<LOCAL_RANK>``). ``timeout_s`` bounds every wait for another rank.
+    ``cuda:<LOCAL_RANK>``). ``timeout_s`` bounds every wait for another rank. ``compression`` compresses what
+    crosses stage boundaries (the values of :attr:`fxpipe.CompileOptions.compression`: ``"int8"``,
+    ``"topk:0.01"``, ``"fp16/int8"``, or a dict by stage); every rank must be given the same.
     """
 
     def __init__(self, plan: Plan | str | Path, model_fn: Callable[[], nn.Module],
                  loss_fn: Callable[[Any, Any], torch.Tensor], *, reduction: str = "mean",
                  checkpoint: str = "except_last", group: Any = None, device: str | torch.device | None = None,
                  timeout_s: float = 300.0, leaf_modules: Iterable[type | str] = (),
-                 deferred_batch_norm: bool = False, broadcast_loss: bool = False, weights: Any = None) -> None:
+                 deferred_batch_norm: bool = False, broadcast_loss: bool = False, weights: Any = None,
+                 compression: Any = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise FxpipeError("fxpipe.distributed needs torch.distributed initialised: run under torchrun and call "
                               "torch.distributed.init_process_group('gloo' or 'nccl') before PipelineRank")
+        check_compression(compression)   # a bad codec name fails before anything is built
         plan = load_plan(plan) if isinstance(plan, (str, Path)) else plan
         self.rank, world = dist.get_rank(group), dist.get_world_size(group)
         if world != plan.workers:
@@ -109,6 +116,9 @@ class PipelineRank:
         self.specs: list[StageSpec] = specs
         self.pipe = Pipeline(captured.graph, specs, devices, plan, checkpoint=checkpoint,
                              mode_dependent=captured.mode_dependent)
+        outputs: list[str] = []
+        torch.fx.node.map_arg(self.pipe._output.args[0], lambda n: outputs.append(n.name) or n)
+        self.pipe.compression = BoundaryCompression.of(compression, crossing_stages(specs, outputs))
         self.pipe.transport = P2P(self.rank, stage_rank, group, timeout_s)
         self.plan, self.loss_fn, self.reduction, self.broadcast_loss = plan, loss_fn, reduction, broadcast_loss
         self.last = self.rank == stage_rank[-1]

@@ -6,6 +6,12 @@ this rank; where it is another rank's it goes through ``torch.distributed.isend`
 NCCL on GPUs), straight from the producing rank to the consuming one: a skip connection from the first stage
 to the last is one message, relayed by no rank in between, and so is its gradient.
 
+With boundary compression (``PipelineRank(compression=...)``, the values of ``CompileOptions.compression``) a
+value or gradient goes over the wire as its codec's payload (an int8 tensor and its scales, top-k's values and
+indices, a half-precision copy) and is decoded by the receiver, which knows the payload's shapes from the value's
+(:func:`fxpipe.runtime.compression.payload_layout`): the bytes moved are the compressed ones, and the step is
+the in-process executor's compressed step (top-k's error-feedback residuals are kept by the sending rank).
+
 Sends never block (the schedule's receives are what orders the ranks, as the in-process executor's waits
 do). Each rank ends a step by sending every peer its status; a rank whose operation failed sends it at
 once, and the others, which hear statuses while they wait (:mod:`fxpipe.distributed.waiting`), end their
@@ -26,10 +32,11 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.distributed.waiting import PeerFailed, Receiver, Statuses
-from fxpipe.distributed.wire import (STATUS_BYTES, STATUS_TAG, Header, decode_header, encode_header, encode_status,
-                                     header_of, signature, tag)
+from fxpipe.distributed.wire import (MAX_TENSORS, STATUS_BYTES, STATUS_TAG, Header, decode_header, encode_header,
+                                     encode_status, header_of, signature, tag)
 from fxpipe.errors import FxpipeError
 from fxpipe.runtime.codegen import StageSpec
+from fxpipe.runtime.compression import Payload, decode, payload_layout
 from fxpipe.runtime.step import StepFailure
 from fxpipe.runtime.streams import DeviceStreams, Event
 from fxpipe.runtime.transport import LOSS, Transport
@@ -78,9 +85,6 @@ class P2P(Transport):
             raise FxpipeError(f"an earlier step failed ({self.broken}); messages of that step may still be in "
                               "flight, so this process group cannot run another: restart the processes (torchrun "
                               "does when the script exits with the error)")
-        if self.compression is not None:
-            raise FxpipeError("compressed stage boundaries (CompileOptions.compression) run in the in-process "
-                              "executor only: leave compression=None for a pipeline over torch.distributed")
         super().begin(specs, devices, streams, micro_inputs, output_names)
         self.channels = {(name, c): n for n, (name, c) in enumerate(   # numbered alike on every rank
             (name, c) for name in sorted(self.readers) for c in self.readers[name]
@@ -113,6 +117,53 @@ class P2P(Transport):
         buf = torch.empty(like[0], dtype=like[1], device=on)
         return dist.irecv(buf, self._global(src), self.data, tag=message), buf
 
+    @staticmethod
+    def _part(n: int) -> int:
+        if n >= MAX_TENSORS + 2:
+            raise ValueError(f"a value crossing ranks needs more than {MAX_TENSORS} messages (its tensors, or their "
+                             "compressed parts): cut the stages elsewhere, or compress fewer boundaries")
+        return n
+
+    def _send_parts(self, tensors: list[tuple[torch.Tensor, tuple[Any, ...]]], producer: int, to: int, channel: int,
+                    backward: bool, i: int) -> None:
+        """Each tensor (with its compression key) as itself, or as its boundary codec's payload, one message a part."""
+        part, raw, sent = 2, 0, 0
+        for t, key in tensors:
+            packed = (self.compression.pack(producer, key, t)
+                      if self.compression is not None and (backward or t.requires_grad) else None)
+            pieces = [t] if packed is None else list(packed[1].tensors.values())
+            for piece in pieces:
+                self._send(piece, to, tag(channel, backward, i, self._part(part)))
+                part += 1
+            raw += t.numel() * t.element_size()
+            sent += sum(piece.numel() * piece.element_size() for piece in pieces)
+        with self.lock:
+            self.moved["raw"] += raw
+            self.moved["sent"] += sent
+
+    def _receive_parts(self, metas: list[tuple[tuple[int, ...], torch.dtype, bool]], producer: int,
+                       device: torch.device, src: int, channel: int, backward: bool, i: int,
+                       what: str) -> list[torch.Tensor]:
+        """The tensors :meth:`_send_parts` sends for ``metas`` (shape, dtype, whether the sender compresses it when
+        its boundary has a codec), decoded."""
+        posted, wanted = [], []
+        part = 2
+        for shape, dtype, compressible in metas:
+            spec = self.compression.spec(producer, backward, dtype) \
+                if self.compression is not None and compressible else None
+            layout = [("", shape, dtype)] if spec is None else payload_layout(spec, shape, dtype)
+            for _, piece_shape, piece_dtype in layout:
+                posted.append(self._receive((piece_shape, piece_dtype), device, src,
+                                            tag(channel, backward, i, self._part(part))))
+                part += 1
+            wanted.append((spec, shape, dtype, [name for name, _, _ in layout]))
+        got = iter(self._wait(posted, what) if posted else [])
+        out = []
+        for spec, shape, dtype, names in wanted:
+            pieces = {name: next(got) for name in names}
+            out.append(pieces[""] if spec is None else decode(spec, Payload(pieces, torch.Size(shape), dtype)))
+        return out
+
     # ------------------------------------------------------------------ values
     def publish(self, k: int, i: int, outs: dict[str, Any], ready: Event) -> None:
         super().publish(k, i, outs, ready)
@@ -130,9 +181,8 @@ class P2P(Transport):
                     data = encode_header(self.headers[key])
                     self._send(torch.tensor([data.numel()], dtype=torch.int64), to, tag(channel, False, i, 0))
                     self._send(data, to, tag(channel, False, i, 1))
-                tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-                for j, t in enumerate(tensors):
-                    self._send(t, to, tag(channel, False, i, 2 + j))
+                self._send_parts([(t, ("F", name, c, i, pos)) for pos, t in enumerate(flat)
+                                  if isinstance(t, torch.Tensor)], k, to, channel, False, i)
             if self.unread.get((i, name)) == 0:   # no reader here: nothing to keep beyond the producer's outs
                 self.envs[i].pop(name, None)
 
@@ -149,9 +199,8 @@ class P2P(Transport):
                                              tag(channel, False, j, 1))], what)
             self.headers[key] = decode_header(data[0].cpu())
         header = self.headers[key]
-        posted = [self._receive((m.shape, getattr(torch, m.dtype)), device, src, tag(channel, False, i, 2 + j))
-                  for j, (_, m) in enumerate(header.tensors())]
-        got = self._wait(posted, what) if posted else []
+        got = self._receive_parts([(m.shape, getattr(torch, m.dtype), m.requires_grad) for _, m in header.tensors()],
+                                  self.producer[name], device, src, channel, False, i, what)
         leaves = [t.to(device).requires_grad_(m.requires_grad) for t, (_, m) in zip(got, header.tensors())]
         return header.build(leaves), None
 
@@ -160,10 +209,11 @@ class P2P(Transport):
         if self.local(self.producer[name]):
             return super().send_grads(name, consumer, i, value, ready)
         channel, to = self.channels[(name, consumer)], self._rank(self.producer[name])
-        wanted = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        for j, leaf in enumerate(wanted):   # an unreached leaf sends zeros: the producer awaits every one
-            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            self._send(grad, to, tag(channel, True, i, 2 + j))
+        wanted = [(pos, t) for pos, t in enumerate(tree_flatten(value)[0])
+                  if isinstance(t, torch.Tensor) and t.requires_grad]
+        # an unreached leaf sends zeros: the producer awaits every one
+        self._send_parts([(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf), ("B", name, consumer, i, pos))
+                          for pos, leaf in wanted], self.producer[name], to, channel, True, i)
 
     def received(self, k: int, i: int) -> dict[str, dict[int, torch.Tensor]]:
         got = super().received(k, i)
@@ -175,9 +225,9 @@ class P2P(Transport):
                     continue
                 channel, src = self.channels[(name, c)], self._rank(c)
                 what = f"gradient of {name!r} of micro-batch {i} from rank {self._global(src)} ({'the loss' if c == LOSS else f'stage {c}'})"
-                posted = [self._receive((tuple(t.shape), t.dtype), device, src, tag(channel, True, i, 2 + j))
-                          for j, (_, t) in enumerate(layout)]
-                for (pos, t), g in zip(layout, self._wait(posted, what)):
+                grads = self._receive_parts([(tuple(t.shape), t.dtype, True) for _, t in layout], k, device, src,
+                                            channel, True, i, what)
+                for (pos, t), g in zip(layout, grads):
                     g = g.to(t.device)
                     by_pos = got.setdefault(name, {})
                     by_pos[pos] = g if pos not in by_pos else by_pos[pos] + g

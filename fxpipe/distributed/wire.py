@@ -36,8 +36,9 @@ _FIRST = 16               # tags below are the control messages'
 def tag(channel: int, backward: bool, micro_batch: int, part: int) -> int:
     """The tag of one message: gloo tags are 32-bit, so the numbering is dense and checked."""
     if micro_batch >= MAX_MICRO_BATCHES:
-        raise ValueError(f"fxpipe.distributed runs at most {MAX_MICRO_BATCHES} micro-batches per step, "
-                         f"got micro-batch {micro_batch}: use fewer chunks")
+        raise ValueError(f"fxpipe.distributed runs at most {MAX_MICRO_BATCHES} micro-batches per step (or per "
+                         f"AsyncTrainer.train call), got micro-batch {micro_batch}: use fewer chunks, or train "
+                         "on fewer batches per call")
     value = _FIRST + ((channel * 2 + int(backward)) * MAX_MICRO_BATCHES + micro_batch) * _PARTS + part
     if value >= 2 ** 31:
         raise ValueError(f"too many values cross between ranks ({channel + 1} channels) for 32-bit message tags")

@@ -15,6 +15,10 @@ parameters) after each *group* of micro-batches:
   a stage may run forwards up to ``staleness`` mini-batches ahead of 1F1B, and a forward may miss at
   most ``staleness`` of its stage's updates (default 1); ``staleness=0`` is synchronous training, bit for bit.
 
+Given an :class:`fxpipe.distributed.PipelineRank` instead of a pipeline, each rank runs its own stages'
+orders, stashes their versions and steps their optimizers, with values and gradients crossing ranks as in
+``PipelineRank.step``; the losses come back on the last stage's rank.
+
 ``staleness`` bounds the lag in every mode (:mod:`solvers.asynchronous` holds forwards back). The
 weights live as the model's parameters (the optimizers' copy); a version is a detached clone that the
 forward runs on in place of the parameters (swapped in as ``torch.func.functional_call`` does), inside ``pipe.step``'s schedule interpreter
@@ -36,6 +40,7 @@ from fxpipe.runtime.caller_state import CallerState
 from fxpipe.runtime.failures import step_error
 from fxpipe.runtime.microbatch import batch_size_of
 from fxpipe.runtime.step import StepFailure, run_step
+from fxpipe.runtime.transport import Transport
 from solvers.asynchronous import ASYNC_MODES, async_orders, check_orders, stashed_versions
 
 __all__ = ["AsyncTrainer", "ASYNC_MODES"]
@@ -99,7 +104,8 @@ def _swapped(module: nn.Module, weights: dict[str, torch.Tensor]) -> Iterator[No
 
 
 class AsyncTrainer:
-    """Asynchronous training of a compiled pipeline (see the module docstring for the modes).
+    """Asynchronous training of a compiled pipeline, or of this rank's stages of an
+    :class:`fxpipe.distributed.PipelineRank` (see the module docstring for the modes).
 
     ``optimizer_fn(params)`` makes one stage's optimizer (e.g. ``lambda ps: torch.optim.SGD(ps, lr=0.1)``);
     ``update_every`` counts micro-batches per update (``"stash"``: 1; ``"2bw"``: a mini-batch's, at least ``p - 1``); ``staleness``
@@ -109,6 +115,12 @@ class AsyncTrainer:
     def __init__(self, pipe: Any, optimizer_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
                  mode: str = "stash", update_every: int | None = None, staleness: int | None = None,
                  schedule: str = "1f1b", reduction: str = "mean") -> None:
+        if hasattr(pipe, "ranked") and hasattr(pipe, "dp_group"):
+            raise ValueError("asynchronous modes run one pipeline (fxpipe.distributed.PipelineRank), not dp "
+                             "replicas of it (MeshPipelineRank): their gradients are all-reduced once per "
+                             "synchronous step; use stage.step there")
+        if isinstance(getattr(pipe, "pipe", None), nn.Module) and hasattr(pipe, "own"):
+            pipe = pipe.pipe   # an fxpipe.distributed.PipelineRank: its pipeline, with the transport to the others
         p = len(pipe.specs)
         if mode not in ASYNC_MODES:
             raise ValueError(f"unknown asynchronous mode {mode!r}; allowed: {', '.join(map(repr, ASYNC_MODES))}")
@@ -119,9 +131,7 @@ class AsyncTrainer:
         if pipe.plan.workers != p:
             raise ValueError(f"asynchronous modes need one stage per worker, and this plan puts {p} stages on "
                              f"{pipe.plan.workers} workers (interleaved-1f1b): compile with schedule='1f1b'")
-        if pipe.transport is not None:
-            raise ValueError("asynchronous modes run in one process (the embedded executor); this pipeline has "
-                             "a torch.distributed transport: use pipe.step there")
+        self.transport = pipe.transport or Transport()   # which stages run here: every one, or this rank's
         if getattr(pipe, "compression", None) is not None:
             raise ValueError("asynchronous modes do not compress stage boundaries yet (error feedback is kept per "
                              "micro-batch slot of a step); compile without CompileOptions(compression=...)")
@@ -150,9 +160,10 @@ class AsyncTrainer:
                 if owner.setdefault(id(q), k) != k:
                     raise ValueError(f"parameter {name!r} is shared by stages {owner[id(q)]} and {k} (tied weights); "
                                      "asynchronous modes update each stage's parameters apart: use pipe.step")
-        self.stages = [_Stage(spec.module, optimizer_fn(trained) if (trained := [q for q in spec.module.parameters()
-                                                                                  if q.requires_grad]) else None)
-                       for spec in pipe.specs]   # a stage without trained parameters has no optimizer
+        # a stage without trained parameters, or another rank's, has no optimizer here
+        self.stages = [_Stage(spec.module, optimizer_fn(trained) if self.transport.local(k) and (
+            trained := [q for q in spec.module.parameters() if q.requires_grad]) else None)
+            for k, spec in enumerate(pipe.specs)]
         self.last: dict[str, Any] | None = None
 
     def version_bound(self, micro_batches: int | None = None) -> list[int]:
@@ -175,8 +186,11 @@ class AsyncTrainer:
         """Each micro-batch's update group: its mini-batch (SSP) or ``update_every`` micro-batches."""
         return batch_of if self.mode == "ssp" else [j // self.update_every for j in range(len(batch_of))]
 
-    def train(self, batches: Iterable[tuple[Any, Any]], loss_fn: Callable[[Any, Any], torch.Tensor]) -> list[float]:
-        """Train on ``batches`` (``(inputs, target)`` mini-batches) as one stream; return each mini-batch's loss.
+    def train(self, batches: Iterable[tuple[Any, Any]],
+              loss_fn: Callable[[Any, Any], torch.Tensor]) -> list[float] | None:
+        """Train on ``batches`` (``(inputs, target)`` mini-batches) as one stream; return each mini-batch's loss
+        (``None`` on a rank of :class:`fxpipe.distributed.PipelineRank` without the last stage; every rank must be
+        given the same batches).
 
         The versions kept and the lags seen are in :attr:`last` (``versions``, ``lag`` per stage). A failing
         operation raises :class:`fxpipe.StageError` (as ``pipe.step``); the updates applied before it stay.
@@ -240,7 +254,7 @@ class AsyncTrainer:
             run_step(pipe.specs, pipe.devices, pipe._output.args[0], micro, [(t, j) for j, t in enumerate(targets)],
                      weighted_loss, "1f1b", lambda k, j: pipe._checkpointed(k, position[j], count[j]), "sum",
                      random=pipe._random_stages(), host=pipe.host, caller=caller, sizes=sizes,
-                     orders=orders, around=around)
+                     orders=orders, around=around, transport=self.transport)
         except StepFailure as failure:   # the updates already applied stay; nothing in flight survives
             commit_statistics(pipe.modules(), discard=True)
             for st in self.stages:
@@ -254,6 +268,8 @@ class AsyncTrainer:
                      "lags": [st.lags for st in self.stages], "micro_batches": len(micro)}
         for st in self.stages:
             st.max_versions, st.max_lag, st.lags = 0, 0, []
+        if not self.transport.local(len(self.stages) - 1):
+            return None   # the losses are computed on the last stage's rank
         per_batch = [0.0] * (batch_of[-1] + 1)
         for j, b in enumerate(batch_of):
             per_batch[b] += raw[j] * (sizes[j] / batch_samples[b] if self.reduction == "mean" else 1.0)

@@ -14,7 +14,9 @@ A residual whose shape no longer matches (a smaller last batch) is dropped.
 :class:`BoundaryCompression` is one pipeline's: which codec each boundary (the values a stage sends to
 other stages) uses, the residuals, and a lock (workers encode concurrently). The in-process transport
 (:mod:`fxpipe.runtime.transport`) applies it to forward activations that require gradients and to the
-gradients sent back; integer tensors (ids, masks) and values that need no gradient pass untouched. The
+gradients sent back; integer tensors (ids, masks) and values that need no gradient pass untouched. Between
+processes (:mod:`fxpipe.distributed.transport`) the payload's tensors are what goes over the wire, and the
+receiver, which knows the value's shape, allocates them from :func:`payload_layout`. The
 gradient is straight-through: the consumer's gradient with respect to the decoded value is sent back.
 """
 
@@ -29,7 +31,7 @@ import torch
 
 from fxpipe.compression_spec import BoundaryCodec, CodecSpec, check_compression
 
-__all__ = ["Payload", "encode", "decode", "BoundaryCompression", "crossing_stages", "codec_seconds_per_byte"]
+__all__ = ["Payload", "encode", "decode", "payload_layout", "BoundaryCompression", "crossing_stages", "codec_seconds_per_byte"]
 
 
 @dataclass
@@ -80,6 +82,19 @@ def encode(spec: CodecSpec, t: torch.Tensor, residual: torch.Tensor | None = Non
     return Payload({"values": values, "index": index.to(torch.int32)}, t.shape, t.dtype), left
 
 
+def payload_layout(spec: CodecSpec, shape: tuple[int, ...], dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """The tensors :func:`encode` makes of a ``shape``/``dtype`` tensor, in the order a wire sends them: what a
+    receiver in another process allocates before the payload arrives (the shapes depend on nothing else)."""
+    if spec.kind in ("fp16", "bf16"):
+        return [("x", tuple(shape), torch.float16 if spec.kind == "fp16" else torch.bfloat16)]
+    if spec.kind == "int8":
+        dims = set(_channel_dims(torch.empty(shape, device="meta"), spec.per_channel))
+        scale = tuple(1 if d in dims else n for d, n in enumerate(shape))
+        return [("q", tuple(shape), torch.int8), ("scale", scale, torch.float32)]
+    k = spec.kept(int(torch.Size(shape).numel()))
+    return [("values", (k,), dtype), ("index", (k,), torch.int32)]
+
+
 def decode(spec: CodecSpec, payload: Payload) -> torch.Tensor:
     """The tensor ``payload`` stands for, in its original shape and dtype."""
     got = payload.tensors
@@ -123,13 +138,28 @@ class BoundaryCompression:
     def codec(self, stage: int) -> BoundaryCodec | None:
         return self.codecs.get(stage)
 
+    def spec(self, stage: int, backward: bool, dtype: torch.dtype) -> CodecSpec | None:
+        """The codec of a ``dtype`` tensor crossing stage ``stage``'s boundary (``backward``: a gradient coming
+        back), or ``None`` when it crosses as it is (no codec that way, or not a float)."""
+        both = self.codecs.get(stage)
+        spec = None if both is None else both.backward if backward else both.forward
+        return spec if spec is not None and dtype.is_floating_point else None
+
     def send(self, stage: int, key: tuple[Any, ...], t: torch.Tensor) -> tuple[torch.Tensor, int]:
         """What the receiver of ``t`` (sent across stage ``stage``'s boundary; ``key[0]``: ``"F"`` forward,
         ``"B"`` a gradient back) gets, and the bytes sent."""
-        both = self.codecs.get(stage)
-        spec = None if both is None else both.forward if key[0] == "F" else both.backward
-        if spec is None or not t.is_floating_point():
+        packed = self.pack(stage, key, t)
+        if packed is None:
             return t, t.numel() * t.element_size()
+        spec, payload = packed
+        return decode(spec, payload).requires_grad_(t.requires_grad), payload.nbytes
+
+    def pack(self, stage: int, key: tuple[Any, ...], t: torch.Tensor) -> tuple[CodecSpec, Payload] | None:
+        """``t`` encoded for stage ``stage``'s boundary (``key`` as :meth:`send`'s; top-k gradients add and keep
+        their residual), or ``None`` when it crosses as it is."""
+        spec = self.spec(stage, key[0] == "B", t.dtype)
+        if spec is None:
+            return None
         feedback = spec.kind == "topk" and key[0] == "B"
         with self.lock:
             residual = self.residuals.pop(key, None) if feedback else None
@@ -143,7 +173,7 @@ class BoundaryCompression:
         if feedback and left is not None:
             with self.lock:
                 self.residuals[key] = left
-        return decode(spec, payload).requires_grad_(t.requires_grad), payload.nbytes
+        return spec, payload
 
 
 def crossing_stages(specs: list[Any], output_names: list[str]) -> list[int]:
