@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
-__all__ = ["SkipTied", "Boom", "WithBoom", "ModeBranch"]
+__all__ = ["SkipTied", "Boom", "WithBoom", "ModeBranch", "SleepInBackward"]
 
 
 class SkipTied(nn.Module):
@@ -81,3 +83,17 @@ class ModeBranch(nn.Module):
         if self.training:
             x = x * 0.5
         return self.b(x)
+
+
+class SleepInBackward(torch.autograd.Function):
+    """Identity forward; its backward sleeps ``seconds`` (a stage made slow where a test needs it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.seconds)
+        return grad, None

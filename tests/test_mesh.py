@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ import fxpipe
 from distributed_run import run_ranks
 from equivalence import max_relative_error
 from forced_cuts import compile_with_cuts
-from models import SkipTied
+from models import SkipTied, SleepInBackward
 
 STEPS = 3
 
@@ -116,20 +115,9 @@ def test_a_mesh_that_does_not_fit_the_plan_is_refused_with_the_numbers():
 SLEEP_S = 0.5   # each backward of the slow first stage
 
 
-class _SleepInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(SLEEP_S)
-        return grad
-
-
 class SlowBackward(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SleepInBackward.apply(x)
+        return SleepInBackward.apply(x, SLEEP_S)
 
 
 class SlowFirstStage(torch.nn.Module):

@@ -10,17 +10,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.refine.stage_profile import stage_factors
-
-
-class _SlowBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(0.05)
-        return grad
+from models import SleepInBackward
 
 
 class Sleepy(nn.Module):
@@ -32,7 +22,7 @@ class Sleepy(nn.Module):
 
     def forward(self, x):
         time.sleep(0.03)
-        return _SlowBackward.apply(self.lin(x))
+        return SleepInBackward.apply(self.lin(x), 0.05)
 
 
 class Net(nn.Module):
@@ -218,7 +208,7 @@ def test_contention_steps_must_be_a_whole_number(steps):
 
 def _slow_loss(out, target):
     """A loss whose own backward takes 50 ms: the last stage's backward in a step includes it."""
-    return _SlowBackward.apply(nn.functional.mse_loss(out, target))
+    return SleepInBackward.apply(nn.functional.mse_loss(out, target), 0.05)
 
 
 def test_with_a_loss_the_last_stage_backward_starts_at_it():
