@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -36,6 +37,13 @@ def _entry(rank: int, world: int, out: str, fn: Callable[..., Any], args: tuple)
         result = {"error": type(exc).__name__, "text": str(exc), "trace": traceback.format_exc()}
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
+    # Leave without the interpreter's teardown: after a step that failed on purpose, the receive a rank had
+    # posted for data that never came is still being waited for by a daemon thread inside gloo, and tearing
+    # the process down under it can abort ("terminate called without an active exception") after the result
+    # above was written. A user's job exits non-zero at that point anyway.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any, deadline_s: float = 240.0) -> list[dict[str, Any]]:

@@ -12,6 +12,12 @@ indices, a half-precision copy) and is decoded by the receiver, which knows the 
 (:func:`fxpipe.runtime.compression.payload_layout`): the bytes moved are the compressed ones, and the step is
 the in-process executor's compressed step (top-k's error-feedback residuals are kept by the sending rank).
 
+On GPUs the data goes over NCCL, which ignores tags and matches the sends from one rank to another with
+that rank's receives in the order both were posted. Each rank posts in its own schedule's order, so NCCL is
+used only where those orders cannot differ (:func:`fxpipe.distributed.wire.unordered_pairs`: one stage per
+rank, at most one value from a rank to another, none read by the loss from another rank); otherwise the
+values cross through host memory over gloo, whose tags match them exactly, and a warning says why.
+
 Sends never block (the schedule's receives are what orders the ranks, as the in-process executor's waits
 do). Each rank ends a step by sending every peer its status; a rank whose operation failed sends it at
 once, and the others, which hear statuses while they wait (:mod:`fxpipe.distributed.waiting`), end their
@@ -25,6 +31,7 @@ rank constructs its ``P2P`` at the same point), the data's with ``timeout_s`` as
 from __future__ import annotations
 
 import datetime
+import logging
 from typing import Any, Callable
 
 import torch
@@ -33,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 
 from fxpipe.distributed.waiting import PeerFailed, Receiver, Statuses
 from fxpipe.distributed.wire import (MAX_TENSORS, STATUS_BYTES, STATUS_TAG, Header, decode_header, encode_header,
-                                     encode_status, header_of, signature, tag)
+                                     encode_status, header_of, signature, tag, unordered_pairs)
 from fxpipe.errors import FxpipeError
 from fxpipe.runtime.codegen import StageSpec
 from fxpipe.runtime.compression import Payload, decode, payload_layout
@@ -42,6 +49,8 @@ from fxpipe.runtime.streams import DeviceStreams, Event
 from fxpipe.runtime.transport import LOSS, Transport
 
 __all__ = ["P2P"]
+
+log = logging.getLogger("fxpipe")
 
 
 class P2P(Transport):
@@ -53,13 +62,16 @@ class P2P(Transport):
         self.headers: dict[tuple[int, str], Header] = {}   # (channel, input signature) -> the value's header
         self.broken: str | None = None
         backend = dist.get_backend(group)
-        self.gpu_wire = backend == "nccl"
         self.ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         # Within a sub-group (a pipeline of a pp x dp mesh) only its members make these groups, each pipeline
         # its own at once: local synchronisation names a group by its ranks, not by a count every rank shares.
         local = group is not None
-        self.data = dist.new_group(self.ranks, timeout=datetime.timedelta(seconds=timeout_s), backend=backend,
-                                   use_local_synchronization=local)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.host_data = dist.new_group(self.ranks, timeout=timeout, backend="gloo", use_local_synchronization=local)
+        # NCCL, where the plan's messages are ordered alike on both sides of every pair (begin decides)
+        self.gpu_data = dist.new_group(self.ranks, timeout=timeout, backend=backend, use_local_synchronization=local) \
+            if backend == "nccl" else None
+        self.data, self.gpu_wire, self.warned = self.host_data, False, False
         self.control = dist.new_group(self.ranks, timeout=datetime.timedelta(days=7), backend="gloo",
                                       use_local_synchronization=local)
         self.receiver = Receiver()
@@ -89,6 +101,14 @@ class P2P(Transport):
         self.channels = {(name, c): n for n, (name, c) in enumerate(   # numbered alike on every rank
             (name, c) for name in sorted(self.readers) for c in self.readers[name]
             if self._rank(self.producer[name]) != self._rank(c))}
+        unordered = unordered_pairs(list(self.channels), self.producer, self.stage_rank)
+        self.gpu_wire = self.gpu_data is not None and unordered is None
+        self.data = self.gpu_data if self.gpu_wire else self.host_data
+        if self.gpu_data is not None and unordered is not None and not self.warned:
+            self.warned = True
+            log.warning("values cross between ranks through host memory (gloo), not NCCL: NCCL matches messages "
+                        "by order alone, and in this plan %s, so sender and receiver may order them differently",
+                        unordered)
         self.signatures = [signature(mb) for mb in micro_inputs]
         self.first = {s: self.signatures.index(s) for s in self.signatures}   # who carries a new header
         self.layout: dict[tuple[str, int], list[tuple[int, torch.Tensor]]] = {}   # grads a producer awaits

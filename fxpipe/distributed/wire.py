@@ -23,7 +23,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 __all__ = ["TensorMeta", "Header", "tag", "header_of", "encode_header", "decode_header", "encode_status",
-           "decode_status", "STATUS_TAG", "STATUS_BYTES", "signature", "MAX_MICRO_BATCHES", "MAX_TENSORS"]
+           "decode_status", "STATUS_TAG", "STATUS_BYTES", "signature", "MAX_MICRO_BATCHES", "MAX_TENSORS",
+           "unordered_pairs"]
 
 STATUS_TAG = 1            # one status message per peer and step: finished, or failed and where
 STATUS_BYTES = 4096
@@ -110,3 +111,23 @@ def signature(micro_batch: dict[str, Any]) -> str:
     """What a micro-batch's boundary shapes depend on: its inputs' shapes and dtypes (and non-tensor inputs)."""
     flat, spec = tree_flatten(micro_batch)
     return repr(([(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in flat], str(spec)))
+
+
+def unordered_pairs(channels: list[tuple[str, int]], producer: dict[str, int], stage_rank: list[int]) -> str | None:
+    """Why two ranks might post the messages between them in different orders (a backend that matches by order
+    alone, NCCL, would then pair a receive with the wrong send), or ``None`` when they cannot: every rank runs
+    one stage, at most one value goes from a rank to another, and the loss (consumer ``-1``, beside the last
+    stage) reads no value from another rank. Each side then posts that value's messages micro-batch by
+    micro-batch in its stage's order, forward and backward, which the schedules share. ``channels`` are the
+    ``(value, consumer stage)`` pairs that cross ranks."""
+    if len(set(stage_rank)) != len(stage_rank):
+        return "a rank runs several stages"
+    names: dict[tuple[int, int], list[str]] = {}
+    for name, consumer in channels:
+        if consumer == -1:
+            return f"the loss reads {name!r} from another rank"
+        names.setdefault((stage_rank[producer[name]], stage_rank[consumer]), []).append(name)
+    for (a, b), found in sorted(names.items()):
+        if len(found) > 1:
+            return f"{len(found)} values ({', '.join(found[:3])}) go from rank {a} to rank {b}"
+    return None
