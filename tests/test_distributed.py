@@ -405,68 +405,66 @@ def test_asynchronous_modes_over_processes_train_as_in_one_process():
         assert worst[0] <= 1e-6, (mode, worst)
 
 
-def _posting_order(rank: int, world: int, plan_json: str, kind: str) -> dict:
-    """Each schedule's data messages in the order this rank posted them: ``(send or receive, peer, tag)``."""
+def _posting_order(rank: int, world: int, plan_json: str, kind: str, schedules: tuple[str, ...]) -> dict:
+    """Each schedule's data messages in the order this rank posted them: ``(send or receive, group, peer, tag)``."""
     import torch.distributed as dist
     from fxpipe.distributed import PipelineRank
     from fxpipe.distributed.wire import STATUS_TAG
-    posted: list[tuple[str, int, int]] = []
+    posted: list[tuple[str, str, int, int]] = []
     isend, irecv = dist.isend, dist.irecv
 
     def recording(kind_: str, real):
         def post(t, peer, group=None, tag=0):
             if tag != STATUS_TAG:
-                posted.append((kind_, peer, tag))
+                posted.append((kind_, group.group_name, peer, tag))
             return real(t, peer, group, tag=tag)
         return post
     dist.isend, dist.irecv = recording("S", isend), recording("R", irecv)
     plan = fxpipe.Plan.from_dict(__import__("json").loads(plan_json))
     found = {}
-    for schedule in SCHEDULES:
+    for schedule in schedules:
         stage = PipelineRank(plan, functools.partial(_make, kind), functools.partial(_loss, kind), timeout_s=60)
         posted.clear()
-        for x, y in _batches(kind, 7):
+        for x, y in _batches(kind, 8):
             stage.step(x, y, schedule=schedule)
         found[schedule] = list(posted)
     return found
 
 
-def test_where_nccl_would_carry_the_values_both_sides_of_a_pair_post_them_in_one_order():
-    """NCCL ignores tags: a receive takes the next send from that rank. So NCCL carries the values only where
-    ``unordered_pairs`` finds that the two sides of every pair post in one order; checked here on gloo by
-    recording the posting order (the CNN on 4 ranks: one value between each pair, the skip included). On 2 ranks
-    the same CNN sends two values from rank 0 to rank 1, which the two sides post in different orders (seen
-    when this was written): that plan is found unordered, and crosses through host memory on GPUs."""
+@pytest.mark.parametrize("kind,world,schedules", [
+    ("cnn", 2, SCHEDULES), ("gpt", 4, SCHEDULES), ("gpt", 2, ("interleaved-1f1b",)), ("gpt", 2, ("zb-v",))])
+def test_within_each_channels_group_both_ranks_post_in_one_order(kind, world, schedules):
+    """NCCL ignores tags: a receive takes the next send from that rank in the same group. Recorded on gloo, the
+    two ranks post different values in different orders (the 2-rank CNN's skip and main path: rank 0 sent
+    ``[16, 17, 18, 131088]`` where rank 1 posted ``[131088, 131089, 131090, 16]``), so each channel has a group
+    of its own; within every group both ranks post in one order, for every schedule, the skip from the first
+    stage to the last, the tied weight and two stages per rank included."""
+    if len(schedules) == 1:
+        plan = _interleaved_plan(kind, 8, 4, schedules[0])
+    else:
+        plan = _plan(kind, world, 8, 4)
+    results = run_ranks(world, _posting_order, copy.deepcopy(plan).to_json(), kind, schedules)
+    errors = [r["trace"] for r in results if "ok" not in r]
+    assert not errors, errors[0]
+    for schedule in schedules:
+        logs = [r["ok"][schedule] for r in results]
+        groups = {g for log in logs for _, g, _, _ in log}
+        assert len(groups) > 1 or world == 2 and kind == "gpt", groups   # a group per channel
+        for a in range(world):
+            for b in set(range(world)) - {a}:
+                for g in groups:
+                    sent = [t for k, grp, peer, t in logs[a] if k == "S" and grp == g and peer == b]
+                    received = [t for k, grp, peer, t in logs[b] if k == "R" and grp == g and peer == a]
+                    assert sent == received, (schedule, a, b, g, sent[:6], received[:6])
+
+
+def test_only_a_value_the_loss_reads_from_another_rank_keeps_nccl_off():
     from fxpipe.distributed.wire import unordered_pairs
-
-    def channels(plan: fxpipe.Plan, pipe: fxpipe.Pipeline) -> tuple[list[tuple[str, int]], dict[str, int]]:
-        """The values that cross stages (by consumer stage), and their producers: what P2P.begin numbers."""
-        producer = {n: k for k, spec in enumerate(pipe.specs) for n in spec.outputs}
-        found = [(n, k) for k, spec in enumerate(pipe.specs) for n in spec.inputs
-                 if n in producer and producer[n] != k]
-        return found, producer
-
-    x = _batches("cnn", 7)[0][0]
-    for world, cuts in ((4, ["convs_0", "convs_2", "convs_3"]), (2, ["convs_2"])):
-        pipe = compile_with_cuts(_make("cnn"), (x,), cuts, chunks=3)
-        found, producer = channels(pipe.plan, pipe)
-        why = unordered_pairs(found, producer, list(range(world)))
-        if world == 2:
-            assert why is not None and "2 values" in why and "rank 0 to rank 1" in why, why
-            continue
-        assert why is None, why
-        results = run_ranks(world, _posting_order, copy.deepcopy(pipe.plan).to_json(), "cnn")
-        errors = [r["trace"] for r in results if "ok" not in r]
-        assert not errors, errors[0]
-        for schedule in SCHEDULES:
-            logs = [r["ok"][schedule] for r in results]
-            for a in range(world):
-                for b in set(range(world)) - {a}:
-                    sent = [t for kind, peer, t in logs[a] if kind == "S" and peer == b]
-                    received = [t for kind, peer, t in logs[b] if kind == "R" and peer == a]
-                    assert sent == received, (schedule, a, b, sent[:6], received[:6])
-    assert unordered_pairs([("h", 1), ("w", 1)], {"h": 0, "w": 0}, [0, 0]) == "a rank runs several stages"
-    assert unordered_pairs([("out", -1)], {"out": 0}, [0, 1]) == "the loss reads 'out' from another rank"
+    producer = {"h": 0, "skip": 0, "out": 0}
+    assert unordered_pairs([("h", 1), ("skip", 1)], producer, [0, 1]) is None
+    assert unordered_pairs([("h", 1), ("skip", 3)], producer, [0, 1, 0, 1]) is None
+    why = unordered_pairs([("h", 1), ("out", -1)], producer, [0, 1])
+    assert why == "the loss reads 'out' from rank 0, in the backward order", why
 
 
 @pytest.mark.parametrize("schedule", ["zb-v", "interleaved-1f1b"])

@@ -13,10 +13,12 @@ indices, a half-precision copy) and is decoded by the receiver, which knows the 
 the in-process executor's compressed step (top-k's error-feedback residuals are kept by the sending rank).
 
 On GPUs the data goes over NCCL, which ignores tags and matches the sends from one rank to another with
-that rank's receives in the order both were posted. Each rank posts in its own schedule's order, so NCCL is
-used only where those orders cannot differ (:func:`fxpipe.distributed.wire.unordered_pairs`: one stage per
-rank, at most one value from a rank to another, none read by the loss from another rank); otherwise the
-values cross through host memory over gloo, whose tags match them exactly, and a warning says why.
+that rank's receives in the order both were posted. Two ranks post the messages of different values in their
+own schedules' orders, which differ (a value and a skip from the same stage, stages interleaved), so each
+channel (a value and the stage that reads it) has a process group of its own, made at the first step, within
+which its two ranks post in the same order. Where even that does not hold
+(:func:`fxpipe.distributed.wire.unordered_pairs`: the loss reading a value from another rank) the channels
+are gloo groups, through host memory, whose tags match messages exactly, and a warning says why.
 
 Sends never block (the schedule's receives are what orders the ranks, as the in-process executor's waits
 do). Each rank ends a step by sending every peer its status; a rank whose operation failed sends it at
@@ -24,8 +26,8 @@ once, and the others, which hear statuses while they wait (:mod:`fxpipe.distribu
 step with an error naming that rank, stage, micro-batch and pass instead of waiting for data that will not
 come. Every wait has a deadline (``timeout_s``), so a dead peer is an error too, never a hang. After a
 failure the transport refuses further steps (messages of the failed step may still be in flight): restart
-the processes. Data and statuses go through two process groups of their own (made here, collectively: every
-rank constructs its ``P2P`` at the same point), the data's with ``timeout_s`` as its timeout.
+the processes. Statuses go through a gloo group of their own (made here, collectively: every rank constructs
+its ``P2P`` at the same point); the channels' groups have ``timeout_s`` as their timeout.
 """
 
 from __future__ import annotations
@@ -65,13 +67,11 @@ class P2P(Transport):
         self.ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         # Within a sub-group (a pipeline of a pp x dp mesh) only its members make these groups, each pipeline
         # its own at once: local synchronisation names a group by its ranks, not by a count every rank shares.
-        local = group is not None
-        timeout = datetime.timedelta(seconds=timeout_s)
-        self.host_data = dist.new_group(self.ranks, timeout=timeout, backend="gloo", use_local_synchronization=local)
-        # NCCL, where the plan's messages are ordered alike on both sides of every pair (begin decides)
-        self.gpu_data = dist.new_group(self.ranks, timeout=timeout, backend=backend, use_local_synchronization=local) \
-            if backend == "nccl" else None
-        self.data, self.gpu_wire, self.warned = self.host_data, False, False
+        local = self.sub_group = group is not None
+        self.backend, self.gpu_wire = backend, False
+        # one group per channel, made by its two ranks at the first step (begin): NCCL pairs a rank's receives
+        # with another's sends in posting order, which is the same on both sides within one channel
+        self.lanes: dict[int, Any] = {}
         self.control = dist.new_group(self.ranks, timeout=datetime.timedelta(days=7), backend="gloo",
                                       use_local_synchronization=local)
         self.receiver = Receiver()
@@ -101,20 +101,31 @@ class P2P(Transport):
         self.channels = {(name, c): n for n, (name, c) in enumerate(   # numbered alike on every rank
             (name, c) for name in sorted(self.readers) for c in self.readers[name]
             if self._rank(self.producer[name]) != self._rank(c))}
-        unordered = unordered_pairs(list(self.channels), self.producer, self.stage_rank)
-        self.gpu_wire = self.gpu_data is not None and unordered is None
-        self.data = self.gpu_data if self.gpu_wire else self.host_data
-        if self.gpu_data is not None and unordered is not None and not self.warned:
-            self.warned = True
-            log.warning("values cross between ranks through host memory (gloo), not NCCL: NCCL matches messages "
-                        "by order alone, and in this plan %s, so sender and receiver may order them differently",
-                        unordered)
+        if not self.lanes:
+            self._make_lanes()
         self.signatures = [signature(mb) for mb in micro_inputs]
         self.first = {s: self.signatures.index(s) for s in self.signatures}   # who carries a new header
         self.layout: dict[tuple[str, int], list[tuple[int, torch.Tensor]]] = {}   # grads a producer awaits
         # works with the tensors they read, kept to the step's end (gloo says a send is done only when waited for)
         self.sending: list[tuple[Any, torch.Tensor]] = []
         self.statuses = Statuses(self.peers, self._status_receive, self._global)
+
+    def _make_lanes(self) -> None:
+        """A process group per channel, made by every rank in channel order. NCCL where the posting order within
+        a channel is the same on both sides, gloo (through host memory) otherwise."""
+        unordered = unordered_pairs(list(self.channels), self.producer, self.stage_rank)
+        self.gpu_wire = self.backend == "nccl" and unordered is None
+        if self.backend == "nccl" and unordered is not None:
+            log.warning("values cross between ranks through host memory (gloo), not NCCL: NCCL matches messages "
+                        "by order alone, and in this plan %s, so sender and receiver may order them differently",
+                        unordered)
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        for channel in sorted(self.channels.values()):
+            # of every rank of the pipeline, not the channel's two: torch names groups by a counter that a rank
+            # outside a group does not advance, so two-rank groups would leave the ranks' counters apart and a
+            # later group (the user's too) would wait forever; NCCL connects only the pairs that exchange data
+            self.lanes[channel] = dist.new_group(self.ranks, timeout=timeout, use_local_synchronization=self.sub_group,
+                                                 backend="nccl" if self.gpu_wire else "gloo")
 
     def _rank(self, stage: int) -> int:
         return self.stage_rank[-1 if stage == LOSS else stage]
@@ -127,15 +138,15 @@ class P2P(Transport):
         t = t.detach().contiguous()
         return t if self.gpu_wire or t.device.type == "cpu" else t.cpu()
 
-    def _send(self, t: torch.Tensor, to: int, message: int, group: Any = None) -> None:
+    def _send(self, t: torch.Tensor, to: int, message: int, group: Any) -> None:
         t = self._wire(t)
-        self.sending.append((dist.isend(t, self._global(to), group or self.data, tag=message), t))
+        self.sending.append((dist.isend(t, self._global(to), group, tag=message), t))
 
     def _receive(self, like: tuple[tuple[int, ...], torch.dtype], device: torch.device, src: int,
-                 message: int) -> tuple[Any, torch.Tensor]:
+                 message: int, group: Any) -> tuple[Any, torch.Tensor]:
         on = device if self.gpu_wire else torch.device("cpu")
         buf = torch.empty(like[0], dtype=like[1], device=on)
-        return dist.irecv(buf, self._global(src), self.data, tag=message), buf
+        return dist.irecv(buf, self._global(src), group, tag=message), buf
 
     @staticmethod
     def _part(n: int) -> int:
@@ -153,7 +164,7 @@ class P2P(Transport):
                       if self.compression is not None and (backward or t.requires_grad) else None)
             pieces = [t] if packed is None else list(packed[1].tensors.values())
             for piece in pieces:
-                self._send(piece, to, tag(channel, backward, i, self._part(part)))
+                self._send(piece, to, tag(channel, backward, i, self._part(part)), self.lanes[channel])
                 part += 1
             raw += t.numel() * t.element_size()
             sent += sum(piece.numel() * piece.element_size() for piece in pieces)
@@ -174,7 +185,7 @@ class P2P(Transport):
             layout = [("", shape, dtype)] if spec is None else payload_layout(spec, shape, dtype)
             for _, piece_shape, piece_dtype in layout:
                 posted.append(self._receive((piece_shape, piece_dtype), device, src,
-                                            tag(channel, backward, i, self._part(part))))
+                                            tag(channel, backward, i, self._part(part)), self.lanes[channel]))
                 part += 1
             wanted.append((spec, shape, dtype, [name for name, _, _ in layout]))
         got = iter(self._wait(posted, what) if posted else [])
@@ -199,8 +210,9 @@ class P2P(Transport):
                 if key not in self.headers:
                     self.headers[key] = header_of(value)
                     data = encode_header(self.headers[key])
-                    self._send(torch.tensor([data.numel()], dtype=torch.int64), to, tag(channel, False, i, 0))
-                    self._send(data, to, tag(channel, False, i, 1))
+                    self._send(torch.tensor([data.numel()], dtype=torch.int64), to, tag(channel, False, i, 0),
+                               self.lanes[channel])
+                    self._send(data, to, tag(channel, False, i, 1), self.lanes[channel])
                 self._send_parts([(t, ("F", name, c, i, pos)) for pos, t in enumerate(flat)
                                   if isinstance(t, torch.Tensor)], k, to, channel, False, i)
             if self.unread.get((i, name)) == 0:   # no reader here: nothing to keep beyond the producer's outs
@@ -214,9 +226,10 @@ class P2P(Transport):
         key = (channel, self.signatures[i])
         if key not in self.headers:   # sent with the first micro-batch of this signature
             j = self.first[self.signatures[i]]
-            length = self._wait([self._receive(((1,), torch.int64), device, src, tag(channel, False, j, 0))], what)
+            length = self._wait([self._receive(((1,), torch.int64), device, src, tag(channel, False, j, 0),
+                                               self.lanes[channel])], what)
             data = self._wait([self._receive(((int(length[0].item()),), torch.uint8), device, src,
-                                             tag(channel, False, j, 1))], what)
+                                             tag(channel, False, j, 1), self.lanes[channel])], what)
             self.headers[key] = decode_header(data[0].cpu())
         header = self.headers[key]
         got = self._receive_parts([(m.shape, getattr(torch, m.dtype), m.requires_grad) for _, m in header.tensors()],

@@ -114,20 +114,15 @@ def signature(micro_batch: dict[str, Any]) -> str:
 
 
 def unordered_pairs(channels: list[tuple[str, int]], producer: dict[str, int], stage_rank: list[int]) -> str | None:
-    """Why two ranks might post the messages between them in different orders (a backend that matches by order
-    alone, NCCL, would then pair a receive with the wrong send), or ``None`` when they cannot: every rank runs
-    one stage, at most one value goes from a rank to another, and the loss (consumer ``-1``, beside the last
-    stage) reads no value from another rank. Each side then posts that value's messages micro-batch by
-    micro-batch in its stage's order, forward and backward, which the schedules share. ``channels`` are the
-    ``(value, consumer stage)`` pairs that cross ranks."""
-    if len(set(stage_rank)) != len(stage_rank):
-        return "a rank runs several stages"
-    names: dict[tuple[int, int], list[str]] = {}
+    """Why the two ranks of a channel might post its messages in different orders (a backend that matches by
+    order alone, NCCL, would then pair a receive with the wrong send), or ``None`` when they cannot. Within one
+    channel (a value and the stage that reads it) the producer sends micro-batch by micro-batch in its
+    forwards' order and the reader receives in its own forwards' order, the same increasing one; gradients go
+    back in the reader's backward order and are received in the producer's, which every schedule shares. The
+    exception is a value the loss (consumer ``-1``) reads from another rank: it is received in the last
+    stage's backward order, GPipe's reversed. ``channels`` are the ``(value, consumer stage)`` pairs that cross
+    ranks."""
     for name, consumer in channels:
         if consumer == -1:
-            return f"the loss reads {name!r} from another rank"
-        names.setdefault((stage_rank[producer[name]], stage_rank[consumer]), []).append(name)
-    for (a, b), found in sorted(names.items()):
-        if len(found) > 1:
-            return f"{len(found)} values ({', '.join(found[:3])}) go from rank {a} to rank {b}"
+            return f"the loss reads {name!r} from rank {stage_rank[producer[name]]}, in the backward order"
     return None
