@@ -27,7 +27,7 @@ from fxpipe.refine.rounds import refine
 from fxpipe.runtime.assemble import build_pipeline
 from fxpipe.runtime.batch_check import check_micro_batching
 from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
-from fxpipe.runtime.compression import BoundaryCompression, codec_seconds_per_byte, crossing_stages
+from fxpipe.runtime.compression import BoundaryCompression, codec_seconds_per_byte
 from fxpipe.runtime.guards import ModelGuard, input_signature
 from fxpipe.runtime.host import UNSHARED
 from fxpipe.runtime.losses import scalar_of
@@ -141,9 +141,7 @@ def compile(
     def build(chosen: Plan) -> Pipeline:                                                # 4. codegen, run
         pipe = build_pipeline(captured.graph, chosen, checkpoint, captured.mode_dependent, host)
         pipe.guard = ModelGuard(model)   # after the moves: .to(device) replaces buffer tensors
-        outputs: list[str] = []
-        torch.fx.node.map_arg(pipe._output.args[0], lambda n: outputs.append(n.name) or n)
-        pipe.compression = BoundaryCompression.of(options.compression, crossing_stages(pipe.specs, outputs))
+        pipe.compression = BoundaryCompression.of_stages(options.compression, pipe.specs, pipe._output.args[0])
         return pipe
     layout = batch_layout(options, captured.graph)
     if plan is not None:

@@ -21,7 +21,6 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.fx
 from torch import nn
 
 from fxpipe.compression_spec import check_compression
@@ -34,7 +33,7 @@ from fxpipe.frontend.capture import capture
 from fxpipe.planning.plan import Plan, load_plan
 from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
 from fxpipe.runtime.codegen import StageSpec, move_stage, split_graph
-from fxpipe.runtime.compression import BoundaryCompression, crossing_stages
+from fxpipe.runtime.compression import BoundaryCompression
 from fxpipe.runtime.pipeline import Pipeline
 
 __all__ = ["PipelineRank"]
@@ -116,9 +115,7 @@ class PipelineRank:
         self.specs: list[StageSpec] = specs
         self.pipe = Pipeline(captured.graph, specs, devices, plan, checkpoint=checkpoint,
                              mode_dependent=captured.mode_dependent)
-        outputs: list[str] = []
-        torch.fx.node.map_arg(self.pipe._output.args[0], lambda n: outputs.append(n.name) or n)
-        self.pipe.compression = BoundaryCompression.of(compression, crossing_stages(specs, outputs))
+        self.pipe.compression = BoundaryCompression.of_stages(compression, specs, self.pipe._output.args[0])
         self.pipe.transport = P2P(self.rank, stage_rank, group, timeout_s)
         self.plan, self.loss_fn, self.reduction, self.broadcast_loss = plan, loss_fn, reduction, broadcast_loss
         self.last = self.rank == stage_rank[-1]

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Hashable, Mapping
 
 import torch
+import torch.fx
 
 from fxpipe.compression_spec import BoundaryCodec, CodecSpec, check_compression
 
@@ -134,6 +135,13 @@ class BoundaryCompression:
                              f"after stages {boundaries} (key k is the boundary between stage k and the stages "
                              f"after it): use those keys, or one codec name for every boundary")
         return cls(checked)
+
+    @classmethod
+    def of_stages(cls, value: object, specs: list[Any], output_arg: Any) -> "BoundaryCompression | None":
+        """:meth:`of` for a pipeline's stages ``specs`` whose model output is the fx argument ``output_arg``."""
+        outputs: list[str] = []
+        torch.fx.node.map_arg(output_arg, lambda n: outputs.append(n.name) or n)
+        return cls.of(value, crossing_stages(specs, outputs))
 
     def codec(self, stage: int) -> BoundaryCodec | None:
         return self.codecs.get(stage)
