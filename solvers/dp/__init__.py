@@ -33,7 +33,13 @@ finished stage times, times of stages that can still grow)``; a label is
 dropped only when another is no worse in every coordinate, which keeps the
 search exact. Two bounds prune it: every stage of an optimal plan takes at
 most ``UB / m`` (because ``T >= m max t_s``), and a label whose lower bound
-already exceeds the incumbent ``UB`` is dropped. For chains and the short
+already exceeds the incumbent ``UB`` is dropped; a label's lower bound counts the
+slowest stage the rest must still have (``Tables.suffix_bottleneck``: compute and the
+transfers every stage pays over the fastest link). Every complete plan's slowest stage
+takes at least that long, so a label's own maximum is raised to it: labels that differ
+only below it collapse into one. Placement states are kept one per orbit of the
+topology's symmetries (:mod:`solvers.dp.symmetry`, or the tree of link classes of
+:mod:`solvers.dp.hierarchy` for large hierarchical groups). For chains and the short
 skips of residual networks the pending set holds one or two nodes, so the
 search is close to the quadratic DP; long skips (U-Net) enlarge it.
 """

@@ -16,7 +16,7 @@ from solvers.problem import Problem
 from solvers.dp.space import Space
 from solvers.dp.tables import REL_TOL, Tables
 
-__all__ = ['analytic_lower', 'Label', 'plan_of', 'Timeout', 'deepening', 'insert_label', 'solve_fixed_p']
+__all__ = ['FIRST_STEP', 'analytic_lower', 'Label', 'plan_of', 'Timeout', 'deepening', 'insert_label', 'solve_fixed_p']
 
 
 @dataclass
@@ -29,6 +29,10 @@ class Label:
     end: int
     device: int                # device index of that stage (in the frame of the state it entered)
     sigma: tuple | None = None  # the automorphism that mapped that state to its canonical form
+
+
+FIRST_STEP = 1e-3
+"""The first bound of :func:`deepening` is this far above the lower bound (relative); each failure makes the step 1.5 times larger."""
 
 
 class Timeout(Exception):
@@ -65,7 +69,11 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
     factor = 1.0 + problem.optimizer_state_factor
     cap = ub / m * (1 + REL_TOL) if math.isfinite(ub) else math.inf
     ub_limit = ub * (1 + REL_TOL) if math.isfinite(ub) else math.inf
-    max_speed = space.speeds(p)[0]
+    max_speed, together = space.speeds(p)
+    # Every complete plan's slowest stage takes at least the whole work over the speeds of its stages.
+    least_max = tables.suffix_fb[0] / together
+    future_bottleneck = tables.suffix_bottleneck(max_speed, p - 1)
+    transfer_lbs = tables.future_transfer_lbs(p - 1)
     canon = space.canon
     # frontier[(j, k)] maps (used devices, pending senders) to Pareto sets of labels.
     frontier: dict[tuple[int, int], dict[tuple, list[Label]]] = {
@@ -90,9 +98,10 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                 pend_dev = {u: d for u, _, d in pending}
                 pend_stages = sorted(set(pend_stage.values()))
                 slot = {a: i for i, a in enumerate(pend_stages)}
-                for d, new_used in space.candidates(used, k, p):
+                for d, new_used in space.candidates(used, k, p, pending):
                     group = groups[d]
                     act_scale = inflight / group.replicas
+                    replicated = group.replicas > 1
                     # Everything of a stage [j, j2) on d but the labels' own sums is the same for every label
                     # of this state: computed once per j2, then each label still growing takes its share.
                     active = list(labels)
@@ -115,7 +124,7 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                                 recv_cost[u] = c
                         if params * factor + acts * act_scale > group.memory_bytes:
                             break
-                        ar = allreduce_s(group, params) / m
+                        ar = allreduce_s(group, params) / m if replicated else 0.0
                         t_k = compute / group.speed + comm_in + ar
                         alive_seg = [u for u in alive_seg if tables.last_use[u] >= j2]
                         if tables.last_use[x] >= j2:
@@ -133,8 +142,13 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                             if end_j2 < pruned:
                                 pruned = end_j2
                             break
-                        future_max = rest / stages_left if stages_left else 0.0
-                        transfer_lb = tables.future_transfer_lb(j2, stages_left) if stages_left else 0.0
+                        # the stages after this one: their slowest takes at least this long
+                        future_max = future_bottleneck[stages_left][j2] if stages_left else 0.0
+                        # A lower bound of the final maximum, whatever the label: a label's own maximum below it
+                        # makes no difference to any completion, so it is raised to it, and labels that differ
+                        # only there collapse into one in the Pareto set.
+                        max_floor = future_max if future_max > least_max else least_max
+                        transfer_lb = transfer_lbs[stages_left][j2] if stages_left else 0.0
                         # every label's bound is at least this one (its max at least the rest shared out):
                         # when it is over the limit, no label here can end a plan at j2 (a longer stage may:
                         # the rest shrinks); the labels' own drop tests are made at the next j2
@@ -197,7 +211,8 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                                 continue  # may shrink with j2: a longer stage may still do
                             if last_stage and j2 < n:
                                 continue
-                            new_label = Label(total, max_done, new_t, label, j, j2, d)
+                            new_label = Label(total, max_done if max_done > max_floor else max_floor, new_t,
+                                              label, j, j2, d)
                             if j2 == n:
                                 t_iter = total + (m - 1) * max_done
                                 if t_iter < best_t:
@@ -258,7 +273,11 @@ def deepening(problem: Problem, tables: Tables, p: int, ub: float, space: Space,
     proven[p] = lower
     if lower > ub * (1 + REL_TOL):
         return None, math.inf
-    bound = lower * 1.02
+    # A search's cost grows steeply with its bound, and the first bound at or above the optimum
+    # finds it: the bounds rise from just above the lower bound by steps that grow 1.5 times, so the
+    # searches that fail are cheap and the one that succeeds overshoots by at most one step.
+    step = FIRST_STEP
+    bound = lower * (1 + step)
     for _ in range(60):   # past that many failed bounds, one search at the incumbent
         bound = min(bound, ub)
         label, t, pruned = solve_fixed_p(problem, tables, p, bound, space, deadline)
@@ -268,11 +287,8 @@ def deepening(problem: Problem, tables: Tables, p: int, ub: float, space: Space,
         proven[p] = min(pruned, ub)   # nothing at or below the bound; all else was pruned above it
         if bound >= ub:
             return None, math.inf
-        # Step at least to what the failed search proved; close to the incumbent, search at it
-        # (a search just below costs nearly as much).
-        bound = max(pruned, bound * 1.15)
-        if bound >= 0.95 * ub:
-            bound = ub
+        step *= 1.5
+        bound = max(pruned, bound) * (1 + step)   # at least what the failed search proved
     label, t, _ = solve_fixed_p(problem, tables, p, ub, space, deadline)
     proven[p] = t if label is not None else ub
     return label, t

@@ -17,6 +17,7 @@ from solvers.solution import Solution, Stage, assignment_from_cuts
 from solvers.dp.tables import REL_TOL, Tables, balanced_cuts, device_classes, stage_counts
 from solvers.dp.labels import analytic_lower, plan_of, Timeout, deepening
 from solvers.dp.space import Space
+from solvers.dp.hierarchy import TreeCanon, link_tree
 from solvers.dp.symmetry import Canon, automorphisms
 from solvers.dp.bounds import min_peak_bytes, placement_floor
 
@@ -77,6 +78,18 @@ class Search:
             if label is not None and t <= self.ub * (1 + REL_TOL):
                 cuts, devices = plan_of(label)
                 self.ub, self.incumbent = t, (p, cuts, [self.table.groups[d].devices for d in devices])
+
+
+def orbit_canon(problem: Problem, classes: list[list[int]]) -> Canon | TreeCanon | None:
+    """How the placement search keeps one state per orbit: the tree of link classes when the links
+    form one (any size of group), else the automorphisms when there are few enough; None when the
+    pairwise classes already capture every symmetry."""
+    pairwise = 2 ** sum(len(c) > 1 for c in classes)   # at least: the pairwise classes' swaps
+    tree = link_tree(problem)
+    if tree is not None and tree.symmetries() > pairwise:
+        return TreeCanon(tree)
+    group = automorphisms(problem)
+    return Canon(group) if group is not None and len(group) > pairwise else None
 
 
 def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | None = None) -> Solution:
@@ -144,10 +157,8 @@ def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | Non
     if exhaustive and not blind_is_all and len(problem.devices) > 1:
         floor = (placement_floor(problem, search.ub, time.perf_counter() + 0.5 * max(0.0, deadline - time.perf_counter()))
                  if search.incumbent is not None else {})
-        group = automorphisms(problem)
-        # with more automorphisms than the pairwise classes, one state per orbit of the whole group
-        canon = Canon(group) if group is not None and len(group) > 2 ** sum(len(c) > 1 for c in classes) else None
-        search.exact(Space("classes", table, classes=classes, canon=canon), certifies=True, floor=floor)
+        search.exact(Space("classes", table, classes=classes, canon=orbit_canon(problem, classes)),
+                     certifies=True, floor=floor)
     if search.incumbent is None:
         need = min_peak_bytes(problem)
         have = max(d.memory_bytes for d in problem.devices)

@@ -1,12 +1,14 @@
 """Which device (or replica group) the next stage may take in the label search: a :class:`Space`.
 
 Three spaces: stage ``k`` on a fixed order of devices, any unused device up to interchangeable ones (or up to
-the topology's automorphisms, :class:`solvers.dp.symmetry.Canon`), or runs of consecutive devices of an order
+the topology's automorphisms, :class:`solvers.dp.symmetry.Canon`, or of its tree of link classes,
+:class:`solvers.dp.hierarchy.TreeCanon`), or runs of consecutive devices of an order
 as replica groups. :mod:`solvers.dp.labels` searches one space at a time."""
 
 from __future__ import annotations
 
 from solvers.groups import GroupTable
+from solvers.dp.hierarchy import TreeCanon
 from solvers.dp.symmetry import Canon
 
 __all__ = ["Space"]
@@ -23,7 +25,7 @@ class Space:
 
     def __init__(self, kind: str, table: GroupTable, order: list[int] | None = None,
                  classes: list[list[int]] | None = None, max_replicas: int = 1,
-                 canon: Canon | None = None) -> None:
+                 canon: Canon | TreeCanon | None = None) -> None:
         self.kind, self.table, self.order, self.classes = kind, table, order, classes
         self.canon = canon if kind == "classes" else None   # then ``used`` is a bit mask of devices
         self.max_replicas = max_replicas
@@ -39,15 +41,25 @@ class Space:
             return 0
         return (0,) * len(self.classes) if self.kind == "classes" else ()
 
-    def candidates(self, used: tuple, k: int, p: int) -> list[tuple[int, tuple]]:
+    def candidates(self, used: tuple, k: int, p: int, pending: tuple = ()) -> list[tuple[int, tuple]]:
+        """``(device group, devices used after it)`` for stage ``k``, given the state's ``used`` and ``pending``.
+
+        With a canonical form, one device per orbit of the symmetries that keep the state: two devices
+        that such a symmetry swaps lead to mirror images of the same futures, at the same costs.
+        """
         if self.kind == "order":
             return [(self.order[k], used)]
-        if self.canon is not None:   # the lowest unused device of each class
-            out = []
+        if self.canon is not None:   # the lowest unused device of each class, one per orbit
+            out, seen = [], set()
             for group in self.classes:
                 d = next((d for d in group if not used >> d & 1), None)
                 if d is not None:
-                    out.append((d, used | 1 << d))
+                    # d marked as a pending sender no node has: equal forms differ by a symmetry that
+                    # keeps ``used`` and ``pending`` and maps one device onto the other
+                    form = self.canon.canonical(used | 1 << d, pending + ((-1, -1, d),))[0]
+                    if form not in seen:
+                        seen.add(form)
+                        out.append((d, used | 1 << d))
             return out
         if self.kind == "classes":
             return [(group[used[c]], used[:c] + (used[c] + 1,) + used[c + 1:])

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from solvers.problem import Problem
 
-__all__ = ['REL_TOL', 'Tables', 'balanced_cuts', 'device_classes', 'fastest_link', 'stage_counts']
+__all__ = ['REL_TOL', 'Tables', 'balanced_cuts', 'device_classes', 'fastest_link', 'one_way_classes', 'stage_counts']
 
 
 REL_TOL = 1e-9
@@ -24,6 +26,15 @@ def fastest_link(problem: Problem) -> tuple[float, float]:
     others = [(i, j) for i in range(len(problem.devices)) for j in range(len(problem.devices)) if i != j]
     return (max((problem.bandwidth_Bps[i][j] for i, j in others), default=math.inf),
             min((problem.latency_s[i][j] for i, j in others), default=0.0))
+
+
+def one_way_classes(problem: Problem) -> list[tuple[float, float]]:
+    """The distinct ``(bandwidth, latency)`` of the problem's links, bandwidth times the most replicas a
+    stage may have, without those another beats both ways: a boundary tensor crosses one of them, or slower."""
+    d = len(problem.devices)
+    links = {(problem.bandwidth_Bps[i][j] * problem.max_replicas, problem.latency_s[i][j])
+             for i in range(d) for j in range(d) if i != j}
+    return sorted(x for x in links if not any(y != x and y[0] >= x[0] and y[1] <= x[1] for y in links))
 
 
 class Tables:
@@ -47,17 +58,25 @@ class Tables:
         for i in range(n - 1, -1, -1):
             self.suffix_fb[i] = self.suffix_fb[i + 1] + self.fb[i]
         # A stage that starts at position c receives at least the inputs of node c that
-        # come from before c, each over the fastest link: 4 one-way transfers in the sum
-        # (forward and gradient, charged to both ends). Different boundaries have
-        # different receiving stages, so these bounds add up without double counting.
-        bw_max, lat_min = fastest_link(problem)
-        bw_max *= problem.max_replicas
+        # come from before c, each over the link that is cheapest for its size (any placement
+        # uses one of the problem's links; a replica group's is no faster than the best of them
+        # times the replicas): 4 one-way transfers in the sum (forward and gradient, charged to
+        # both ends). Different boundaries have different receiving stages, so these bounds add
+        # up without double counting.
+        classes = one_way_classes(problem)
+        cheapest_one_way = lambda nbytes: min((nbytes / bw + lat for bw, lat in classes), default=0.0)  # noqa: E731
         self.enter_lb = [0.0] * (n + 1)
+        # What the stage ending just before c must at least send: node c's inputs from each position,
+        # both ways (two one-way transfers; the receiver pays the other two).
+        self.sent_to: list[list[tuple[int, float]]] = [[] for _ in range(n + 1)]
         for c in range(1, n):
             first: dict[int, float] = {}
             for u, nbytes in self.inputs[c]:
                 first[u] = max(first.get(u, 0.0), nbytes)
-            self.enter_lb[c] = 4.0 * sum(b / bw_max + lat_min for b in first.values())
+            self.sent_to[c] = sorted((u, 2.0 * cheapest_one_way(b)) for u, b in first.items())
+            self.enter_lb[c] = 2.0 * sum(cost for _, cost in self.sent_to[c])
+        self._bottleneck: dict[tuple[float, int], list[list[float]]] = {}
+        self._transfer_lbs: list[list[float]] = []
         # cheapest[c]: the smallest enter bounds among positions > c, ascending (at most 16 kept).
         self.cheapest: list[list[float]] = [[] for _ in range(n + 1)]
         for c in range(n - 2, -1, -1):
@@ -69,6 +88,43 @@ class Tables:
             return 0.0
         more = self.cheapest[cut][:boundaries - 1]
         return self.enter_lb[cut] + sum(more) if len(more) == boundaries - 1 else math.inf
+
+
+    def future_transfer_lbs(self, boundaries: int) -> list[list[float]]:
+        """``future_transfer_lb(cut, b)`` as ``table[b][cut]`` for every ``b <= boundaries``, computed once."""
+        while len(self._transfer_lbs) <= boundaries:
+            b = len(self._transfer_lbs)
+            self._transfer_lbs.append([self.future_transfer_lb(cut, b) for cut in range(self.n + 1)])
+        return self._transfer_lbs
+
+    def suffix_bottleneck(self, speed: float, stages: int) -> list[list[float]]:
+        """``B[s][j]``: every plan that covers positions ``[j, n)`` with ``s`` stages (``s <= stages``) has a
+        stage that takes at least this long, at ``speed`` or slower.
+
+        A stage ``[a, b)`` takes at least its compute, half of ``enter_lb[a]`` (what it receives for node
+        ``a``) and, unless it is the last, what it sends for node ``b``'s inputs from inside it; the least
+        largest such bound over the partitions is a bottleneck programme, one vector step per end ``b``.
+        It bounds the future's slowest stage far better than the average compute when transfers are large.
+        """
+        key = (speed, stages)
+        if key not in self._bottleneck:
+            n = self.n
+            pre = np.concatenate([[0.0], np.cumsum(self.fb)])
+            recv = np.array(self.enter_lb[:n]) / 2.0
+            table = [[math.inf] * (n + 1), [float(x) for x in (pre[n] - pre[:n]) / speed + recv] + [math.inf]]
+            for s in range(2, stages + 1):
+                later = table[-1]
+                best = np.full(n + 1, math.inf)
+                for b in range(1, n - s + 2):
+                    if later[b] == math.inf:
+                        continue
+                    stage = (pre[b] - pre[:b]) / speed + recv[:b]
+                    for u, cost in self.sent_to[b]:   # starts at or before u: sends u's output to b
+                        stage[:u + 1] += cost
+                    np.minimum(best[:b], np.maximum(stage, later[b]), out=best[:b])
+                table.append([float(x) for x in best])
+            self._bottleneck[key] = table
+        return self._bottleneck[key]
 
 
 def balanced_cuts(tables: Tables, p: int) -> list[int]:
