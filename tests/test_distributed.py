@@ -459,11 +459,11 @@ def test_within_each_channels_group_both_ranks_post_in_one_order(kind, world, sc
 
 
 def test_only_a_value_the_loss_reads_from_another_rank_keeps_nccl_off():
-    from fxpipe.distributed.wire import unordered_pairs
+    from fxpipe.distributed.wire import nccl_order_hazard
     producer = {"h": 0, "skip": 0, "out": 0}
-    assert unordered_pairs([("h", 1), ("skip", 1)], producer, [0, 1]) is None
-    assert unordered_pairs([("h", 1), ("skip", 3)], producer, [0, 1, 0, 1]) is None
-    why = unordered_pairs([("h", 1), ("out", -1)], producer, [0, 1])
+    assert nccl_order_hazard([("h", 1), ("skip", 1)], producer, [0, 1]) is None
+    assert nccl_order_hazard([("h", 1), ("skip", 3)], producer, [0, 1, 0, 1]) is None
+    why = nccl_order_hazard([("h", 1), ("out", -1)], producer, [0, 1])
     assert why == "the loss reads 'out' from rank 0, in the backward order", why
 
 

@@ -17,7 +17,7 @@ that rank's receives in the order both were posted. Two ranks post the messages 
 own schedules' orders, which differ (a value and a skip from the same stage, stages interleaved), so each
 channel (a value and the stage that reads it) has a process group of its own, made at the first step, within
 which its two ranks post in the same order. Where even that does not hold
-(:func:`fxpipe.distributed.wire.unordered_pairs`: the loss reading a value from another rank) the channels
+(:func:`fxpipe.distributed.wire.nccl_order_hazard`: the loss reading a value from another rank) the channels
 are gloo groups, through host memory, whose tags match messages exactly, and a warning says why.
 
 Sends never block (the schedule's receives are what orders the ranks, as the in-process executor's waits
@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten
 
 from fxpipe.distributed.waiting import PeerFailed, Receiver, Statuses
 from fxpipe.distributed.wire import (MAX_TENSORS, STATUS_BYTES, STATUS_TAG, Header, decode_header, encode_header,
-                                     encode_status, header_of, signature, tag, unordered_pairs)
+                                     encode_status, header_of, signature, tag, nccl_order_hazard)
 from fxpipe.errors import FxpipeError
 from fxpipe.runtime.codegen import StageSpec
 from fxpipe.runtime.compression import Payload, decode, payload_layout
@@ -113,7 +113,7 @@ class P2P(Transport):
     def _make_lanes(self) -> None:
         """A process group per channel, made by every rank in channel order. NCCL where the posting order within
         a channel is the same on both sides, gloo (through host memory) otherwise."""
-        unordered = unordered_pairs(list(self.channels), self.producer, self.stage_rank)
+        unordered = nccl_order_hazard(list(self.channels), self.producer, self.stage_rank)
         self.gpu_wire = self.backend == "nccl" and unordered is None
         if self.backend == "nccl" and unordered is not None:
             log.warning("values cross between ranks through host memory (gloo), not NCCL: NCCL matches messages "

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, tr
 
 __all__ = ["TensorMeta", "Header", "tag", "header_of", "encode_header", "decode_header", "encode_status",
            "decode_status", "STATUS_TAG", "STATUS_BYTES", "signature", "MAX_MICRO_BATCHES", "MAX_TENSORS",
-           "unordered_pairs"]
+           "nccl_order_hazard"]
 
 STATUS_TAG = 1            # one status message per peer and step: finished, or failed and where
 STATUS_BYTES = 4096
@@ -113,7 +113,7 @@ def signature(micro_batch: dict[str, Any]) -> str:
     return repr(([(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in flat], str(spec)))
 
 
-def unordered_pairs(channels: list[tuple[str, int]], producer: dict[str, int], stage_rank: list[int]) -> str | None:
+def nccl_order_hazard(channels: list[tuple[str, int]], producer: dict[str, int], stage_rank: list[int]) -> str | None:
     """Why the two ranks of a channel might post its messages in different orders (a backend that matches by
     order alone, NCCL, would then pair a receive with the wrong send), or ``None`` when they cannot. Within one
     channel (a value and the stage that reads it) the producer sends micro-batch by micro-batch in its
