@@ -1,24 +1,20 @@
 """The tree of link classes, its canonical states, and the bounds that make the label search fast, stay exact."""
 
 import itertools
-import math
 import random
 from pathlib import Path
 
 import pytest
 
 from problems import random_problem
-from solvers import Problem, brute_force_contiguous
+from solvers import Problem
 from solvers.dp.hierarchy import TreeCanon, link_tree
-from solvers.dp.labels import plan_of, solve_fixed_p
 from solvers.dp.search import orbit_canon
-from solvers.dp.space import Space
 from solvers.dp.symmetry import automorphisms
 from solvers.dp.tables import Tables, device_classes
-from solvers.groups import GroupTable
 from solvers.score import score_assignment
 from solvers.solution import assignment_from_cuts
-from test_solver_symmetry import boxes_problem, is_automorphism
+from test_solver_symmetry import assert_orbit_search_is_brute_force_optimal, boxes_problem, is_automorphism
 
 PROBLEMS = Path(__file__).parent.parent / "benchmarks" / "problems"
 
@@ -93,17 +89,7 @@ def test_the_search_over_tree_orbits_equals_brute_force(seed):
     fixed = Problem.from_dict({**problem.to_dict(), "stages": p})
     tree = link_tree(fixed)
     assert tree is not None
-    space = Space("classes", GroupTable(fixed), classes=device_classes(fixed), canon=TreeCanon(tree))
-    label, t, _ = solve_fixed_p(fixed, Tables(fixed), p, math.inf, space, math.inf)
-    best = brute_force_contiguous(fixed, placement=True)
-    if best is None:
-        assert label is None
-        return
-    cuts, devices = plan_of(label)
-    sc = score_assignment(fixed, assignment_from_cuts(fixed.order, cuts), devices)
-    assert sorted(set(devices)) == sorted(devices) and sc.feasible
-    assert sc.iteration_s == pytest.approx(t, rel=1e-9)
-    assert t == pytest.approx(best.iteration_s, rel=1e-9)
+    assert_orbit_search_is_brute_force_optimal(fixed, p, TreeCanon(tree))
 
 
 @pytest.mark.parametrize("seed", range(30))

@@ -68,7 +68,13 @@ def test_the_search_over_orbits_maps_its_plan_back_to_real_devices(seed):
     problem = boxes_problem(rng, pairs, n=rng.randint(3, 7 if pairs == 2 else 5))
     p = rng.randint(1, min(len(problem.devices), len(problem.nodes)))
     fixed = Problem.from_dict({**problem.to_dict(), "stages": p})
-    space = Space("classes", GroupTable(fixed), classes=device_classes(fixed), canon=Canon(automorphisms(fixed)))
+    assert_orbit_search_is_brute_force_optimal(fixed, p, Canon(automorphisms(fixed)))
+
+
+def assert_orbit_search_is_brute_force_optimal(fixed: Problem, p: int, canon) -> None:
+    """The classes search alone (no incumbent) keeping one state per orbit under ``canon``: its plan, mapped
+    back to real devices, is injective, feasible, scores what the search said and equals brute force."""
+    space = Space("classes", GroupTable(fixed), classes=device_classes(fixed), canon=canon)
     label, t, _ = solve_fixed_p(fixed, Tables(fixed), p, math.inf, space, math.inf)
     best = brute_force_contiguous(fixed, placement=True)
     if best is None:
