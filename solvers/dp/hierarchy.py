@@ -26,11 +26,10 @@ __all__ = ["Tree", "TreeCanon", "link_tree"]
 
 @dataclass
 class Tree:
-    """A device (``leaf`` set) or a group of subtrees joined pairwise by one link ``value``."""
+    """A device (``leaf`` set) or a group of subtrees joined pairwise by one link value (in ``shape``)."""
 
     shape: tuple                 # equal shapes: alike subtrees (same structure, links and devices)
     leaf: int | None = None
-    value: tuple | None = None
     children: list["Tree"] = field(default_factory=list)
 
     def leaves(self) -> list[int]:
@@ -68,7 +67,7 @@ def link_tree(problem: Problem) -> Tree | None:
                 if any(c is None for c in children):
                     return None
                 kids = [c for c in children if c is not None]
-                return Tree(shape=("group", value, tuple(sorted(c.shape for c in kids))), value=value, children=kids)
+                return Tree(shape=("group", value, tuple(sorted(c.shape for c in kids))), children=kids)
         return None
 
     return build(list(range(n)))

@@ -75,7 +75,7 @@ class Tables:
                 first[u] = max(first.get(u, 0.0), nbytes)
             self.sent_to[c] = sorted((u, 2.0 * cheapest_one_way(b)) for u, b in first.items())
             self.enter_lb[c] = 2.0 * sum(cost for _, cost in self.sent_to[c])
-        self._bottleneck: dict[tuple[float, int], list[list[float]]] = {}
+        self._bottleneck: dict[float, list[list[float]]] = {}
         self._transfer_lbs: list[list[float]] = []
         # cheapest[c]: the smallest enter bounds among positions > c, ascending (at most 16 kept).
         self.cheapest: list[list[float]] = [[] for _ in range(n + 1)]
@@ -88,7 +88,6 @@ class Tables:
             return 0.0
         more = self.cheapest[cut][:boundaries - 1]
         return self.enter_lb[cut] + sum(more) if len(more) == boundaries - 1 else math.inf
-
 
     def future_transfer_lbs(self, boundaries: int) -> list[list[float]]:
         """``future_transfer_lb(cut, b)`` as ``table[b][cut]`` for every ``b <= boundaries``, computed once."""
@@ -106,25 +105,29 @@ class Tables:
         largest such bound over the partitions is a bottleneck programme, one vector step per end ``b``.
         It bounds the future's slowest stage far better than the average compute when transfers are large.
         """
-        key = (speed, stages)
-        if key not in self._bottleneck:
-            n = self.n
-            pre = np.concatenate([[0.0], np.cumsum(self.fb)])
-            recv = np.array(self.enter_lb[:n]) / 2.0
-            table = [[math.inf] * (n + 1), [float(x) for x in (pre[n] - pre[:n]) / speed + recv] + [math.inf]]
-            for s in range(2, stages + 1):
-                later = table[-1]
-                best = np.full(n + 1, math.inf)
-                for b in range(1, n - s + 2):
-                    if later[b] == math.inf:
-                        continue
-                    stage = (pre[b] - pre[:b]) / speed + recv[:b]
-                    for u, cost in self.sent_to[b]:   # starts at or before u: sends u's output to b
-                        stage[:u + 1] += cost
-                    np.minimum(best[:b], np.maximum(stage, later[b]), out=best[:b])
-                table.append([float(x) for x in best])
-            self._bottleneck[key] = table
-        return self._bottleneck[key]
+        # one table per speed, grown a stage count at a time: row s needs only row s - 1, and the
+        # searches ask for 1, 2, ... stage counts in turn
+        table = self._bottleneck.get(speed)
+        if table is not None and len(table) > stages:
+            return table
+        n = self.n
+        pre = np.concatenate([[0.0], np.cumsum(self.fb)])
+        recv = np.array(self.enter_lb[:n]) / 2.0
+        if table is None:
+            table = self._bottleneck[speed] = [
+                [math.inf] * (n + 1), [float(x) for x in (pre[n] - pre[:n]) / speed + recv] + [math.inf]]
+        while len(table) <= stages:
+            s, later = len(table), table[-1]
+            best = np.full(n + 1, math.inf)
+            for b in range(1, n - s + 2):
+                if later[b] == math.inf:
+                    continue
+                stage = (pre[b] - pre[:b]) / speed + recv[:b]
+                for u, cost in self.sent_to[b]:   # starts at or before u: sends u's output to b
+                    stage[:u + 1] += cost
+                np.minimum(best[:b], np.maximum(stage, later[b]), out=best[:b])
+            table.append([float(x) for x in best])
+        return table
 
 
 def balanced_cuts(tables: Tables, p: int) -> list[int]:
