@@ -287,3 +287,73 @@ def test_leaf_modules_naming_no_submodule_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"leaf_modules names \['transformer.h.9'\].*not submodules.*'transformer.h.0'"):
         fxpipe.compile(model, ["cpu"] * 2, (ids,), example_kwargs={"attention_mask": mask},
                        leaf_modules=["transformer.h.9"], profile=fxpipe.ProfileOptions(mode="estimate"))
+
+
+def _lm(config_class, model_class, **sizes):
+    """A causal LM of ``config_class`` at test size with every other setting the config's default but
+    dropout (so ``use_cache=True``: the model returns a generation cache)."""
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return model_class(config_class(vocab_size=VOCAB, num_hidden_layers=4, num_attention_heads=4, **sizes))
+    return make
+
+
+DEFAULT_CONFIG_LMS = {
+    # OPT's default dropout of 0.1 draws other masks for micro-batches than for the batch: off, to compare
+    "opt": _lm(transformers.OPTConfig, transformers.OPTForCausalLM, hidden_size=32, ffn_dim=64,
+               word_embed_proj_dim=32, max_position_embeddings=64, dropout=0.0),
+    "gpt_neox": _lm(transformers.GPTNeoXConfig, transformers.GPTNeoXForCausalLM, hidden_size=32,
+                    intermediate_size=64, max_position_embeddings=64),
+    "mistral": _lm(transformers.MistralConfig, transformers.MistralForCausalLM, hidden_size=32, num_key_value_heads=2,
+                   intermediate_size=64, max_position_embeddings=64),
+    # Falcon's attention writes into a mask in place (aten.masked_fill_): profiled alone, that node's input
+    # is a leaf that requires grad, which the profiler must clone first
+    "falcon": _lm(transformers.FalconConfig, transformers.FalconForCausalLM, hidden_size=32),
+    "mixtral": _lm(transformers.MixtralConfig, transformers.MixtralForCausalLM, hidden_size=32, num_key_value_heads=2,
+                   intermediate_size=64, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEFAULT_CONFIG_LMS))
+def test_causal_lms_with_their_default_config_compile_by_default_and_train_exactly(name):
+    """``fxpipe.compile(model, devices, (ids,))`` and nothing else, on causal LMs as their configs make them:
+    the generation cache their outputs carry (``use_cache=True``) is off in the pipeline only, and the
+    step's loss and gradients are the model's."""
+    model = DEFAULT_CONFIG_LMS[name]().train()
+    assert model.config.use_cache
+    ids, _ = batch(4)
+    target = ids.roll(-1, dims=1)
+    model.zero_grad(set_to_none=True)
+    want_loss = loss_fn(model(ids), target)
+    want_loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (ids,))
+    assert "config.use_cache=False" in pipe.plan.frontend["reason"], pipe.plan.frontend
+    assert model.config.use_cache   # the model itself is as it was
+    loss = pipe.step((ids,), target, loss_fn)
+    assert abs(loss.item() - want_loss.item()) <= 1e-5 * abs(want_loss.item())
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(got) == set(want)
+    assert_same_gradients(got, want)
+    model.eval()
+    with torch.no_grad():
+        out, reference = pipe(ids), model(ids)
+    assert reference.past_key_values is not None and out.past_key_values is None
+    assert max_relative_error(out.logits, reference.logits) <= 1e-5
+
+
+def test_use_cache_given_as_a_keyword_is_what_is_traced():
+    """The cache is turned off only when the caller did not say: ``use_cache=False`` passed is kept as passed
+    (no note), and ``use_cache=True`` passed is refused by torch.export with the fix named."""
+    model = DEFAULT_CONFIG_LMS["mistral"]().eval()
+    ids, _ = batch(4)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (ids,), example_kwargs={"use_cache": False}, chunks=2,
+                          profile=fxpipe.ProfileOptions(mode="estimate"))
+    assert "use_cache" not in pipe.plan.frontend["reason"]
+    with torch.no_grad():
+        assert max_relative_error(pipe(ids, use_cache=False).logits, model(ids).logits) <= 1e-5
+    with pytest.raises(fxpipe.TraceError, match="use_cache=False for Hugging Face models"):
+        fxpipe.compile(model, ["cpu", "cpu"], (ids,), example_kwargs={"use_cache": True}, chunks=2,
+                       profile=fxpipe.ProfileOptions(mode="estimate"))
+    assert model.config.use_cache

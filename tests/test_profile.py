@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+import fxpipe
 from fxpipe.cost.profile import profile_graph
 from fxpipe.frontend.trace import trace
 
@@ -68,3 +69,37 @@ def test_profiling_keeps_no_reference_to_the_graph():
     del gm
     gc.collect()
     assert alive() is None
+
+
+def test_an_in_place_aten_operation_is_timed_on_a_clone_of_its_inputs():
+    """torch.export's graph names in-place operators by overload (``aten.masked_fill_.Scalar``): timed alone,
+    such a node's input is a fresh leaf that requires grad, which autograd refuses to write into, so the
+    profiler must see from the operator's schema that it mutates and clone first. The recorded input is
+    left as it was, and the pipeline computes the model."""
+    from fxpipe.frontend.export import export_graph
+
+    class MaskInPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            y.masked_fill_(y > 0.5, 0.0)   # in place, on a value that requires grad
+            return (y * 2).sum(dim=1)
+
+    torch.manual_seed(0)
+    model, x = MaskInPlace(), torch.randn(6, 8)
+    gm = export_graph(model, (x,))
+    inplace = [n for n in gm.graph.nodes if n.op == "call_function" and "masked_fill_" in str(n.target)]
+    assert inplace, gm.graph
+    costs = profile_graph(gm, (x,), torch.device("cpu"), mode="measure", warmup=0, repeats=1)
+    assert costs[inplace[0].name].fwd_s > 0
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), frontend="export", chunks=2, stages=2)
+    target = torch.randn(6)
+    (model(x) * target).mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    pipe.step((x,), target, lambda out, t: (out * t).mean())
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, grads[n], rtol=1e-5, atol=1e-6), n

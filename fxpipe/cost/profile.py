@@ -106,8 +106,13 @@ def run_node(gm: fx.GraphModule, node: fx.Node, args: tuple, kwargs: dict) -> An
 
 
 def _is_inplace(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether the node writes into an input: its inputs are then cloned before it runs alone (an in-place
+    operation on a leaf that requires grad is refused by autograd, and the recorded input must stay as it
+    was). An ATen operator (torch.export's graph: ``aten.masked_fill_.Scalar``) says so in its schema."""
     if node.op == "call_module":
         return bool(getattr(gm.get_submodule(node.target), "inplace", False))
+    if isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.is_mutable
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
     return bool(node.kwargs.get("inplace", False)) or (name.endswith("_") and not name.endswith("__"))
 

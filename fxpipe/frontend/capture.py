@@ -23,6 +23,7 @@ from torch import nn
 from fxpipe.errors import TraceError
 from fxpipe.frontend.export import export_graph, flat_program
 from fxpipe.frontend.fingerprint import graph_fingerprint
+from fxpipe.frontend.generation_cache import CACHE_OFF_REASON, generation_cache_off
 from fxpipe.frontend.kept_whole import KEEP_WHOLE, module_groups
 from fxpipe.frontend.modes import keeping_modes
 from fxpipe.frontend.trace import has_submodule, trace
@@ -109,28 +110,31 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
     if unknown:
         raise ValueError(f"leaf_modules names {unknown}, which are not submodules of the model; name them by "
                          "their path in model.named_modules() (as 'transformer.h.0') or pass their class")
-    gm, name, reason = _choose(model, frontend, leaves, concrete_args, args, kwargs, batch_dim)
-    tag = name
-    if name == "export" and leaves:
-        # torch.export's graph holds every operation: a leaf is kept whole by keeping its operations in one
-        # stage (the planner's groups), as fx keeps it whole by not tracing into it
-        groups, missed = module_groups(gm, leaves)
-        gm.meta[KEEP_WHOLE] = groups
-        reason += "; leaf_modules kept whole in one stage each"
-        if missed:
-            warnings.warn(f"leaf_modules {missed!r} match no module the forward calls: nothing to keep whole",
-                          UserWarning, stacklevel=3)
-        tag = f"{name}+keep:{sorted(groups)}"    # the same graph planned under other constraints
-    fingerprint = graph_fingerprint(gm, tag)
-    with keeping_modes(model):
-        model.train(not model.training)
-        try:
-            other_gm = _traced(model, name, leaves, concrete_args, args or (), kwargs, batch_dim)
-            if tag != name:
-                other_gm.meta[KEEP_WHOLE] = module_groups(other_gm, leaves)[0]
-                other = graph_fingerprint(other_gm, f"{name}+keep:{sorted(other_gm.meta[KEEP_WHOLE])}")
-            else:
-                other = graph_fingerprint(other_gm, name)
-        except TraceError:
-            other = None   # the other mode does not trace: the graph holds for this mode only
+    with generation_cache_off(model, kwargs) as cache_off:   # a Hugging Face KV cache: not a training output
+        gm, name, reason = _choose(model, frontend, leaves, concrete_args, args, kwargs, batch_dim)
+        if cache_off:
+            reason += "; " + CACHE_OFF_REASON
+        tag = name
+        if name == "export" and leaves:
+            # torch.export's graph holds every operation: a leaf is kept whole by keeping its operations in one
+            # stage (the planner's groups), as fx keeps it whole by not tracing into it
+            groups, missed = module_groups(gm, leaves)
+            gm.meta[KEEP_WHOLE] = groups
+            reason += "; leaf_modules kept whole in one stage each"
+            if missed:
+                warnings.warn(f"leaf_modules {missed!r} match no module the forward calls: nothing to keep whole",
+                              UserWarning, stacklevel=3)
+            tag = f"{name}+keep:{sorted(groups)}"    # the same graph planned under other constraints
+        fingerprint = graph_fingerprint(gm, tag)
+        with keeping_modes(model):
+            model.train(not model.training)
+            try:
+                other_gm = _traced(model, name, leaves, concrete_args, args or (), kwargs, batch_dim)
+                if tag != name:
+                    other_gm.meta[KEEP_WHOLE] = module_groups(other_gm, leaves)[0]
+                    other = graph_fingerprint(other_gm, f"{name}+keep:{sorted(other_gm.meta[KEEP_WHOLE])}")
+                else:
+                    other = graph_fingerprint(other_gm, name)
+            except TraceError:
+                other = None   # the other mode does not trace: the graph holds for this mode only
     return Captured(gm, fingerprint, other != fingerprint, {"name": name, "reason": reason})
