@@ -106,7 +106,9 @@ def compile(
             ``memory_bytes``).
         frontend: ``"auto"`` (default), ``"fx"`` or ``"export"`` (:mod:`fxpipe.frontend.capture`): auto uses
             torch.fx where it traces the model faithfully and ``torch.export`` otherwise (a model fx cannot
-            trace, keyword inputs); ``plan.frontend`` and ``plan.summary()`` say which and why.
+            trace, keyword inputs, a torch.nn stack of layers fx would keep whole such as
+            ``nn.TransformerEncoder``); ``plan.frontend`` and ``plan.summary()`` say which and why. A
+            Hugging Face config's ``use_cache=True`` is off while tracing (no generation cache is returned).
 
     With ``chunks > 1`` the example batch is run once whole and once as micro-batches, in eval mode
     (:mod:`fxpipe.runtime.batch_check`): a model whose outputs change when its batch is split (a

@@ -193,3 +193,20 @@ def test_export_batch_dim_naming_no_input_is_refused_with_the_inputs():
         fxpipe.compile(NestedMemory(), ["cpu"] * 2, ({"x": torch.randn(B, F), "memory": torch.randn(T, B, F)},),
                        frontend="export", profile=ESTIMATE,
                        options=fxpipe.CompileOptions(batch_dim={"batch": {"x": 0}}))
+
+
+@pytest.mark.parametrize("frontend", ["auto", "export"])
+def test_a_sequence_first_model_with_dropout_is_refused_under_export_too(frontend):
+    """torch.export keeps dropout as an operator with the traced mode's flag, so the eval-mode check cannot
+    switch it off; it passes dropout through instead (a mask acts per sample) rather than skip the check as
+    random, which let a sequence-first encoder be cut along time and give wrong outputs silently."""
+    torch.manual_seed(0)
+    model = SeqTransformer()
+    for layer in model.encoder.layers:
+        for m in layer.modules():
+            if isinstance(m, nn.Dropout):
+                m.p = 0.1
+    with pytest.raises(fxpipe.FxpipeError, match="mixes samples along the split dimension"):
+        fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(T, B, F),), chunks=4, stages=2, frontend=frontend,
+                       profile=ESTIMATE)
+    assert model.training

@@ -174,3 +174,54 @@ def test_the_users_line_is_found_in_a_project_folder_named_fxpipe():
         scope["forward"](1)
     except ValueError as exc:
         assert _user_frame(exc).startswith("/home/me/fxpipe/model.py:2")
+
+
+class _EncoderClassifier(nn.Module):
+    """A user's model around ``nn.TransformerEncoder``: fx keeps that torch.nn module whole by default."""
+
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True),
+                                         num_layers=layers, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.emb(x)).mean(1))
+
+
+def test_a_torch_nn_stack_of_layers_is_exported_so_that_its_layers_can_be_cut():
+    """fx's default leaves are torch.nn's modules, and ``nn.TransformerEncoder`` is one: its 4 layers would be
+    one node, so one stage. The auto front end exports such a model (fx cannot trace through the encoder's
+    fast-path checks), the stages hold whole layers and cut between them, and the step is the model's."""
+    torch.manual_seed(0)
+    model = _EncoderClassifier()
+    x, y = torch.randint(0, 50, (8, 10)), torch.randint(0, 5, (8,))
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, stages=2, schedule="1f1b",
+                          profile=fxpipe.ProfileOptions(mode="estimate"))
+    assert pipe.plan.frontend["name"] == "export"
+    assert "enc (TransformerEncoder)" in pipe.plan.frontend["reason"], pipe.plan.frontend
+    summary = pipe.plan.summary()
+    assert "kept whole: 4 blocks" in summary and "stage boundaries: enc.layers.1 | enc.layers.2" in summary, summary
+    loss_fn = nn.functional.cross_entropy
+    loss_fn(model(x), y).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    pipe.step((x,), y, loss_fn)
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, want[n], rtol=1e-4, atol=1e-6), n
+    # what the user keeps whole stays whole, and a torch.nn leaf without a stack of layers stays fx's
+    kept = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, leaf_modules=[nn.TransformerEncoder],
+                          profile=fxpipe.ProfileOptions(mode="estimate"))
+    assert kept.plan.frontend == {"name": "fx", "reason": "torch.fx traces the model faithfully"}
+    assert fxpipe.compile(_Recurrent(), ["cpu"] * 2, (x,), chunks=2, profile=fxpipe.ProfileOptions(mode="estimate")
+                          ).plan.frontend["name"] == "fx"
+
+
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.lstm = nn.Embedding(50, 16), nn.LSTM(16, 16, num_layers=2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lstm(self.emb(x))[0]

@@ -5,8 +5,9 @@ Three front ends (``frontend=`` of :func:`fxpipe.compile`): ``"fx"`` (:mod:`~fxp
 ``torch.fx.symbolic_trace`` with leaf modules), ``"export"`` (:mod:`~fxpipe.frontend.export`,
 ``torch.export`` on the example inputs) and ``"auto"``, which uses fx where it traces the model faithfully
 (fx refuses what it would drop: grad-mode and autocast regions, custom autograd Functions) and export
-otherwise: a model fx cannot trace, or one called with keyword arguments (fx binds inputs by position and
-flattens no ``ModelOutput``). A ``torch.fx.GraphModule`` or ``torch.export.ExportedProgram`` the user made
+otherwise: a model fx cannot trace, one called with keyword arguments (fx binds inputs by position and
+flattens no ``ModelOutput``), or one in which fx would keep a stack of layers in one node (a
+``torch.nn.TransformerEncoder``: fx's default leaves are the modules of ``torch.nn``, and a leaf cannot be cut). A ``torch.fx.GraphModule`` or ``torch.export.ExportedProgram`` the user made
 is partitioned as given. The choice and its reason go into the plan (``plan.frontend``) and the fingerprint.
 """
 
@@ -28,7 +29,7 @@ from fxpipe.frontend.kept_whole import KEEP_WHOLE, module_groups
 from fxpipe.frontend.modes import keeping_modes
 from fxpipe.frontend.trace import has_submodule, trace
 
-__all__ = ["Captured", "capture", "FRONTENDS"]
+__all__ = ["Captured", "capture", "hidden_layer_stacks", "FRONTENDS"]
 
 FRONTENDS = ("auto", "export", "fx")
 
@@ -74,7 +75,7 @@ def _choose(model: nn.Module, frontend: str, leaf_modules: list[Any], concrete_a
         return (export_graph(model, args, kwargs, batch_dim), "export",
                 "keyword arguments (torch.fx binds inputs by position)")
     try:
-        return trace(model, leaf_modules, concrete_args), "fx", "torch.fx traces the model faithfully"
+        gm = trace(model, leaf_modules, concrete_args)
     except TraceError as fx_failure:
         try:
             gm = export_graph(model, args, kwargs, batch_dim)
@@ -83,6 +84,34 @@ def _choose(model: nn.Module, frontend: str, leaf_modules: list[Any], concrete_a
             raise TraceError(f"{fx_failure}\n  torch.export (frontend='export') fails as well: {also}",
                              module=fx_failure.module, operation=fx_failure.operation) from fx_failure
         return gm, "export", f"torch.fx cannot trace it: {_first_line(fx_failure)}"
+    stacks = hidden_layer_stacks(gm, leaf_modules)
+    if stacks:   # the planner could cut between those layers only in export's graph
+        try:
+            return (export_graph(model, args, kwargs, batch_dim), "export",
+                    f"torch.fx keeps {stacks[0]} whole (a torch.nn module holding a stack of layers): torch.export "
+                    "reaches its layers")
+        except TraceError:
+            return gm, "fx", f"torch.fx traces the model faithfully ({stacks[0]} in one stage: torch.export fails)"
+    return gm, "fx", "torch.fx traces the model faithfully"
+
+
+def hidden_layer_stacks(gm: fx.GraphModule, leaf_modules: list[Any]) -> list[str]:
+    """The calls of fx's graph to a module torch.fx keeps whole by default (a ``torch.nn`` one, not one of
+    the user's ``leaf_modules``) that holds a stack of layers (an ``nn.ModuleList`` of two or more:
+    ``nn.TransformerEncoder``, ``nn.TransformerDecoder``, ``nn.Transformer``), as ``"path (Class)"``. Their
+    layers are where a pipeline wants to cut, and fx cannot trace through them (their fast-path checks are
+    control flow on tensors)."""
+    kept = tuple(x for x in leaf_modules if isinstance(x, type))
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or node.target in leaf_modules:
+            continue
+        module = gm.get_submodule(node.target)
+        if kept and isinstance(module, kept) or not type(module).__module__.startswith("torch.nn"):
+            continue
+        if any(isinstance(m, nn.ModuleList) and len(m) > 1 for m in module.modules()):
+            found.append(f"{node.target} ({type(module).__name__})")
+    return found
 
 
 def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = None, frontend: str = "auto",

@@ -101,12 +101,37 @@ def _agrees_in_float64(gm: fx.GraphModule, inputs: tuple, samples: int, micro: l
     return found is None or found[0] <= RTOL_FLOAT64
 
 
+def _pass_through(x: Any, *args: Any, **kwargs: Any) -> Any:
+    return x
+
+
+def _pass_through_with_mask(x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return x, torch.ones_like(x, dtype=torch.bool)
+
+
+def _without_dropout(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm``'s graph with its dropout calls passing their input through, over the same modules and tensors.
+
+    torch.export records dropout as an operator with the training flag of the traced mode
+    (``aten.dropout(x, p, True)``), which eval mode does not switch off. A dropout mask acts on each element
+    (or channel) of each sample alone, so it cannot be what mixes samples: the check runs without it."""
+    graph = copy.deepcopy(gm.graph)
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method") and "dropout" in str(getattr(node.target, "__name__",
+                                                                                   node.target)).lower():
+            native = "native_dropout" in str(node.target)   # returns (output, mask)
+            node.op, node.target = "call_function", _pass_through_with_mask if native else _pass_through
+    return fx.GraphModule(gm, graph)
+
+
 def check_micro_batching(gm: fx.GraphModule, example_inputs: tuple, layout: BatchLayout, chunks: int) -> None:
     """Refuse (:class:`fxpipe.FxpipeError`) a model whose outputs change when ``example_inputs`` is split into
-    ``chunks`` micro-batches along ``layout``; see the module doc. Skipped for ``chunks == 1`` and for a graph
-    that draws random numbers even in eval mode (two runs could not agree)."""
+    ``chunks`` micro-batches along ``layout``; see the module doc. Dropout is passed through
+    (:func:`_without_dropout`); skipped for ``chunks == 1`` and for a graph that draws other random numbers
+    even in eval mode (two runs could not agree)."""
     if chunks <= 1:
         return
+    model = gm
     arguments = [n.target for n in gm.graph.nodes if n.op == "placeholder"][:len(example_inputs)]
     dims = layout.input_dims(arguments)
     modes = {m: m.training for m in gm.modules()}
@@ -116,8 +141,10 @@ def check_micro_batching(gm: fx.GraphModule, example_inputs: tuple, layout: Batc
     try:
         gm.eval()
         if is_random(gm):
-            return
-        with leaving_no_trace(gm), torch.no_grad():
+            gm = _without_dropout(model)
+            if is_random(gm):
+                return
+        with leaving_no_trace(model), torch.no_grad():
             try:
                 micro = scatter(list(inputs), chunks, dims)[:2]   # the two the check needs (module doc)
                 samples = sum(batch_size_of(part, dims) for part in micro)
