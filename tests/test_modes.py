@@ -87,3 +87,66 @@ def test_pipe_train_and_eval_still_set_every_stage_like_nn_module():
     assert all(m.training for s in pipe.stages for m in s.modules())
     pipe.eval()
     assert not any(m.training for s in pipe.stages for m in s.modules())
+
+
+class _Dropped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.drop, self.b = nn.Linear(8, 32), nn.Dropout(0.5), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.drop(torch.relu(self.a(x))))
+
+
+def test_a_model_switched_to_eval_after_an_export_compile_is_warned_about_once(recwarn):
+    """torch.export fixes dropout's flag in the graph, so ``model.eval()`` cannot reach the pipeline: its
+    calls say once that they compute the train-mode model and how to get the other, instead of silently
+    applying dropout. Under fx the model's own Dropout module is in the graph and follows ``model.eval()``."""
+    torch.manual_seed(0)
+    model, x = _Dropped().train(), torch.randn(8, 8)
+    est = fxpipe.ProfileOptions(mode="estimate")
+    exported = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, stages=2, frontend="export", profile=est)
+    traced = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, stages=2, frontend="fx", profile=est)
+    exported(x)
+    assert not [w for w in recwarn if "mode" in str(w.message)]
+    model.eval()
+    with pytest.warns(UserWarning, match=r"_Dropped is in eval mode, but this pipeline runs its graph traced in "
+                                         r"train mode.*model\.eval\(\) before fxpipe\.compile"):
+        exported(x)
+    recwarn.clear()
+    exported(x)   # once per switch
+    with torch.no_grad():
+        assert torch.equal(traced(x), model(x))   # fx: the model's Dropout module, now in eval mode
+    assert not [w for w in recwarn if "mode" in str(w.message)]
+    model.train()
+    exported(x)
+    model.eval()
+    with pytest.warns(UserWarning, match="is in eval mode"):
+        exported(x)
+
+
+@pytest.mark.parametrize("frontend", ["export", "fx"])
+def test_a_dropout_of_rate_zero_does_not_make_the_graph_depend_on_the_mode(frontend, recwarn):
+    """Hugging Face configs ship ``dropout=0.0``: torch.export records its training flag, but a rate-0
+    dropout returns its input in both modes, so the pipeline follows ``pipe.eval()`` and ``model.eval()``
+    without a refusal or a warning, and its stages draw no random numbers. A rate above 0 stays
+    mode-dependent (the test above)."""
+    class Zero(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 32), nn.Linear(32, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(nn.functional.dropout(torch.relu(self.a(x)), p=0.0, training=self.training))
+
+    torch.manual_seed(0)
+    model, x = Zero().train(), torch.randn(8, 8)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, stages=2, frontend=frontend,
+                          profile=fxpipe.ProfileOptions(mode="estimate"))
+    assert not pipe._mode_dependent
+    assert not any(fxpipe.runtime.rng.is_random(stage) for stage in pipe.stages)
+    model.eval()
+    pipe.eval()
+    with torch.no_grad():
+        assert torch.equal(pipe(x), model(x))
+    assert not [w for w in recwarn if "mode" in str(w.message)]

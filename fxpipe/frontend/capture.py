@@ -159,11 +159,12 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
             model.train(not model.training)
             try:
                 other_gm = _traced(model, name, leaves, concrete_args, args or (), kwargs, batch_dim)
+                other_tag = name
                 if tag != name:
                     other_gm.meta[KEEP_WHOLE] = module_groups(other_gm, leaves)[0]
-                    other = graph_fingerprint(other_gm, f"{name}+keep:{sorted(other_gm.meta[KEEP_WHOLE])}")
-                else:
-                    other = graph_fingerprint(other_gm, name)
+                    other_tag = f"{name}+keep:{sorted(other_gm.meta[KEEP_WHOLE])}"
+                mode_dependent = (graph_fingerprint(other_gm, other_tag, modes_alike=True)
+                                  != graph_fingerprint(gm, tag, modes_alike=True))
             except TraceError:
-                other = None   # the other mode does not trace: the graph holds for this mode only
-    return Captured(gm, fingerprint, other != fingerprint, {"name": name, "reason": reason})
+                mode_dependent = True   # the other mode does not trace: the graph holds for this mode only
+    return Captured(gm, fingerprint, mode_dependent, {"name": name, "reason": reason})

@@ -72,6 +72,11 @@ class ModelGuard:
                           ("buffer", model.named_buffers(remove_duplicate=False)))
                          for name, t in items]
 
+    @property
+    def model(self) -> nn.Module | None:
+        """The compiled model, while it exists."""
+        return self._model()
+
     def check(self) -> None:
         """Raise if a parameter or buffer was replaced or reshaped since compile (a deleted model is fine)."""
         model = self._model()

@@ -35,6 +35,8 @@ from typing import ContextManager, Iterator
 import torch
 import torch.fx as fx
 
+from fxpipe.frontend.fingerprint import inert_dropout
+
 __all__ = ["is_random", "rng_guard", "step_seed"]
 
 _RANDOM_PARTS = ("dropout", "bernoulli", "rand", "multinomial", "normal_", "uniform_", "exponential_",
@@ -50,13 +52,12 @@ def _name(target: object) -> str:
 
 def is_random(gm: fx.GraphModule) -> bool:
     """Whether running ``gm`` now may draw from a random generator (a dropout module in eval mode, or a
-    functional dropout traced with ``training=False``, does not)."""
+    functional dropout traced with ``training=False`` or a rate of 0, does not)."""
     for node in gm.graph.nodes:
         if node.op in ("call_function", "call_method"):
-            name = _name(node.target)
-            if "dropout" in name and node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True) \
-                    is False:
+            if inert_dropout(node):
                 continue
+            name = _name(node.target)
             if name in _RANDOM_EXACT or any(k in name for k in _RANDOM_PARTS):
                 return True
         if node.op == "call_module":
