@@ -15,6 +15,7 @@ from torch import nn
 from fxpipe.cost.device_names import EXAMPLE, is_device_names, parse_device_names
 from fxpipe.errors import PlanMismatchError
 from fxpipe.frontend.batch_dims import LEAF_DIMS
+from fxpipe.runtime.aliasing import written_buffers
 from fxpipe.frontend.capture import Captured
 from fxpipe.options import CompileOptions, ProfileOptions
 from fxpipe.planning.lowering import device_memory_bytes
@@ -181,3 +182,39 @@ def warn_batch_norm(model: nn.Module, chunks: int, deferred: bool = False) -> No
         "backward for these layers). Use the BatchNorm in eval mode, chunks=1, or GroupNorm/LayerNorm, which do "
         "not mix samples" + ("" if deferred else "; options=fxpipe.CompileOptions(deferred_batch_norm=True) at "
                              "least keeps the running statistics those of a full batch"), UserWarning, stacklevel=3)
+
+
+def _power_iteration_buffers(module: nn.Module, prefix: str) -> list[str]:
+    """The buffers spectral normalisation updates at every train-mode call of ``module`` (a leaf to fx):
+    ``parametrizations.spectral_norm``'s ``_u``/``_v`` and the older ``utils.spectral_norm`` hook's
+    ``<name>_u``/``<name>_v``."""
+    from torch.nn.utils.parametrizations import _SpectralNorm
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
+    found = []
+    for name, sub in module.named_modules(prefix=prefix):
+        if isinstance(sub, _SpectralNorm) and sub.training:
+            found += [f"{name}._u", f"{name}._v"]
+        for hook in sub._forward_pre_hooks.values():
+            if isinstance(hook, SpectralNorm) and sub.training:
+                found += [f"{name}.{hook.name}_u", f"{name}.{hook.name}_v"]
+    return found
+
+
+def warn_buffer_updates(gm: fx.GraphModule, chunks: int) -> None:
+    """Warn once when the graph itself updates buffers in place (a step counter, a moving average, spectral
+    norm's power iteration) and a batch runs as ``chunks > 1`` micro-batches: each update then runs once per
+    micro-batch, where the unpartitioned model runs it once per batch. Buffers of leaf modules are left to
+    their own checks (BatchNorm: :func:`warn_batch_norm`)."""
+    leaves = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    updated = sorted({b for b in written_buffers(gm) if not any(b.startswith(leaf + ".") for leaf in leaves)}
+                     | {b for leaf in leaves for b in _power_iteration_buffers(gm.get_submodule(leaf), leaf)})
+    if chunks <= 1 or not updated:
+        return
+    shown = ", ".join(updated[:5]) + (f" and {len(updated) - 5} more" if len(updated) > 5 else "")
+    warnings.warn(
+        f"the model's forward updates buffer(s) {shown} in place, and with chunks={chunks} each update runs "
+        f"once per micro-batch ({chunks} times per batch) where the model runs it once per call, so they end "
+        "elsewhere than after a full-batch call (a counter counts micro-batches; a moving average moves "
+        f"{chunks} times). Use chunks=1 if their values must be the model's", UserWarning, stacklevel=3)
+

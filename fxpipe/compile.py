@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_map
 
 from fxpipe.compression_spec import BoundaryCodec, check_compression
 from fxpipe.checks import (batch_layout, check_arguments, check_plan, check_plan_layout, memory_limits, parse_devices, warn_batch_norm,
-                           worker_devices)
+                           warn_buffer_updates, worker_devices)
 from fxpipe.cost.cpu import CpuHost
 from fxpipe.cost.node_costs import node_costs
 from fxpipe.frontend.capture import capture
@@ -150,6 +150,7 @@ def compile(
         check_plan(plan, captured, model, devs, None if auto_chunks else chunks)
         check_plan_layout(plan, layout, options)
         warn_batch_norm(model, plan.chunks, options.deferred_batch_norm)
+        warn_buffer_updates(captured.graph, plan.chunks)
         return predict_shared_step(build(plan))
     if example_inputs is None:
         raise ValueError("example_inputs is required to profile the model (or pass plan=fxpipe.load_plan(...))")
@@ -160,11 +161,17 @@ def compile(
     profiled = min(batch, 4 * len(devs)) if auto_chunks else chunks
     workers = worker_devices(devs, "gpipe" if schedule == "auto" else schedule, v, stages,
                              None if auto_chunks else chunks)
-    if options.check_micro_batching:
-        check_micro_batching(captured.graph, example_inputs, layout, profiled)
+    check_graph = captured.eval_graph if options.check_micro_batching else None
+    if options.check_micro_batching and check_graph is None:
+        log.info("micro-batching is not checked: %s depends on train/eval mode and does not trace in eval mode",
+                 type(model).__name__)
+    if check_graph is not None:
+        check_micro_batching(check_graph, example_inputs, layout, profiled)
     first = tuple(tree_map(lambda x: x.to(workers[0]) if isinstance(x, torch.Tensor) else x, part)
                   for part in scatter(list(example_inputs), profiled, dims)[0])
     captured.graph.to(workers[0])
+    if check_graph is not None and check_graph is not captured.graph:   # for the check after the search
+        check_graph.to(workers[0])
     costs, cached = node_costs(captured.graph, captured.fingerprint, first, workers[0], profiling)   # 2. cost
     planner = Planner(gm=captured.graph, fingerprint=captured.fingerprint, model_name=type(model).__name__,
                       devices=workers, all_devices=devs, memory_bytes=memory_limits(workers, v, options.memory_bytes),
@@ -181,11 +188,12 @@ def compile(
         search = plan_auto(planner, costs, profiled, chunk_choices(batch, len(workers)) if auto_chunks else [chunks],
                            SCHEDULES if schedule == "auto" else (schedule,), virtual_stages=v if v > 1 else 2)
         planner, costs, first_plan = search.planner, search.costs, search.plan
-        if options.check_micro_batching and first_plan.chunks not in (1, profiled):
-            check_micro_batching(captured.graph, example_inputs, layout, first_plan.chunks)
+        if check_graph is not None and first_plan.chunks not in (1, profiled):
+            check_micro_batching(check_graph, example_inputs, layout, first_plan.chunks)
     else:
         first_plan = planner.plan(costs)
     warn_batch_norm(model, first_plan.chunks, options.deferred_batch_norm)
+    warn_buffer_updates(captured.graph, first_plan.chunks)
     spec = captured.graph.meta.get("fxpipe_out_spec")
     measured_loss = ((lambda out, target: scalar_of(loss_fn(model_output(out, spec), target)))
                      if loss_fn is not None else None)

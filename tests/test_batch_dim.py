@@ -210,3 +210,48 @@ def test_a_sequence_first_model_with_dropout_is_refused_under_export_too(fronten
         fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(T, B, F),), chunks=4, stages=2, frontend=frontend,
                        profile=ESTIMATE)
     assert model.training
+
+
+class _TracedBatchNorm(nn.Module):
+    """A batch norm fx traces through (timm's BatchNormAct2d is one): ``self.training`` becomes a constant of
+    the graph, so the graph traced in train mode computes batch statistics whatever ``eval()`` says."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.ones(width)), nn.Parameter(torch.zeros(width))
+        self.register_buffer("running_mean", torch.zeros(width))
+        self.register_buffer("running_var", torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                                        self.training, 0.1, 1e-5)
+
+
+class _TracedBatchNormNet(nn.Module):
+    def __init__(self, mix_samples: bool = False) -> None:
+        super().__init__()
+        self.mix_samples = mix_samples
+        self.a, self.norm, self.b, self.c = nn.Linear(F, 8), _TracedBatchNorm(8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(torch.relu(self.norm(self.a(x))))
+        if self.mix_samples:
+            h = h - h.mean(0, keepdim=True)
+        return self.c(h)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_a_train_mode_graph_with_batch_statistics_is_checked_in_eval_mode(frontend):
+    """The check runs the model in eval mode, where samples are independent: for a graph traced in train
+    mode that computes batch statistics whatever its mode, that is the eval-mode trace. Such a model (every
+    timm CNN with BatchNormAct2d) compiles in train mode, warned about like any train-mode BatchNorm..."""
+    torch.manual_seed(0)
+    model, x = _TracedBatchNormNet().train(), torch.randn(B, F)
+    with pytest.warns(UserWarning, match="chunks=4"):
+        pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, profile=ESTIMATE, frontend=frontend)
+    with torch.no_grad():   # the train-mode model, micro-batch by micro-batch
+        assert max_relative_error(pipe(x), torch.cat([model(part) for part in x.chunk(4)])) <= 1e-6
+    # ... and a model that mixes samples in eval mode too is still refused.
+    with pytest.raises(fxpipe.FxpipeError, match="batch-level operation"):
+        fxpipe.compile(_TracedBatchNormNet(mix_samples=True).train(), ["cpu", "cpu"], (x,), chunks=4, stages=2,
+                       profile=ESTIMATE, frontend=frontend)

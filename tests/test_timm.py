@@ -156,3 +156,24 @@ def test_transformer_blocks_are_cut_between_by_default(name, blocks):
     assert not split and "kept whole: " in summary and "cut inside blocks" not in summary, (split, summary)
     with torch.no_grad():
         assert max_relative_error(pipe(x), torch.cat([model(part) for part in x.tensor_split(2)])) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["efficientnet_b0", "regnety_002"])
+def test_a_cnn_with_timms_batch_norm_compiles_in_train_mode_by_default(name):
+    """timm's BatchNormAct2d is traced through, so the train-mode graph computes batch statistics in any
+    mode; the micro-batching check runs the eval-mode trace instead, and the model compiles with nothing
+    set (it was refused as mixing samples). Each micro-batch is normalised by its own statistics, as the
+    warning says: the pipeline equals the model run micro-batch by micro-batch."""
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, num_classes=10).train()
+    x = torch.randn(8, 3, 64, 64)
+    with pytest.warns(UserWarning, match="train-mode BatchNorm"):
+        pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,))
+    assert pipe.plan.frontend["name"] == "fx" and pipe.plan.chunks > 1
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    with torch.no_grad():
+        got = pipe(x)
+        for n, b in model.named_buffers():   # the same running statistics for the model's own run
+            b.copy_(before[n])
+        want = torch.cat([model(part) for part in x.tensor_split(pipe.plan.chunks)])
+    assert max_relative_error(got, want) <= 1e-5

@@ -225,3 +225,51 @@ class _Recurrent(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lstm(self.emb(x))[0]
+
+
+class _Reassigning(nn.Module):
+    """``self.calls += 1`` on a buffer makes a new tensor and assigns it: torch.fx records the addition but
+    not the assignment (and used to leave its Proxy in the model in place of the buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_a_buffer_assigned_in_forward_is_refused_by_fx_and_exported_by_auto():
+    import fxpipe
+    model, x = _Reassigning(), torch.randn(8, 8)
+    est = fxpipe.ProfileOptions(mode="estimate")
+    with pytest.raises(fxpipe.TraceError, match=r"cannot trace the update of self\.calls in the model "
+                                                r"\(_Reassigning\)(.|\n)*fix: update it in place"):
+        fxpipe.compile(model, ["cpu", "cpu"], (x,), frontend="fx", profile=est)
+    assert type(model.calls) is torch.Tensor and model.calls.item() == 0   # the model is as it was
+    # torch.export records `+=` as add_ on the buffer; the no-op write-back export appends at the end of the
+    # graph is dropped, so the update stays in the first stage and four stages are no conflict.
+    with pytest.warns(UserWarning, match=r"updates buffer\(s\) calls in place, and with chunks=4"):
+        pipe = fxpipe.compile(model, ["cpu"] * 4, (x,), chunks=4, stages=4, profile=est)
+    assert pipe.plan.frontend["name"] == "export" and "self.calls" in pipe.plan.frontend["reason"]
+    assert model.calls.item() == 0
+    with torch.no_grad():
+        out = pipe(x)
+    assert model.calls.item() == 4   # once per micro-batch, as the warning says
+    twin = _Reassigning()
+    twin.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.allclose(out, twin(x), rtol=1e-6, atol=1e-7)
+
+
+def test_spectral_norm_power_iterations_are_warned_about_with_micro_batches():
+    import fxpipe
+    model = nn.Sequential(*[nn.utils.parametrizations.spectral_norm(nn.Linear(8, 8)) for _ in range(2)],
+                          nn.utils.spectral_norm(nn.Linear(8, 8)))
+    with pytest.warns(UserWarning, match=r"0\.parametrizations\.weight\.0\._u.*2\.weight_u.*chunks=2"):
+        fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(8, 8),), chunks=2, stages=2,
+                       profile=fxpipe.ProfileOptions(mode="estimate"))

@@ -42,6 +42,10 @@ class Captured:
     fingerprint: str          # names the graph: a plan made for another one is refused
     mode_dependent: bool      # tracing in the other train/eval mode gives another graph
     frontend: dict[str, str] = field(default_factory=dict)   # {"name": "fx"|"export"|"given", "reason": ...}
+    # The model in eval mode, for checks that need it (fxpipe.runtime.batch_check): ``graph`` itself unless
+    # that was traced in train mode and depends on the mode (a BatchNorm traced through computes batch
+    # statistics whatever gm.eval() says), then the eval-mode trace; None where eval mode does not trace.
+    eval_graph: fx.GraphModule | None = None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -127,12 +131,14 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
     kwargs = dict(kwargs or {})
     if isinstance(model, torch.export.ExportedProgram):
         gm = flat_program(model)
-        return Captured(gm, graph_fingerprint(gm, "given"), False,
+        # exported in train mode, its batch norms compute batch statistics in any mode: no eval graph
+        eval_graph = None if gm.meta["fxpipe_traced_training"] else gm
+        return Captured(gm, graph_fingerprint(gm, "given"), False, eval_graph=eval_graph, frontend=
                         {"name": "given", "reason": "a torch.export.ExportedProgram, partitioned as given"})
     if isinstance(model, fx.GraphModule):
         gm = model
         gm.meta.setdefault("fxpipe_traced_training", model.training)
-        return Captured(gm, graph_fingerprint(gm, "given"), False,
+        return Captured(gm, graph_fingerprint(gm, "given"), False, eval_graph=gm, frontend=
                         {"name": "given", "reason": "a torch.fx.GraphModule, partitioned as given"})
     leaves = list(leaf_modules)
     unknown = [n for n in leaves if isinstance(n, str) and n and not has_submodule(model, n)]
@@ -166,5 +172,6 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
                 mode_dependent = (graph_fingerprint(other_gm, other_tag, modes_alike=True)
                                   != graph_fingerprint(gm, tag, modes_alike=True))
             except TraceError:
-                mode_dependent = True   # the other mode does not trace: the graph holds for this mode only
-    return Captured(gm, fingerprint, mode_dependent, {"name": name, "reason": reason})
+                other_gm, mode_dependent = None, True   # the other mode does not trace: this mode's graph only
+    eval_graph = other_gm if mode_dependent and model.training else gm
+    return Captured(gm, fingerprint, mode_dependent, {"name": name, "reason": reason}, eval_graph)

@@ -106,6 +106,38 @@ def _flatten_graph(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _written_tensor(node: fx.Node) -> fx.Node:
+    """The node whose tensor ``node``'s value is, through in-place ATen operators (``add_`` returns its
+    ``self``, the argument its schema marks as written and returned), else ``node`` itself."""
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        schema = node.target._schema
+        alias = schema.returns[0].alias_info if len(schema.returns) == 1 else None
+        if alias is None or not alias.is_write:
+            return node
+        written = [i for i, a in enumerate(schema.arguments)
+                   if a.alias_info is not None and a.alias_info.before_set == alias.before_set]
+        if not written or written[0] >= len(node.args) or not isinstance(node.args[written[0]], fx.Node):
+            return node
+        node = node.args[written[0]]
+    return node
+
+
+def _drop_self_write_backs(gm: fx.GraphModule) -> None:
+    """Erase the ``copy_(buffer, value)`` that ``ExportedProgram.module()`` appends for a mutated buffer
+    where ``value`` is the buffer itself, updated in place (``self.count += 1`` exports as ``add_``).
+
+    The copy is a no-op there, but at the graph's end it lands in the last stage while the update runs in
+    the first, which the pipeline must refuse (a buffer updated across stages); without it the update
+    stays where the model makes it."""
+    for node in list(gm.graph.nodes):
+        if (node.op == "call_function" and node.target is torch.ops.aten.copy_.default and not node.users
+                and len(node.args) >= 2 and isinstance(node.args[1], fx.Node)
+                and _written_tensor(node.args[1]) is node.args[0]):
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+
+
 def _check_batch_symbolic(gm: fx.GraphModule, args: tuple, kwargs: dict, dims: list[int]) -> None:
     """Refuse a graph whose batch size export fixed: it would run only batches of the example's size."""
     leaves = tree_flatten((args, kwargs))[0]
@@ -154,5 +186,6 @@ def flat_program(program: torch.export.ExportedProgram, name: str = "Exported") 
     gm = fx.GraphModule(exported, exported.graph, name)
     gm.meta.update(exported.meta)
     _flatten_graph(gm)
+    _drop_self_write_backs(gm)
     gm.meta.setdefault("fxpipe_traced_training", bool(exported.training))
     return gm

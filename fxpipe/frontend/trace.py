@@ -142,10 +142,59 @@ def dropped_region(exc: BaseException | None) -> DroppedRegion | None:
     return None
 
 
+class _AssignedTracedValue(Exception):
+    """Raised after tracing when ``forward`` assigned a traced value to a module attribute."""
+
+    def __init__(self, where: str, module: str) -> None:
+        super().__init__(where)
+        self.where, self.module = where, module
+
+
+@contextlib.contextmanager
+def _refusing_attribute_assignments(model: nn.Module) -> Iterator[None]:
+    """Keep the model's attributes as they were, and refuse a forward that assigns one a traced value.
+
+    ``self.count += 1`` or ``self.ema = 0.9 * self.ema + ...`` on a buffer makes a new tensor and
+    assigns it: torch.fx records the arithmetic but not the assignment, so the pipeline would never update
+    the buffer, and fx leaves its Proxy in the user's model in place of the tensor. The attributes are put
+    back and the trace fails with the fix (update in place, which fx records, or torch.export, which
+    records the assignment: the auto front end then takes it)."""
+    before = [(name, module, dict(module.__dict__), dict(module._buffers), dict(module._parameters))
+              for name, module in model.named_modules(remove_duplicate=False)]
+    try:
+        yield
+    finally:
+        assigned = []
+        for name, module, attributes, buffers, parameters in before:
+            for now, then in ((module.__dict__, attributes), (module._buffers, buffers),
+                              (module._parameters, parameters)):
+                changed = [k for k, v in now.items() if isinstance(v, fx.Proxy) and then.get(k) is not v]
+                assigned += [(name, k) for k in changed]
+                for k in changed:
+                    if k in then:
+                        now[k] = then[k]
+                    else:
+                        del now[k]
+    if assigned:
+        module, attribute = assigned[0]
+        owner = f"submodule {module!r}" if module else "the model"
+        raise _AssignedTracedValue(f"self.{attribute} in {owner} ({type(model.get_submodule(module)).__name__})",
+                                   module)
+
+
 def _trace_once(model: nn.Module, tracer: _Tracer, concrete_args: dict[str, Any] | None) -> fx.GraphModule:
     try:
-        with _refuse_autograd_functions(), refusing_grad_regions():
+        with _refusing_attribute_assignments(model), _refuse_autograd_functions(), refusing_grad_regions():
             graph = tracer.trace(model, concrete_args=concrete_args)
+    except _AssignedTracedValue as exc:
+        raise TraceError(
+            f"torch.fx cannot trace the update of {exc.where}: forward assigns it a value computed from traced "
+            "tensors (`self.x = ...` or `self.x += ...` on a buffer makes a new tensor), and torch.fx records "
+            "the computation but not the assignment, so the pipeline would never update it\n"
+            f"  operation: assignment to {exc.where}\n"
+            "  fix: update it in place (self.x.add_(1), self.x.mul_(0.9).add_(y, alpha=0.1)), which torch.fx "
+            "records, or compile with frontend='export' (or 'auto' with example_inputs), which records it",
+            module=exc.module or None, operation=f"assignment to {exc.where}") from None
     except Exception as exc:  # fx raises TraceError, TypeError, RuntimeError, AttributeError...
         module = tracer.failed_in or ""
         kind = type(model.get_submodule(module)).__name__ if module else type(model).__name__
