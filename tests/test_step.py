@@ -216,6 +216,24 @@ def test_a_failing_backward_names_stage_micro_batch_and_pass_and_a_later_step_wo
     assert threading.active_count() == before
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_a_loss_of_the_output_alone_takes_target_none(schedule):
+    """``pipe.step(x, None, loss_fn)``: a self-supervised loss (or one over terms the model returns) gets
+    ``None`` for every micro-batch, and the step equals the model's full-batch backward."""
+    torch.manual_seed(0)
+    model = SkipTied(vocab=13, width=16, depth=6)
+    tokens = torch.randint(0, 13, (10, 5))
+    pipe = fxpipe.compile(model, ["cpu"] * 4, (tokens,), chunks=4, stages=4, schedule=schedule,
+                          profile="estimate")
+    seen = []
+
+    def loss_fn(logits, target):
+        seen.append(target)
+        return logits.logsumexp(-1).mean()
+    _assert_step_matches(model, pipe, tokens, None, loss_fn)
+    assert seen == [None] * 5   # the reference's call, then one per micro-batch
+
+
 def test_step_arguments_are_checked():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     x = torch.randn(4, 4)

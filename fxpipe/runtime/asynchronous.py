@@ -38,7 +38,6 @@ from fxpipe.planning.memory_model import WorkerPrediction, predict_worker_memory
 from fxpipe.runtime.batchnorm import commit_statistics
 from fxpipe.runtime.caller_state import CallerState
 from fxpipe.runtime.failures import step_error
-from fxpipe.runtime.microbatch import batch_size_of
 from fxpipe.runtime.step import StepFailure, run_step
 from fxpipe.runtime.transport import Transport
 from solvers.asynchronous import ASYNC_MODES, async_orders, check_orders, stashed_versions
@@ -207,7 +206,7 @@ class AsyncTrainer:
             mb = pipe.inputs.micro_batches(inputs, {})
             n = pipe.inputs.sizes(mb)
             tg = pipe.inputs.micro_targets(target)
-            if len(tg) != len(mb) or any(batch_size_of([t], pipe.layout.target) != s for t, s in zip(tg, n)):
+            if not pipe.inputs.targets_fit(tg, n):
                 raise ValueError(f"mini-batch {b}: the target must have the inputs' batch size, {sum(n)}")
             micro += mb
             targets += tg

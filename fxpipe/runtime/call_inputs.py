@@ -69,8 +69,18 @@ class CallInputs:
                                                                 [dims[n] for n in names])]
 
     def micro_targets(self, target: Any) -> list[Any]:
-        """``target`` split into micro-batches along the layout's target dimension."""
+        """``target`` split into micro-batches along the layout's target dimension; ``None`` (a loss of the
+        output alone: self-supervised, a model that returns its loss terms) is ``None`` for every one."""
+        if target is None:
+            return [None] * self.chunks
         return [t[0] for t in scatter([target], self.chunks, self.layout.target)]
+
+    def targets_fit(self, targets: list[Any], sizes: list[int]) -> bool:
+        """Whether ``micro_targets``' micro-batches hold the inputs' ``sizes`` samples each (or are all None)."""
+        if all(t is None for t in targets):
+            return len(targets) == len(sizes)
+        return len(targets) == len(sizes) and all(batch_size_of([t], self.layout.target) == n
+                                                  for t, n in zip(targets, sizes))
 
     def sizes(self, micro: list[dict[str, Any]]) -> list[int]:
         """Samples per micro-batch."""

@@ -33,7 +33,7 @@ from fxpipe.runtime.codegen import StageSpec
 from fxpipe.errors import FxpipeError
 from fxpipe.runtime.failures import forward_error, step_error
 from fxpipe.runtime.call_inputs import CallInputs
-from fxpipe.runtime.microbatch import batch_size_of, gather
+from fxpipe.runtime.microbatch import gather
 from fxpipe.planning.memory_model import checkpointed
 from fxpipe.runtime.memory_probe import allocations, measure_worker_memory
 from fxpipe.planning.plan import Plan
@@ -165,7 +165,8 @@ class Pipeline(nn.Module):
         ``inputs`` is the model's input (a tuple for several; tensors inside tuples, lists and dicts
         are split); ``target`` (a tensor or such a structure) is split into micro-batches like them,
         moved to the last stage's device, and ``loss_fn(output, target)`` is applied per micro-batch
-        there (:mod:`fxpipe.runtime.losses`):
+        there (:mod:`fxpipe.runtime.losses`); ``target=None`` passes ``None`` to every call (a loss of
+        the output alone):
 
         - ``reduction="mean"`` weights micro-batch ``i`` by ``n_i / N``. Exact for a loss that averages
           over samples of equal weight (``mse_loss``, ``cross_entropy`` with one label per sample). Not
@@ -205,8 +206,7 @@ class Pipeline(nn.Module):
         micro = self.inputs.micro_batches(inputs, kwargs)
         sizes = self.inputs.sizes(micro)
         targets = self.inputs.micro_targets(target)
-        if len(targets) != len(micro) or any(batch_size_of([t], self.layout.target) != n
-                                             for t, n in zip(targets, sizes)):
+        if not self.inputs.targets_fit(targets, sizes):
             raise ValueError(f"target must have the batch size of the inputs, {sum(sizes)}, along its batch "
                              f"dimension {self.layout.target} (it is split into micro-batches the same way; "
                              "CompileOptions(target_batch_dim=...) names another dimension)")
