@@ -168,6 +168,14 @@ def batch_layout(options: CompileOptions, gm: fx.GraphModule) -> BatchLayout:
     return BatchLayout(inputs, output, target)
 
 
+def most_micro_batches(model: nn.Module, batch: int) -> int:
+    """The most micro-batches ``chunks="auto"`` makes of a batch of ``batch`` samples: one sample each, or
+    two where a BatchNorm is in train mode (statistics over one sample normalise it away, and a 1x1 map
+    of one sample is an error: "Expected more than 1 value per channel when training")."""
+    training_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules())
+    return max(1, batch // 2) if training_norm else batch
+
+
 def warn_batch_norm(model: nn.Module, chunks: int, deferred: bool = False) -> None:
     """Warn once when a train-mode BatchNorm meets micro-batches: each micro-batch is normalised by its own
     statistics (as in torchgpipe), so the output and gradients differ from one full-batch step's."""

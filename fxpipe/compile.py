@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_map
 
 from fxpipe.compression_spec import BoundaryCodec, check_compression
 from fxpipe.checks import (batch_layout, check_arguments, check_plan, check_plan_layout, memory_limits, parse_devices, warn_batch_norm,
-                           warn_buffer_updates, worker_devices)
+                           warn_buffer_updates, worker_devices, most_micro_batches)
 from fxpipe.cost.cpu import CpuHost
 from fxpipe.cost.node_costs import node_costs
 from fxpipe.frontend.capture import capture
@@ -73,7 +73,8 @@ def compile(
         example_kwargs: the model's keyword inputs of that batch (``{"attention_mask": mask}``); the
             pipeline is then called as the model, ``pipe(ids, attention_mask=mask)``.
         chunks: micro-batches per batch, or ``"auto"`` (default; ``None`` is the same): the planner tries
-            powers of two up to ``min(batch, 4 x devices)`` and keeps the fastest that fits (with ``plan=``:
+            powers of two up to ``min(batch, 4 x devices)`` (``batch / 2`` where a BatchNorm trains) and
+            keeps the fastest that fits (with ``plan=``:
             the plan's). Any batch is split into ``chunks`` micro-batches (``torch.tensor_split``).
         schedule: ``"auto"`` (default: the planner makes a plan for every schedule and micro-batch count,
             :mod:`fxpipe.planning.auto`, and keeps the one whose simulated iteration is fastest within
@@ -158,7 +159,8 @@ def compile(
     dims = dims[:len(example_inputs)] + [0] * (len(example_inputs) - len(dims))
     batch = batch_size_of(list(example_inputs), dims)
     # costs are measured on micro-batches of this count; an auto search scales them to the others it tries
-    profiled = min(batch, 4 * len(devs)) if auto_chunks else chunks
+    most = most_micro_batches(model, batch)   # micro-batches auto may make of this batch
+    profiled = min(most, 4 * len(devs)) if auto_chunks else chunks
     workers = worker_devices(devs, "gpipe" if schedule == "auto" else schedule, v, stages,
                              None if auto_chunks else chunks)
     check_graph = captured.eval_graph if options.check_micro_batching else None
@@ -185,7 +187,7 @@ def compile(
                       compression=options.compression, codec_s_per_byte=codec_cost(options.compression, workers[0]))
     search = None
     if schedule == "auto" or auto_chunks:                                               # 3. plan
-        search = plan_auto(planner, costs, profiled, chunk_choices(batch, len(workers)) if auto_chunks else [chunks],
+        search = plan_auto(planner, costs, profiled, chunk_choices(most, len(workers)) if auto_chunks else [chunks],
                            SCHEDULES if schedule == "auto" else (schedule,), virtual_stages=v if v > 1 else 2)
         planner, costs, first_plan = search.planner, search.costs, search.plan
         if check_graph is not None and first_plan.chunks not in (1, profiled):

@@ -5,6 +5,8 @@ Fine-tuning freezes BatchNorm with ``bn.eval()`` inside a model in training mode
 its running statistics.
 """
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -150,3 +152,19 @@ def test_a_dropout_of_rate_zero_does_not_make_the_graph_depend_on_the_mode(front
     with torch.no_grad():
         assert torch.equal(pipe(x), model(x))
     assert not [w for w in recwarn if "mode" in str(w.message)]
+
+
+def test_auto_micro_batches_keep_two_samples_for_a_train_mode_batch_norm():
+    """A train-mode BatchNorm over one sample normalises it away (on a 1x1 map it is an error, as in
+    Inception's auxiliary head): ``chunks="auto"`` makes micro-batches of two samples at least there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.AdaptiveAvgPool2d(1), nn.BatchNorm2d(8), nn.Flatten(),
+                          nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).train()
+    x = torch.randn(4, 3, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # the train-mode BatchNorm warning, tested above
+        pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,))
+    assert 1 <= pipe.plan.chunks <= 2
+    tried = {row["chunks"] for row in pipe.plan.solver["search"]}
+    assert tried and max(tried) <= 2
+    assert tuple(pipe(x).shape) == (4, 4)
