@@ -209,13 +209,15 @@ def _power_iteration_buffers(module: nn.Module, prefix: str) -> list[str]:
     return found
 
 
-def warn_buffer_updates(gm: fx.GraphModule, chunks: int) -> None:
+def warn_buffer_updates(gm: fx.GraphModule, chunks: int, model: nn.Module | None = None) -> None:
     """Warn once when the graph itself updates buffers in place (a step counter, a moving average, spectral
     norm's power iteration) and a batch runs as ``chunks > 1`` micro-batches: each update then runs once per
     micro-batch, where the unpartitioned model runs it once per batch. Buffers of leaf modules are left to
-    their own checks (BatchNorm: :func:`warn_batch_norm`)."""
+    their own checks, and so are a BatchNorm's where torch.export took it apart (:func:`warn_batch_norm`)."""
     leaves = [n.target for n in gm.graph.nodes if n.op == "call_module"]
-    updated = sorted({b for b in written_buffers(gm) if not any(b.startswith(leaf + ".") for leaf in leaves)}
+    norms = {name for name, m in (model or gm).named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    updated = sorted({b for b in written_buffers(gm) if not any(b.startswith(leaf + ".") for leaf in leaves)
+                      and b.rpartition(".")[0] not in norms}
                      | {b for leaf in leaves for b in _power_iteration_buffers(gm.get_submodule(leaf), leaf)})
     if chunks <= 1 or not updated:
         return

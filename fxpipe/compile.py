@@ -151,7 +151,7 @@ def compile(
         check_plan(plan, captured, model, devs, None if auto_chunks else chunks)
         check_plan_layout(plan, layout, options)
         warn_batch_norm(model, plan.chunks, options.deferred_batch_norm)
-        warn_buffer_updates(captured.graph, plan.chunks)
+        warn_buffer_updates(captured.graph, plan.chunks, model)
         return predict_shared_step(build(plan))
     if example_inputs is None:
         raise ValueError("example_inputs is required to profile the model (or pass plan=fxpipe.load_plan(...))")
@@ -195,7 +195,7 @@ def compile(
     else:
         first_plan = planner.plan(costs)
     warn_batch_norm(model, first_plan.chunks, options.deferred_batch_norm)
-    warn_buffer_updates(captured.graph, first_plan.chunks)
+    warn_buffer_updates(captured.graph, first_plan.chunks, model)
     spec = captured.graph.meta.get("fxpipe_out_spec")
     measured_loss = ((lambda out, target: scalar_of(loss_fn(model_output(out, spec), target)))
                      if loss_fn is not None else None)
