@@ -190,3 +190,17 @@ def test_memory_too_small_for_any_plan_gives_the_smallest_peak_that_fits():
     with pytest.raises(fxpipe.InfeasiblePlanError, match=r"smallest possible stage peak is \d+ bytes"):
         fxpipe.compile(_mlp(), ["cpu"] * 2, (torch.randn(8, 8),), profile=ESTIMATE,
                        options=fxpipe.CompileOptions(memory_bytes=[100, 100]))
+
+
+class _FixedBatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)).view(8, 4, 4))   # the example's batch size, written in
+
+
+def test_a_forward_that_fixes_the_batch_size_is_refused_naming_micro_batches_and_the_fix():
+    with pytest.raises(ValueError, match=r"micro-batches(.|\n)*fixes the batch size(.|\n)*x\.size\(0\) or -1"):
+        fxpipe.compile(_FixedBatch(), ["cpu", "cpu"], (torch.randn(8, 16),), chunks=2, profile=ESTIMATE)

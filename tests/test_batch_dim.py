@@ -255,3 +255,19 @@ def test_a_train_mode_graph_with_batch_statistics_is_checked_in_eval_mode(fronte
     with pytest.raises(fxpipe.FxpipeError, match="batch-level operation"):
         fxpipe.compile(_TracedBatchNormNet(mix_samples=True).train(), ["cpu", "cpu"], (x,), chunks=4, stages=2,
                        profile=ESTIMATE, frontend=frontend)
+
+
+def test_an_output_that_is_not_per_sample_is_refused_as_such():
+    """A weight returned beside the outputs (16 rows for any batch) was reported as samples mixed."""
+    class WithWeight(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(F, 16), nn.Linear(16, 3)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.b(torch.relu(self.a(x))), self.a.weight * 2
+
+    with pytest.raises(fxpipe.FxpipeError, match=r"output leaf 1 of shape \(16, 6\) has 16 rows along the "
+                                                 r"output's batch dimension 0 when the model runs 4 samples: it "
+                                                 r"is not per sample"):
+        _compile(WithWeight(), torch.randn(B, F))

@@ -273,3 +273,35 @@ def test_spectral_norm_power_iterations_are_warned_about_with_micro_batches():
     with pytest.warns(UserWarning, match=r"0\.parametrizations\.weight\.0\._u.*2\.weight_u.*chunks=2"):
         fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(8, 8),), chunks=2, stages=2,
                        profile=fxpipe.ProfileOptions(mode="estimate"))
+
+
+class _Variadic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, *xs: torch.Tensor, **options: float) -> torch.Tensor:
+        x = xs[0] + xs[1]
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_a_variadic_forward_is_exported_by_auto_and_refused_by_fx():
+    """torch.fx makes ``*xs`` (and ``**options``) one input holding a tuple, which the pipeline cannot bind
+    (it failed on the first call, 'missing input **options'); torch.export binds each value."""
+    import fxpipe
+    model, x, y = _Variadic(), torch.randn(8, 8), torch.randn(8, 8)
+    est = fxpipe.ProfileOptions(mode="estimate")
+    with pytest.raises(fxpipe.TraceError, match=r"takes \*xs, \*\*options(.|\n)*fix: compile with frontend='export'"):
+        fxpipe.compile(model, ["cpu", "cpu"], (x, y), chunks=2, frontend="fx", profile=est)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x, y), chunks=2, profile=est)
+    assert pipe.plan.frontend["name"] == "export"
+    want = model(x, y)
+    want.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    got = pipe(x, y)
+    got.sum().backward()
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert all(torch.allclose(p.grad, grads[n], rtol=1e-5, atol=1e-7) for n, p in model.named_parameters())

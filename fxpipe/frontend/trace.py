@@ -16,6 +16,7 @@ region (:mod:`fxpipe.frontend.grad_regions`: the region would be lost).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import linecache
 import os
 import traceback
@@ -241,6 +242,7 @@ def trace(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpipe needs an nn.Module, got {type(model).__name__}")
+    _refuse_variadic_forward(model)
     leaves = list(leaf_modules)
     leaf_types = tuple(x for x in leaves if isinstance(x, type))
     leaf_names = {x for x in leaves if isinstance(x, str)}
@@ -263,6 +265,25 @@ def trace(
             through.update(sub for sub, _ in _param_owners(model, name))
     gm.meta["fxpipe_traced_training"] = model.training
     return gm
+
+
+def _refuse_variadic_forward(model: nn.Module) -> None:
+    """torch.fx makes ``forward(self, *xs)`` one input holding a tuple (and ``**kw`` one holding a dict),
+    where the pipeline binds one input per argument: refused with the fix (torch.export binds each value;
+    the auto front end then takes it)."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):   # a builtin or C forward: nothing to read
+        return
+    variadic = [p for p in parameters if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if variadic:
+        shown = ", ".join(("*" if p.kind == p.VAR_POSITIONAL else "**") + p.name for p in variadic)
+        raise TraceError(
+            f"torch.fx cannot trace the model's own forward ({type(model).__name__}): it takes {shown}, which "
+            "torch.fx makes one input holding all those values, where the pipeline binds one input per "
+            f"argument\n  operation: def forward(self, ..., {shown})\n  fix: compile with frontend='export' "
+            "(or 'auto' with example_inputs), which binds every value, or name the arguments in forward",
+            module=None, operation=f"forward(..., {shown})")
 
 
 def has_submodule(model: nn.Module, name: str) -> bool:
@@ -295,5 +316,8 @@ def run_failure(exc: BaseException, gm: fx.GraphModule, given: int) -> ValueErro
                f"options=fxpipe.CompileOptions(concrete_args={{{', '.join(f'{a!r}: None' for a in optional)}}}) "
                "to trace the model as called without them (or pass them in example_inputs)")
     else:
-        fix = "check that example_inputs match the model's forward()"
-    return ValueError(f"running the model on example_inputs failed: {type(exc).__name__}: {exc}; {fix}")
+        fix = ("check that example_inputs match the model's forward(); it runs on micro-batches (parts of the "
+               "example batch), so code that fixes the batch size (x.view(8, -1) for a batch of 8, a tensor of "
+               "that size made in forward) fails: use x.size(0) or -1 there, or compile with chunks=1")
+    return ValueError(f"running the model on (micro-batches of) example_inputs failed: {type(exc).__name__}: "
+                      f"{exc}; {fix}")

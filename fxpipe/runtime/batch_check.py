@@ -78,6 +78,20 @@ def _difference(whole: Any, parts: list[Any], dim: int) -> tuple[float, str] | N
     return worst
 
 
+def _refuse_outputs_without_the_batch(whole: Any, samples: int, dim: int) -> None:
+    """An output leaf whose batch dimension is not the batch's size (a parameter, a weight matrix, a
+    statistic over the batch returned beside the outputs) cannot be joined across micro-batches."""
+    for i, leaf in enumerate(tree_flatten(whole)[0]):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > dim and leaf.size(dim) != samples:
+            raise FxpipeError(
+                f"output leaf {i} of shape {tuple(leaf.shape)} has {leaf.size(dim)} rows along the output's batch "
+                f"dimension {dim} when the model runs {samples} samples: it is not per sample (a parameter, or a value "
+                "computed over the whole batch, returned beside the outputs), and the pipeline joins every output "
+                "across micro-batches. Return only per-sample outputs and compute that one outside the pipeline, "
+                "or set CompileOptions(output_batch_dim=...) if the outputs hold the samples along another "
+                "dimension")
+
+
 def _leading(values: list[Any], samples: int, dims: list[int]) -> list[Any]:
     """``values`` with every batched tensor leaf cut to its first ``samples`` samples (as :func:`scatter`
     splits: leaves without the batch dimension are kept whole)."""
@@ -155,6 +169,7 @@ def check_micro_batching(gm: fx.GraphModule, example_inputs: tuple, layout: Batc
     finally:
         for m, training in modes.items():
             m.training = training
+    _refuse_outputs_without_the_batch(whole, samples, layout.output)
     found = _difference(whole, parts, layout.output)
     if found is None or found[0] <= RTOL:
         return
