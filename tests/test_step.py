@@ -234,6 +234,38 @@ def test_a_loss_of_the_output_alone_takes_target_none(schedule):
     assert seen == [None] * 5   # the reference's call, then one per micro-batch
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"])
+def test_inputs_that_require_grad_get_the_full_batch_gradient(schedule):
+    """An input leaf that requires grad gets its gradient (ZB-H1 and ZB-V left it on the micro-batch's
+    slice), and an input computed by the caller (``pipe.step(torch.tanh(encoder(x)), ...)``) hands its
+    gradient on into the caller's graph once (every schedule failed on the second micro-batch's backward
+    through it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(8)])
+    encoder = nn.Linear(16, 16)
+    x = torch.randn(10, 16, requires_grad=True)
+
+    def loss_fn(out, target):
+        return (out - target).pow(2).mean()
+    target = torch.randn(10, 16)
+    loss_fn(model(torch.tanh(encoder(x))), target).backward()
+    want = {"x": x.grad.clone(), **{n: p.grad.clone() for n, p in encoder.named_parameters()}}
+    x.grad = None
+    encoder.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, schedule=schedule, profile="estimate")
+    loss_fn(model(x), target).backward()
+    want_leaf = x.grad.clone()
+    x.grad = None
+    pipe.step(x, target, loss_fn)
+    assert max_relative_error(x.grad, want_leaf) <= 1e-5
+    x.grad = None
+    pipe.step(torch.tanh(encoder(x)), target, loss_fn)
+    got = {"x": x.grad, **{n: p.grad for n, p in encoder.named_parameters()}}
+    assert all(max_relative_error(got[n], want[n]) <= 1e-5 for n in want), {
+        n: max_relative_error(got[n], want[n]) for n in want}
+
+
 def test_step_arguments_are_checked():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     x = torch.randn(4, 4)

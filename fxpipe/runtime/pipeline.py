@@ -33,6 +33,7 @@ from fxpipe.runtime.codegen import StageSpec
 from fxpipe.errors import FxpipeError
 from fxpipe.runtime.failures import forward_error, step_error
 from fxpipe.runtime.call_inputs import CallInputs
+from fxpipe.runtime.input_grads import InputGraphs
 from fxpipe.runtime.microbatch import gather
 from fxpipe.planning.memory_model import checkpointed
 from fxpipe.runtime.memory_probe import allocations, measure_worker_memory
@@ -200,6 +201,8 @@ class Pipeline(nn.Module):
                               "to run the model without training it")
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         kwargs = dict(kwargs or {})
+        graphs = InputGraphs()   # inputs carrying the caller's graph: one backward into it, after the step
+        inputs, kwargs = graphs.detach(inputs), graphs.detach(kwargs)
         if self.inputs.in_spec is not None:   # the graph's leaves once, for the memory probe's replay as well
             inputs, kwargs = FlatInputs(flat_inputs(inputs, kwargs, self.inputs.in_spec)[0]), {}
         loss_fn = self.structured_loss(loss_fn)
@@ -236,6 +239,7 @@ class Pipeline(nn.Module):
                 raise step_error(failure, self.devices) from failure.exc
             wall_s = time.perf_counter() - started
         commit_statistics(self.modules())
+        graphs.hand_on()
         self.last_step = {"schedule": schedule, "micro_batches": m, "wall_s": wall_s,
                           "timings": timings, "workers": self._workers(schedule), "bytes_moved": dict(transport.moved)}
         if on_gpu:

@@ -134,9 +134,12 @@ def backward_inputs(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
         if path_roots and inputs:
             got = torch.autograd.grad([r for r, _ in path_roots], inputs, [g for _, g in path_roots],
                                       retain_graph=True, allow_unused=True)
+            onward = [(t, g) for t, g in zip(inputs, got) if g is not None and t.grad_fn is not None]
             for leaf, g in zip(inputs, got):
-                if g is not None:
+                if g is not None and leaf.grad_fn is None:
                     leaf.grad = g if leaf.grad is None else leaf.grad + g
+            if onward:   # the caller's own graph (a slice of an input that requires grad): continue into it
+                torch.autograd.backward([t for t, _ in onward], [g for _, g in onward])
     finally:
         for handle in handles:
             handle.remove()
