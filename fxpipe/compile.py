@@ -116,6 +116,13 @@ def compile(
     sequence-first layout split along time, a batch-level operation) is refused. A train-mode BatchNorm
     with ``chunks > 1`` gets a warning: micro-batch statistics are not a full batch's.
     """
+    if not isinstance(model, (nn.Module, torch.export.ExportedProgram)):
+        raise TypeError(f"fxpipe.compile needs an nn.Module (or a torch.fx.GraphModule or torch.export."
+                        f"ExportedProgram), got {type(model).__name__}")
+    if isinstance(example_inputs, list):
+        raise TypeError("example_inputs must be a tuple of the forward's positional arguments (one tensor alone "
+                        "is taken as (x,)), got a list: pass tuple(...) if it holds the arguments, or ([...],) if "
+                        "the forward takes one list")
     devs = parse_devices(devices)
     if chunks is not None and chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int)
                                                     or chunks < 1):
@@ -158,6 +165,12 @@ def compile(
     dims = layout.input_dims([n.target for n in captured.graph.graph.nodes if n.op == "placeholder"])
     dims = dims[:len(example_inputs)] + [0] * (len(example_inputs) - len(dims))
     batch = batch_size_of(list(example_inputs), dims)
+    if batch == 0 or not auto_chunks and chunks > batch:
+        wanted = "" if auto_chunks else f" {chunks}"
+        raise ValueError(f"example_inputs hold a batch of {batch} samples (along the batch dimension "
+                         f"{sorted(set(dims))}), which cannot be split into{wanted} micro-batches; use a batch of "
+                         f"at least{wanted or ' 1'} samples (the batch the pipeline will train on)"
+                         + (f" or chunks <= {batch}" if batch and not auto_chunks else ""))
     # costs are measured on micro-batches of this count; an auto search scales them to the others it tries
     most = most_micro_batches(model, batch)   # micro-batches auto may make of this batch
     profiled = min(most, 4 * len(devs)) if auto_chunks else chunks

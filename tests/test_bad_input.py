@@ -204,3 +204,19 @@ class _FixedBatch(nn.Module):
 def test_a_forward_that_fixes_the_batch_size_is_refused_naming_micro_batches_and_the_fix():
     with pytest.raises(ValueError, match=r"micro-batches(.|\n)*fixes the batch size(.|\n)*x\.size\(0\) or -1"):
         fxpipe.compile(_FixedBatch(), ["cpu", "cpu"], (torch.randn(8, 16),), chunks=2, profile=ESTIMATE)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda m, x: fxpipe.compile(m, ["cpu", "cpu"], (x,), chunks=9, profile=ESTIMATE), ValueError,
+     r"a batch of 8 samples \(along the batch dimension \[0\]\), which cannot be split into 9 micro-batches; "
+     r"use a batch of at least 9 samples \(the batch the pipeline will train on\) or chunks <= 8"),
+    (lambda m, x: fxpipe.compile(m, ["cpu", "cpu"], (x[:0],), profile=ESTIMATE), ValueError,
+     r"a batch of 0 samples"),
+    (lambda m, x: fxpipe.compile(m, ["cpu", "cpu"], [x], profile=ESTIMATE), TypeError,
+     r"example_inputs must be a tuple(.|\n)*got a list: pass tuple\(\.\.\.\)"),
+    (lambda m, x: fxpipe.compile(lambda t: m(t), ["cpu", "cpu"], (x,), profile=ESTIMATE), TypeError,
+     r"needs an nn\.Module(.|\n)*got function"),
+])
+def test_compile_arguments_that_cannot_work_are_named(call, error, message):
+    with pytest.raises(error, match=message):
+        call(_mlp(), torch.randn(8, 8))
