@@ -305,3 +305,22 @@ def test_a_variadic_forward_is_exported_by_auto_and_refused_by_fx():
     got.sum().backward()
     assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
     assert all(torch.allclose(p.grad, grads[n], rtol=1e-5, atol=1e-7) for n, p in model.named_parameters())
+
+
+def test_a_new_attribute_kept_for_inspection_is_put_back_and_traced_by_fx():
+    """``self.last = x`` (a value kept for inspection, read by no later call) is no state: fx still traces
+    the model, and the Proxy fx would leave in the model is taken out again."""
+    import fxpipe
+
+    class Inspected(_Reassigning):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            self.last = x
+            return x
+
+    model = Inspected()
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(8, 8),), chunks=2,
+                          profile=fxpipe.ProfileOptions(mode="estimate"))
+    assert pipe.plan.frontend["name"] == "fx"
+    assert "last" not in vars(model)

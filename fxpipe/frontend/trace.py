@@ -159,7 +159,10 @@ def _refusing_attribute_assignments(model: nn.Module) -> Iterator[None]:
     assigns it: torch.fx records the arithmetic but not the assignment, so the pipeline would never update
     the buffer, and fx leaves its Proxy in the user's model in place of the tensor. The attributes are put
     back and the trace fails with the fix (update in place, which fx records, or torch.export, which
-    records the assignment: the auto front end then takes it)."""
+    records the assignment: the auto front end then takes it). Only state is refused: a buffer, a
+    parameter, or an attribute that held a tensor before (a recurrent state kept across calls). A new
+    attribute (``self.last_attention = attn``, kept for inspection) computes nothing later calls read,
+    and is only put back."""
     before = [(name, module, dict(module.__dict__), dict(module._buffers), dict(module._parameters))
               for name, module in model.named_modules(remove_duplicate=False)]
     try:
@@ -170,7 +173,8 @@ def _refusing_attribute_assignments(model: nn.Module) -> Iterator[None]:
             for now, then in ((module.__dict__, attributes), (module._buffers, buffers),
                               (module._parameters, parameters)):
                 changed = [k for k, v in now.items() if isinstance(v, fx.Proxy) and then.get(k) is not v]
-                assigned += [(name, k) for k in changed]
+                assigned += [(name, k) for k in changed if now is not module.__dict__
+                             or isinstance(then.get(k), torch.Tensor)]
                 for k in changed:
                     if k in then:
                         now[k] = then[k]
