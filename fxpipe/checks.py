@@ -15,11 +15,11 @@ from torch import nn
 from fxpipe.cost.device_names import EXAMPLE, is_device_names, parse_device_names
 from fxpipe.errors import PlanMismatchError
 from fxpipe.frontend.batch_dims import LEAF_DIMS
-from fxpipe.runtime.aliasing import written_buffers
 from fxpipe.frontend.capture import Captured
 from fxpipe.options import CompileOptions, ProfileOptions
 from fxpipe.planning.lowering import device_memory_bytes
 from fxpipe.planning.plan import Plan
+from fxpipe.runtime.aliasing import written_buffers
 from fxpipe.runtime.microbatch import BatchLayout
 from fxpipe.runtime.pipeline import CHECKPOINT_MODES
 from solvers.schedules import SCHEDULES, check_schedule, stages_per_worker
@@ -209,13 +209,13 @@ def _power_iteration_buffers(module: nn.Module, prefix: str) -> list[str]:
     return found
 
 
-def warn_buffer_updates(gm: fx.GraphModule, chunks: int, model: nn.Module | None = None) -> None:
+def warn_buffer_updates(gm: fx.GraphModule, chunks: int, model: nn.Module) -> None:
     """Warn once when the graph itself updates buffers in place (a step counter, a moving average, spectral
     norm's power iteration) and a batch runs as ``chunks > 1`` micro-batches: each update then runs once per
     micro-batch, where the unpartitioned model runs it once per batch. Buffers of leaf modules are left to
     their own checks, and so are a BatchNorm's where torch.export took it apart (:func:`warn_batch_norm`)."""
     leaves = [n.target for n in gm.graph.nodes if n.op == "call_module"]
-    norms = {name for name, m in (model or gm).named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    norms = {name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
     updated = sorted({b for b in written_buffers(gm) if not any(b.startswith(leaf + ".") for leaf in leaves)
                       and b.rpartition(".")[0] not in norms}
                      | {b for leaf in leaves for b in _power_iteration_buffers(gm.get_submodule(leaf), leaf)})

@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from fxpipe.compression_spec import BoundaryCodec, check_compression
-from fxpipe.checks import (batch_layout, check_arguments, check_plan, check_plan_layout, memory_limits, parse_devices, warn_batch_norm,
-                           warn_buffer_updates, worker_devices, most_micro_batches)
+from fxpipe.checks import (batch_layout, check_arguments, check_plan, check_plan_layout, memory_limits,
+                           most_micro_batches, parse_devices, warn_batch_norm, warn_buffer_updates, worker_devices)
 from fxpipe.cost.cpu import CpuHost
 from fxpipe.cost.node_costs import node_costs
 from fxpipe.frontend.capture import capture

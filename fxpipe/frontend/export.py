@@ -129,13 +129,15 @@ def _drop_self_write_backs(gm: fx.GraphModule) -> None:
     The copy is a no-op there, but at the graph's end it lands in the last stage while the update runs in
     the first, which the pipeline must refuse (a buffer updated across stages); without it the update
     stays where the model makes it."""
-    for node in list(gm.graph.nodes):
-        if (node.op == "call_function" and node.target is torch.ops.aten.copy_.default and not node.users
-                and len(node.args) >= 2 and isinstance(node.args[1], fx.Node)
-                and _written_tensor(node.args[1]) is node.args[0]):
-            gm.graph.erase_node(node)
-    gm.graph.lint()
-    gm.recompile()
+    no_ops = [node for node in gm.graph.nodes
+              if node.op == "call_function" and node.target is torch.ops.aten.copy_.default and not node.users
+              and len(node.args) >= 2 and isinstance(node.args[1], fx.Node)
+              and _written_tensor(node.args[1]) is node.args[0]]
+    for node in no_ops:
+        gm.graph.erase_node(node)
+    if no_ops:   # _flatten_graph has compiled the graph already
+        gm.graph.lint()
+        gm.recompile()
 
 
 def _check_batch_symbolic(gm: fx.GraphModule, args: tuple, kwargs: dict, dims: list[int]) -> None:

@@ -17,7 +17,7 @@ import json
 
 import torch.fx as fx
 
-__all__ = ["graph_fingerprint", "inert_dropout"]
+__all__ = ["graph_fingerprint", "inert_dropout", "is_dropout_call"]
 
 
 def _target_name(node: fx.Node) -> str:
@@ -33,13 +33,18 @@ def _argument(node: fx.Node, index: int, names: tuple[str, ...], default: object
     return next((node.kwargs[k] for k in names if k in node.kwargs), default)
 
 
-def inert_dropout(node: fx.Node) -> bool:
-    """Whether ``node`` is a functional or ATen dropout that draws nothing and returns its input: traced
-    with ``training=False``, or with a literal rate of 0 (ATen's dropout returns its input for ``p == 0``)."""
+def is_dropout_call(node: fx.Node) -> bool:
+    """Whether ``node`` calls a functional, method or ATen dropout (``F.dropout``, ``aten.native_dropout``...)."""
     if node.op not in ("call_function", "call_method"):
         return False
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-    if "dropout" not in target.lower():
+    return "dropout" in target.lower()
+
+
+def inert_dropout(node: fx.Node) -> bool:
+    """Whether ``node`` is a functional or ATen dropout that draws nothing and returns its input: traced
+    with ``training=False``, or with a literal rate of 0 (ATen's dropout returns its input for ``p == 0``)."""
+    if not is_dropout_call(node):
         return False
     rate = _argument(node, 1, ("p",), 0.5)
     training = _argument(node, 2, ("training", "train"), True)

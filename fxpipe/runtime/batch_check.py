@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.errors import FxpipeError
+from fxpipe.frontend.fingerprint import is_dropout_call
 from fxpipe.frontend.trace import run_failure
 from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, scatter
 from fxpipe.runtime.no_trace import leaving_no_trace
@@ -131,8 +132,7 @@ def _without_dropout(gm: fx.GraphModule) -> fx.GraphModule:
     (or channel) of each sample alone, so it cannot be what mixes samples: the check runs without it."""
     graph = copy.deepcopy(gm.graph)
     for node in graph.nodes:
-        if node.op in ("call_function", "call_method") and "dropout" in str(getattr(node.target, "__name__",
-                                                                                   node.target)).lower():
+        if is_dropout_call(node):
             native = "native_dropout" in str(node.target)   # returns (output, mask)
             node.op, node.target = "call_function", _pass_through_with_mask if native else _pass_through
     return fx.GraphModule(gm, graph)

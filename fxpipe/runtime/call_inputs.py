@@ -77,10 +77,10 @@ class CallInputs:
 
     def targets_fit(self, targets: list[Any], sizes: list[int]) -> bool:
         """Whether ``micro_targets``' micro-batches hold the inputs' ``sizes`` samples each (or are all None)."""
-        if all(t is None for t in targets):
-            return len(targets) == len(sizes)
-        return len(targets) == len(sizes) and all(batch_size_of([t], self.layout.target) == n
-                                                  for t, n in zip(targets, sizes))
+        if len(targets) != len(sizes):
+            return False
+        return all(t is None for t in targets) or all(batch_size_of([t], self.layout.target) == n
+                                                      for t, n in zip(targets, sizes))
 
     def sizes(self, micro: list[dict[str, Any]]) -> list[int]:
         """Samples per micro-batch."""
