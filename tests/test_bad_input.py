@@ -206,6 +206,27 @@ def test_a_forward_that_fixes_the_batch_size_is_refused_naming_micro_batches_and
         fxpipe.compile(_FixedBatch(), ["cpu", "cpu"], (torch.randn(8, 16),), chunks=2, profile=ESTIMATE)
 
 
+class _FixedImage(nn.Module):
+    """Position biases for a 4x4 map only, as timm's EfficientFormer has for its input size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bias = nn.Parameter(torch.zeros(4, 4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x) + self.bias
+
+
+@pytest.mark.parametrize("frontend", ["fx", "auto", "export"])
+def test_inputs_the_model_itself_rejects_are_named_as_such_not_blamed_on_micro_batches(frontend):
+    itself = r"the model fails on example_inputs themselves \((the whole batch|run as written)"
+    with pytest.raises(ValueError, match=itself) as got:
+        fxpipe.compile(_FixedImage(), ["cpu", "cpu"], (torch.randn(8, 3, 8, 8),), chunks=2, profile=ESTIMATE,
+                       frontend=frontend)
+    assert "must match the size" in str(got.value) and "x.size(0)" not in str(got.value)
+
+
 @pytest.mark.parametrize("call, error, message", [
     (lambda m, x: fxpipe.compile(m, ["cpu", "cpu"], (x,), chunks=9, profile=ESTIMATE), ValueError,
      r"a batch of 8 samples \(along the batch dimension \[0\]\), which cannot be split into 9 micro-batches; "

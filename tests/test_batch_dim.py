@@ -101,6 +101,26 @@ def test_sequence_first_model_with_batch_dim_1_matches_the_model(make):
         model.zero_grad(set_to_none=True)
 
 
+def _last_step_loss(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out[-1], labels)   # out: (time, batch, classes); labels: (batch,)
+
+
+def test_a_per_sample_target_of_a_sequence_first_model_names_target_batch_dim():
+    torch.manual_seed(0)
+    model, x, labels = SeqLSTM(), torch.randn(T, B, F), torch.randint(0, 3, (B,))
+    with pytest.raises(ValueError, match=r"target is split into micro-batches along dimension 1(.|\n)*"
+                                         r"shapes \[\(8,\)\](.|\n)*CompileOptions\(target_batch_dim=\.\.\.\)"):
+        _compile(model, x, batch_dim=1).step(x, labels, _last_step_loss)
+    assert all(p.grad is None for p in model.parameters())   # refused before any stage ran
+    pipe = _compile(model, x, batch_dim=1, target_batch_dim=0)
+    pipe.step(x, labels, _last_step_loss)
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    _last_step_loss(model(x), labels).backward()
+    for name, param in model.named_parameters():
+        assert max_relative_error(got[name], param.grad) <= 1e-5, name
+
+
 def test_batch_dims_travel_with_the_saved_plan(tmp_path):
     torch.manual_seed(0)
     model = SeqLSTM()

@@ -324,3 +324,33 @@ def test_a_new_attribute_kept_for_inspection_is_put_back_and_traced_by_fx():
                           profile=fxpipe.ProfileOptions(mode="estimate"))
     assert pipe.plan.frontend["name"] == "fx"
     assert "last" not in vars(model)
+
+
+class _NamedResults(nn.Module):
+    """Operations that return torch.return_types (``sort``, ``max(dim)``, ``topk``) read by field name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.a(x))
+        ordered = y.sort(dim=-1)
+        y = ordered.values.cumsum(-1) + ordered.indices.float() / 16
+        best = torch.max(torch.tanh(self.b(y)), dim=-1)
+        top = y.topk(4, dim=-1)
+        return self.c(y.flip(-1)) + best.values.unsqueeze(-1) + top.values * top.indices
+
+
+@pytest.mark.parametrize("profile", ["estimate", "measure"])
+@pytest.mark.parametrize("cut", ["sort", "max_1", "topk"])
+def test_results_with_named_fields_are_profiled_and_cross_stages_as_the_model_has_them(profile, cut):
+    from equivalence import assert_same_step
+    from forced_cuts import compile_with_cuts
+    torch.manual_seed(0)
+    model, x = _NamedResults(), torch.randn(8, 16)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, profile=profile)   # the profiler reads .values
+    assert torch.equal(pipe(x), model(x))
+    nodes = [n.name for n in trace(model).graph.nodes]
+    after = nodes[nodes.index(cut) + 1]   # a stage boundary right after the node: the result itself crosses
+    assert_same_step(model, lambda: compile_with_cuts(model, (x,), [after], chunks=2), (x,), chunks=2)

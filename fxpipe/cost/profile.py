@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.flop_counter import FlopCounterMode
@@ -74,7 +74,7 @@ def _detach(value: Any) -> Any:
         if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
             return t.detach().requires_grad_(t.requires_grad)
         return t
-    return fx.node.map_aggregate(value, one)
+    return tree_map(one, value)   # not fx's map_aggregate: it turns torch.return_types (sort's) into tuples
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -187,8 +187,8 @@ def _time_node(gm: fx.GraphModule, node: fx.Node, env: dict[str, Any], device: t
                 return leaf.clone() if clone else leaf
             return v
 
-        args = fx.node.map_aggregate(fx.node.map_arg(node.args, lambda n: env[n.name]), prepare)
-        kwargs = fx.node.map_aggregate(fx.node.map_arg(node.kwargs, lambda n: env[n.name]), prepare)
+        args = tree_map(prepare, fx.node.map_arg(node.args, lambda n: env[n.name]))
+        kwargs = tree_map(prepare, fx.node.map_arg(node.kwargs, lambda n: env[n.name]))
         sync()
         t0 = time.perf_counter()
         out = run_node(gm, node, args, kwargs)

@@ -156,6 +156,24 @@ def _check_batch_symbolic(gm: fx.GraphModule, args: tuple, kwargs: dict, dims: l
                     "and do not loop over the batch dimension", module=None, operation=node.name)
 
 
+def _eager_failure(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Exception | None:
+    """What ``model(*args, **kwargs)`` raises when run as written (``None`` if it runs), leaving its buffers and
+    the RNG as they were: an export failure is only export's when the model itself runs."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    rng = torch.random.get_rng_state()
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    except Exception as exc:
+        return exc
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.random.set_rng_state(rng)
+    return None
+
+
 def export_graph(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None = None,
                  batch_dim: Any = 0) -> fx.GraphModule:
     """``model`` exported on ``(args, kwargs)`` as a flat GraphModule over its own parameters (module doc).
@@ -171,6 +189,12 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None = 
     except TraceError:
         raise
     except Exception as exc:   # export raises UserError, RuntimeError, TypeError, torch._dynamo errors...
+        eager = _eager_failure(model, tuple(args), kwargs)
+        if eager is not None:
+            raise ValueError(f"the model fails on example_inputs themselves (run as written, before any trace or "
+                             f"split into micro-batches): {type(eager).__name__}: {eager}; check that they are "
+                             "inputs the model accepts (shapes, dtypes, image size: model(*example_inputs) must "
+                             "run)") from eager
         raise _fail(model, exc) from exc
     gm = flat_program(program, type(model).__name__)
     _check_own_tensors(model, gm)

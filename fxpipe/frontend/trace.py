@@ -307,10 +307,12 @@ def _param_owners(model: nn.Module, name: str) -> Iterable[tuple[str, nn.Module]
     yield name, root
 
 
-def run_failure(exc: BaseException, gm: fx.GraphModule, given: int) -> ValueError:
+def run_failure(exc: BaseException, gm: fx.GraphModule, given: int, whole_batch_fails: bool = False) -> ValueError:
     """The error for a traced model that fails on its example inputs. An optional argument left out of
     them (``mask=None``) was traced as an input all the same: its ``if mask is not None:`` branch is in the
-    graph, which then fails on ``None``; ``concrete_args`` makes the trace take the ``None`` branch."""
+    graph, which then fails on ``None``; ``concrete_args`` makes the trace take the ``None`` branch.
+    ``whole_batch_fails``: the caller ran the whole example batch too and it failed the same way, so the
+    micro-batches are not the cause and the message does not send the user after them."""
     left = [n.target for n in gm.graph.nodes if n.op == "placeholder"][given:]
     defaults = {n.target: n.args[0] for n in gm.graph.nodes if n.op == "placeholder" and n.args}
     optional = [a for a in left if a in defaults and defaults[a] is None]
@@ -319,6 +321,10 @@ def run_failure(exc: BaseException, gm: fx.GraphModule, given: int) -> ValueErro
                "inputs, so code under `if <arg> is not None:` is in the graph and runs on None; compile with "
                f"options=fxpipe.CompileOptions(concrete_args={{{', '.join(f'{a!r}: None' for a in optional)}}}) "
                "to trace the model as called without them (or pass them in example_inputs)")
+    elif whole_batch_fails:
+        return ValueError(f"the model fails on example_inputs themselves (the whole batch, before any split "
+                          f"into micro-batches): {type(exc).__name__}: {exc}; check that they are inputs the "
+                          "model accepts (shapes, dtypes, image size: model(*example_inputs) must run)")
     else:
         fix = ("check that example_inputs match the model's forward(); it runs on micro-batches (parts of the "
                "example batch), so code that fixes the batch size (x.view(8, -1) for a batch of 8, a tensor of "

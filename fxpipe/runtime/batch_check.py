@@ -138,6 +138,15 @@ def _without_dropout(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
+def _fails(gm: fx.GraphModule, inputs: tuple) -> bool:
+    """Whether ``gm`` fails on the whole batch ``inputs`` too (its error is then not the micro-batches')."""
+    try:
+        gm(*inputs)
+    except Exception:
+        return True
+    return False
+
+
 def check_micro_batching(gm: fx.GraphModule, example_inputs: tuple, layout: BatchLayout, chunks: int) -> None:
     """Refuse (:class:`fxpipe.FxpipeError`) a model whose outputs change when ``example_inputs`` is split into
     ``chunks`` micro-batches along ``layout``; see the module doc. Dropout is passed through
@@ -165,7 +174,7 @@ def check_micro_batching(gm: fx.GraphModule, example_inputs: tuple, layout: Batc
                 whole = gm(*_leading(list(inputs), samples, dims))
                 parts = [gm(*part) for part in micro]
             except Exception as exc:
-                raise run_failure(exc, gm, len(example_inputs)) from exc
+                raise run_failure(exc, gm, len(example_inputs), _fails(gm, inputs)) from exc
     finally:
         for m, training in modes.items():
             m.training = training

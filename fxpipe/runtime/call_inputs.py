@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_flatten
 
 from fxpipe.planning.plan import Plan
 from fxpipe.runtime.guards import ModelGuard, check_inputs
@@ -73,7 +75,15 @@ class CallInputs:
         output alone: self-supervised, a model that returns its loss terms) is ``None`` for every one."""
         if target is None:
             return [None] * self.chunks
-        return [t[0] for t in scatter([target], self.chunks, self.layout.target)]
+        dim = self.layout.target
+        shapes = [tuple(t.shape) for t in tree_flatten(target)[0] if isinstance(t, torch.Tensor)]
+        if shapes and not any(len(shape) > dim for shape in shapes):
+            raise ValueError(f"pipe.step's target is split into micro-batches along dimension {dim} (the "
+                             f"outputs' batch dimension, or CompileOptions.target_batch_dim), but no tensor in it "
+                             f"has that dimension: target tensor shapes {shapes}; compile with "
+                             "CompileOptions(target_batch_dim=...) set to the dimension of the target that holds "
+                             "the samples (0 for a target of shape (batch,))")
+        return [t[0] for t in scatter([target], self.chunks, dim)]
 
     def targets_fit(self, targets: list[Any], sizes: list[int]) -> bool:
         """Whether ``micro_targets``' micro-batches hold the inputs' ``sizes`` samples each (or are all None)."""
