@@ -18,6 +18,7 @@ from fxpipe.checks import (batch_layout, check_arguments, check_plan, check_plan
 from fxpipe.cost.cpu import CpuHost
 from fxpipe.cost.node_costs import node_costs
 from fxpipe.frontend.capture import capture
+from fxpipe.frontend.module_hooks import check_module_hooks
 from fxpipe.options import CompileOptions, ProfileOptions
 from fxpipe.planning.auto import plan_auto, search_rows
 from fxpipe.planning.plan import Plan
@@ -144,6 +145,7 @@ def compile(
         example_inputs = FlatInputs(flat_inputs(example_inputs, example_kwargs or {},
                                                 captured.graph.meta["fxpipe_in_spec"])[0])
     model = model if isinstance(model, nn.Module) else captured.graph   # an ExportedProgram: its module
+    check_module_hooks(captured.graph, model)
     if options.deferred_batch_norm and convert_deferred_batch_norm(captured.graph) == 0:
         log.info("deferred_batch_norm=True but %s has no BatchNorm layer", type(model).__name__)
     host = CpuHost() if any(d.type == "cpu" for d in devs) else UNSHARED

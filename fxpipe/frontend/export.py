@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 from fxpipe.errors import TraceError
 from fxpipe.frontend.batch_dims import LEAF_DIMS, leaf_batch_dims
-from fxpipe.frontend.grad_regions import refusing_grad_regions
+from fxpipe.frontend.grad_regions import TENSOR_HOOK, refusing_grad_regions
 from fxpipe.frontend.trace import dropped_region
 
 __all__ = ["export_graph", "flat_program"]
@@ -46,6 +46,14 @@ def _dynamic_batch(args: tuple, kwargs: dict, dims: list[int]) -> ShapesCollecti
 def _fail(model: nn.Module, exc: BaseException) -> TraceError:
     """A TraceError naming where export failed (export's own message names the module and line)."""
     region = dropped_region(exc)
+    if region is not None and region.operation == TENSOR_HOOK:
+        return TraceError(
+            f"the torch.export front end cannot keep the {region.operation} in {type(model).__name__}: the "
+            "exported graph holds the operations but not the hook, so the pipeline would compute other gradients "
+            f"than the model\n  operation: {region.where}\n  fix: compile with frontend='fx' and make the module "
+            "that registers it a leaf (leaf_modules=[ThatModule] runs its forward as written, hook included), or "
+            "register the hook on the module's output from outside the model", module=None,
+            operation=region.where)
     if region is not None:
         return TraceError(
             f"the torch.export front end cannot keep the {region.operation} in {type(model).__name__}: export "
@@ -162,8 +170,7 @@ def _eager_failure(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Exc
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     rng = torch.random.get_rng_state()
     try:
-        with torch.no_grad():
-            model(*args, **kwargs)
+        model(*args, **kwargs)   # with grad on, as traced: forward code may need it (x.register_hook)
     except Exception as exc:
         return exc
     finally:
@@ -182,7 +189,7 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None = 
     kwargs = dict(kwargs or {})
     dims = leaf_batch_dims(model, tuple(args), kwargs, batch_dim)   # by input (CompileOptions.batch_dim)
     try:
-        with refusing_grad_regions(only=(torch.inference_mode,)):
+        with refusing_grad_regions(only=(torch.inference_mode, torch.Tensor)):
             program = torch.export.export(model, tuple(args), kwargs, strict=False,
                                           dynamic_shapes=_dynamic_batch(tuple(args), kwargs, dims)
                                           .dynamic_shapes(model, tuple(args), kwargs))

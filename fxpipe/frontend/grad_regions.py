@@ -7,8 +7,10 @@ operations, not the thread's state around them: a ``with torch.no_grad():``
 ``torch.cpu.amp`` forms, as a ``with`` block or as a decorator) leaves no trace in
 the graph. The pipeline would then differentiate through values the model treats
 as constants, or compute in float32 what the model computes in bfloat16: a
-silently wrong answer. While :func:`refusing_grad_regions` is active, entering
-such a region from user code in the tracing thread raises :class:`DroppedRegion`,
+silently wrong answer. So would a gradient hook put on a tensor in ``forward``
+(``x.register_hook(fn)``): the graph keeps the operations, not the hook. While
+:func:`refusing_grad_regions` is active, entering such a region (or registering
+such a hook) from user code in the tracing thread raises :class:`DroppedRegion`,
 which :mod:`fxpipe.frontend.trace` turns into a ``TraceError`` naming the module
 and the fix (a leaf module runs its ``forward`` eagerly, region included).
 
@@ -37,7 +39,9 @@ import torch.cpu.amp.autocast_mode as cpu_amp_mode
 import torch.cuda.amp.autocast_mode as cuda_amp_mode
 import torch.utils._contextlib as contextlib_mode
 
-__all__ = ["DroppedRegion", "refusing_grad_regions"]
+__all__ = ["DroppedRegion", "refusing_grad_regions", "TENSOR_HOOK"]
+
+TENSOR_HOOK = "gradient hook on a tensor (Tensor.register_hook)"
 
 
 class DroppedRegion(TypeError):
@@ -61,6 +65,8 @@ _PATCHED: list[tuple[type, str, Callable[..., str]]] = [
     (grad_mode.set_grad_enabled, "__init__", lambda cm, mode: f"torch.set_grad_enabled({mode})"),
     (grad_mode.inference_mode, "__enter__", lambda cm: f"torch.inference_mode({cm.mode}) region"),
     (amp_mode.autocast, "__enter__", _autocast_name),
+    # not a region, but dropped the same way: a traced graph holds operations, not the hooks put on its values
+    (torch.Tensor, "register_hook", lambda t, hook: TENSOR_HOOK),
 ]
 # The context managers' own code: a region's origin is the first frame outside it.
 _MACHINERY = {os.path.abspath(m.__file__ or "") for m in (grad_mode, amp_mode, cpu_amp_mode, cuda_amp_mode,
