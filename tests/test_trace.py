@@ -354,3 +354,32 @@ def test_results_with_named_fields_are_profiled_and_cross_stages_as_the_model_ha
     nodes = [n.name for n in trace(model).graph.nodes]
     after = nodes[nodes.index(cut) + 1]   # a stage boundary right after the node: the result itself crosses
     assert_same_step(model, lambda: compile_with_cuts(model, (x,), [after], chunks=2), (x,), chunks=2)
+
+
+class _WithScripted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.scripted = torch.jit.script(nn.Sequential(nn.Linear(16, 16), nn.Tanh()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.scripted(torch.tanh(self.a(x))))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_a_torchscript_submodule_is_a_leaf_whose_parameters_get_their_gradients(schedule):
+    """Traced through, a ScriptModule became a read of its C++ module: under ZB-V's split backward its
+    parameters got no gradient at all from pipe.step."""
+    torch.manual_seed(0)
+    model, x, target = _WithScripted(), torch.randn(8, 16), torch.randn(8, 4)
+    assert [n.target for n in trace(model).graph.nodes if n.op == "call_module"] == ["a", "scripted", "b"]
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, schedule=schedule, profile="estimate")
+    pipe.step(x, target, nn.functional.mse_loss, reduction="sum")
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    for part, part_target in zip(x.chunk(2), target.chunk(2)):
+        nn.functional.mse_loss(model(part), part_target).backward()
+    want = {n: p.grad for n, p in model.named_parameters()}
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)

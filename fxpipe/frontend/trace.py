@@ -52,7 +52,10 @@ class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if qualname in self.through:
             return False
-        leaf = qualname in self.leaf_names or bool(self.leaf_types and isinstance(m, self.leaf_types))
+        # a TorchScript module is compiled code fx cannot look into: traced through, it becomes a read of its
+        # C++ module (`self.s._c`) whose parameters no stage module holds, so a split backward never reaches them
+        leaf = (qualname in self.leaf_names or bool(self.leaf_types and isinstance(m, self.leaf_types))
+                or isinstance(m, torch.jit.ScriptModule))
         if not leaf and not super().is_leaf_module(m, qualname):
             return False
         # A leaf holding a parameter that code outside it reads too (a tied head inside a user's leaf) would
