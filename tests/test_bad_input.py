@@ -241,3 +241,22 @@ def test_inputs_the_model_itself_rejects_are_named_as_such_not_blamed_on_micro_b
 def test_compile_arguments_that_cannot_work_are_named(call, error, message):
     with pytest.raises(error, match=message):
         call(_mlp(), torch.randn(8, 8))
+
+
+class _ValueBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.sum() > 0:   # Python control flow on a value: neither front end can follow it
+            h = h * 2
+        return self.b(h)
+
+
+def test_an_export_failure_names_the_models_own_line():
+    with pytest.raises(fxpipe.TraceError) as got:
+        fxpipe.compile(_ValueBranch(), ["cpu", "cpu"], (torch.randn(8, 8),), profile=ESTIMATE, frontend="export")
+    assert "test_bad_input.py" in got.value.operation and "`if h.sum() > 0:" in got.value.operation
+    assert got.value.operation in str(got.value)

@@ -17,6 +17,9 @@ so one graph runs every micro-batch size; a model whose code fixes the batch siz
 
 from __future__ import annotations
 
+import linecache
+import os
+import traceback
 from typing import Any
 
 import torch
@@ -43,6 +46,26 @@ def _dynamic_batch(args: tuple, kwargs: dict, dims: list[int]) -> ShapesCollecti
     return shapes
 
 
+# torch's folder and fxpipe's (this file's parent's parent): a frame there is not the model's
+_NOT_THE_MODEL = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+                  os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
+
+
+def _model_frame(exc: BaseException) -> str | None:
+    """``file:line: `code``` of the innermost frame outside torch and fxpipe where export failed (the model's
+    own line, in a library such as transformers too), following the chain of wrapped exceptions."""
+    found, seen = None, set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        frames = [f for f in traceback.extract_tb(exc.__traceback__)
+                  if not os.path.abspath(f.filename).startswith(_NOT_THE_MODEL)]
+        if frames:
+            f = frames[-1]
+            found = f"{f.filename}:{f.lineno}: `{(f.line or linecache.getline(f.filename, f.lineno)).strip()}`"
+        exc = exc.__cause__ or exc.__context__
+    return found
+
+
 def _fail(model: nn.Module, exc: BaseException) -> TraceError:
     """A TraceError naming where export failed (export's own message names the module and line)."""
     region = dropped_region(exc)
@@ -64,13 +87,14 @@ def _fail(model: nn.Module, exc: BaseException) -> TraceError:
             "(leaf_modules=[ThatModule] runs its forward as written)", module=None, operation=region.where)
     text = str(exc).strip().splitlines()
     first = next((line for line in text if line.strip()), type(exc).__name__)
+    where = _model_frame(exc)
     return TraceError(
         f"torch.export cannot trace {type(model).__name__}: {type(exc).__name__}: {first}\n"
-        f"  operation: see torch.export's message above (the model's frame that failed)\n"
+        f"  operation: {where or 'no frame of the model in the traceback (torch.export failed in its own code)'}\n"
         "  fix: a model that returns objects torch.export does not know (a cache object: use_cache=False for "
         "Hugging Face models) or whose Python control flow depends on tensor values must be changed there, or "
         "traced with frontend='fx' and leaf_modules=[...] around the untraceable part",
-        module=None, operation=first,
+        module=None, operation=where or first,
     )
 
 
