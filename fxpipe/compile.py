@@ -124,6 +124,15 @@ def compile(
         raise TypeError("example_inputs must be a tuple of the forward's positional arguments (one tensor alone "
                         "is taken as (x,)), got a list: pass tuple(...) if it holds the arguments, or ([...],) if "
                         "the forward takes one list")
+    on_meta = [n for n, t in (model.named_parameters() if isinstance(model, nn.Module) else [])
+               if t.device.type == "meta"]
+    if on_meta:
+        raise ValueError(f"the model's parameters are on the meta device (no values: {on_meta[0]!r}"
+                         f"{f' and {len(on_meta) - 1} more' if len(on_meta) > 1 else ''}), and fxpipe.compile runs "
+                         "the model to profile it: materialise them first (model.to_empty(device='cpu'), then "
+                         "load_state_dict or initialise); to plan it without values use fxpipe.plan(model, "
+                         "fxpipe.Devices.preset(...), example_inputs), and to run it build it on meta under "
+                         "fxpipe.distributed.PipelineRank(..., weights=...), which materialises each rank's stages")
     devs = parse_devices(devices)
     if chunks is not None and chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int)
                                                     or chunks < 1):

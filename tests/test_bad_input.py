@@ -260,3 +260,11 @@ def test_an_export_failure_names_the_models_own_line():
         fxpipe.compile(_ValueBranch(), ["cpu", "cpu"], (torch.randn(8, 8),), profile=ESTIMATE, frontend="export")
     assert "test_bad_input.py" in got.value.operation and "`if h.sum() > 0:" in got.value.operation
     assert got.value.operation in str(got.value)
+
+
+def test_a_model_on_the_meta_device_is_refused_before_it_runs():
+    with torch.device("meta"):
+        model = _mlp()
+    with pytest.raises(ValueError, match=r"parameters are on the meta device(.|\n)*to_empty\(device='cpu'\)"
+                                         r"(.|\n)*fxpipe\.plan\((.|\n)*PipelineRank\(\.\.\., weights=\.\.\.\)"):
+        fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(8, 8),), profile=ESTIMATE)
