@@ -223,9 +223,9 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None = 
         eager = _eager_failure(model, tuple(args), kwargs)
         if eager is not None:
             raise ValueError(f"the model fails on example_inputs themselves (run as written, before any trace or "
-                             f"split into micro-batches): {type(eager).__name__}: {eager}; check that they are "
-                             "inputs the model accepts (shapes, dtypes, image size: model(*example_inputs) must "
-                             "run)") from eager
+                             f"split into micro-batches): {type(eager).__name__}: {eager}; check that "
+                             "example_inputs match the model's forward() (shapes, dtypes, image size: "
+                             "model(*example_inputs) must run)") from eager
         raise _fail(model, exc) from exc
     gm = flat_program(program, type(model).__name__)
     _check_own_tensors(model, gm)

@@ -326,8 +326,8 @@ def run_failure(exc: BaseException, gm: fx.GraphModule, given: int, whole_batch_
                "to trace the model as called without them (or pass them in example_inputs)")
     elif whole_batch_fails:
         return ValueError(f"the model fails on example_inputs themselves (the whole batch, before any split "
-                          f"into micro-batches): {type(exc).__name__}: {exc}; check that they are inputs the "
-                          "model accepts (shapes, dtypes, image size: model(*example_inputs) must run)")
+                          f"into micro-batches): {type(exc).__name__}: {exc}; check that example_inputs "
+                          "match the model's forward() (shapes, dtypes, image size: model(*example_inputs) must run)")
     else:
         fix = ("check that example_inputs match the model's forward(); it runs on micro-batches (parts of the "
                "example batch), so code that fixes the batch size (x.view(8, -1) for a batch of 8, a tensor of "
