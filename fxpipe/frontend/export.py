@@ -17,9 +17,7 @@ so one graph runs every micro-batch size; a model whose code fixes the batch siz
 
 from __future__ import annotations
 
-import linecache
 import os
-import traceback
 from typing import Any
 
 import torch
@@ -32,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 from fxpipe.errors import TraceError
 from fxpipe.frontend.batch_dims import LEAF_DIMS, leaf_batch_dims
 from fxpipe.frontend.grad_regions import TENSOR_HOOK, refusing_grad_regions
-from fxpipe.frontend.trace import dropped_region
+from fxpipe.frontend.trace import dropped_region, frame_outside, inputs_rejected
 
 __all__ = ["export_graph", "flat_program"]
 
@@ -57,11 +55,7 @@ def _model_frame(exc: BaseException) -> str | None:
     found, seen = None, set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        frames = [f for f in traceback.extract_tb(exc.__traceback__)
-                  if not os.path.abspath(f.filename).startswith(_NOT_THE_MODEL)]
-        if frames:
-            f = frames[-1]
-            found = f"{f.filename}:{f.lineno}: `{(f.line or linecache.getline(f.filename, f.lineno)).strip()}`"
+        found = frame_outside(exc, _NOT_THE_MODEL) or found
         exc = exc.__cause__ or exc.__context__
     return found
 
@@ -222,10 +216,7 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None = 
     except Exception as exc:   # export raises UserError, RuntimeError, TypeError, torch._dynamo errors...
         eager = _eager_failure(model, tuple(args), kwargs)
         if eager is not None:
-            raise ValueError(f"the model fails on example_inputs themselves (run as written, before any trace or "
-                             f"split into micro-batches): {type(eager).__name__}: {eager}; check that "
-                             "example_inputs match the model's forward() (shapes, dtypes, image size: "
-                             "model(*example_inputs) must run)") from eager
+            raise inputs_rejected(eager, "run as written, before any trace or split into micro-batches") from eager
         raise _fail(model, exc) from exc
     gm = flat_program(program, type(model).__name__)
     _check_own_tensors(model, gm)

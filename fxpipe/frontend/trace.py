@@ -31,7 +31,8 @@ from torch.utils._pytree import tree_flatten
 from fxpipe.errors import TraceError
 from fxpipe.frontend.grad_regions import DroppedRegion, refusing_grad_regions
 
-__all__ = ["trace", "shared_parameter_owners", "run_failure", "dropped_region", "has_submodule"]
+__all__ = ["trace", "shared_parameter_owners", "run_failure", "inputs_rejected", "frame_outside", "dropped_region",
+           "has_submodule"]
 
 
 class _Tracer(fx.Tracer):
@@ -97,16 +98,30 @@ _LIBRARY_FOLDERS = tuple(os.path.dirname(os.path.abspath(path)) + os.sep
                          for path in (fx.__file__, os.path.dirname(os.path.abspath(__file__))))
 
 
-def _user_frame(exc: BaseException) -> str:
-    """``file:line: code`` of the innermost frame outside torch, for the error message."""
+def frame_outside(exc: BaseException, folders: tuple[str, ...]) -> str | None:
+    """``file:line: `code``` of the innermost frame of ``exc``'s traceback outside ``folders`` (``None`` if
+    every frame is inside them)."""
     # by the packages' own folders, not a path's words: a user's project may itself live in a folder named fxpipe
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not os.path.abspath(f.filename).startswith(_LIBRARY_FOLDERS)]
+              if not os.path.abspath(f.filename).startswith(folders)]
     if not frames:
-        return "unknown location"
+        return None
     f = frames[-1]
-    line = f.line or linecache.getline(f.filename, f.lineno).strip()
+    line = (f.line or linecache.getline(f.filename, f.lineno)).strip()
     return f"{f.filename}:{f.lineno}: `{line}`"
+
+
+def _user_frame(exc: BaseException) -> str:
+    """``file:line: code`` of the innermost frame outside torch.fx and fxpipe, for the error message."""
+    return frame_outside(exc, _LIBRARY_FOLDERS) or "unknown location"
+
+
+def inputs_rejected(exc: BaseException, when: str) -> ValueError:
+    """The error for a model that fails on its example inputs themselves, ``when`` run as the caller says:
+    the inputs are what it rejects, not the micro-batches or a trace."""
+    return ValueError(f"the model fails on example_inputs themselves ({when}): {type(exc).__name__}: {exc}; "
+                      "check that example_inputs match the model's forward() (shapes, dtypes, image size: "
+                      "model(*example_inputs) must run)")
 
 
 @contextlib.contextmanager
@@ -325,9 +340,7 @@ def run_failure(exc: BaseException, gm: fx.GraphModule, given: int, whole_batch_
                f"options=fxpipe.CompileOptions(concrete_args={{{', '.join(f'{a!r}: None' for a in optional)}}}) "
                "to trace the model as called without them (or pass them in example_inputs)")
     elif whole_batch_fails:
-        return ValueError(f"the model fails on example_inputs themselves (the whole batch, before any split "
-                          f"into micro-batches): {type(exc).__name__}: {exc}; check that example_inputs "
-                          "match the model's forward() (shapes, dtypes, image size: model(*example_inputs) must run)")
+        return inputs_rejected(exc, "the whole batch, before any split into micro-batches")
     else:
         fix = ("check that example_inputs match the model's forward(); it runs on micro-batches (parts of the "
                "example batch), so code that fixes the batch size (x.view(8, -1) for a batch of 8, a tensor of "
