@@ -18,6 +18,7 @@ from fxpipe.checks import (batch_layout, check_arguments, check_plan, check_plan
 from fxpipe.cost.cpu import CpuHost
 from fxpipe.cost.node_costs import node_costs
 from fxpipe.frontend.capture import capture
+from fxpipe.frontend.failures import judged_by_the_model
 from fxpipe.frontend.module_hooks import check_module_hooks
 from fxpipe.options import CompileOptions, ProfileOptions
 from fxpipe.planning.auto import plan_auto, search_rows
@@ -149,6 +150,7 @@ def compile(
                          "(and example_kwargs) with plan=, as for the compile that made the plan")
     captured = capture(model, leaf_modules, options.concrete_args, frontend, example_inputs,   # 1. trace
                        example_kwargs, options.batch_dim)
+    given = (example_inputs, example_kwargs)   # as the caller passed them, for the model run as written
     if example_inputs is not None and captured.graph.meta.get("fxpipe_in_spec") is not None:
         # the flat graph's leaves: profiling, checks and refinement all run the graph on them
         example_inputs = FlatInputs(flat_inputs(example_inputs, example_kwargs or {},
@@ -191,14 +193,15 @@ def compile(
     if options.check_micro_batching and check_graph is None:
         log.info("micro-batching is not checked: %s depends on train/eval mode and does not trace in eval mode",
                  type(model).__name__)
-    if check_graph is not None:
-        check_micro_batching(check_graph, example_inputs, layout, profiled)
-    first = tuple(tree_map(lambda x: x.to(workers[0]) if isinstance(x, torch.Tensor) else x, part)
-                  for part in scatter(list(example_inputs), profiled, dims)[0])
-    captured.graph.to(workers[0])
-    if check_graph is not None and check_graph is not captured.graph:   # for the check after the search
-        check_graph.to(workers[0])
-    costs, cached = node_costs(captured.graph, captured.fingerprint, first, workers[0], profiling)   # 2. cost
+    with judged_by_the_model(model, *given):   # a failure blamed on the trace may be the inputs'
+        if check_graph is not None:
+            check_micro_batching(check_graph, example_inputs, layout, profiled)
+        first = tuple(tree_map(lambda x: x.to(workers[0]) if isinstance(x, torch.Tensor) else x, part)
+                      for part in scatter(list(example_inputs), profiled, dims)[0])
+        captured.graph.to(workers[0])
+        if check_graph is not None and check_graph is not captured.graph:   # for the check after the search
+            check_graph.to(workers[0])
+        costs, cached = node_costs(captured.graph, captured.fingerprint, first, workers[0], profiling)   # 2. cost
     planner = Planner(gm=captured.graph, fingerprint=captured.fingerprint, model_name=type(model).__name__,
                       devices=workers, all_devices=devs, memory_bytes=memory_limits(workers, v, options.memory_bytes),
                       chunks=profiled, stages=stages, virtual_stages=v,

@@ -1,7 +1,7 @@
 """Inputs and messages that used to mislead: each case works, or its error names the real cause and a fix.
 
 Dict inputs and tuple/dict targets are split leaf by leaf; an optional argument left at ``None`` points
-at ``concrete_args``; a branch that runs only in the other train/eval mode does not fail the compile;
+at ``concrete_args`` unless the model rejects the inputs itself; a branch that runs only in the other train/eval mode does not fail the compile;
 interleaved 1F1B with chunks that are not a multiple of the workers suggests chunks that work;
 a train-mode BatchNorm with micro-batches is warned about.
 """
@@ -77,6 +77,24 @@ def test_an_optional_argument_left_at_none_suggests_concrete_args():
                           options=fxpipe.CompileOptions(concrete_args={"mask": None}))
     with torch.no_grad():
         assert max_relative_error(pipe(x), model(x)) <= 1e-6
+
+
+class CheckedWidth(OptionalMask):
+    """Rejects inputs of the wrong width itself, as timm's ViT rejects an image of the wrong size."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        torch._assert(x.shape[-1] == 4, "input width doesn't match model (4)")
+        return super().forward(x, mask)
+
+
+def test_inputs_the_model_itself_rejects_are_blamed_not_an_optional_argument():
+    # the traced graph fails on the whole batch whether the inputs or mask=None are at fault: the model run as
+    # written decides, and here it fails too, so concrete_args would not help
+    with pytest.raises(ValueError, match=r"fails on example_inputs themselves \(run as written") as err:
+        fxpipe.compile(CheckedWidth(), ["cpu", "cpu"], (torch.randn(8, 5),), chunks=2, profile=ESTIMATE)
+    assert "input width doesn't match model (4)" in str(err.value) and "concrete_args" not in str(err.value)
+    with pytest.raises(ValueError, match=r"concrete_args=\{'mask': None\}"):   # right inputs: mask is the cause
+        fxpipe.compile(CheckedWidth(), ["cpu", "cpu"], (torch.randn(8, 4),), chunks=2, profile=ESTIMATE)
 
 
 class TrainOnlyBranch(nn.Module):

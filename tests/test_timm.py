@@ -177,3 +177,12 @@ def test_a_cnn_with_timms_batch_norm_compiles_in_train_mode_by_default(name):
             b.copy_(before[n])
         want = torch.cat([model(part) for part in x.tensor_split(pipe.plan.chunks)])
     assert max_relative_error(got, want) <= 1e-5
+
+
+def test_an_image_of_the_wrong_size_is_blamed_on_the_inputs_under_the_defaults():
+    """timm's ViT asserts its image size; fx traces its optional ``attn_mask`` at None too, so the graph would
+    fail either way: the model run as written decides, and the message names the size, not ``concrete_args``."""
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False)
+    with pytest.raises(ValueError, match=r"fails on example_inputs themselves(.|\n)*Input height \(96\)") as err:
+        fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(4, 3, 96, 96),))
+    assert "concrete_args" not in str(err.value)

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from fxpipe.cost.profile import profile_graph
 from fxpipe.cost.profile_cache import ProfileCache, profile_key
-from fxpipe.frontend.trace import run_failure
+from fxpipe.frontend.failures import run_failure
 from fxpipe.options import ProfileOptions
 
 __all__ = ["node_costs"]

@@ -30,7 +30,8 @@ from torch.utils._pytree import tree_flatten
 from fxpipe.errors import TraceError
 from fxpipe.frontend.batch_dims import LEAF_DIMS, leaf_batch_dims
 from fxpipe.frontend.grad_regions import TENSOR_HOOK, refusing_grad_regions
-from fxpipe.frontend.trace import dropped_region, frame_outside, inputs_rejected
+from fxpipe.frontend.failures import AS_WRITTEN, eager_failure, inputs_rejected
+from fxpipe.frontend.trace import dropped_region, frame_outside
 
 __all__ = ["export_graph", "flat_program"]
 
@@ -182,23 +183,6 @@ def _check_batch_symbolic(gm: fx.GraphModule, args: tuple, kwargs: dict, dims: l
                     "and do not loop over the batch dimension", module=None, operation=node.name)
 
 
-def _eager_failure(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Exception | None:
-    """What ``model(*args, **kwargs)`` raises when run as written (``None`` if it runs), leaving its buffers and
-    the RNG as they were: an export failure is only export's when the model itself runs."""
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    rng = torch.random.get_rng_state()
-    try:
-        model(*args, **kwargs)   # with grad on, as traced: forward code may need it (x.register_hook)
-    except Exception as exc:
-        return exc
-    finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        torch.random.set_rng_state(rng)
-    return None
-
-
 def export_graph(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None = None,
                  batch_dim: Any = 0) -> fx.GraphModule:
     """``model`` exported on ``(args, kwargs)`` as a flat GraphModule over its own parameters (module doc).
@@ -214,9 +198,9 @@ def export_graph(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None = 
     except TraceError:
         raise
     except Exception as exc:   # export raises UserError, RuntimeError, TypeError, torch._dynamo errors...
-        eager = _eager_failure(model, tuple(args), kwargs)
+        eager = eager_failure(model, tuple(args), kwargs)
         if eager is not None:
-            raise inputs_rejected(eager, "run as written, before any trace or split into micro-batches") from eager
+            raise inputs_rejected(eager, AS_WRITTEN) from eager
         raise _fail(model, exc) from exc
     gm = flat_program(program, type(model).__name__)
     _check_own_tensors(model, gm)

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 from fxpipe.errors import TraceError
 from fxpipe.frontend.grad_regions import DroppedRegion, refusing_grad_regions
 
-__all__ = ["trace", "shared_parameter_owners", "run_failure", "inputs_rejected", "frame_outside", "dropped_region",
+__all__ = ["trace", "shared_parameter_owners", "frame_outside", "dropped_region",
            "has_submodule"]
 
 
@@ -114,14 +114,6 @@ def frame_outside(exc: BaseException, folders: tuple[str, ...]) -> str | None:
 def _user_frame(exc: BaseException) -> str:
     """``file:line: code`` of the innermost frame outside torch.fx and fxpipe, for the error message."""
     return frame_outside(exc, _LIBRARY_FOLDERS) or "unknown location"
-
-
-def inputs_rejected(exc: BaseException, when: str) -> ValueError:
-    """The error for a model that fails on its example inputs themselves, ``when`` run as the caller says:
-    the inputs are what it rejects, not the micro-batches or a trace."""
-    return ValueError(f"the model fails on example_inputs themselves ({when}): {type(exc).__name__}: {exc}; "
-                      "check that example_inputs match the model's forward() (shapes, dtypes, image size: "
-                      "model(*example_inputs) must run)")
 
 
 @contextlib.contextmanager
@@ -323,27 +315,3 @@ def _param_owners(model: nn.Module, name: str) -> Iterable[tuple[str, nn.Module]
         if any(True for _ in mod.parameters(recurse=False)):
             yield sub, mod
     yield name, root
-
-
-def run_failure(exc: BaseException, gm: fx.GraphModule, given: int, whole_batch_fails: bool = False) -> ValueError:
-    """The error for a traced model that fails on its example inputs. An optional argument left out of
-    them (``mask=None``) was traced as an input all the same: its ``if mask is not None:`` branch is in the
-    graph, which then fails on ``None``; ``concrete_args`` makes the trace take the ``None`` branch.
-    ``whole_batch_fails``: the caller ran the whole example batch too and it failed the same way, so the
-    micro-batches are not the cause and the message does not send the user after them."""
-    left = [n.target for n in gm.graph.nodes if n.op == "placeholder"][given:]
-    defaults = {n.target: n.args[0] for n in gm.graph.nodes if n.op == "placeholder" and n.args}
-    optional = [a for a in left if a in defaults and defaults[a] is None]
-    if optional:
-        fix = (f"the forward's optional argument(s) {optional} were left at None, but torch.fx traced them as "
-               "inputs, so code under `if <arg> is not None:` is in the graph and runs on None; compile with "
-               f"options=fxpipe.CompileOptions(concrete_args={{{', '.join(f'{a!r}: None' for a in optional)}}}) "
-               "to trace the model as called without them (or pass them in example_inputs)")
-    elif whole_batch_fails:
-        return inputs_rejected(exc, "the whole batch, before any split into micro-batches")
-    else:
-        fix = ("check that example_inputs match the model's forward(); it runs on micro-batches (parts of the "
-               "example batch), so code that fixes the batch size (x.view(8, -1) for a batch of 8, a tensor of "
-               "that size made in forward) fails: use x.size(0) or -1 there, or compile with chunks=1")
-    return ValueError(f"running the model on (micro-batches of) example_inputs failed: {type(exc).__name__}: "
-                      f"{exc}; {fix}")

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.errors import FxpipeError
 from fxpipe.frontend.fingerprint import is_dropout_call
-from fxpipe.frontend.trace import run_failure
+from fxpipe.frontend.failures import run_failure
 from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, scatter
 from fxpipe.runtime.no_trace import leaving_no_trace
 from fxpipe.runtime.rng import is_random
