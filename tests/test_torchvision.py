@@ -58,7 +58,8 @@ def build(name: str) -> tuple[torch.nn.Module, int]:
 
 
 def params(names):
-    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in names]
+    return [pytest.param(n, marks=[pytest.mark.slow] + [pytest.mark.giant] * (n in GIANT)) if n in SLOW else n
+            for n in names]
 
 
 def test_untraceable_list_names_real_models():
