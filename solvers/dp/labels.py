@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from operator import le
 
 from solvers.groups import allreduce_s
 from solvers.problem import Problem
@@ -19,7 +20,7 @@ from solvers.dp.tables import REL_TOL, Tables
 __all__ = ['FIRST_STEP', 'analytic_lower', 'Label', 'plan_of', 'Timeout', 'deepening', 'insert_label', 'solve_fixed_p']
 
 
-@dataclass
+@dataclass(slots=True)   # millions are made in one search: slots make them smaller and faster to read
 class Label:
     total: float               # sum of stage times so far (pending stages included)
     max_done: float            # max over stages whose time can no longer grow
@@ -29,6 +30,7 @@ class Label:
     end: int
     device: int                # device index of that stage (in the frame of the state it entered)
     sigma: tuple | None = None  # the automorphism that mapped that state to its canonical form
+    ending: float = 0.0        # total + weight * max_done, set by insert_label (its weight is one per search)
 
 
 FIRST_STEP = 1e-3
@@ -47,16 +49,24 @@ def insert_label(front: list[Label], new: Label, weight: float) -> None:
     no larger for every future maximum ``X`` iff ``a.total <= b.total`` and
     ``a.total + weight a.max_done <= b.total + weight b.max_done``; pending
     stages grow by the same amounts in both, so theirs must be no larger.
-    (Written out inline: this is the search's innermost loop.)
+    (Written out inline: this is the search's innermost loop. ``weight`` must be the same for every
+    label of ``front``: each label keeps its ``ending``.)
     """
-    total, ending, pending = new.total, new.total + weight * new.max_done, new.pending_t
+    total, pending = new.total, new.pending_t
+    ending = new.ending = total + weight * new.max_done
+    if not front:
+        front.append(new)
+        return
+    dominated = False   # does ``new`` dominate any label already there?
     for old in front:
-        if (old.total <= total and old.total + weight * old.max_done <= ending
-                and (not pending or all(x <= y for x, y in zip(old.pending_t, pending)))):
+        if old.total <= total and old.ending <= ending and (not pending or all(map(le, old.pending_t, pending))):
             return
-    front[:] = [old for old in front
-                if not (total <= old.total and ending <= old.total + weight * old.max_done
-                        and (not pending or all(x <= y for x, y in zip(pending, old.pending_t))))]
+        if not dominated and total <= old.total and ending <= old.ending and (
+                not pending or all(map(le, pending, old.pending_t))):
+            dominated = True
+    if dominated:
+        front[:] = [old for old in front if not (total <= old.total and ending <= old.ending and (
+            not pending or all(map(le, pending, old.pending_t))))]
     front.append(new)
 
 
@@ -111,6 +121,9 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                     recv_cost: dict[int, float] = {}   # pending node -> 2 x one-way time
                     comm_in = 0.0
                     alive_seg: list[int] = []
+                    # the earlier senders still read at or after j2, updated only when one stops being read
+                    kept_pending, done_slots, kept_slots = pending, [], list(range(len(pend_stages)))
+                    expiry = min((tables.last_use[u] for u, _, _ in pending), default=n)
                     for j2 in range(j + 1, j_max + 1):
                         x = j2 - 1
                         compute += tables.fb[x]
@@ -161,16 +174,17 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                         sent: list[list[float]] = [[] for _ in pend_stages]
                         for u, c in recv_cost.items():
                             sent[slot[pend_stage[u]]].append(c)
-                        new_pending = tuple(
-                            [(u, a, da) for u, a, da in pending if tables.last_use[u] >= j2]
-                            + [(u, k, d) for u in alive_seg]
-                        )
-                        still = {a for _, a, _ in new_pending}
-                        done_slots = [i for i, a in enumerate(pend_stages) if a not in still]
-                        kept_slots = [i for i, a in enumerate(pend_stages) if a in still]
-                        k_done = k not in still
+                        if j2 > expiry:   # some earlier sender is read for the last time before j2
+                            kept_pending = tuple(e for e in kept_pending if tables.last_use[e[0]] >= j2)
+                            expiry = min((tables.last_use[u] for u, _, _ in kept_pending), default=n)
+                            still = {a for _, a, _ in kept_pending}
+                            done_slots = [i for i, a in enumerate(pend_stages) if a not in still]
+                            kept_slots = [i for i, a in enumerate(pend_stages) if a in still]
+                        new_pending = kept_pending + tuple([(u, k, d) for u in alive_seg])
+                        k_done = not alive_seg
                         key: tuple | None = None
                         perm: tuple | None = None
+                        target: list[Label] = []   # the Pareto set of the state (key) this j2 leads to
                         still_growing: list[Label] = []
                         grows = any(sent)
                         for label in active:
@@ -224,9 +238,10 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                                 key = (new_used, new_pending)
                                 if canon is not None:   # one state per orbit of the topology's automorphisms
                                     key, perm = canon.canonical(new_used, new_pending)
+                                target = frontier.setdefault((j2, k + 1), {}).setdefault(key, [])
                             if perm is not None:
                                 new_label.device, new_label.sigma = perm[d], perm
-                            insert_label(frontier.setdefault((j2, k + 1), {}).setdefault(key, []), new_label, m - 1)
+                            insert_label(target, new_label, m - 1)
                         if len(still_growing) < len(active):
                             active = still_growing
                             if not active:
