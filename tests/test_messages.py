@@ -1,8 +1,8 @@
 """Inputs and messages that used to mislead: each case works, or its error names the real cause and a fix.
 
 Dict inputs and tuple/dict targets are split leaf by leaf; an optional argument left at ``None`` points
-at ``concrete_args`` unless the model rejects the inputs itself; a branch that runs only in the other train/eval mode does not fail the compile;
-interleaved 1F1B with chunks that are not a multiple of the workers suggests chunks that work;
+at ``concrete_args`` unless the model rejects the inputs itself; a branch that runs only in the other
+train/eval mode does not fail the compile; interleaved 1F1B with chunks that are not a multiple of the workers suggests chunks that work;
 a train-mode BatchNorm with micro-batches is warned about.
 """
 

@@ -18,7 +18,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_map
 
-__all__ = ["inputs_rejected", "run_failure", "OptionalArgumentsTraced", "eager_failure", "judged_by_the_model"]
+__all__ = ["AS_WRITTEN", "inputs_rejected", "run_failure", "OptionalArgumentsTraced", "eager_failure",
+           "judged_by_the_model"]
 
 AS_WRITTEN = "run as written, before any trace or split into micro-batches"
 
@@ -33,11 +34,7 @@ def inputs_rejected(exc: BaseException, when: str) -> ValueError:
 
 class OptionalArgumentsTraced(ValueError):
     """A graph that fails with optional arguments traced at ``None``: those are the likely cause unless the
-    model run as written fails too (:func:`judged_by_the_model` finds out). ``cause``: what the graph raised."""
-
-    def __init__(self, message: str, cause: BaseException) -> None:
-        super().__init__(message)
-        self.cause = cause
+    model run as written fails too (:func:`judged_by_the_model` finds out)."""
 
 
 def run_failure(exc: BaseException, gm: fx.GraphModule, given: int, whole_batch_fails: bool = False) -> ValueError:
@@ -53,7 +50,7 @@ def run_failure(exc: BaseException, gm: fx.GraphModule, given: int, whole_batch_
             f"forward's optional argument(s) {optional} were left at None, but torch.fx traced them as inputs, so "
             "code under `if <arg> is not None:` is in the graph and runs on None; compile with "
             f"options=fxpipe.CompileOptions(concrete_args={{{', '.join(f'{a!r}: None' for a in optional)}}}) "
-            "to trace the model as called without them (or pass them in example_inputs)", exc)
+            "to trace the model as called without them (or pass them in example_inputs)")
     if whole_batch_fails:
         return inputs_rejected(exc, "the whole batch, before any split into micro-batches")
     return ValueError(f"running the model on (micro-batches of) example_inputs failed: {type(exc).__name__}: "
@@ -90,7 +87,7 @@ def judged_by_the_model(model: Any, args: tuple | None, kwargs: dict[str, Any] |
     the model run as written fails too, the inputs are at fault and the error says so instead."""
     try:
         yield
-    except OptionalArgumentsTraced as failure:
+    except OptionalArgumentsTraced:
         if not isinstance(model, nn.Module) or args is None:
             raise
         eager = eager_failure(model, tuple(args), dict(kwargs or {}))
