@@ -14,6 +14,7 @@ from operator import le
 
 from solvers.groups import allreduce_s
 from solvers.problem import Problem
+from solvers.dp.completion import completion_for
 from solvers.dp.space import Space
 from solvers.dp.tables import REL_TOL, Tables
 
@@ -85,6 +86,10 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
     future_bottleneck = tables.suffix_bottleneck(max_speed, p - 1)
     transfer_lbs = tables.future_transfer_lbs(p - 1)
     canon = space.canon
+    # every stage of a plan under the bound is at most this slow: T >= (sum at full speed) + (m - 1) max
+    slowest = (ub_limit - tables.suffix_fb[0] / max_speed) / (m - 1) if m > 1 and math.isfinite(ub) else math.inf
+    completion = (completion_for(problem, tables, p, max_speed, least_max, slowest)
+                  if p > 1 and math.isfinite(slowest) and slowest >= least_max else None)
     # frontier[(j, k)] maps (used devices, pending senders) to Pareto sets of labels.
     frontier: dict[tuple[int, int], dict[tuple, list[Label]]] = {
         (0, 0): {(space.start(), ()): [Label(0.0, 0.0, (), None, 0, 0, -1)]}
@@ -166,6 +171,10 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                         # when it is over the limit, no label here can end a plan at j2 (a longer stage may:
                         # the rest shrinks); the labels' own drop tests are made at the next j2
                         floor_j2 = least_total + stage_total + rest + (m - 1) * future_max + transfer_lb
+                        if completion is not None and stages_left and floor_j2 <= ub_limit:
+                            joint = least_total + stage_total + completion.bound(stages_left, j2, t_k)
+                            if joint > floor_j2:
+                                floor_j2 = joint
                         if floor_j2 > ub_limit:
                             if floor_j2 < pruned:
                                 pruned = floor_j2
@@ -219,6 +228,10 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                                 continue  # grows with j2: done
                             still_growing.append(label)
                             bound = total + rest + (m - 1) * (biggest if biggest > future_max else future_max) + transfer_lb
+                            if completion is not None and stages_left and bound <= ub_limit:
+                                joint = total + completion.bound(stages_left, j2, biggest)
+                                if joint > bound:
+                                    bound = joint
                             if bound > ub_limit:
                                 if bound < pruned:
                                     pruned = bound

@@ -75,6 +75,27 @@ class Tables:
                 first[u] = max(first.get(u, 0.0), nbytes)
             self.sent_to[c] = sorted((u, 2.0 * cheapest_one_way(b)) for u, b in first.items())
             self.enter_lb[c] = 2.0 * sum(cost for _, cost in self.sent_to[c])
+        # crossing_lb[c]: the same, for every tensor that crosses a cut at c (made before c, read at or
+        # after it): a stage that starts at c and holds at least ``span`` positions receives them all, since
+        # no edge reaches further than ``span`` positions (residual skips cross most cuts besides node c's
+        # own inputs). One transfer per sender, of its largest tensor read past the cut.
+        self.span = max((pos[e.dst] - pos[e.src] for e in problem.edges), default=1)
+        added = np.zeros(n + 2)
+        reads: dict[int, list[tuple[int, float]]] = {}
+        for w in range(n):
+            for u, nbytes in self.inputs[w]:
+                reads.setdefault(u, []).append((w, nbytes))
+        for u, out in reads.items():
+            out.sort(reverse=True)   # farthest reader first: the largest tensor read at or after each cut
+            largest, upto = 0.0, out[0][0]
+            for i, (w, nbytes) in enumerate(out):
+                largest = max(largest, nbytes)
+                after = out[i + 1][0] if i + 1 < len(out) else u
+                if after < w:   # cuts in (after, w] see this largest tensor
+                    cost = 4.0 * cheapest_one_way(largest)
+                    added[after + 1] += cost
+                    added[w + 1] -= cost
+        self.crossing_lb = [float(x) for x in np.cumsum(added)[:n + 1]]
         self._bottleneck: dict[float, list[list[float]]] = {}
         self._transfer_lbs: list[list[float]] = []
         # cheapest[c]: the smallest enter bounds among positions > c, ascending (at most 16 kept).
