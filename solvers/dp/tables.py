@@ -87,7 +87,7 @@ class Tables:
                 reads.setdefault(u, []).append((w, nbytes))
         for u, out in reads.items():
             out.sort(reverse=True)   # farthest reader first: the largest tensor read at or after each cut
-            largest, upto = 0.0, out[0][0]
+            largest = 0.0
             for i, (w, nbytes) in enumerate(out):
                 largest = max(largest, nbytes)
                 after = out[i + 1][0] if i + 1 < len(out) else u
