@@ -40,9 +40,10 @@ takes at least that long, so a label's own maximum is raised to it: labels that 
 only below it collapse into one. A third bound takes the rest's sum and slowest stage
 together (:mod:`solvers.dp.completion`): for each cap on the rest's slowest stage, the
 least sum of stages that meet it, every tensor crossing a cut paid for — on a 3000-node
-residual chain it leaves thousands of labels where the separate bounds left millions. Placement states are kept one per orbit of the
-topology's symmetries (:mod:`solvers.dp.symmetry`, or the tree of link classes of
-:mod:`solvers.dp.hierarchy` for large hierarchical groups). For chains and the short
+residual chain it leaves thousands of labels where the separate bounds left millions.
+Placement states are kept one per orbit of the topology's symmetries
+(:mod:`solvers.dp.symmetry`, or the tree of link classes of :mod:`solvers.dp.hierarchy`
+for large hierarchical groups). For chains and the short
 skips of residual networks the pending set holds one or two nodes, so the
 search is close to the quadratic DP; long skips (U-Net) enlarge it.
 """

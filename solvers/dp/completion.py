@@ -75,7 +75,7 @@ class Completion:
         # sum with no cap and a slowest stage above the grid), so every value the bound gives is proven
         grid = [low + (high - low) * g / (GRID - 1) for g in range(GRID)] if high > low else [high]
         grid.append(math.inf)
-        self.grid, self.high = grid, high
+        self.high = high
         # lo[g]: what the slowest stage must exceed when it is in (M_{g-1}, M_g]
         self.lo = [-math.inf] + grid[:-1]
         pre = np.concatenate([[0.0], np.cumsum(tables.fb)]) / speed
@@ -85,7 +85,7 @@ class Completion:
         # the receiving stage's time, half to the senders'.
         enter = np.array(tables.enter_lb[:n + 1])
         crossing = np.array(tables.crossing_lb[:n + 1])
-        crossing[n] = 0.0
+        crossing[n] = 0.0   # nothing crosses the end (the table's running sum leaves rounding there)
         span = tables.span
         factor = 1.0 + problem.optimizer_state_factor
         pre_param = np.concatenate([[0.0], np.cumsum(tables.param)]) * factor
