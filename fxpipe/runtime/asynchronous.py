@@ -38,6 +38,7 @@ from fxpipe.planning.memory_model import WorkerPrediction, predict_worker_memory
 from fxpipe.runtime.batchnorm import commit_statistics
 from fxpipe.runtime.caller_state import CallerState
 from fxpipe.runtime.failures import step_error
+from fxpipe.runtime.input_grads import InputGraphs
 from fxpipe.runtime.step import StepFailure, run_step
 from fxpipe.runtime.transport import Transport
 from solvers.asynchronous import ASYNC_MODES, async_orders, check_orders, stashed_versions
@@ -191,7 +192,9 @@ class AsyncTrainer:
         (``None`` on a rank of :class:`fxpipe.distributed.PipelineRank` without the last stage; every rank must be
         given the same batches).
 
-        The versions kept and the lags seen are in :attr:`last` (``versions``, ``lag`` per stage). A failing
+        The versions kept and the lags seen are in :attr:`last` (``versions``, ``lag`` per stage). An input
+        computed by the caller (requires grad, has a ``grad_fn``) runs as a detached leaf, and one backward into
+        the caller's graph hands on its gradient after the stream, weighted as the stages' own. A failing
         operation raises :class:`fxpipe.StageError` (as ``pipe.step``); the updates applied before it stay.
         """
         pipe = self.pipe
@@ -200,9 +203,10 @@ class AsyncTrainer:
         if not caller.grad:
             raise FxpipeError(f"AsyncTrainer.train computes gradients, but it is called under {caller.describe()}")
         loss_fn = pipe.structured_loss(loss_fn)
+        graphs = InputGraphs()   # inputs carrying the caller's graph: one backward into each, after the stream
         micro, targets, sizes, batch_of = [], [], [], []
         for b, (inputs, target) in enumerate(batches):
-            inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+            inputs = graphs.detach(inputs if isinstance(inputs, tuple) else (inputs,))
             mb = pipe.inputs.micro_batches(inputs, {})
             n = pipe.inputs.sizes(mb)
             tg = pipe.inputs.micro_targets(target)
@@ -263,6 +267,7 @@ class AsyncTrainer:
                 q.grad = None
             raise step_error(failure, pipe.devices) from failure.exc
         commit_statistics(pipe.modules())
+        graphs.hand_on()
         self.last = {"versions": [st.max_versions for st in self.stages], "lag": [st.max_lag for st in self.stages],
                      "lags": [st.lags for st in self.stages], "micro_batches": len(micro)}
         for st in self.stages:
