@@ -150,8 +150,14 @@ def _model(problem: Problem, p: int, devices: list[int], start: dict[str, int] |
         lp += t[s] == compute + pulp.lpSum(out_cost[s]) + pulp.lpSum(in_cost[s])
         lp += big >= t[s]
         inflight = problem.inflight(s, p)
-        lp += pulp.lpSum((nodes[v].param_bytes * factor + nodes[v].act_bytes * inflight) * x[v, s]
-                         for v in ids) <= dev.memory_bytes
+        need = {v: nodes[v].param_bytes * factor + nodes[v].act_bytes * inflight for v in ids}
+        # Written as a share of the device's memory (a row of bytes up to 1e9 or more beside seconds of
+        # compute is badly scaled: HiGHS's presolve then returned a plan that broke the cutoff and called it a
+        # solve error), and left out where even every node at once fits: it could never bind.
+        if sum(need.values()) > dev.memory_bytes > 0:
+            lp += pulp.lpSum(need[v] / dev.memory_bytes * x[v, s] for v in ids if need[v] > 0) <= 1.0
+        elif dev.memory_bytes <= 0:   # no memory: only nodes that need none
+            lp += pulp.lpSum(x[v, s] for v in ids if need[v] > 0) <= 0
     lp += pulp.lpSum(t) + (m - 1) * big
     if cutoff is not None and math.isfinite(cutoff):   # only plans better than the incumbent are wanted
         lp += pulp.lpSum(t) + (m - 1) * big <= cutoff
@@ -198,8 +204,15 @@ def run_placement(problem: Problem, devices: list[int], time_limit_s: float,
     if remaining <= 0:
         return PlacementRun(None, 0.0, False)
     lp.solve(_WarmHiGHS(msg=False, timeLimit=remaining, gapRel=GAP_REL, gapAbs=0.0))
-    info: Any = lp.solverModel.getInfo()
     status = str(lp.solverModel.getModelStatus())
+    remaining = deadline - time.perf_counter()
+    if status.endswith("kSolveError") and remaining > 0:
+        # HiGHS 1.16's presolve can reduce a model to nothing and post-solve a point that breaks a row
+        # (seen on the cutoff row of a model that no plan below the cutoff satisfies), then call it a
+        # solve error; the same model without presolve is solved
+        lp.solve(_WarmHiGHS(msg=False, timeLimit=remaining, gapRel=GAP_REL, gapAbs=0.0, presolve="off"))
+        status = str(lp.solverModel.getModelStatus())
+    info: Any = lp.solverModel.getInfo()
     if status.endswith("kInfeasible"):   # nothing fits (or nothing beats the cutoff)
         return PlacementRun(None, cutoff if cutoff is not None and math.isfinite(cutoff) else math.inf, True)
     finished = status.endswith("kOptimal")

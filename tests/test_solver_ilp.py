@@ -94,3 +94,32 @@ def test_auto_is_never_worse_than_dp_and_optimal_on_identical_devices(seed):
     assert auto.predicted["iteration_s"] <= solve(problem, "dp").predicted["iteration_s"] * (1 + 1e-9)
     assert auto.predicted["iteration_s"] == pytest.approx(brute_force_convex(problem).iteration_s, rel=1e-6)
     assert auto.solver["method"] == "auto" and auto.solver["optimal"] is True
+
+
+def test_a_model_highs_presolve_mis_solves_is_solved_again_and_certified():
+    """HiGHS 1.16's presolve reduced one placement's model (with the incumbent's cutoff, which no plan beats)
+    to nothing and post-solved a point that broke the cutoff row, reporting a solve error: the exact
+    decomposition then ended uncertified (gap 27.6 %) on this 6-node problem. Solved again without presolve,
+    the placement is closed and the optimum certified, equal to brute force over the reference space."""
+    from pathlib import Path
+
+    from solvers import solve
+    from solvers.brute import brute_force_reference
+
+    problem = Problem.load(Path(__file__).parent / "data" / "presolve_solve_error.json")
+    best = brute_force_reference(problem)
+    found = solve(problem, method="exact", time_limit_s=20)
+    assert found.solver["optimal"] and found.solver["gap"] == 0.0
+    assert found.predicted["iteration_s"] == pytest.approx(best.iteration_s, rel=1e-9)
+
+
+def test_a_device_without_memory_takes_only_nodes_that_need_none():
+    problem = Problem.from_dict(dict(
+        format="fxpipe-problem/1", micro_batches=2, schedule="gpipe", stages=2, optimizer_state_factor=0,
+        nodes=[dict(id="a", fwd_s=1, bwd_s=1, param_bytes=0, act_bytes=0),
+               dict(id="b", fwd_s=1, bwd_s=1, param_bytes=4, act_bytes=0)],
+        edges=[dict(src="a", dst="b", bytes=1)],
+        devices=[dict(id="d0", memory_bytes=0, speed=1), dict(id="d1", memory_bytes=100, speed=1)],
+        links=dict(bandwidth_Bps=[[0, 10], [10, 0]], latency_s=[[0, 0], [0, 0]])))
+    found = solve_ilp(problem, time_limit_s=20)
+    assert [s.nodes for s in found.stages] == [["a"], ["b"]] and found.stages[0].devices == ["d0"]
