@@ -223,8 +223,8 @@ def compile(
         first_plan = planner.plan(costs)
     warn_batch_norm(model, first_plan.chunks, options.deferred_batch_norm)
     warn_buffer_updates(captured.graph, first_plan.chunks, model)
-    spec = captured.graph.meta.get("fxpipe_out_spec")
-    measured_loss = ((lambda out, target: scalar_of(loss_fn(model_output(out, spec), target)))
+    spec, types = captured.graph.meta.get("fxpipe_out_spec"), captured.graph.meta.get("fxpipe_out_dict_types")
+    measured_loss = ((lambda out, target: scalar_of(loss_fn(model_output(out, spec, types), target)))
                      if loss_fn is not None else None)
     pipe = refine(planner, costs, first_plan, build, example_inputs, profiling,         # 5. refine
                   loss_fn=measured_loss, example_target=example_target)

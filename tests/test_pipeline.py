@@ -222,3 +222,56 @@ def test_dict_and_list_outputs_come_back_as_plain_python_containers():
     assert torch.allclose(out["both"][1], model(x)["both"][1])
     loss, stepped = pipe.step(x, torch.randn(4, 2), lambda o, t: ((o["both"][1] - t) ** 2).mean(), return_outputs=True)
     assert type(stepped) is dict and type(stepped["both"]) is list
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_dict_subclasses_come_back_as_the_models_own_types(frontend):
+    """torch.fx keeps a returned OrderedDict (torchvision's segmentation models), defaultdict or ModelOutput
+    only as a plain dict: the pipeline gives each back as the model's own type, to the caller and to
+    loss_fn (which may read ``out.last_hidden_state``), at any depth."""
+    from collections import OrderedDict, defaultdict
+
+    from transformers.modeling_outputs import BaseModelOutput
+
+    class Typed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.a(x)
+            extra = defaultdict(list)
+            extra["y"] = self.b(h)
+            return (OrderedDict(out=h, aux=[h, {"inner": OrderedDict(k=h)}]), extra,
+                    BaseModelOutput(last_hidden_state=self.b(h)))
+
+    torch.manual_seed(0)
+    model = Typed()
+    x, target = torch.randn(4, 4), torch.randn(4, 2)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, stages=2, frontend=frontend,
+                          profile=fxpipe.ProfileOptions(mode="estimate"))
+    want = model(x)
+
+    def same_types(got, ref):
+        assert type(got) is type(ref)
+        if isinstance(ref, dict):
+            assert list(got) == list(ref)
+            for k in ref:
+                same_types(got[k], ref[k])
+        elif isinstance(ref, (list, tuple)):
+            for g, r in zip(got, ref, strict=True):
+                same_types(g, r)
+        else:
+            assert torch.allclose(got, ref, atol=1e-6)
+    same_types(pipe(x), want)
+    assert pipe(x)[1].default_factory is list
+
+    def loss_fn(out, t):
+        return ((out[2].last_hidden_state - t) ** 2).mean() + out[0]["out"].sum() * 0.01
+    loss, stepped = pipe.step(x, target, loss_fn, return_outputs=True)
+    same_types(stepped, want)
+    grads = {n: q.grad.clone() for n, q in model.named_parameters()}
+    model.zero_grad()
+    sum(loss_fn(model(xs), ts) for xs, ts in zip(x.tensor_split(2), target.tensor_split(2))).div(2).backward()
+    for n, q in model.named_parameters():
+        assert torch.allclose(grads[n], q.grad, atol=1e-6), n

@@ -83,6 +83,7 @@ class Pipeline(nn.Module):
         self._output = next(n for n in graph_module.graph.nodes if n.op == "output")
         # a torch.export graph is flat: the model's input and output structures (fxpipe.runtime.structure)
         self._out_spec = graph_module.meta.get("fxpipe_out_spec")
+        self._out_dict_types = graph_module.meta.get("fxpipe_out_dict_types")   # fx: an OrderedDict's type
         self.inputs = CallInputs(graph_module, plan, guard)   # a call bound to the graph and split
         self.layout = self.inputs.layout   # where the samples are in inputs, outputs and targets
         # Only the pipeline's own flag (what _check_mode compares): self.train() would recurse into the
@@ -155,7 +156,7 @@ class Pipeline(nn.Module):
                     raise forward_error(k, i, self.devices[k], exc) from exc
         commit_statistics(self.modules())
         outputs = [fx.node.map_arg(self._output.args[0], lambda n, e=env: e[n.name]) for env in micro]
-        return model_output(gather(outputs, self.layout.output), self._out_spec)
+        return model_output(gather(outputs, self.layout.output), self._out_spec, self._out_dict_types)
 
     # ------------------------------------------------------------------ training step
     def step(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
@@ -250,13 +251,18 @@ class Pipeline(nn.Module):
             found = measure_worker_memory(self, inputs, target, loss_fn, schedule=schedule)
             self.last_step.update(memory=[w.peak_bytes for w in found],
                                   memory_method="profiled replay of each worker, torch.profiler")
-        return (loss, model_output(gather(outs, self.layout.output), self._out_spec)) if return_outputs else loss
+        if not return_outputs:
+            return loss
+        return loss, model_output(gather(outs, self.layout.output), self._out_spec, self._out_dict_types)
 
     def structured_loss(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
         """``loss_fn`` called on the model's own output structure (a ``ModelOutput`` with ``.logits``) where the
-        graph's outputs are flat leaves (the torch.export front end); ``loss_fn`` itself otherwise."""
-        spec = self._out_spec
-        return loss_fn if spec is None else (lambda out, target: loss_fn(model_output(out, spec), target))
+        graph's outputs are flat leaves (the torch.export front end) or fx kept a dict of another type as a
+        plain one; ``loss_fn`` itself otherwise."""
+        spec, types = self._out_spec, self._out_dict_types
+        if spec is None and types is None:
+            return loss_fn
+        return lambda out, target: loss_fn(model_output(out, spec, types), target)
 
     def report(self) -> str:
         """Predicted against measured, per stage (and per worker's memory), for the last :meth:`step`.

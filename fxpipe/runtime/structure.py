@@ -19,6 +19,8 @@ from typing import Any
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from fxpipe.frontend.output_types import DictTypes, with_dict_types
+
 __all__ = ["user_structure", "FlatInputs", "flat_inputs", "model_output"]
 
 
@@ -41,11 +43,12 @@ def flat_inputs(args: tuple, kwargs: dict[str, Any], spec: TreeSpec | None) -> t
     return tuple(leaves), {}
 
 
-def model_output(values: Any, spec: TreeSpec | None) -> Any:
-    """The gathered outputs in the user's structure: the model's own type for a flat graph (``spec``),
-    fx's immutable containers made plain otherwise."""
+def model_output(values: Any, spec: TreeSpec | None, dict_types: DictTypes = None) -> Any:
+    """The gathered outputs in the user's structure: the model's own type for a flat graph (``spec``);
+    otherwise fx's immutable containers made plain, and the dicts the traced forward returned as another
+    type (``dict_types``: an ``OrderedDict``, a ``ModelOutput``) rebuilt as that type."""
     if spec is None:
-        return user_structure(values)
+        return with_dict_types(user_structure(values), dict_types)
     return tree_unflatten(list(values), spec)
 
 
