@@ -3,9 +3,9 @@
 torch.fx stores the graph's output as arguments of its ``output`` node, and ``Tracer.create_arg`` turns
 every dict there into a plain one: a model returning an ``OrderedDict`` (torchvision's segmentation models)
 or another ``dict`` subclass (a ``defaultdict``, a dataclass such as Hugging Face's ``ModelOutput``) would
-come back from the pipeline as a ``dict``. :func:`dict_types` records, while tracing, where in the
-result such dicts sit and of which type; :func:`with_dict_types` rebuilds them around the pipeline's
-values. Nothing in torch keeps these types for fx (``torch.export`` records a pytree spec instead, and its
+come back from the pipeline as a ``dict``. :class:`RecordingDictTypes` (a tracer) records with
+:func:`dict_types`, while tracing, where in the result such dicts sit and of which type;
+:func:`with_dict_types` rebuilds them around the pipeline's values. Nothing in torch keeps these types for fx (``torch.export`` records a pytree spec instead, and its
 front end gives the model's own types back through that spec).
 """
 
@@ -15,7 +15,9 @@ import dataclasses
 from collections import defaultdict
 from typing import Any
 
-__all__ = ["DictTypes", "dict_types", "with_dict_types"]
+import torch.fx as fx
+
+__all__ = ["DictTypes", "RecordingDictTypes", "dict_types", "with_dict_types"]
 
 DictTypes = Any
 """``None`` (no dict subclass below), ``("seq", [DictTypes, ...])`` for a list or tuple, or
@@ -35,6 +37,33 @@ def dict_types(value: Any) -> DictTypes:
         inner_seq = [dict_types(v) for v in value]
         return None if all(t is None for t in inner_seq) else ("seq", inner_seq)
     return None
+
+
+class RecordingDictTypes(fx.Tracer):
+    """A tracer that keeps the traced forward's dict types in ``output_dict_types``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._arg_depth = 0
+        self._outermost_arg: Any = None
+        self.output_dict_types: DictTypes = None
+
+    def create_arg(self, a: Any) -> Any:
+        # fx makes the output node from create_arg(forward's result): the last outermost argument made
+        # before the output node is that result, its dicts still of their own types
+        self._arg_depth += 1
+        try:
+            return super().create_arg(a)
+        finally:
+            self._arg_depth -= 1
+            if self._arg_depth == 0:
+                self._outermost_arg = a
+
+    def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None,
+                    type_expr: Any = None) -> fx.Node:
+        if kind == "output":
+            self.output_dict_types = dict_types(self._outermost_arg)
+        return super().create_node(kind, target, args, kwargs, name, type_expr)
 
 
 def _rebuilt(kind: type, factory: Any, items: dict) -> Any:

@@ -30,13 +30,13 @@ from torch.utils._pytree import tree_flatten
 
 from fxpipe.errors import TraceError
 from fxpipe.frontend.grad_regions import DroppedRegion, refusing_grad_regions
-from fxpipe.frontend.output_types import dict_types
+from fxpipe.frontend.output_types import RecordingDictTypes
 
 __all__ = ["trace", "shared_parameter_owners", "frame_outside", "dropped_region",
            "has_submodule"]
 
 
-class _Tracer(fx.Tracer):
+class _Tracer(RecordingDictTypes):
     def __init__(self, leaf_types: tuple[type, ...], leaf_names: set[str], through: set[str]) -> None:
         super().__init__()
         # A buffer read as a plain tensor is constant-folded by fx: ``self.count.add_(1)`` or
@@ -50,9 +50,6 @@ class _Tracer(fx.Tracer):
         self.failed_in: str | None = None
         self.forced: set[str] = set()   # leaves traced through because they share a parameter (above)
         self.groups: list[set[str]] = []   # per shared parameter (or reused module), the modules reaching it
-        self._arg_depth = 0
-        self._outermost_arg: Any = None
-        self.output_dict_types: Any = None   # the forward's dict types (output_types.dict_types)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if qualname in self.through:
@@ -71,23 +68,6 @@ class _Tracer(fx.Tracer):
             self.forced.add(qualname)
             return False
         return True
-
-    def create_arg(self, a: Any) -> Any:
-        # the last outermost argument made before the output node is the forward's result: its dict types
-        # (an OrderedDict, a ModelOutput) are recorded here, since fx keeps only plain dicts
-        self._arg_depth += 1
-        try:
-            return super().create_arg(a)
-        finally:
-            self._arg_depth -= 1
-            if self._arg_depth == 0:
-                self._outermost_arg = a
-
-    def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None,
-                    type_expr: Any = None) -> fx.Node:
-        if kind == "output":
-            self.output_dict_types = dict_types(self._outermost_arg)
-        return super().create_node(kind, target, args, kwargs, name, type_expr)
 
     def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
         self.fxpipe_scope.append(self.path_of_module(m))
