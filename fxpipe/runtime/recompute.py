@@ -27,18 +27,20 @@ backward, with the same buffer replay.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
+from torch.utils.checkpoint import checkpoint as torch_checkpoint, set_checkpoint_early_stop
 
 from fxpipe.runtime.aliasing import written_buffers
 
 __all__ = ["checkpoint_stage", "forward_saving_nothing"]
 
 _META_KEY = "fxpipe_written_buffers"
+_SCRIPT_KEY = "fxpipe_runs_torchscript"
 
 
 def _written(module: fx.GraphModule) -> list[tuple[nn.Module, str, int]]:
@@ -95,15 +97,30 @@ class _Replay:
         self.live = []
 
 
+def _runs_torchscript(module: fx.GraphModule) -> bool:
+    """Whether ``module`` calls compiled TorchScript (a scripted or traced submodule, a scripted function)."""
+    if _SCRIPT_KEY not in module.meta:
+        module.meta[_SCRIPT_KEY] = any(isinstance(m, torch.jit.ScriptModule) for m in module.modules()) or any(
+            n.op == "call_function" and isinstance(n.target, torch.jit.ScriptFunction) for n in module.graph.nodes)
+    return module.meta[_SCRIPT_KEY]
+
+
 def checkpoint_stage(module: fx.GraphModule, *args: Any, preserve_rng_state: bool) -> Any:
     """``torch.utils.checkpoint`` (non-reentrant) of ``module(*args)``, with its buffers replayed, not updated
-    twice, by the recomputation."""
+    twice, by the recomputation.
+
+    A stage that runs TorchScript recomputes without early stop: torch stops a recomputation early by raising
+    an exception through the forward, and the TorchScript interpreter turns it into a bare ``RuntimeError``
+    that fails the backward (``torch.utils.checkpoint`` of a scripted module fails the same way).
+    """
     places = _written(module)
-    if not places:
-        return torch_checkpoint(module, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
-    snapshot = _Snapshot(places)
-    return torch_checkpoint(module, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
-                            context_fn=lambda: (snapshot, _Replay(snapshot)))
+    early_stop = set_checkpoint_early_stop(False) if _runs_torchscript(module) else contextlib.nullcontext()
+    with early_stop:
+        if not places:
+            return torch_checkpoint(module, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+        snapshot = _Snapshot(places)
+        return torch_checkpoint(module, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
+                                context_fn=lambda: (snapshot, _Replay(snapshot)))
 
 
 def _drop(_: torch.Tensor) -> None:
