@@ -132,9 +132,6 @@ class AsyncTrainer:
             raise ValueError(f"asynchronous modes need one stage per worker, and this plan puts {p} stages on "
                              f"{pipe.plan.workers} workers (interleaved-1f1b): compile with schedule='1f1b'")
         self.transport = pipe.transport or Transport()   # which stages run here: every one, or this rank's
-        if getattr(pipe, "compression", None) is not None:
-            raise ValueError("asynchronous modes do not compress stage boundaries yet (error feedback is kept per "
-                             "micro-batch slot of a step); compile without CompileOptions(compression=...)")
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS} for asynchronous training, got {reduction!r}")
         for name, value, low in (("update_every", update_every, 1), ("staleness", staleness, 0)):
@@ -253,6 +250,10 @@ class AsyncTrainer:
 
         for q in pipe.parameters():
             q.grad = None
+        compression = getattr(pipe, "compression", None)
+        self.transport.compression = compression
+        if compression is not None:   # top-k's residuals kept per slot of a mini-batch, as in pipe.step
+            compression.slots = position
         try:
             run_step(pipe.specs, pipe.devices, pipe._output.args[0], micro, [(t, j) for j, t in enumerate(targets)],
                      weighted_loss, "1f1b", lambda k, j: pipe._checkpointed(k, position[j], count[j]), "sum",
@@ -266,10 +267,14 @@ class AsyncTrainer:
             for q in pipe.parameters():
                 q.grad = None
             raise step_error(failure, pipe.devices) from failure.exc
+        finally:
+            if compression is not None:
+                compression.slots = None
         commit_statistics(pipe.modules())
         graphs.hand_on()
         self.last = {"versions": [st.max_versions for st in self.stages], "lag": [st.max_lag for st in self.stages],
-                     "lags": [st.lags for st in self.stages], "micro_batches": len(micro)}
+                     "lags": [st.lags for st in self.stages], "micro_batches": len(micro),
+                     "bytes_moved": dict(self.transport.moved)}
         for st in self.stages:
             st.max_versions, st.max_lag, st.lags = 0, 0, []
         if not self.transport.local(len(self.stages) - 1):

@@ -117,6 +117,9 @@ class BoundaryCompression:
     def __init__(self, codecs: Mapping[int, BoundaryCodec], seed: int = 0) -> None:
         self.codecs = dict(codecs)
         self.residuals: dict[Hashable, torch.Tensor] = {}
+        # the micro-batch slot of each micro-batch index of the run under way, where the two differ (an
+        # AsyncTrainer stream numbers its micro-batches across mini-batches); None: the index is the slot
+        self.slots: list[int] | None = None
         self.lock = threading.Lock()
         self.generator = torch.Generator().manual_seed(seed)   # stochastic rounding, apart from the model's RNG
 
@@ -169,6 +172,8 @@ class BoundaryCompression:
         if spec is None:
             return None
         feedback = spec.kind == "topk" and key[0] == "B"
+        if feedback and self.slots is not None:   # key: ("B", value, consumer, micro-batch, position)
+            key = key[:3] + (self.slots[key[3]],) + key[4:]
         with self.lock:
             residual = self.residuals.pop(key, None) if feedback else None
         if residual is not None and residual.shape != (t.numel(),):
