@@ -18,7 +18,6 @@ and micro-batch, with torchgpipe's modes.
 from __future__ import annotations
 
 import time
-import warnings
 from contextlib import ExitStack
 from typing import Any, Callable
 
@@ -44,6 +43,7 @@ from fxpipe.runtime.host import UNSHARED, Host, Turns
 from fxpipe.runtime.rng import is_random, rng_guard, step_seed
 from fxpipe.runtime.losses import REDUCTIONS
 from fxpipe.runtime.structure import FlatInputs, flat_inputs, model_output
+from fxpipe.runtime.traced_mode import TracedMode
 from fxpipe.runtime.step import OpTiming, StepFailure, run_step
 from fxpipe.runtime.streams import DeviceStreams, Event
 from fxpipe.runtime.compression import BoundaryCompression
@@ -76,7 +76,7 @@ class Pipeline(nn.Module):
         self.checkpoint = checkpoint
         self._traced_training = bool(graph_module.meta.get("fxpipe_traced_training", False))
         self._mode_dependent = mode_dependent
-        self._mode_warned: bool | None = None   # the model's mode last warned about (_check_mode)
+        self._mode = TracedMode(self._traced_training, mode_dependent)
         self.host = host   # CPU workers take turns through it (fxpipe.cost.cpu.CpuHost); GPUs never wait
         self.transport: Transport | None = None   # how stages exchange values in pipe.step (default: in-process)
         self.compression: BoundaryCompression | None = None   # CompileOptions.compression, kept across steps
@@ -109,25 +109,8 @@ class Pipeline(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def _check_mode(self) -> None:
-        if not self._mode_dependent:
-            return
-        mode = "train" if self._traced_training else "eval"
-        if self.training != self._traced_training:
-            raise FxpipeError(
-                f"this model's traced graph depends on train/eval mode (Python code reads self.training) "
-                f"and it was compiled in {mode} mode; compile it again in the mode you want to run "
-                f"(model.{'train' if self.training else 'eval'}() before fxpipe.compile)"
-            )
-        # The model's own mode cannot reach a graph that fixed it (torch.export bakes dropout's flag in):
-        # say so once per switch rather than compute the other mode's model in silence.
-        model = self.guard.model if self.guard is not None else None
-        if model is not None and model.training != self._traced_training and self._mode_warned != model.training:
-            now = "train" if model.training else "eval"
-            warnings.warn(f"{type(model).__name__} is in {now} mode, but this pipeline runs its graph traced in {mode} "
-                          f"mode, which depends on the mode (dropout, or code that reads self.training, fixed when "
-                          f"traced): it computes the {mode}-mode model. To run the {now}-mode model, compile it in "
-                          f"that mode (model.{now}() before fxpipe.compile)", UserWarning, stacklevel=3)
-        self._mode_warned = None if model is None or model.training == self._traced_training else model.training
+        """Refuse the other train/eval mode of a mode-dependent graph (:mod:`fxpipe.runtime.traced_mode`)."""
+        self._mode.check(self.training, self.guard.model if self.guard is not None else None)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_mode()
