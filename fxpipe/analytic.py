@@ -56,6 +56,9 @@ def plan(
     from fxpipe.planning.planner import (give_stage_memory, plan_from_solution, recompute_attempts, recompute_share,
                                          stage_buffers, with_recomputation)
 
+    from fxpipe.checks import unwrap_compiled
+
+    model = unwrap_compiled(model)
     if not isinstance(devices, Devices):
         raise TypeError("devices must be fxpipe.Devices, e.g. fxpipe.Devices.preset('h100', 8)")
     if optimizer not in OPTIMIZER_STATE:

@@ -25,7 +25,26 @@ from fxpipe.runtime.pipeline import CHECKPOINT_MODES
 from solvers.schedules import SCHEDULES, check_schedule, stages_per_worker
 
 __all__ = ["batch_layout", "check_arguments", "check_plan", "check_plan_layout", "memory_limits", "parse_devices",
-           "warn_batch_norm", "worker_devices"]
+           "unwrap_compiled", "warn_batch_norm", "worker_devices"]
+
+
+def unwrap_compiled(model: Any) -> Any:
+    """The module that ``torch.compile`` wrapped, with a warning; ``model`` itself otherwise.
+
+    An ``OptimizedModule`` has no forward of its own to trace (``*args, **kwargs``), and profiling it would
+    time dynamo's compilation as the model's first operations. Its ``_orig_mod`` holds the same parameters,
+    so the pipeline trains the user's model all the same; its stages run eagerly.
+    """
+    if type(model).__name__ != "OptimizedModule" or not isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        return model
+    from torch._dynamo.eval_frame import OptimizedModule   # dynamo is slow to import: only for such a model
+
+    if not isinstance(model, OptimizedModule):
+        return model
+    warnings.warn(f"fxpipe got a torch.compile'd module: it pipelines the module torch.compile wrapped "
+                  f"({type(model._orig_mod).__name__}, model._orig_mod, the same parameters), and its stages run "
+                  "eagerly; pass the module itself to silence this", UserWarning, stacklevel=3)
+    return model._orig_mod
 
 
 def parse_devices(devices: Sequence[str | torch.device]) -> list[torch.device]:

@@ -14,7 +14,8 @@ from torch.utils._pytree import tree_map
 
 from fxpipe.compression_spec import BoundaryCodec, check_compression
 from fxpipe.checks import (batch_layout, check_arguments, check_plan, check_plan_layout, memory_limits,
-                           most_micro_batches, parse_devices, warn_batch_norm, warn_buffer_updates, worker_devices)
+                           most_micro_batches, parse_devices, unwrap_compiled, warn_batch_norm, warn_buffer_updates,
+                           worker_devices)
 from fxpipe.cost.cpu import CpuHost
 from fxpipe.cost.node_costs import node_costs
 from fxpipe.frontend.capture import capture
@@ -121,6 +122,7 @@ def compile(
     if not isinstance(model, (nn.Module, torch.export.ExportedProgram)):
         raise TypeError(f"fxpipe.compile needs an nn.Module (or a torch.fx.GraphModule or torch.export."
                         f"ExportedProgram), got {type(model).__name__}")
+    model = unwrap_compiled(model)
     if isinstance(example_inputs, list):
         raise TypeError("example_inputs must be a tuple of the forward's positional arguments (one tensor alone "
                         "is taken as (x,)), got a list: pass tuple(...) if it holds the arguments, or ([...],) if "

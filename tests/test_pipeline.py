@@ -275,3 +275,24 @@ def test_dict_subclasses_come_back_as_the_models_own_types(frontend):
     sum(loss_fn(model(xs), ts) for xs, ts in zip(x.tensor_split(2), target.tensor_split(2))).div(2).backward()
     for n, q in model.named_parameters():
         assert torch.allclose(grads[n], q.grad, atol=1e-6), n
+
+
+def test_a_torch_compiled_module_is_pipelined_as_the_module_it_wraps():
+    """torch.compile's OptimizedModule has no forward of its own to trace (``*args, **kwargs``: it went to
+    torch.export, and profiling timed dynamo's compilation): the module it wraps is pipelined, with a warning,
+    and the user's parameters are the ones trained."""
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    x, target = torch.randn(8, 8), torch.randn(8, 4)
+    with pytest.warns(UserWarning, match=r"torch.compile'd module: it pipelines the module .*\(Sequential"):
+        pipe = fxpipe.compile(torch.compile(inner), ["cpu", "cpu"], (x,), chunks=2, stages=2,
+                              profile=fxpipe.ProfileOptions(mode="estimate"))
+    assert "front end: fx" in pipe.plan.summary()
+    pipe.step(x, target, nn.functional.mse_loss)
+    got = [q.grad.clone() for q in inner.parameters()]
+    inner.zero_grad()
+    sum(nn.functional.mse_loss(inner(a), b) for a, b in zip(x.tensor_split(2), target.tensor_split(2))).div(2).backward()
+    for a, b in zip(got, inner.parameters()):
+        torch.testing.assert_close(a, b.grad, rtol=1e-5, atol=1e-7)
+    with pytest.warns(UserWarning, match="torch.compile'd module"):
+        fxpipe.plan(torch.compile(inner), fxpipe.Devices.preset("h100", 2), (x,))
