@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from certificates import check_certificate, timed
 from problems import KINDS, reference_problem
 from solvers import InfeasibleError, Problem, score, solve, solve_dp
 from solvers.brute import brute_force_reference
@@ -29,29 +30,6 @@ def parallel_branches() -> Problem:
         "devices": [{"id": "g0", "memory_bytes": 1e9}, {"id": "g1", "memory_bytes": 1e9},
                     {"id": "g2", "memory_bytes": 1e9, "speed": 0.5}],
         "links": {"bandwidth_Bps": [[0, 10, 5], [10, 0, 2], [5, 2, 0]], "latency_s": [[0] * 3] * 3}})
-
-
-def check_certificate(problem: Problem, sol, wall_s: float, best_t: float | None) -> None:
-    """The invariants of shared/problem-format.md's solver fields."""
-    s = sol.solver
-    t = score(problem, sol).iteration_s
-    assert sol.predicted["iteration_s"] == pytest.approx(t, rel=1e-12)
-    lb, gap = s["lower_bound_s"], s["gap"]
-    assert 0.0 <= lb <= t
-    assert gap == pytest.approx((t - lb) / t, abs=1e-12)
-    assert s["optimal"] == (lb == t) and (not s["optimal"] or gap == 0.0)
-    assert isinstance(s["exact_over"], str) and s["exact_over"] and isinstance(s["space_optimal"], bool)
-    assert 0.0 <= s["time_s"] <= wall_s
-    assert s["time_s"] >= sum(p["time_s"] for p in s.get("phases", []))
-    if best_t is not None:   # the bound holds over the whole reference space; "optimal" is true
-        assert lb <= best_t * (1 + 1e-9)
-        assert not s["optimal"] or t == pytest.approx(best_t, rel=1e-7)
-
-
-def timed(fn, *args, **kwargs):
-    started = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - started
 
 
 def test_parallel_branches_are_solved_and_certified_over_convex_partitions_and_placement():
