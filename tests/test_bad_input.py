@@ -268,3 +268,30 @@ def test_a_model_on_the_meta_device_is_refused_before_it_runs():
     with pytest.raises(ValueError, match=r"parameters are on the meta device(.|\n)*to_empty\(device='cpu'\)"
                                          r"(.|\n)*fxpipe\.plan\((.|\n)*PipelineRank\(\.\.\., weights=\.\.\.\)"):
         fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(8, 8),), profile=ESTIMATE)
+
+
+def test_an_empty_batch_and_a_target_whose_tensors_disagree_name_what_to_fix():
+    """An empty batch was told to use 'chunks <= 0'; a target whose tensors disagree on the batch size was
+    told about the inputs' CompileOptions(batch_dim=...)."""
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 4), nn.Linear(16, 2)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            return {"cls": self.b(h), "reg": self.c(h)}
+    x = torch.randn(8, 8)
+    pipe = fxpipe.compile(TwoHeads(), ["cpu", "cpu"], (x,), chunks=2, profile="estimate")
+    with pytest.raises(ValueError, match=r"the batch is empty \(0 samples.*pass at least one sample") as caught:
+        pipe(torch.randn(0, 8))
+    assert "chunks <=" not in str(caught.value)
+
+    def loss(out, t):
+        return nn.functional.cross_entropy(out["cls"], t["cls"]) + nn.functional.mse_loss(out["reg"], t["reg"])
+    bad = {"cls": torch.randint(0, 4, (7,)), "reg": torch.randn(8, 2)}
+    with pytest.raises(ValueError, match=r"target tensors disagree on the batch size along dimension 0: "
+                                         r".*'cls'.*7.*'reg'.*8.*target_batch_dim") as caught:
+        pipe.step(x, bad, loss)
+    assert "CompileOptions(batch_dim" not in str(caught.value)
+    assert torch.isfinite(pipe.step(x, {"cls": torch.randint(0, 4, (8,)), "reg": torch.randn(8, 2)}, loss))

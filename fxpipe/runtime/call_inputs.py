@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
 
 from fxpipe.planning.plan import Plan
 from fxpipe.runtime.guards import ModelGuard, check_inputs
@@ -83,6 +83,12 @@ class CallInputs:
                              f"has that dimension: target tensor shapes {shapes}; compile with "
                              "CompileOptions(target_batch_dim=...) set to the dimension of the target that holds "
                              "the samples (0 for a target of shape (batch,))")
+        sizes = {keystr(path): leaf.size(dim) for path, leaf in tree_flatten_with_path(target)[0]
+                 if isinstance(leaf, torch.Tensor) and leaf.dim() > dim}
+        if len(set(sizes.values())) > 1:   # batch_size_of's message would name the inputs' batch_dim
+            raise ValueError(f"pipe.step's target tensors disagree on the batch size along dimension {dim}: "
+                             f"{sizes}; each must hold one entry per sample of the batch there (a tensor laid "
+                             "out otherwise: CompileOptions(target_batch_dim=...) names the dimension)")
         return [t[0] for t in scatter([target], self.chunks, dim)]
 
     def targets_fit(self, targets: list[Any], sizes: list[int]) -> bool:

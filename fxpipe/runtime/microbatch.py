@@ -85,6 +85,9 @@ def scatter(values: list[Any], chunks: int, dims: int | Sequence[int] = 0) -> li
         raise ValueError(f"chunks must be >= 1, got {chunks}")
     per = _per_value(values, dims)
     batch = batch_size_of(values, per)
+    if batch == 0:
+        raise ValueError(f"the batch is empty (0 samples along batch dimension {per}): pass at least one sample "
+                         f"(at least {chunks}, one per micro-batch)")
     if batch < chunks:
         raise ValueError(
             f"a batch of {batch} samples cannot be split into {chunks} micro-batches; "
