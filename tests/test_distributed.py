@@ -361,7 +361,8 @@ def test_compressed_boundaries_over_processes_train_as_the_in_process_compressed
     assert worst[0] <= 1e-6, worst
 
 
-ASYNC_CASES = [("stash", {}), ("2bw", {}), ("ssp", {"staleness": 1})]
+ASYNC_CASES = [("stash", {}, None), ("2bw", {}, None), ("ssp", {"staleness": 1}, None),
+               ("stash", {}, "int8/topk:0.25")]   # boundaries compressed: top-k's feedback kept per slot
 
 
 def _async_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -373,11 +374,12 @@ def _async_ranks(rank: int, world: int, plan_json: str) -> dict:
     from fxpipe.distributed import PipelineRank
     plan = fxpipe.Plan.from_dict(__import__("json").loads(plan_json))
     found = {}
-    for mode, kwargs in ASYNC_CASES:
-        stage = PipelineRank(plan, functools.partial(_make, "cnn"), functools.partial(_loss, "cnn"), timeout_s=60)
+    for mode, kwargs, compression in ASYNC_CASES:
+        stage = PipelineRank(plan, functools.partial(_make, "cnn"), functools.partial(_loss, "cnn"), timeout_s=60,
+                             compression=compression)
         trainer = fxpipe.AsyncTrainer(stage, lambda ps: torch.optim.SGD(ps, lr=0.05), mode=mode, **kwargs)
         losses = trainer.train(_async_batches(), functools.partial(_loss, "cnn"))
-        found[mode] = {"losses": losses, "versions": trainer.last["versions"],
+        found[f"{mode} {compression}"] = {"losses": losses, "versions": trainer.last["versions"],
                        "params": {n: p.detach().clone() for n, p in stage.named_parameters()}}
     return found
 
@@ -389,12 +391,16 @@ def test_asynchronous_modes_over_processes_train_as_in_one_process():
     results = run_ranks(2, _async_ranks, plan.to_json())
     errors = [r["trace"] for r in results if "ok" not in r]
     assert not errors, errors[0]
-    for mode, kwargs in ASYNC_CASES:
+    for mode, kwargs, compression in ASYNC_CASES:
         model = _make("cnn")
-        pipe = fxpipe.compile(model, ["cpu", "cpu"], (_async_batches()[0][0],), plan=copy.deepcopy(plan))
+        pipe = fxpipe.compile(model, ["cpu", "cpu"], (_async_batches()[0][0],), plan=copy.deepcopy(plan),
+                              options=fxpipe.CompileOptions(compression=compression))
         trainer = fxpipe.AsyncTrainer(pipe, lambda ps: torch.optim.SGD(ps, lr=0.05), mode=mode, **kwargs)
         want = trainer.train(_async_batches(), functools.partial(_loss, "cnn"))
-        first, last = results[0]["ok"][mode], results[1]["ok"][mode]
+        first, last = results[0]["ok"][f"{mode} {compression}"], results[1]["ok"][f"{mode} {compression}"]
+        if compression is not None:   # the codecs changed what crossed, and what was learnt
+            assert 0 < trainer.last["bytes_moved"]["sent"] < 0.5 * trainer.last["bytes_moved"]["raw"]
+            assert last["losses"] != results[1]["ok"][f"{mode} None"]["losses"]
         assert first["losses"] is None, "the loss is the last stage's rank's"
         assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(last["losses"], want)), (mode, last["losses"], want)
         assert [first["versions"][0], last["versions"][1]] == trainer.last["versions"], mode
