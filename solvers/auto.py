@@ -4,7 +4,8 @@
    optimum of the reference problem (a chain-like order, where every convex
    partition is contiguous, and every placement searched), that is the answer,
    with the DP's gap if its time ran out: another phase would search the same plans;
-2. otherwise, with HiGHS, the exact decomposition over convex partitions x
+2. otherwise a lower bound over the whole reference space from the heaviest chain of nodes
+   (:mod:`solvers.spine`), then, with HiGHS, the exact decomposition over convex partitions x
    placements (:mod:`solvers.exact`) when the placements are few enough, else the
    ILP over convex partitions on the DP's placement, warm-started from the DP.
 
@@ -26,8 +27,12 @@ from solvers.dp import solve_dp
 from solvers.errors import InfeasibleError
 from solvers.problem import Problem
 from solvers.solution import Solution
+from solvers.spine import spine_lower_bound
 
-__all__ = ["solve_auto"]
+__all__ = ["SPINE_SHARE", "solve_auto"]
+
+SPINE_SHARE = 0.4
+"""Of the time left after the DP, what the heaviest chain's bound may take (the rest: the convex phase)."""
 
 
 def _phase(name: str, run: Callable[[], Solution | None], log: list[dict[str, Any]]) -> Solution | None:
@@ -77,6 +82,14 @@ def solve_auto(problem: Problem, time_limit_s: float = 10.0) -> Solution:
                                 log)] if s is not None]
     dp = found[0] if found else None
     rest = lambda: max(0.0, deadline - time.perf_counter())  # noqa: E731
+    spine_lower = 0.0
+    if dp is not None and not (dp.solver["optimal"] or dp.solver["covers_reference"]) and rest() > 0:
+        # a bound over the whole space from the heaviest chain (solvers.spine): the convex phase's own
+        # bound holds for one placement only, or closes slowly
+        phase_started = time.perf_counter()
+        spine_lower = spine_lower_bound(problem, SPINE_SHARE * rest())
+        log.append({"phase": "spine", "status": "lower bound over the whole reference space",
+                    "lower_bound_s": spine_lower, "time_s": time.perf_counter() - phase_started})
     left = rest()
     if dp is not None and (dp.solver["optimal"] or dp.solver["covers_reference"]):
         pass   # every convex partition on every placement was in the DP's space: nothing else to search
@@ -103,7 +116,7 @@ def solve_auto(problem: Problem, time_limit_s: float = 10.0) -> Solution:
             f"no phase found a plan within the time limit of {time_limit_s} s; raise the time limit",
             min_peak_bytes=None)
     best = min(found, key=lambda s: s.predicted["iteration_s"])
-    lower = max(s.solver["lower_bound_s"] for s in found)
+    lower = max([s.solver["lower_bound_s"] for s in found] + [spine_lower])
     chosen = next(e["phase"] for e in log if e.get("iteration_s") == best.predicted["iteration_s"])
     covering = [s for s in found if s.solver["covers_reference"]]
     return certify(problem, best, method="auto", started=started,

@@ -50,7 +50,7 @@ def test_parallel_branches_are_solved_and_certified_over_convex_partitions_and_p
     check_certificate(problem, auto, wall, best.iteration_s)
     assert auto.predicted["iteration_s"] == pytest.approx(46.0)
     assert auto.solver["optimal"] is True and auto.solver["gap"] == 0.0
-    assert [p["phase"] for p in auto.solver["phases"]] == ["dp", "exact"]
+    assert [p["phase"] for p in auto.solver["phases"]] == ["dp", "spine", "exact"]
 
 
 SOLVER_PATHS = {
@@ -194,7 +194,7 @@ def test_auto_keeps_the_dp_plan_when_the_convex_phase_runs_out_of_time():
     check_certificate(problem, sol, wall, None)
     found = [p["iteration_s"] for p in sol.solver["phases"] if "iteration_s" in p]
     assert sol.predicted["iteration_s"] == min(found)   # the best plan of any phase, whichever it was
-    assert [p["phase"] for p in sol.solver["phases"]] == ["dp", "ilp"]
+    assert [p["phase"] for p in sol.solver["phases"]] == ["dp", "spine", "ilp"]
     assert sol.solver["covers_reference"] is False and sol.solver["optimal"] is False
 
 
