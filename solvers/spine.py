@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from solvers.errors import InfeasibleError
+from solvers.errors import InfeasibleError, SolverError
 from solvers.problem import Edge, Problem
 
 __all__ = ["heaviest_path", "spine_lower_bound"]
@@ -66,6 +66,6 @@ def spine_lower_bound(problem: Problem, time_limit_s: float) -> float:
                                      if e.src in kept and e.dst in kept], stages=None)
     try:
         bound = solve_dp(sub, time_limit_s=time_limit_s).solver["lower_bound_s"]
-    except InfeasibleError:
-        return 0.0   # (cannot happen when the problem has a plan: the restriction of it fits)
+    except (InfeasibleError, SolverError):   # no plan in the time given (none at all cannot be: a restriction fits)
+        return 0.0
     return bound + left_work / max(d.speed for d in problem.devices)
