@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from solvers.errors import InfeasibleError, SolverError
-from solvers.problem import Edge, Problem
+from solvers.problem import Problem
 
 __all__ = ["heaviest_path", "spine_lower_bound"]
 
@@ -62,8 +62,7 @@ def spine_lower_bound(problem: Problem, time_limit_s: float) -> float:
     left_work = sum(n.fwd_s + n.bwd_s for n in problem.nodes if n.id not in kept)
     # stages: any count, since a restriction may drop stages that held only deleted nodes
     sub = dataclasses.replace(problem, nodes=[nodes[v] for v in path], order=[],
-                              edges=[Edge(e.src, e.dst, e.bytes) for e in problem.edges
-                                     if e.src in kept and e.dst in kept], stages=None)
+                              edges=[e for e in problem.edges if e.src in kept and e.dst in kept], stages=None)
     try:
         bound = solve_dp(sub, time_limit_s=time_limit_s).solver["lower_bound_s"]
     except (InfeasibleError, SolverError):   # no plan in the time given (none at all cannot be: a restriction fits)

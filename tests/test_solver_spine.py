@@ -7,12 +7,11 @@ import random
 
 import pytest
 
-from problems import KINDS, reference_problem
+from problems import KINDS, SHAPES, reference_problem, shaped_problem
 from solvers import Problem, solve
 from solvers.brute import brute_force_reference
 from solvers.certificate import compute_lower_bound
 from solvers.spine import heaviest_path, spine_lower_bound
-from test_solver_shapes import SHAPES, shaped_problem
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path
+from torch.utils._pytree import tree_flatten
 
 from fxpipe.planning.plan import Plan
 from fxpipe.runtime.guards import ModelGuard, check_inputs
-from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, scatter
+from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, leaf_batch_sizes, scatter
 from fxpipe.runtime.structure import flat_inputs
 
 __all__ = ["CallInputs"]
@@ -83,8 +83,7 @@ class CallInputs:
                              f"has that dimension: target tensor shapes {shapes}; compile with "
                              "CompileOptions(target_batch_dim=...) set to the dimension of the target that holds "
                              "the samples (0 for a target of shape (batch,))")
-        sizes = {keystr(path): leaf.size(dim) for path, leaf in tree_flatten_with_path(target)[0]
-                 if isinstance(leaf, torch.Tensor) and leaf.dim() > dim}
+        sizes = leaf_batch_sizes(target, dim)
         if len(set(sizes.values())) > 1:   # batch_size_of's message would name the inputs' batch_dim
             raise ValueError(f"pipe.step's target tensors disagree on the batch size along dimension {dim}: "
                              f"{sizes}; each must hold one entry per sample of the batch there (a tensor laid "

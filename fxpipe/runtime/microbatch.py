@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-__all__ = ["BatchLayout", "scatter", "gather", "batch_size_of"]
+__all__ = ["BatchLayout", "scatter", "gather", "batch_size_of", "leaf_batch_sizes"]
 
 
 @dataclass(frozen=True)
@@ -56,13 +56,15 @@ def _batched(leaf: Any, dim: int) -> bool:
     return isinstance(leaf, torch.Tensor) and leaf.dim() > dim
 
 
+def leaf_batch_sizes(value: Any, dim: int) -> dict[str, int]:
+    """The size along ``dim`` of every tensor leaf of ``value`` that has that dimension, by its path."""
+    return {keystr(path): leaf.size(dim) for path, leaf in tree_flatten_with_path(value)[0] if _batched(leaf, dim)}
+
+
 def batch_size_of(values: list[Any], dims: int | Sequence[int] = 0) -> int:
     """The common size of the batch dimension of every tensor leaf of ``values``; raises if they disagree."""
-    sizes: dict[str, int] = {}
-    for index, (value, dim) in enumerate(zip(values, _per_value(values, dims))):
-        for path, leaf in tree_flatten_with_path(value)[0]:
-            if _batched(leaf, dim):
-                sizes[f"[{index}]{keystr(path)}"] = leaf.size(dim)
+    sizes = {f"[{index}]{path}": size for index, (value, dim) in enumerate(zip(values, _per_value(values, dims)))
+             for path, size in leaf_batch_sizes(value, dim).items()}
     if not sizes:
         kinds = ", ".join(type(v).__name__ for v in values) or "nothing"
         raise ValueError(f"the pipeline needs at least one tensor (inside tuples, lists or dicts too) with a batch "
