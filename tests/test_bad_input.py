@@ -227,6 +227,13 @@ def test_inputs_the_model_itself_rejects_are_named_as_such_not_blamed_on_micro_b
     assert "must match the size" in str(got.value) and "x.size(0)" not in str(got.value)
 
 
+def test_the_error_for_inputs_the_model_rejects_shows_the_whole_batchs_shapes():
+    """It names the whole batch: the shapes in it are the batch's (8x9), not a micro-batch's (2x9)."""
+    with pytest.raises(ValueError, match=r"fails on example_inputs themselves \(the whole batch") as got:
+        fxpipe.compile(_mlp(), ["cpu", "cpu"], (torch.randn(8, 9),), chunks=4, profile=ESTIMATE, frontend="fx")
+    assert "8x9" in str(got.value) and "2x9" not in str(got.value), str(got.value)
+
+
 @pytest.mark.parametrize("call, error, message", [
     (lambda m, x: fxpipe.compile(m, ["cpu", "cpu"], (x,), chunks=9, profile=ESTIMATE), ValueError,
      r"a batch of 8 samples \(along the batch dimension \[0\]\), which cannot be split into 9 micro-batches; "

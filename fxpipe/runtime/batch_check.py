@@ -138,13 +138,14 @@ def _without_dropout(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-def _fails(gm: fx.GraphModule, inputs: tuple) -> bool:
-    """Whether ``gm`` fails on the whole batch ``inputs`` too (its error is then not the micro-batches')."""
+def _whole_batch_failure(gm: fx.GraphModule, inputs: tuple) -> Exception | None:
+    """What ``gm`` raises on the whole batch ``inputs`` (``None`` if it runs): when it fails there too, the error
+    is not the micro-batches', and the one to show is the whole batch's (its shapes are the caller's)."""
     try:
         gm(*inputs)
-    except Exception:
-        return True
-    return False
+    except Exception as exc:
+        return exc
+    return None
 
 
 def check_micro_batching(gm: fx.GraphModule, example_inputs: tuple, layout: BatchLayout, chunks: int) -> None:
@@ -174,7 +175,8 @@ def check_micro_batching(gm: fx.GraphModule, example_inputs: tuple, layout: Batc
                 whole = gm(*_leading(list(inputs), samples, dims))
                 parts = [gm(*part) for part in micro]
             except Exception as exc:
-                raise run_failure(exc, gm, len(example_inputs), _fails(gm, inputs)) from exc
+                whole_exc = _whole_batch_failure(gm, inputs)
+                raise run_failure(whole_exc or exc, gm, len(example_inputs), whole_exc is not None) from exc
     finally:
         for m, training in modes.items():
             m.training = training
