@@ -73,13 +73,14 @@ HIGHS_TIME_SHARE = 0.85
 class _WarmHiGHS(pulp.HiGHS):
     """pulp's HiGHS, silent on stdout, with the variables' initial values passed as a MIP start.
 
-    ``deadline`` (a ``time.perf_counter()`` instant) sets HiGHS's time limit when it starts running:
-    pulp passes the model to HiGHS first, which takes seconds for a large one, and a limit set before
-    that would let the whole solve run past the deadline by as long. HiGHS gets :data:`HIGHS_TIME_SHARE`
-    of what is left: it checks its clock between nodes of the branch and bound, and pulp then reads the
-    solution back (on a 24-layer transformer x 8 stages: 0.5 s past its limit, then 0.5 s reading)."""
+    ``deadline`` (a ``time.perf_counter()`` instant) sets HiGHS's time limit when it starts running, not
+    when the solver object is made: pulp passes the model to HiGHS first, which takes seconds for a large
+    one, and a limit set before that would let the whole solve run past the deadline by as long. HiGHS
+    gets :data:`HIGHS_TIME_SHARE` of what is left: it checks its clock between nodes of the branch and
+    bound, and pulp then reads the solution back (on a 24-layer transformer x 8 stages: 0.5 s past its
+    limit, then 0.5 s reading)."""
 
-    def __init__(self, *args: Any, deadline: float = math.inf, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, deadline: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.deadline = deadline
 
@@ -96,9 +97,7 @@ class _WarmHiGHS(pulp.HiGHS):
             start.col_value = [float(v.varValue) for v in variables]
             start.value_valid = True
             lp.solverModel.setSolution(start)
-        if math.isfinite(self.deadline):
-            lp.solverModel.setOptionValue("time_limit",
-                                          max(1e-3, HIGHS_TIME_SHARE * (self.deadline - time.perf_counter())))
+        lp.solverModel.setOptionValue("time_limit", max(1e-3, HIGHS_TIME_SHARE * (self.deadline - time.perf_counter())))
         lp.solverModel.run()
 
 
@@ -220,15 +219,14 @@ def run_placement(problem: Problem, devices: list[int], time_limit_s: float,
     remaining = deadline - time.perf_counter()
     if remaining <= 0:
         return PlacementRun(None, 0.0, False)
-    lp.solve(_WarmHiGHS(msg=False, timeLimit=remaining, gapRel=GAP_REL, gapAbs=0.0, deadline=deadline))
+    lp.solve(_WarmHiGHS(msg=False, gapRel=GAP_REL, gapAbs=0.0, deadline=deadline))
     status = str(lp.solverModel.getModelStatus())
     remaining = deadline - time.perf_counter()
     if status.endswith("kSolveError") and remaining > 0:
         # HiGHS 1.16's presolve can reduce a model to nothing and post-solve a point that breaks a row
         # (seen on the cutoff row of a model that no plan below the cutoff satisfies), then call it a
         # solve error; the same model without presolve is solved
-        lp.solve(_WarmHiGHS(msg=False, timeLimit=remaining, gapRel=GAP_REL, gapAbs=0.0, presolve="off",
-                             deadline=deadline))
+        lp.solve(_WarmHiGHS(msg=False, gapRel=GAP_REL, gapAbs=0.0, presolve="off", deadline=deadline))
         status = str(lp.solverModel.getModelStatus())
     info: Any = lp.solverModel.getInfo()
     if status.endswith("kInfeasible"):   # nothing fits (or nothing beats the cutoff)

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.errors import FxpipeError
 from fxpipe.frontend.fingerprint import is_dropout_call
-from fxpipe.frontend.failures import run_failure
+from fxpipe.frontend.failures import eager_failure, run_failure
 from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, scatter
 from fxpipe.runtime.no_trace import leaving_no_trace
 from fxpipe.runtime.rng import is_random
@@ -138,16 +138,6 @@ def _without_dropout(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-def _whole_batch_failure(gm: fx.GraphModule, inputs: tuple) -> Exception | None:
-    """What ``gm`` raises on the whole batch ``inputs`` (``None`` if it runs): when it fails there too, the error
-    is not the micro-batches', and the one to show is the whole batch's (its shapes are the caller's)."""
-    try:
-        gm(*inputs)
-    except Exception as exc:
-        return exc
-    return None
-
-
 def check_micro_batching(gm: fx.GraphModule, example_inputs: tuple, layout: BatchLayout, chunks: int) -> None:
     """Refuse (:class:`fxpipe.FxpipeError`) a model whose outputs change when ``example_inputs`` is split into
     ``chunks`` micro-batches along ``layout``; see the module doc. Dropout is passed through
@@ -175,8 +165,11 @@ def check_micro_batching(gm: fx.GraphModule, example_inputs: tuple, layout: Batc
                 whole = gm(*_leading(list(inputs), samples, dims))
                 parts = [gm(*part) for part in micro]
             except Exception as exc:
-                whole_exc = _whole_batch_failure(gm, inputs)
-                raise run_failure(whole_exc or exc, gm, len(example_inputs), whole_exc is not None) from exc
+                # when the whole batch fails too, the micro-batches are not the cause, and its error (with the
+                # caller's shapes) is the one to show
+                whole_exc = eager_failure(gm, inputs, {})
+                raise run_failure(exc if whole_exc is None else whole_exc, gm, len(example_inputs),
+                                  whole_exc is not None) from exc
     finally:
         for m, training in modes.items():
             m.training = training
