@@ -32,7 +32,14 @@ def parallel_branches() -> Problem:
         "links": {"bandwidth_Bps": [[0, 10, 5], [10, 0, 2], [5, 2, 0]], "latency_s": [[0] * 3] * 3}})
 
 
-def test_parallel_branches_are_solved_and_certified_over_convex_partitions_and_placement():
+@pytest.mark.parametrize("ideals", [True, False])
+def test_parallel_branches_are_solved_and_certified_over_convex_partitions_and_placement(monkeypatch, ideals):
+    """By the label search over the graph's ideals; without it (too many ideals), by the bound and the
+    exact decomposition."""
+    import solvers.auto
+
+    if not ideals:
+        monkeypatch.setattr(solvers.auto, "convex_lattice", lambda problem: None)
     problem = parallel_branches()
     best = brute_force_reference(problem)
     assert best.iteration_s == pytest.approx(46.0)
@@ -50,7 +57,7 @@ def test_parallel_branches_are_solved_and_certified_over_convex_partitions_and_p
     check_certificate(problem, auto, wall, best.iteration_s)
     assert auto.predicted["iteration_s"] == pytest.approx(46.0)
     assert auto.solver["optimal"] is True and auto.solver["gap"] == 0.0
-    assert [p["phase"] for p in auto.solver["phases"]] == ["dp", "spine", "exact"]
+    assert [p["phase"] for p in auto.solver["phases"]] == (["dp", "ideals"] if ideals else ["dp", "spine", "exact"])
 
 
 SOLVER_PATHS = {
@@ -141,16 +148,19 @@ def test_auto_equals_brute_force_on_larger_problems():
 
 def test_a_phase_that_finds_nothing_leaves_the_dp_plan(monkeypatch):
     """At scale the convex phase can run out of time with nothing: auto keeps the DP's plan and says so."""
+    import solvers.auto
     import solvers.exact
 
     def no_plan(*args, **kwargs):
         raise InfeasibleError("the ILP found no feasible convex partition within its time limit")
     monkeypatch.setattr(solvers.exact, "solve_exact", no_plan)
+    monkeypatch.setattr(solvers.auto, "solve_convex", lambda *args, **kwargs: None)   # nothing in its time
     problem = parallel_branches()
     sol, wall = timed(solve, problem, "auto")
     check_certificate(problem, sol, wall, 46.0)
     assert sol.predicted["iteration_s"] == pytest.approx(52.0) and sol.solver["chosen"] == "dp"
-    phase = sol.solver["phases"][-1]
+    ideals, phase = sol.solver["phases"][1], sol.solver["phases"][-1]
+    assert ideals["phase"] == "ideals" and ideals["status"] == "no plan within its time limit"
     assert phase["phase"] == "exact" and phase["status"] == "no plan" and "time limit" in phase["error"]
     assert sol.solver["optimal"] is False and math.isfinite(sol.solver["lower_bound_s"])
 

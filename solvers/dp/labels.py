@@ -11,6 +11,7 @@ import math
 import time
 from dataclasses import dataclass
 from operator import le
+from typing import Callable
 
 from solvers.groups import allreduce_s
 from solvers.problem import Problem
@@ -287,7 +288,8 @@ def analytic_lower(problem: Problem, tables: Tables, p: int, space: Space) -> fl
 
 
 def deepening(problem: Problem, tables: Tables, p: int, ub: float, space: Space,
-               deadline: float, proven: dict[int, float], floor: float = 0.0) -> tuple[Label | None, float]:
+               deadline: float, proven: dict[int, float], floor: float = 0.0,
+               search: Callable[..., tuple[Label | None, float, float]] | None = None) -> tuple[Label | None, float]:
     """Run the search under growing bounds ``G``, starting just above a lower bound.
 
     A search bounded by ``G`` finds the optimum whenever it is ``<= G`` (only
@@ -295,8 +297,10 @@ def deepening(problem: Problem, tables: Tables, p: int, ub: float, space: Space,
     that yields a solution yields the optimal one, and tight bounds prune hard.
     ``proven[p]`` records the best lower bound on ``p`` stages proven so far,
     which is what a timed-out search can still certify. ``floor`` is a lower bound known from elsewhere
-    (a relaxation): the first bound starts above it, not above the analytic one.
+    (a relaxation): the first bound starts above it, not above the analytic one. ``search`` is the search
+    run under each bound, with :func:`solve_fixed_p`'s arguments (:func:`solve_fixed_p` when None).
     """
+    search = search or solve_fixed_p
     lower = max(analytic_lower(problem, tables, p, space), floor)
     proven[p] = lower
     if lower > ub * (1 + REL_TOL):
@@ -308,7 +312,7 @@ def deepening(problem: Problem, tables: Tables, p: int, ub: float, space: Space,
     bound = lower * (1 + step)
     for _ in range(60):   # past that many failed bounds, one search at the incumbent
         bound = min(bound, ub)
-        label, t, pruned = solve_fixed_p(problem, tables, p, bound, space, deadline)
+        label, t, pruned = search(problem, tables, p, bound, space, deadline)
         if label is not None:
             proven[p] = t
             return label, t
@@ -317,6 +321,6 @@ def deepening(problem: Problem, tables: Tables, p: int, ub: float, space: Space,
             return None, math.inf
         step *= 1.5
         bound = max(pruned, bound) * (1 + step)   # at least what the failed search proved
-    label, t, _ = solve_fixed_p(problem, tables, p, ub, space, deadline)
+    label, t, _ = search(problem, tables, p, ub, space, deadline)
     proven[p] = t if label is not None else ub
     return label, t

@@ -1,0 +1,85 @@
+"""The label search over chains of ideals as a solver: exact over the whole reference space when the DAG has
+few ideals (:mod:`solvers.dp.ideals`), every stage count, any placement up to the topology's symmetries."""
+
+from __future__ import annotations
+
+import math
+import time
+
+from solvers.certificate import REFERENCE_SPACE, certify
+from solvers.groups import GroupTable
+from solvers.problem import Problem
+from solvers.score import score_assignment
+from solvers.solution import Solution, Stage
+from solvers.dp.ideals import solve_ideals_p
+from solvers.dp.lattice import MAX_IDEALS, Lattice
+from solvers.dp.labels import Timeout, analytic_lower, deepening
+from solvers.dp.search import MAX_EXACT_PLACEMENT_DEVICES, orbit_canon
+from solvers.dp.space import Space
+from solvers.dp.tables import REL_TOL, Tables, device_classes, stage_counts
+
+__all__ = ["convex_lattice", "solve_convex"]
+
+
+def convex_lattice(problem: Problem, limit: int = MAX_IDEALS) -> Lattice | None:
+    """The problem's lattice of ideals when :func:`solve_convex` applies to it: at most ``limit`` ideals, one
+    device per stage, and few enough devices for the exhaustive placement search; else None."""
+    if problem.max_replicas > 1 or len(problem.devices) > MAX_EXACT_PLACEMENT_DEVICES:
+        return None
+    return Lattice.build(problem, Tables(problem), limit)
+
+
+def solve_convex(problem: Problem, time_limit_s: float, incumbent: Solution | None = None, floor: float = 0.0,
+                 lattice: Lattice | None = None) -> Solution | None:
+    """Best plan over convex partitions x placements, certified when the search finishes in time.
+
+    ``incumbent`` (a plan of one device per stage) bounds the search from the start and is returned, with
+    the certificate, when nothing beats it; ``floor`` is a lower bound on every plan proven elsewhere (the
+    first bound of the deepening starts above it). Returns None when the problem is outside this search
+    (:func:`convex_lattice`) or when nothing was found in time and there is no incumbent.
+    """
+    started = time.perf_counter()
+    deadline = started + time_limit_s
+    lattice = lattice or convex_lattice(problem)
+    if lattice is None:
+        return None
+    tables = lattice.tables
+    table = GroupTable(problem)
+    classes = device_classes(problem)
+    space = Space("classes", table, classes=classes, canon=orbit_canon(problem, classes))
+    index = {d.id: i for i, d in enumerate(problem.devices)}
+    ub, best = math.inf, None
+    if incumbent is not None and all(len(s.devices) == 1 for s in incumbent.stages):
+        ub = float(incumbent.predicted["iteration_s"])
+        best = ([list(s.nodes) for s in incumbent.stages], [index[s.devices[0]] for s in incumbent.stages])
+    search = lambda *args: solve_ideals_p(*args[:2], lattice, *args[2:])  # noqa: E731
+    complete, lower = True, math.inf
+    counts = stage_counts(problem)
+    if best is not None and len(best[1]) in counts:   # the incumbent's count first: its plans tighten the rest
+        counts = [len(best[1])] + [q for q in counts if q != len(best[1])]
+    for i, p in enumerate(counts):
+        proven: dict[int, float] = {p: floor}
+        try:
+            if math.isfinite(ub):   # one search under the incumbent: it finds the optimum or proves ub
+                label, t, _ = solve_ideals_p(problem, tables, lattice, p, ub, space, deadline)
+            else:
+                label, t = deepening(problem, tables, p, ub, space, deadline, proven, floor, search=search)
+        except Timeout:
+            complete = False
+            lower = min([max(proven[p], analytic_lower(problem, tables, p, space))] + [
+                max(analytic_lower(problem, tables, q, space), floor) for q in counts[i + 1:]])
+            break
+        if label is not None and t <= ub * (1 + REL_TOL):
+            positions, devices = lattice.stages_of(label)
+            ub, best = t, ([[tables.order[x] for x in stage] for stage in positions], devices)
+    if best is None:
+        return None
+    stage_nodes, devices = best
+    stage_of = {v: s for s, nodes in enumerate(stage_nodes) for v in nodes}
+    sc = score_assignment(problem, stage_of, devices)
+    stages = [Stage([v for v in problem.order if stage_of[v] == s], [problem.devices[devices[s]].id])
+              for s in range(len(devices))]
+    return certify(problem, Solution(stages, sc.as_predicted(), {"ideals": len(lattice.ideals)}),
+                   method="convex-dp", started=started,
+                   exact_over=REFERENCE_SPACE + " (label search over chains of ideals)",
+                   covers_reference=True, space_optimal=complete, space_lower_s=min(lower, sc.iteration_s))

@@ -1,0 +1,122 @@
+"""The label search over chains of ideals (solvers.dp.ideals, solvers.dp.convex): its lattice holds every
+ideal once, its plans equal brute force over the whole reference space, and its certificates hold when
+its time runs out."""
+
+import itertools
+import math
+import random
+
+import networkx as nx
+import pytest
+
+from certificates import check_certificate, timed
+from problems import KINDS, reference_problem
+from solvers import InfeasibleError, Problem, score, solve, solve_dp
+from solvers.brute import brute_force_reference
+from solvers.dp.convex import convex_lattice, solve_convex
+from solvers.dp.lattice import Lattice
+from solvers.dp.tables import Tables
+
+
+def problems(seeds: range, max_nodes: int, max_devices: int):
+    for seed in seeds:
+        for kind in KINDS:
+            rng = random.Random(f"ideals-{seed}-{kind}")
+            yield f"{seed}-{kind}", reference_problem(rng, kind, rng.randint(3, max_nodes),
+                                                     rng.randint(1, max_devices), rng.choice(["gpipe", "1f1b"]),
+                                                     rng.random() < 0.5)
+
+
+def down_sets(problem: Problem) -> set[frozenset[str]]:
+    """Every set of nodes closed under predecessors, by trying every subset."""
+    preds = {v: {e.src for e in problem.edges if e.dst == v} for v in problem.order}
+    return {frozenset(s) for r in range(len(problem.order) + 1) for s in itertools.combinations(problem.order, r)
+            if all(preds[v] <= set(s) for v in s)}
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_lattice_holds_every_ideal_once_each_after_its_subsets(seed):
+    for name, problem in problems(range(seed, seed + 1), 8, 1):
+        tables = Tables(problem)
+        lattice = Lattice.build(problem, tables)
+        got = [frozenset(tables.order[x] for x in Lattice.members(mask)) for mask in lattice.ideals]
+        assert len(got) == len(set(got)), name
+        assert set(got) == down_sets(problem), name
+        graph = nx.DiGraph([(e.src, e.dst) for e in problem.edges])
+        graph.add_nodes_from(problem.order)
+        assert len(got) == sum(1 for _ in nx.antichains(graph)), name   # ideals biject with antichains
+        for i, j in itertools.combinations(range(len(got)), 2):   # i < j: never a superset of j
+            assert not got[i] > got[j], name
+
+
+def test_the_lattice_refuses_a_graph_with_more_ideals_than_its_limit():
+    """Ten parallel pairs have 3^10 ideals: the enumeration stops at the limit instead of listing them."""
+    nodes = [dict(id=f"{b}{i}", fwd_s=1.0, bwd_s=1.0) for i in range(10) for b in "ab"]
+    edges = [dict(src=f"a{i}", dst=f"b{i}", bytes=1.0) for i in range(10)]
+    problem = Problem.from_dict(dict(format="fxpipe-problem/1", micro_batches=2, schedule="1f1b", nodes=nodes,
+                                     edges=edges, devices=[dict(id="d0", memory_bytes=1e9)],
+                                     links=dict(bandwidth_Bps=[[0]], latency_s=[[0]])))
+    assert convex_lattice(problem, limit=1000) is None
+    assert len(convex_lattice(problem, limit=3 ** 10).ideals) == 3 ** 10
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_search_equals_brute_force_over_the_reference_space(seed):
+    """From no incumbent (the deepening bounds) and from the DP's contiguous plan (one search under it)."""
+    for name, problem in problems(range(seed * 4, seed * 4 + 4), 6, 3):
+        best = brute_force_reference(problem)
+        sol, wall = timed(solve_convex, problem, 60.0)
+        if best is None:
+            assert sol is None, name
+            continue
+        check_certificate(problem, sol, wall, best.iteration_s)
+        assert score(problem, sol).iteration_s == pytest.approx(best.iteration_s, rel=1e-7), name
+        assert sol.solver["optimal"] is True and sol.solver["covers_reference"] is True, name
+        try:
+            dp = solve_dp(problem)
+        except InfeasibleError:
+            continue
+        sol, wall = timed(solve_convex, problem, 60.0, dp)
+        check_certificate(problem, sol, wall, best.iteration_s)
+        assert sol.predicted["iteration_s"] == pytest.approx(best.iteration_s, rel=1e-7), name
+        assert sol.solver["optimal"] is True, name
+
+
+def test_out_of_time_it_keeps_the_incumbent_and_proves_only_what_holds():
+    rng = random.Random("ideals-timeout")
+    problem = reference_problem(rng, "branch", 7, 3, "1f1b", False)
+    dp = solve_dp(problem)
+    sol, wall = timed(solve_convex, problem, 0.0, dp)
+    check_certificate(problem, sol, wall, brute_force_reference(problem).iteration_s)
+    assert sol.predicted["iteration_s"] == pytest.approx(dp.predicted["iteration_s"])
+    assert sol.solver["space_optimal"] is False or sol.solver["optimal"] is True
+    assert solve_convex(problem, 0.0) is None   # no incumbent and no time: nothing, not a wrong plan
+
+
+def test_auto_certifies_a_residual_network_whose_branches_no_one_order_splits():
+    """ResNet's shape in small: blocks whose downsample branch runs beside three convolutions, on the
+    8-GPU Titan V box. Contiguous cuts of the traced order cannot put a branch where the best plan has it;
+    auto's search over the ideals finds the optimum over every convex partition and placement."""
+    from test_solver_certificates import titan_boxes
+
+    rng = random.Random(7)
+    devices, links = titan_boxes(1)
+    nodes, edges, last = [dict(id="in", fwd_s=1e-4, bwd_s=1e-4, act_bytes=1e6)], [], "in"
+    for b in range(12):
+        ids = [f"b{b}c{i}" for i in range(3)] + [f"b{b}down", f"b{b}add"]
+        for v in ids:
+            nodes.append(dict(id=v, fwd_s=rng.uniform(2e-4, 2e-3), bwd_s=rng.uniform(4e-4, 4e-3),
+                              param_bytes=rng.uniform(0, 4e6), act_bytes=rng.uniform(1e6, 8e6)))
+        chain = [last] + ids[:3] + [ids[4]]
+        edges += [dict(src=a, dst=c, bytes=rng.uniform(1e6, 8e6)) for a, c in zip(chain, chain[1:])]
+        edges += [dict(src=last, dst=ids[3], bytes=rng.uniform(1e6, 8e6)),
+                  dict(src=ids[3], dst=ids[4], bytes=rng.uniform(1e6, 8e6))]
+        last = ids[4]
+    problem = Problem.from_dict(dict(format="fxpipe-problem/1", micro_batches=8, schedule="1f1b",
+                                     optimizer_state_factor=2.0, nodes=nodes, edges=edges, devices=devices,
+                                     links=links))
+    sol, wall = timed(solve, problem, "auto", time_limit_s=60.0)
+    check_certificate(problem, sol, wall, None)
+    phases = [p["phase"] for p in sol.solver["phases"]]
+    assert phases == ["dp", "ideals"] and sol.solver["optimal"] is True
+    assert math.isfinite(sol.solver["lower_bound_s"])
