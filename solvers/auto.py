@@ -4,13 +4,16 @@
    optimum of the reference problem (a chain-like order, where every convex
    partition is contiguous, and every placement searched), that is the answer,
    with the DP's gap if its time ran out: another phase would search the same plans;
-2. otherwise a lower bound over the whole reference space from the heaviest chain of nodes
+2. when the graph has few ideals (:func:`solvers.dp.convex.convex_lattice`), the same label search over
+   chains of ideals, exact over the whole reference space: when it finishes, that is the answer;
+3. otherwise a lower bound over the whole reference space from the heaviest chain of nodes
    (:mod:`solvers.spine`), then, with HiGHS, the exact decomposition over convex partitions x
    placements (:mod:`solvers.exact`) when the placements are few enough, else the
    ILP over convex partitions on the DP's placement, warm-started from the DP.
 
 ``time_limit_s`` bounds the whole solve: the DP takes all of it when its space
-holds an optimum of the reference problem, else :data:`DP_SHARE`. The heaviest chain's bound
+holds an optimum of the reference problem, else :data:`DP_SHARE`; the search over ideals
+:data:`IDEALS_SHARE` of the rest when the ILP phases could follow. The heaviest chain's bound
 then takes what it needs of the rest (up to :data:`SPINE_SHARE` of it when the exact
 decomposition is to follow, which certifies on its own), and the convex phase (model
 building included) what is left. A phase that finds nothing or times out
@@ -32,7 +35,7 @@ from solvers.problem import Problem
 from solvers.solution import Solution
 from solvers.spine import spine_lower_bound
 
-__all__ = ["DP_SHARE", "SPINE_SHARE", "solve_auto"]
+__all__ = ["DP_SHARE", "IDEALS_SHARE", "SPINE_SHARE", "solve_auto"]
 
 DP_SHARE = 0.5
 """Of the whole limit, what the DP may take when its space need not hold an optimum of the reference problem.
@@ -40,6 +43,11 @@ DP_SHARE = 0.5
 Past its first seconds the DP rarely improves its plan on the corpus of ``benchmarks/planner.py``, while the
 heaviest chain's bound needs seconds on 16 devices: at 0.8 the bound of ViT-B/16 on two Titan V boxes was
 25.8 % below the plan, at 0.5 it is 0.69 %, with the same plans everywhere."""
+
+IDEALS_SHARE = 0.7
+"""Of the time left after the DP, what the label search over ideals may take when the ILP phases could follow
+(they get the rest if it does not finish). On the corpus it finishes in 0.4-2 s or is not run
+(:data:`solvers.dp.lattice.MAX_STEPS`)."""
 
 SPINE_SHARE = 0.4
 """Of the time left after the DP, what the heaviest chain's bound may take before the exact decomposition
@@ -98,11 +106,13 @@ def solve_auto(problem: Problem, time_limit_s: float = 10.0) -> Solution:
     rest = lambda: max(0.0, deadline - time.perf_counter())  # noqa: E731
     spine_lower = 0.0
     covered = dp is not None and (dp.solver["optimal"] or dp.solver["covers_reference"])
-    lattice = convex_lattice(problem) if dp is not None and not covered and rest() > 0 else None
+    lattice = (convex_lattice(problem, dp.predicted["iteration_s"]) if dp is not None and not covered and rest() > 0
+               else None)
     if lattice is not None:
         # few ideals: the label search over them is exact over the whole reference space, and usually
         # finishes where the bound and the ILP below would not (ResNet-101 over 8 or 16 Titan V GPUs)
-        sol = _phase("ideals", keep_error(lambda: solve_convex(problem, rest(), dp, lattice=lattice)), log)
+        share = IDEALS_SHARE if ilp_available() else 1.0
+        sol = _phase("ideals", keep_error(lambda: solve_convex(problem, share * rest(), dp, lattice=lattice)), log)
         if sol is not None:
             found.append(sol)
             covered = sol.solver["space_optimal"]

@@ -39,7 +39,7 @@ def test_parallel_branches_are_solved_and_certified_over_convex_partitions_and_p
     import solvers.auto
 
     if not ideals:
-        monkeypatch.setattr(solvers.auto, "convex_lattice", lambda problem: None)
+        monkeypatch.setattr(solvers.auto, "convex_lattice", lambda *args: None)
     problem = parallel_branches()
     best = brute_force_reference(problem)
     assert best.iteration_s == pytest.approx(46.0)

@@ -120,3 +120,25 @@ def test_auto_certifies_a_residual_network_whose_branches_no_one_order_splits():
     phases = [p["phase"] for p in sol.solver["phases"]]
     assert phases == ["dp", "ideals"] and sol.solver["optimal"] is True
     assert math.isfinite(sol.solver["lower_bound_s"])
+
+
+def test_auto_leaves_the_search_out_when_a_better_plan_would_need_too_many_stages(monkeypatch):
+    """GPT-2's 3 181 ideals give 3.7 million stages under its DP plan's cap: the search would take the
+    whole limit and finish nothing, where the exact decomposition certifies. Here the cap is lowered."""
+    import solvers.dp.convex
+
+    rng = random.Random("ideals-steps")
+    problem = reference_problem(rng, "parallel", 7, 3, "1f1b", False)
+    dp = solve_dp(problem)
+    lattice = convex_lattice(problem, dp.predicted["iteration_s"])
+    steps = lattice.count_steps(dp.predicted["iteration_s"] / problem.micro_batches
+                                * max(d.speed for d in problem.devices), 10 ** 6)
+    assert steps > 3
+    monkeypatch.setattr(solvers.dp.convex, "MAX_STEPS", steps - 1)
+    assert convex_lattice(problem, dp.predicted["iteration_s"]) is None
+    assert convex_lattice(problem) is not None   # with no plan to beat, nothing to count under
+    sol = solve(problem, "auto")
+    assert "ideals" not in [p["phase"] for p in sol.solver["phases"]]
+    assert sol.solver["optimal"] is True   # the exact decomposition still certifies it
+    monkeypatch.setattr(solvers.dp.convex, "MAX_STEPS", steps)
+    assert [p["phase"] for p in solve(problem, "auto").solver["phases"]] == ["dp", "ideals"]

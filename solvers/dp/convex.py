@@ -12,7 +12,7 @@ from solvers.problem import Problem
 from solvers.score import score_assignment
 from solvers.solution import Solution, Stage
 from solvers.dp.ideals import solve_ideals_p
-from solvers.dp.lattice import MAX_IDEALS, Lattice
+from solvers.dp.lattice import MAX_IDEALS, MAX_STEPS, Lattice
 from solvers.dp.labels import Timeout, analytic_lower, deepening
 from solvers.dp.search import MAX_EXACT_PLACEMENT_DEVICES, orbit_canon
 from solvers.dp.space import Space
@@ -21,12 +21,18 @@ from solvers.dp.tables import REL_TOL, Tables, device_classes, stage_counts
 __all__ = ["convex_lattice", "solve_convex"]
 
 
-def convex_lattice(problem: Problem, limit: int = MAX_IDEALS) -> Lattice | None:
-    """The problem's lattice of ideals when :func:`solve_convex` applies to it: at most ``limit`` ideals, one
-    device per stage, and few enough devices for the exhaustive placement search; else None."""
+def convex_lattice(problem: Problem, incumbent_s: float | None = None, limit: int = MAX_IDEALS) -> Lattice | None:
+    """The problem's lattice of ideals when :func:`solve_convex` applies to it, else None: at most ``limit``
+    ideals, one device per stage, few enough devices for the exhaustive placement search, and, given the
+    iteration time of a plan to beat, at most :data:`MAX_STEPS` stages that could be part of a better one."""
     if problem.max_replicas > 1 or len(problem.devices) > MAX_EXACT_PLACEMENT_DEVICES:
         return None
-    return Lattice.build(problem, Tables(problem), limit)
+    lattice = Lattice.build(problem, Tables(problem), limit)
+    if lattice is not None and incumbent_s is not None and math.isfinite(incumbent_s):
+        fastest = max(d.speed for d in problem.devices)
+        if lattice.count_steps(incumbent_s / problem.micro_batches * fastest, MAX_STEPS) > MAX_STEPS:
+            return None
+    return lattice
 
 
 def solve_convex(problem: Problem, time_limit_s: float, incumbent: Solution | None = None, floor: float = 0.0,

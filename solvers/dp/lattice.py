@@ -20,11 +20,16 @@ from solvers.problem import Problem
 from solvers.dp.labels import Label, Timeout
 from solvers.dp.tables import Tables, one_way_classes
 
-__all__ = ["MAX_IDEALS", "Lattice", "Step", "TooManyIdeals"]
+__all__ = ["MAX_IDEALS", "MAX_STEPS", "Lattice", "Step", "TooManyIdeals"]
 
 
 MAX_IDEALS = 3000
 """Above this many ideals the lattice is not built (its transitions grow with the square of the count)."""
+
+MAX_STEPS = 300_000
+"""Above this many stages under a plan's per-stage cap the search over ideals is not run: GPT-2's 3 181
+ideals give 3.7 million (its search then takes the whole limit and finishes nothing), ResNet-101's 411
+give 51 000 (2 s on the 8-GPU Titan V box)."""
 
 
 @dataclass(slots=True)
@@ -129,6 +134,15 @@ class Lattice:
                     seen.add(b)
                     todo.append(b)
         return sorted(seen)
+
+    def count_steps(self, work_cap: float, limit: int) -> int:
+        """How many stages hold at most ``work_cap`` of work, counted up to just past ``limit``."""
+        total = 0
+        for i in range(len(self.ideals)):
+            total += len(self.reach(i, work_cap))
+            if total > limit:
+                break
+        return total
 
     def transitions(self, work_cap: float, deadline: float = math.inf) -> tuple[np.ndarray, ...]:
         """Every step whose work is at most ``work_cap``, as arrays sorted by lower ideal: lower and upper
