@@ -10,7 +10,8 @@ import networkx as nx
 import pytest
 
 from certificates import check_certificate, timed
-from problems import KINDS, reference_problem
+from problems import KINDS, SHAPES, reference_problem, shaped_problem
+from solvers.problem import SCHEDULES
 from solvers import InfeasibleError, Problem, score, solve, solve_dp
 from solvers.brute import brute_force_reference
 from solvers.dp.convex import convex_lattice, solve_convex
@@ -23,8 +24,10 @@ def problems(seeds: range, max_nodes: int, max_devices: int):
         for kind in KINDS:
             rng = random.Random(f"ideals-{seed}-{kind}")
             yield f"{seed}-{kind}", reference_problem(rng, kind, rng.randint(3, max_nodes),
-                                                     rng.randint(1, max_devices), rng.choice(["gpipe", "1f1b"]),
+                                                     rng.randint(1, max_devices), rng.choice(SCHEDULES),
                                                      rng.random() < 0.5)
+        for shape in SHAPES:   # several sources or sinks, dense, free nodes, diamonds, fixed stage counts
+            yield f"{seed}-{shape}", shaped_problem(random.Random(f"ideals-{seed}-{shape}"), shape)
 
 
 def down_sets(problem: Problem) -> set[frozenset[str]]:
@@ -62,7 +65,8 @@ def test_the_lattice_refuses_a_graph_with_more_ideals_than_its_limit():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_the_search_equals_brute_force_over_the_reference_space(seed):
-    """From no incumbent (the deepening bounds) and from the DP's contiguous plan (one search under it)."""
+    """From no incumbent (the deepening bounds) and from the DP's contiguous plan (one search under it);
+    720 problems of nine kinds, every schedule's memory model."""
     for name, problem in problems(range(seed * 4, seed * 4 + 4), 6, 3):
         best = brute_force_reference(problem)
         sol, wall = timed(solve_convex, problem, 60.0)
