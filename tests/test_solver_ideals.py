@@ -146,3 +146,35 @@ def test_auto_leaves_the_search_out_when_a_better_plan_would_need_too_many_stage
     assert sol.solver["optimal"] is True   # the exact decomposition still certifies it
     monkeypatch.setattr(solvers.dp.convex, "MAX_STEPS", steps)
     assert [p["phase"] for p in solve(problem, "auto").solver["phases"]] == ["dp", "ideals"]
+
+
+def test_a_stage_count_that_takes_all_its_time_does_not_starve_the_larger_ones(monkeypatch):
+    """Counts are searched smallest first, each with a share of the first half of the limit: one that never
+    ends (here 2, made to run out its time) leaves the others theirs, and is tried again at the end."""
+    import time as clock
+
+    import solvers.dp.convex
+
+    real = solvers.dp.convex.solve_ideals_p
+    calls: list[tuple[int, float]] = []
+
+    def stuck_at_two(problem, tables, lattice, p, ub, space, deadline):
+        calls.append((p, deadline - clock.perf_counter()))
+        if p == 2:
+            clock.sleep(max(0.0, deadline - clock.perf_counter()))
+            raise solvers.dp.convex.Timeout
+        return real(problem, tables, lattice, p, ub, space, deadline)
+    monkeypatch.setattr(solvers.dp.convex, "solve_ideals_p", stuck_at_two)
+    rng = random.Random("ideals-starve-2")   # free stage count (some seeds fix it)
+    problem = reference_problem(rng, "branch", 6, 3, "1f1b", False)
+    dp = solve_dp(problem)
+    sol, wall = timed(solve_convex, problem, 1.0, dp)
+    check_certificate(problem, sol, wall, brute_force_reference(problem).iteration_s)
+    assert [p for p, _ in calls] == [1, 2, 3, 2]   # 3 after 2 ran out of its share; 2 again at the end
+    assert calls[1][1] == pytest.approx(0.5 / 2, abs=0.05)   # a fair share of the first half
+    assert calls[3][1] > 0.4                                # the second pass: all that is left
+    assert sol.predicted["iteration_s"] <= dp.predicted["iteration_s"]
+    # whether 2 stages could still win is only known from the compute bound: certified only if it says not
+    two = solvers.dp.convex.analytic_lower(problem, Tables(problem), 2, solvers.dp.convex.Space(
+        "classes", solvers.dp.convex.GroupTable(problem), classes=solvers.dp.convex.device_classes(problem)))
+    assert sol.solver["optimal"] is (two >= sol.predicted["iteration_s"] * (1 - 1e-7))

@@ -18,7 +18,11 @@ from solvers.dp.search import MAX_EXACT_PLACEMENT_DEVICES, orbit_canon
 from solvers.dp.space import Space
 from solvers.dp.tables import REL_TOL, Tables, device_classes, stage_counts
 
-__all__ = ["convex_lattice", "solve_convex"]
+__all__ = ["FIRST_ROUND_SHARE", "convex_lattice", "solve_convex"]
+
+FIRST_ROUND_SHARE = 0.5
+"""Of the time limit, what the first pass over the stage counts may take (shared out fairly): a count that
+would take all of it cannot starve the later ones, and one cut short has the rest in the second pass."""
 
 
 def convex_lattice(problem: Problem, incumbent_s: float | None = None, limit: int = MAX_IDEALS) -> Lattice | None:
@@ -59,25 +63,36 @@ def solve_convex(problem: Problem, time_limit_s: float, incumbent: Solution | No
         ub = float(incumbent.predicted["iteration_s"])
         best = ([list(s.nodes) for s in incumbent.stages], [index[s.devices[0]] for s in incumbent.stages])
     search = lambda *args: solve_ideals_p(*args[:2], lattice, *args[2:])  # noqa: E731
-    complete, lower = True, math.inf
-    counts = stage_counts(problem)
-    if best is not None and len(best[1]) in counts:   # the incumbent's count first: its plans tighten the rest
-        counts = [len(best[1])] + [q for q in counts if q != len(best[1])]
-    for i, p in enumerate(counts):
-        proven: dict[int, float] = {p: floor}
-        try:
-            if math.isfinite(ub):   # one search under the incumbent: it finds the optimum or proves ub
-                label, t, _ = solve_ideals_p(problem, tables, lattice, p, ub, space, deadline)
-            else:
-                label, t = deepening(problem, tables, p, ub, space, deadline, proven, floor, search=search)
-        except Timeout:
-            complete = False
-            lower = min([max(proven[p], analytic_lower(problem, tables, p, space))] + [
-                max(analytic_lower(problem, tables, q, space), floor) for q in counts[i + 1:]])
+    # Stage counts smallest first (their searches are the cheapest, and their plans lower the bound of the
+    # rest: on U-Net over the Titan V box 5 stages end in 0.04 s at 0.935 and let 6 end in 1.6 s at 0.899),
+    # first each with a fair share of FIRST_ROUND_SHARE of the time, what an easy count leaves going to the
+    # later ones; then the counts cut short again, smallest first, with all the time left.
+    lower: dict[int, float] = {p: max(analytic_lower(problem, tables, p, space), floor) for p in stage_counts(problem)}
+    open_counts = list(lower)
+    first_round_end = started + FIRST_ROUND_SHARE * time_limit_s
+    for last_round in (False, True):
+        todo = list(open_counts)
+        for i, p in enumerate(todo):
+            now = time.perf_counter()
+            until = deadline if last_round else now + max(0.0, first_round_end - now) / (len(todo) - i)
+            proven: dict[int, float] = {p: floor}
+            try:
+                if math.isfinite(ub):   # one search under the incumbent: it finds the optimum or proves ub
+                    label, t, _ = solve_ideals_p(problem, tables, lattice, p, ub, space, until)
+                else:
+                    label, t = deepening(problem, tables, p, ub, space, until, proven, floor, search=search)
+            except Timeout:
+                lower[p] = max(lower[p], proven[p])
+                continue
+            open_counts.remove(p)
+            lower[p] = math.inf   # nothing below ub in this count any more (or its optimum, now ub)
+            if label is not None and t <= ub * (1 + REL_TOL):
+                positions, devices = lattice.stages_of(label)
+                ub, best = t, ([[tables.order[x] for x in stage] for stage in positions], devices)
+        if not open_counts or time.perf_counter() >= deadline:
             break
-        if label is not None and t <= ub * (1 + REL_TOL):
-            positions, devices = lattice.stages_of(label)
-            ub, best = t, ([[tables.order[x] for x in stage] for stage in positions], devices)
+    complete = not open_counts
+    bound = min([lower[p] for p in open_counts], default=math.inf)
     if best is None:
         return None
     stage_nodes, devices = best
@@ -88,4 +103,4 @@ def solve_convex(problem: Problem, time_limit_s: float, incumbent: Solution | No
     return certify(problem, Solution(stages, sc.as_predicted(), {"ideals": len(lattice.ideals)}),
                    method="convex-dp", started=started,
                    exact_over=REFERENCE_SPACE + " (label search over chains of ideals)",
-                   covers_reference=True, space_optimal=complete, space_lower_s=min(lower, sc.iteration_s))
+                   covers_reference=True, space_optimal=complete, space_lower_s=min(bound, sc.iteration_s))
