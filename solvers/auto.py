@@ -119,7 +119,8 @@ def solve_auto(problem: Problem, time_limit_s: float = 10.0) -> Solution:
         # searches the DP's space again, with other bounds and the smallest stage counts first, which found
         # U-Net plans 8-10 % faster than the DP's on the Titan V boxes
         share = IDEALS_SHARE if not covered and ilp_available() else 1.0
-        sol = _phase("ideals", keep_error(lambda: solve_convex(problem, share * rest(), dp, lattice=lattice)), log)
+        sol = _phase("ideals", keep_error(lambda: solve_convex(problem, share * rest(), dp, lattice=lattice,
+                                                                prove=covered)), log)
         if sol is not None:
             found.append(sol)
             covered = covered or sol.solver["space_optimal"]

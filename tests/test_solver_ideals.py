@@ -80,10 +80,11 @@ def test_the_search_equals_brute_force_over_the_reference_space(seed):
             dp = solve_dp(problem)
         except InfeasibleError:
             continue
-        sol, wall = timed(solve_convex, problem, 60.0, dp)
-        check_certificate(problem, sol, wall, best.iteration_s)
-        assert sol.predicted["iteration_s"] == pytest.approx(best.iteration_s, rel=1e-7), name
-        assert sol.solver["optimal"] is True, name
+        for prove in (False, True):
+            sol, wall = timed(solve_convex, problem, 60.0, dp, prove=prove)
+            check_certificate(problem, sol, wall, best.iteration_s)
+            assert sol.predicted["iteration_s"] == pytest.approx(best.iteration_s, rel=1e-7), name
+            assert sol.solver["optimal"] is True, name
 
 
 def test_out_of_time_it_keeps_the_incumbent_and_proves_only_what_holds():
@@ -149,7 +150,7 @@ def test_auto_leaves_the_search_out_when_a_better_plan_would_need_too_many_stage
 
 
 def test_a_stage_count_that_takes_all_its_time_does_not_starve_the_larger_ones(monkeypatch):
-    """Counts are searched smallest first, each with a share of the first half of the limit: one that never
+    """Counts are searched smallest first, each with half of what is left of the first pass: one that never
     ends (here 2, made to run out its time) leaves the others theirs, and is tried again at the end."""
     import time as clock
 
@@ -171,10 +172,40 @@ def test_a_stage_count_that_takes_all_its_time_does_not_starve_the_larger_ones(m
     sol, wall = timed(solve_convex, problem, 1.0, dp)
     check_certificate(problem, sol, wall, brute_force_reference(problem).iteration_s)
     assert [p for p, _ in calls] == [1, 2, 3, 2]   # 3 after 2 ran out of its share; 2 again at the end
-    assert calls[1][1] == pytest.approx(0.5 / 2, abs=0.05)   # a fair share of the first half
-    assert calls[3][1] > 0.4                                # the second pass: all that is left
+    assert calls[1][1] == pytest.approx(0.7 / 2, abs=0.05)   # half of the first pass (70 % of the limit)
+    assert calls[2][1] == pytest.approx(0.7 / 2, abs=0.05)   # the last count: the rest of the first pass
+    assert calls[3][1] > 0.25   # the second pass: all that is left (at least the 30 % past the first)
     assert sol.predicted["iteration_s"] <= dp.predicted["iteration_s"]
     # whether 2 stages could still win is only known from the compute bound: certified only if it says not
     two = solvers.dp.convex.analytic_lower(problem, Tables(problem), 2, solvers.dp.convex.Space(
         "classes", solvers.dp.convex.GroupTable(problem), classes=solvers.dp.convex.device_classes(problem)))
     assert sol.solver["optimal"] is (two >= sol.predicted["iteration_s"] * (1 - 1e-7))
+
+
+def test_proving_searches_a_count_cut_short_under_rising_bounds_and_still_finds_the_optimum(monkeypatch):
+    """``prove``: the second pass deepens (bounds rising from below, each a proof when it fails) instead of
+    one search under the incumbent; it still ends at the optimum over the whole reference space."""
+    import time as clock
+
+    import solvers.dp.convex
+
+    real = solvers.dp.convex.solve_ideals_p
+    bounds: list[tuple[int, float]] = []
+
+    def first_two_hangs(problem, tables, lattice, p, ub, space, deadline):
+        bounds.append((p, ub))
+        if p == 2 and len([q for q, _ in bounds if q == 2]) == 1:
+            clock.sleep(max(0.0, deadline - clock.perf_counter()))
+            raise solvers.dp.convex.Timeout
+        return real(problem, tables, lattice, p, ub, space, deadline)
+    monkeypatch.setattr(solvers.dp.convex, "solve_ideals_p", first_two_hangs)
+    rng = random.Random("ideals-starve-19")   # its best plan has 2 stages
+    problem = reference_problem(rng, "branch", 6, 3, "1f1b", False)
+    best = brute_force_reference(problem)
+    dp = solve_dp(problem)
+    sol, wall = timed(solve_convex, problem, 1.0, dp, prove=True)
+    check_certificate(problem, sol, wall, best.iteration_s)
+    assert sol.predicted["iteration_s"] == pytest.approx(best.iteration_s, rel=1e-7)
+    assert sol.solver["optimal"] is True
+    again = [ub for p, ub in bounds if p == 2][1:]
+    assert again and again == sorted(again) and again[0] < dp.predicted["iteration_s"]   # rising, from below

@@ -20,9 +20,9 @@ from solvers.dp.tables import REL_TOL, Tables, device_classes, stage_counts
 
 __all__ = ["FIRST_ROUND_SHARE", "convex_lattice", "solve_convex"]
 
-FIRST_ROUND_SHARE = 0.5
-"""Of the time limit, what the first pass over the stage counts may take (shared out fairly): a count that
-would take all of it cannot starve the later ones, and one cut short has the rest in the second pass."""
+FIRST_ROUND_SHARE = 0.7
+"""Of the time limit, what the first pass over the stage counts may take: a count that would take all of it
+cannot starve the later ones, and one cut short has the rest in the second pass."""
 
 
 def convex_lattice(problem: Problem, incumbent_s: float | None = None, limit: int = MAX_IDEALS) -> Lattice | None:
@@ -40,13 +40,17 @@ def convex_lattice(problem: Problem, incumbent_s: float | None = None, limit: in
 
 
 def solve_convex(problem: Problem, time_limit_s: float, incumbent: Solution | None = None, floor: float = 0.0,
-                 lattice: Lattice | None = None) -> Solution | None:
+                 lattice: Lattice | None = None, prove: bool = False) -> Solution | None:
     """Best plan over convex partitions x placements, certified when the search finishes in time.
 
     ``incumbent`` (a plan of one device per stage) bounds the search from the start and is returned, with
     the certificate, when nothing beats it; ``floor`` is a lower bound on every plan proven elsewhere (the
-    first bound of the deepening starts above it). Returns None when the problem is outside this search
-    (:func:`convex_lattice`) or when nothing was found in time and there is no incumbent.
+    first bound of the deepening starts above it). ``prove``: the counts cut short in the first pass are
+    searched again under rising bounds (:func:`solvers.dp.labels.deepening`), each with a fair share of the
+    rest, so that each proves what it can by the deadline (for the last phase of a solve: there is no
+    other bound to come); else one search each under the incumbent, which certifies sooner when the
+    incumbent is optimal. Returns None when the problem is outside this search (:func:`convex_lattice`) or
+    when nothing was found in time and there is no incumbent.
     """
     started = time.perf_counter()
     deadline = started + time_limit_s
@@ -64,9 +68,10 @@ def solve_convex(problem: Problem, time_limit_s: float, incumbent: Solution | No
         best = ([list(s.nodes) for s in incumbent.stages], [index[s.devices[0]] for s in incumbent.stages])
     search = lambda *args: solve_ideals_p(*args[:2], lattice, *args[2:])  # noqa: E731
     # Stage counts smallest first (their searches are the cheapest, and their plans lower the bound of the
-    # rest: on U-Net over the Titan V box 5 stages end in 0.04 s at 0.935 and let 6 end in 1.6 s at 0.899),
-    # first each with a fair share of FIRST_ROUND_SHARE of the time, what an easy count leaves going to the
-    # later ones; then the counts cut short again, smallest first, with all the time left.
+    # rest: on U-Net over the Titan V box 5 stages end in 0.04 s at 0.935 and let 6 end in 1.6 s at 0.899):
+    # in a first pass of FIRST_ROUND_SHARE of the time each may take half of what is left of it (the last
+    # count all of it), so what an easy count leaves goes to the later ones and none starves them; then the
+    # counts cut short again, smallest first, with all the time left (``prove``: each a fair share).
     lower: dict[int, float] = {p: max(analytic_lower(problem, tables, p, space), floor) for p in stage_counts(problem)}
     open_counts = list(lower)
     first_round_end = started + FIRST_ROUND_SHARE * time_limit_s
@@ -74,10 +79,13 @@ def solve_convex(problem: Problem, time_limit_s: float, incumbent: Solution | No
         todo = list(open_counts)
         for i, p in enumerate(todo):
             now = time.perf_counter()
-            until = deadline if last_round else now + max(0.0, first_round_end - now) / (len(todo) - i)
+            if not last_round:   # half of what is left of the first pass; the last count, all of it
+                until = now + max(0.0, first_round_end - now) / (1 if i == len(todo) - 1 else 2)
+            else:                # a fair share of the rest, or all of it
+                until = now + (deadline - now) / (len(todo) - i) if prove else deadline
             proven: dict[int, float] = {p: floor}
             try:
-                if math.isfinite(ub):   # one search under the incumbent: it finds the optimum or proves ub
+                if math.isfinite(ub) and not (prove and last_round):   # one search: the optimum, or ub proved
                     label, t, _ = solve_ideals_p(problem, tables, lattice, p, ub, space, until)
                 else:
                     label, t = deepening(problem, tables, p, ub, space, until, proven, floor, search=search)
