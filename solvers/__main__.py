@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     p_solve.add_argument("problem")
     p_solve.add_argument("-o", "--output", help="write the solution here instead of stdout")
     p_solve.add_argument("--method", default="auto", choices=METHODS,
-                         help="auto (default): exact DP, then convex partitions on every placement (or on the DP's)")
+                         help="auto (default): exact DP, then the search over ideals or convex partitions on every placement (or on the DP's)")
     p_solve.add_argument("--time-limit", type=float, default=10.0, help="time limit of the whole solve in seconds (default 10); the best plan found by then is returned")
     p_search = sub.add_parser("search", help="joint search over micro-batches, schedule and stages; prints the table")
     p_search.add_argument("problem")
