@@ -172,6 +172,8 @@ def solve_ideals_p(problem: Problem, tables: Tables, lattice: Lattice, p: int, u
                         perm: tuple | None = None
                         target: list[Label] = []
                         grows = any(sent)
+                        # each label closed by this stage: the update of solvers.dp.labels.solve_fixed_p's
+                        # innermost loop, written out here too (a call per label would cost both searches)
                         for label in labels:
                             grown = list(label.pending_t)
                             if grows:
