@@ -41,7 +41,7 @@ def down_sets(problem: Problem) -> set[frozenset[str]]:
 def test_the_lattice_holds_every_ideal_once_each_after_its_subsets(seed):
     for name, problem in problems(range(seed, seed + 1), 8, 1):
         tables = Tables(problem)
-        lattice = Lattice.build(problem, tables)
+        lattice = Lattice.build(tables)
         got = [frozenset(tables.order[x] for x in Lattice.members(mask)) for mask in lattice.ideals]
         assert len(got) == len(set(got)), name
         assert set(got) == down_sets(problem), name

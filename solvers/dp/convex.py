@@ -18,7 +18,7 @@ from solvers.dp.search import MAX_EXACT_PLACEMENT_DEVICES, orbit_canon
 from solvers.dp.space import Space
 from solvers.dp.tables import REL_TOL, Tables, device_classes, stage_counts
 
-__all__ = ["FIRST_ROUND_SHARE", "convex_lattice", "solve_convex"]
+__all__ = ["FIRST_ROUND_SHARE", "convex_lattice", "few_steps", "solve_convex"]
 
 FIRST_ROUND_SHARE = 0.7
 """Of the time limit, what the first pass over the stage counts may take: a count that would take all of it
@@ -31,12 +31,19 @@ def convex_lattice(problem: Problem, incumbent_s: float | None = None, limit: in
     iteration time of a plan to beat, at most :data:`MAX_STEPS` stages that could be part of a better one."""
     if problem.max_replicas > 1 or len(problem.devices) > MAX_EXACT_PLACEMENT_DEVICES:
         return None
-    lattice = Lattice.build(problem, Tables(problem), limit)
-    if lattice is not None and incumbent_s is not None and math.isfinite(incumbent_s):
-        fastest = max(d.speed for d in problem.devices)
-        if lattice.count_steps(incumbent_s / problem.micro_batches * fastest, MAX_STEPS) > MAX_STEPS:
-            return None
+    lattice = Lattice.build(Tables(problem), limit)
+    if lattice is not None and incumbent_s is not None and not few_steps(problem, lattice, incumbent_s):
+        return None
     return lattice
+
+
+def few_steps(problem: Problem, lattice: Lattice, incumbent_s: float) -> bool:
+    """Whether at most :data:`MAX_STEPS` stages could be part of a plan faster than ``incumbent_s`` (each stage
+    of one takes at most ``incumbent_s / m``, so holds at most that much work at the fastest speed)."""
+    if not math.isfinite(incumbent_s):
+        return True
+    fastest = max(d.speed for d in problem.devices)
+    return lattice.count_steps(incumbent_s / problem.micro_batches * fastest, MAX_STEPS) <= MAX_STEPS
 
 
 def solve_convex(problem: Problem, time_limit_s: float, incumbent: Solution | None = None, floor: float = 0.0,
@@ -92,8 +99,7 @@ def solve_convex(problem: Problem, time_limit_s: float, incumbent: Solution | No
             except Timeout:
                 lower[p] = max(lower[p], proven[p])
                 continue
-            open_counts.remove(p)
-            lower[p] = math.inf   # nothing below ub in this count any more (or its optimum, now ub)
+            open_counts.remove(p)   # nothing below ub in this count any more (or its optimum, now ub)
             if label is not None and t <= ub * (1 + REL_TOL):
                 positions, devices = lattice.stages_of(label)
                 ub, best = t, ([[tables.order[x] for x in stage] for stage in positions], devices)

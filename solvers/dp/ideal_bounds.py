@@ -18,6 +18,8 @@ import math
 
 import numpy as np
 
+from solvers.dp.lattice import Lattice
+
 __all__ = ["GRID", "IdealCompletion"]
 
 GRID = 16
@@ -28,7 +30,7 @@ class IdealCompletion:
     """``bound(s, j, x)``: the least the ``s`` stages after ideal ``j`` add to ``sum t + (m - 1) max t``,
     for a label whose slowest stage is already ``x``."""
 
-    def __init__(self, lattice, p: int, micro_batches: int, max_speed: float, least: float, cap: float,
+    def __init__(self, lattice: Lattice, p: int, micro_batches: int, max_speed: float, least: float, cap: float,
                  deadline: float = math.inf) -> None:
         src, dst, work, recv_lb, alive_lb = lattice.transitions(cap * max_speed, deadline)
         n_ideals = len(lattice.ideals)

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solvers.problem import Problem
 from solvers.dp.labels import Label, Timeout
-from solvers.dp.tables import Tables, one_way_classes
+from solvers.dp.tables import Tables
 
 __all__ = ["MAX_IDEALS", "MAX_STEPS", "Lattice", "Step", "TooManyIdeals"]
 
@@ -55,12 +54,11 @@ class TooManyIdeals(Exception):
 class Lattice:
     """The ideals of a problem's DAG (as bit masks over ``tables.order``), smallest first, and their steps."""
 
-    def __init__(self, problem: Problem, tables: Tables, limit: int = MAX_IDEALS) -> None:
+    def __init__(self, tables: Tables, limit: int = MAX_IDEALS) -> None:
         """Enumerate the ideals level by level (so an ideal's index exceeds its subsets'), each from a smaller
         one plus a node it makes available; raises :class:`TooManyIdeals` past ``limit``."""
         self.tables = tables
-        links = one_way_classes(problem)
-        self.cheapest = lambda nbytes: 2.0 * min((nbytes / bw + lat for bw, lat in links), default=0.0)
+        self.cheapest = lambda nbytes: 2.0 * tables.cheapest_one_way(nbytes)   # there and back
         n = tables.n
         self.consumers: list[list[int]] = [[] for _ in range(n)]
         self.out_edges: list[list[tuple[int, float]]] = [[] for _ in range(n)]
@@ -117,10 +115,10 @@ class Lattice:
         return out
 
     @classmethod
-    def build(cls, problem: Problem, tables: Tables, limit: int = MAX_IDEALS) -> "Lattice | None":
+    def build(cls, tables: Tables, limit: int = MAX_IDEALS) -> "Lattice | None":
         """The lattice, or None when the graph has more than ``limit`` ideals."""
         try:
-            return cls(problem, tables, limit)
+            return cls(tables, limit)
         except TooManyIdeals:
             return None
 

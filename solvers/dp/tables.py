@@ -63,8 +63,8 @@ class Tables:
         # times the replicas): 4 one-way transfers in the sum (forward and gradient, charged to
         # both ends). Different boundaries have different receiving stages, so these bounds add
         # up without double counting.
-        classes = one_way_classes(problem)
-        cheapest_one_way = lambda nbytes: min((nbytes / bw + lat for bw, lat in classes), default=0.0)  # noqa: E731
+        self._link_classes = one_way_classes(problem)
+        cheapest_one_way = self.cheapest_one_way
         self.enter_lb = [0.0] * (n + 1)
         # What the stage ending just before c must at least send: node c's inputs from each position,
         # both ways (two one-way transfers; the receiver pays the other two).
@@ -102,6 +102,10 @@ class Tables:
         self.cheapest: list[list[float]] = [[] for _ in range(n + 1)]
         for c in range(n - 2, -1, -1):
             self.cheapest[c] = sorted(self.cheapest[c + 1] + [self.enter_lb[c + 1]])[:16]
+
+    def cheapest_one_way(self, nbytes: float) -> float:
+        """The least one-way time of a ``nbytes`` tensor over any of the problem's links (0 with one device)."""
+        return min((nbytes / bw + lat for bw, lat in self._link_classes), default=0.0)
 
     def future_transfer_lb(self, cut: int, boundaries: int) -> float:
         """Least transfer time the sum must still pay for ``boundaries`` cuts, the first at ``cut``."""
