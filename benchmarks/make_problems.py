@@ -14,8 +14,8 @@ The corpus is fixed: ``benchmarks/problems/*.json`` is committed and
 
 ``--scale`` writes ``benchmarks/problems/scale/``: seeded residual chains of 400 nodes on
 the Titan V box and 3000 nodes on two such boxes over a network (the issue's scale
-targets), on the devices and links of the corpus problems; ``planner.py`` times the
-whole command on them.
+targets), on the devices and links of the corpus problems, a second seed of the large one, and
+both sizes with every third GPU at half speed; ``planner.py`` times the whole command on them.
 """
 
 from __future__ import annotations
@@ -148,21 +148,28 @@ def costed_nodes(name: str) -> tuple[list[dict], list[dict]]:
     return nodes, edges
 
 
-SCALE = ((400, "titan8"), (3000, "titan16x2"))
+SCALE = ((400, "titan8", 0, False), (3000, "titan16x2", 0, False), (3000, "titan16x2", 1, False),
+         (400, "titan8", 0, True), (3000, "titan16x2", 0, True))
+"""The scale problems: nodes, topology, seed, and whether every third device runs at half speed."""
 
 
-def scale_problem(n: int, box: str, seed: int = 0) -> solvers.Problem:
+def scale_problem(n: int, box: str, seed: int = 0, mixed: bool = False) -> solvers.Problem:
     """A residual chain (a skip over every 3 nodes) on the devices and links of a corpus topology
-    (``titan8``: the 8-GPU PIX/PHB/SYS Titan V box; ``titan16x2``: two of them over a network)."""
+    (``titan8``: the 8-GPU PIX/PHB/SYS Titan V box; ``titan16x2``: two of them over a network). ``mixed``:
+    devices 0, 3, 6, ... run at half speed (an older generation beside newer GPUs)."""
     rng = random.Random(seed)
     like = solvers.Problem.load(HERE / "problems" / f"resnet101@{box}.json").to_dict()
     nodes = [dict(id=f"n{i}", fwd_s=rng.uniform(1e-4, 1e-3), bwd_s=rng.uniform(2e-4, 2e-3),
                   param_bytes=rng.uniform(0, 4e6), act_bytes=rng.uniform(1e6, 8e6)) for i in range(n)]
     edges = [dict(src=f"n{i}", dst=f"n{i + 1}", bytes=rng.uniform(1e6, 8e6)) for i in range(n - 1)]
     edges += [dict(src=f"n{i}", dst=f"n{i + 3}", bytes=rng.uniform(1e6, 8e6)) for i in range(0, n - 3, 3)]
-    return solvers.Problem.from_dict(dict(format="fxpipe-problem/1", name=f"chain{n}@{box}", micro_batches=8,
+    devices = like["devices"]
+    if mixed:
+        devices = [dict(d, speed=0.5 if i % 3 == 0 else d["speed"]) for i, d in enumerate(devices)]
+    name = f"chain{n}{'-mixed' if mixed else ''}{f'-seed{seed}' if seed else ''}@{box}"
+    return solvers.Problem.from_dict(dict(format="fxpipe-problem/1", name=name, micro_batches=8,
                                           schedule="1f1b", optimizer_state_factor=2.0, nodes=nodes, edges=edges,
-                                          devices=like["devices"], links=like["links"]))
+                                          devices=devices, links=like["links"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.scale:
         (out / "scale").mkdir(exist_ok=True)
-        for n, box in SCALE:
-            problem = scale_problem(n, box)
+        for n, box, seed, mixed in SCALE:
+            problem = scale_problem(n, box, seed, mixed)
             problem.save(out / "scale" / f"{problem.name}.json")
         return 0
     torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -10,7 +10,8 @@ geometric means, the best anchor partitioner per problem, and topology-blind
 placement on the communication-heavy problems of the Titan V boxes. Then the
 scale table: the whole command (``python -m solvers solve``) on the synthetic residual
 chains of ``benchmarks/problems/scale/`` (400 nodes on the Titan V box, 3000 on two such
-boxes; the issue's targets: certified in < 1 s and < 10 s), repeated, with the load average.
+boxes; the issue's targets: certified in < 1 s and < 10 s; also another seed, and every third GPU
+at half speed), repeated, with the load average.
 
     python benchmarks/planner.py                      # whole corpus, ~10 minutes
     python benchmarks/planner.py --only resnet101 --time-limit 5

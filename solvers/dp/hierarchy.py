@@ -105,21 +105,24 @@ class TreeCanon:
         self._memo: dict[tuple[int, tuple[int, ...]], tuple[int, tuple[int, ...], tuple[int, ...]]] = {}
         self.size = len(tree.leaves())
 
-    def _signature(self, node: Tree, used: int, on: dict[int, tuple]) -> tuple:
+    def _signature(self, node: Tree, used: int, on: dict[int, tuple], out: dict[int, tuple]) -> tuple:
+        """``node``'s signature, and every subtree's in ``out`` by ``id`` (computed once per state)."""
         if node.leaf is not None:
-            return (node.shape, used >> node.leaf & 1, on.get(node.leaf, ()))
-        return (node.shape, tuple(sorted(self._signature(c, used, on) for c in node.children)))
+            sig = (node.shape, used >> node.leaf & 1, on.get(node.leaf, ()))
+        else:
+            sig = (node.shape, tuple(sorted(self._signature(c, used, on, out) for c in node.children)))
+        out[id(node)] = sig
+        return sig
 
-    def _assign(self, real: Tree, slot: Tree, used: int, on: dict[int, tuple], perm: list[int]) -> None:
+    def _assign(self, real: Tree, slot: Tree, signatures: dict[int, tuple], perm: list[int]) -> None:
         if real.leaf is not None:
             perm[real.leaf] = slot.leaf   # type: ignore[assignment]
             return
         for shape in {c.shape for c in real.children}:
-            reals = sorted((c for c in real.children if c.shape == shape),
-                           key=lambda c: self._signature(c, used, on))
+            reals = sorted((c for c in real.children if c.shape == shape), key=lambda c: signatures[id(c)])
             slots = [c for c in slot.children if c.shape == shape]
             for r, s in zip(reals, slots):
-                self._assign(r, s, used, on, perm)
+                self._assign(r, s, signatures, perm)
 
     def canonical(self, used: int, pending: tuple) -> tuple[tuple[int, tuple], tuple[int, ...]]:
         """``used`` is a bit mask of devices, ``pending`` a tuple of ``(node, stage, device)``;
@@ -132,7 +135,9 @@ class TreeCanon:
                 on.setdefault(d, []).append(i)   # which pending entries sit on d, by their place in the tuple
             frozen = {d: tuple(v) for d, v in on.items()}
             perm = [0] * self.size
-            self._assign(self.tree, self.tree, used, frozen, perm)
+            signatures: dict[int, tuple] = {}
+            self._signature(self.tree, used, frozen, signatures)
+            self._assign(self.tree, self.tree, signatures, perm)
             mask = 0
             for d in range(self.size):
                 if used >> d & 1:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import time
+
+import numpy as np
 from dataclasses import dataclass
 from operator import le
 from typing import Callable
@@ -17,6 +19,7 @@ from solvers.groups import allreduce_s
 from solvers.problem import Problem
 from solvers.dp.completion import completion_for
 from solvers.dp.space import Space
+from solvers.dp.speeds import SpeedRest
 from solvers.dp.tables import REL_TOL, Tables
 
 __all__ = ['FIRST_STEP', 'analytic_lower', 'Label', 'plan_of', 'Timeout', 'deepening', 'insert_label', 'solve_fixed_p']
@@ -91,6 +94,17 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
     slowest = (ub_limit - tables.suffix_fb[0] / max_speed) / (m - 1) if m > 1 and math.isfinite(ub) else math.inf
     completion = (completion_for(problem, tables, p, max_speed, least_max, slowest)
                   if p > 1 and math.isfinite(slowest) and slowest >= least_max else None)
+    # The state-free part of the floor test below, per stage count left and stage end: a state skips the
+    # ends where even its cheapest label fails it (most of them: a stage must be long enough to leave the
+    # rest a bottleneck under the bound), and jumps to the first one that may pass.
+    floor_parts = [np.zeros(n + 1)] + [
+        (m - 1) * np.array(future_bottleneck[s]) + np.array(transfer_lbs[s]) if m > 1 else np.array(transfer_lbs[s])
+        for s in range(1, p)]
+    prefix_fb = np.concatenate([[0.0], np.cumsum(tables.fb)])
+    last_use = np.array(tables.last_use)
+    # devices of different speeds: the rest's compute at the speeds it can still have (solvers.dp.speeds)
+    mixed = space.mixed_speeds
+    speed_rests: dict[tuple[float, ...], SpeedRest] = {}
     # frontier[(j, k)] maps (used devices, pending senders) to Pareto sets of labels.
     frontier: dict[tuple[int, int], dict[tuple, list[Label]]] = {
         (0, 0): {(space.start(), ()): [Label(0.0, 0.0, (), None, 0, 0, -1)]}
@@ -114,8 +128,34 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                 pend_dev = {u: d for u, _, d in pending}
                 pend_stages = sorted(set(pend_stage.values()))
                 slot = {a: i for i, a in enumerate(pend_stages)}
+                first_end = j + 1
+                if stages_left:
+                    # floor_j2 >= least total + all the work from j at the fastest speed + floor_parts: the
+                    # ends where that is over the limit are skipped (recorded in ``pruned`` as that value,
+                    # no more than theirs), and so are those past the cap on the stage's compute alone
+                    base = min(label.total for label in labels) + tables.suffix_fb[j] / max_speed
+                    last = j_max if not math.isfinite(cap) else min(j_max, int(np.searchsorted(
+                        prefix_fb, prefix_fb[j] + cap * max_speed, side="right")) - 1)
+                    window = floor_parts[stages_left][j + 1:last + 1]
+                    passing = window <= ub_limit * (1 + 1e-12) - base
+                    first = int(passing.argmax()) if len(window) else 0
+                    if not len(window) or not passing[first]:
+                        if len(window):
+                            pruned = min(pruned, base + float(window.min()))
+                        if last < j_max:   # the next end is over the cap: T >= m x its stage
+                            pruned = min(pruned, m * (prefix_fb[last + 1] - prefix_fb[j]) / max_speed)
+                        continue
+                    if first:
+                        pruned = min(pruned, base + float(window[:first].min()))
+                        first_end = j + 1 + first
                 for d, new_used in space.candidates(used, k, p, pending):
                     group = groups[d]
+                    speed_rest: SpeedRest | None = None
+                    if mixed and stages_left:
+                        speeds = space.rest_speeds(new_used, k, p)
+                        speed_rest = speed_rests.get(speeds)
+                        if speed_rest is None:
+                            speed_rest = speed_rests[speeds] = SpeedRest(list(speeds), m)
                     act_scale = inflight / group.replicas
                     replicated = group.replicas > 1
                     # Everything of a stage [j, j2) on d but the labels' own sums is the same for every label
@@ -130,7 +170,19 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                     # the earlier senders still read at or after j2, updated only when one stops being read
                     kept_pending, done_slots, kept_slots = pending, [], list(range(len(pend_stages)))
                     expiry = min((tables.last_use[u] for u, _, _ in pending), default=n)
-                    for j2 in range(j + 1, j_max + 1):
+                    for x in range(j, first_end - 1):   # the skipped ends: only what later ends add up
+                        compute += tables.fb[x]
+                        params += tables.param[x]
+                        acts += tables.act[x]
+                        for u, nbytes in tables.inputs[x]:
+                            if u < j and nbytes >= recv.get(u, -1.0):
+                                recv[u] = nbytes
+                                c = 2.0 * space.table.transfer_s(nbytes, pend_dev[u], d)
+                                comm_in += c - recv_cost.get(u, 0.0)
+                                recv_cost[u] = c
+                    if first_end > j + 1:
+                        alive_seg = (j + np.flatnonzero(last_use[j:first_end - 1] >= first_end - 1)).tolist()
+                    for j2 in range(first_end, j_max + 1):
                         x = j2 - 1
                         compute += tables.fb[x]
                         params += tables.param[x]
@@ -176,6 +228,11 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                             joint = least_total + stage_total + completion.bound(stages_left, j2, t_k)
                             if joint > floor_j2:
                                 floor_j2 = joint
+                        if speed_rest is not None and floor_j2 <= ub_limit:
+                            slow = least_total + stage_total + transfer_lb + speed_rest.bound(
+                                tables.suffix_fb[j2], future_max if future_max > t_k else t_k)
+                            if slow > floor_j2:
+                                floor_j2 = slow
                         if floor_j2 > ub_limit:
                             if floor_j2 < pruned:
                                 pruned = floor_j2
@@ -233,6 +290,11 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                                 joint = total + completion.bound(stages_left, j2, biggest)
                                 if joint > bound:
                                     bound = joint
+                            if speed_rest is not None and bound <= ub_limit:
+                                slow = total + transfer_lb + speed_rest.bound(
+                                    tables.suffix_fb[j2], biggest if biggest > future_max else future_max)
+                                if slow > bound:
+                                    bound = slow
                             if bound > ub_limit:
                                 if bound < pruned:
                                     pruned = bound
@@ -284,7 +346,10 @@ def analytic_lower(problem: Problem, tables: Tables, p: int, space: Space) -> fl
     """No plan of ``p`` stages in ``space`` is faster: all the work on the fastest stage, plus the rest at full speed."""
     fastest, together = space.speeds(p)
     total = tables.suffix_fb[0]
-    return total / fastest + (problem.micro_batches - 1) * total / together
+    alike = total / fastest + (problem.micro_batches - 1) * total / together
+    if not space.mixed_speeds:
+        return alike
+    return max(alike, SpeedRest(space.stage_speeds(p), problem.micro_batches).bound(total, 0.0))
 
 
 def deepening(problem: Problem, tables: Tables, p: int, ub: float, space: Space,

@@ -21,7 +21,7 @@ from solvers.dp.hierarchy import TreeCanon, link_tree
 from solvers.dp.symmetry import Canon, automorphisms
 from solvers.dp.bounds import min_peak_bytes, placement_floor
 
-__all__ = ['ANCHOR_SEED_LIMIT', 'MAX_EXACT_PLACEMENT_DEVICES', 'Search', 'solve_dp']
+__all__ = ['ANCHOR_SEED_LIMIT', 'MAX_EXACT_PLACEMENT_DEVICES', 'Search', 'fastest_first', 'solve_dp']
 
 
 MAX_EXACT_PLACEMENT_DEVICES = 16
@@ -80,6 +80,16 @@ class Search:
                 self.ub, self.incumbent = t, (p, cuts, [self.table.groups[d].devices for d in devices])
 
 
+def fastest_first(problem: Problem) -> list[int]:
+    """The hierarchical device order with the fastest devices first (stably: each speed keeps its locality),
+    so that the first ``p`` devices of it are ``p`` of the fastest, close together. The identity order when all
+    devices have the same speed and ``hierarchical_order`` is the identity."""
+    order = hierarchical_order(problem)
+    if len({d.speed for d in problem.devices}) == 1:
+        return order
+    return sorted(order, key=lambda d: -problem.devices[d].speed)
+
+
 def orbit_canon(problem: Problem, classes: list[list[int]]) -> Canon | TreeCanon | None:
     """How the placement search keeps one state per orbit: the tree of link classes when the links
     form one (any size of group), else the automorphisms when there are few enough; None when the
@@ -115,6 +125,11 @@ def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | Non
     search = Search(problem, tables, table, deadline)
     for p in stage_counts(problem):
         search.offer(p, balanced_cuts(tables, p), [(k,) for k in range(p)])
+    fast = fastest_first(problem) if placement else identity
+    if fast != identity:   # devices of different speeds: the fastest ones, each with a share of the work it can do
+        for p in stage_counts(problem):
+            search.offer(p, balanced_cuts(tables, p, [problem.devices[d].speed for d in fast[:p]]),
+                         [(d,) for d in fast[:p]])
     anchor_p = max(stage_counts(problem))
     for cutter, weights in CUT_ANCHORS:  # the anchors' plans are in our space: never end worse than one
         if cutter in QUADRATIC_ANCHORS and tables.n ** 2 * anchor_p > ANCHOR_SEED_LIMIT:
@@ -132,8 +147,13 @@ def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | Non
     if placement and not blind_is_all:
         # ``time_limit_s`` bounds the whole solve: stage k on device k (the topology-blind plan, a strong
         # incumbent, and an anchor that gets a whole limit of its own) may take 80 % of it; the placement
-        # searches get what is left.
-        search.exact(Space("order", table, order=identity), certifies=False, share=0.8)
+        # searches get what is left. With devices of different speeds, the fastest devices first come
+        # before: stage k on device k then puts slow devices among the stages, rarely the best plan, and
+        # takes long to prove so under a weaker incumbent.
+        mixed = fast not in (identity, order)
+        if mixed:
+            search.exact(Space("order", table, order=fast), certifies=False, share=0.4)
+        search.exact(Space("order", table, order=identity), certifies=False, share=0.5 if mixed else 0.8)
         if order != identity:
             search.exact(Space("order", table, order=order), certifies=False, share=0.5)
     else:
@@ -167,6 +187,13 @@ def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | Non
                 f"no plan that fits in memory was found within the time limit of {time_limit_s} s (the smallest "
                 f"stage peak, {need:.4g} bytes, would fit on the largest device, {have:.4g} bytes); "
                 "raise the time limit or add memory", min_peak_bytes=need)
+        if need <= have:   # the fullest stage fits the largest device, but not every stage finds room
+            least = min(d.memory_bytes for d in problem.devices)
+            raise InfeasibleError(
+                f"no contiguous partition of {tables.n} nodes over {n_dev} devices fits in memory: the best "
+                f"partition's fullest stage needs {need:.4g} bytes at its peak, more than the smallest devices have "
+                f"(memory from {least:.4g} to {have:.4g} bytes), and no plan puts each stage on a device with "
+                "room for it; add devices or memory, or lower micro_batches/activation memory", min_peak_bytes=need)
         raise InfeasibleError(
             f"no contiguous partition of {tables.n} nodes over {n_dev} devices fits in memory: "
             f"the smallest possible stage peak is {need:.4g} bytes, the largest device has {have:.4g} bytes; "

@@ -68,6 +68,29 @@ class Space:
         room = len(self.order) - taken - (p - k - 1)
         return [(self._runs[(taken, r)], (taken + r,)) for r in range(1, min(self.max_replicas, room) + 1)]
 
+    @property
+    def mixed_speeds(self) -> bool:
+        """Whether stages of this space may run at different speeds (single devices only: not ``"runs"``)."""
+        return self.kind != "runs" and len({d.speed for d in self.table.problem.devices}) > 1
+
+    def stage_speeds(self, p: int) -> list[float]:
+        """The fastest speeds ``p`` stages of this space can have (those of ``order[:p]`` in ``"order"``)."""
+        devs = self.table.problem.devices
+        if self.kind == "order":
+            return [devs[d].speed for d in self.order[:p]]
+        return sorted((d.speed for d in devs), reverse=True)[:p]
+
+    def rest_speeds(self, used: tuple | int, k: int, p: int) -> tuple[float, ...]:
+        """The fastest speeds stages ``k + 1 .. p - 1`` can have once ``used`` (after stage ``k``) is taken."""
+        devs = self.table.problem.devices
+        if self.kind == "order":
+            return tuple(devs[d].speed for d in self.order[k + 1:p])
+        if self.canon is not None:
+            free = [devs[d].speed for d in range(len(devs)) if not used >> d & 1]
+        else:
+            free = [devs[d].speed for c, group in enumerate(self.classes) for d in group[used[c]:]]
+        return tuple(sorted(free, reverse=True)[:p - k - 1])
+
     def speeds(self, p: int) -> tuple[float, float]:
         """(fastest stage speed, largest total speed of ``p`` stages) over this space."""
         devs = self.table.problem.devices

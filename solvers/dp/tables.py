@@ -155,15 +155,21 @@ class Tables:
         return table
 
 
-def balanced_cuts(tables: Tables, p: int) -> list[int]:
-    """Cut positions that split compute evenly: a cheap incumbent for pruning."""
+def balanced_cuts(tables: Tables, p: int, speeds: list[float] | None = None) -> list[int]:
+    """Cut positions that split compute in proportion to ``speeds`` (evenly when None): stage ``k`` gets
+    ``speeds[k] / sum(speeds)`` of the work, a cheap incumbent for pruning."""
     total = tables.suffix_fb[0]
-    cuts, acc, k = [], 0.0, 1
+    shares = speeds if speeds is not None else [1.0] * p
+    targets, acc_share = [], 0.0
+    for share in shares[:-1]:
+        acc_share += share
+        targets.append(total * acc_share / sum(shares))
+    cuts: list[int] = []
+    acc = 0.0
     for i in range(tables.n):
         acc += tables.fb[i]
-        if k < p and acc >= total * k / p and i + 1 < tables.n and len(cuts) < p - 1:
+        if len(cuts) < p - 1 and acc >= targets[len(cuts)] and i + 1 < tables.n:
             cuts.append(i + 1)
-            k += 1
     while len(cuts) < p - 1:  # degenerate costs: fill with the last free positions
         cand = [c for c in range(1, tables.n) if c not in cuts]
         cuts.append(max(c for c in cand))
