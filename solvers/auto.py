@@ -14,8 +14,8 @@
    ILP over convex partitions on the DP's placement, warm-started from the DP.
 
 ``time_limit_s`` bounds the whole solve: the DP takes all of it when its space
-holds an optimum of the reference problem and the order is too long for the search over ideals, else
-:data:`DP_SHARE`; the search over ideals :data:`IDEALS_SHARE` of the rest when the ILP phases could
+holds an optimum of the reference problem and the order is too long for the search over ideals, or when
+the problem allows replica groups (no later phase searches them), else :data:`DP_SHARE`; the search over ideals :data:`IDEALS_SHARE` of the rest when the ILP phases could
 follow, else all of it. The heaviest chain's bound
 then takes what it needs of the rest (up to :data:`SPINE_SHARE` of it when the exact
 decomposition is to follow, which certifies on its own), and the convex phase (model
@@ -103,9 +103,12 @@ def solve_auto(problem: Problem, time_limit_s: float = 10.0) -> Solution:
     # but the search over ideals, the same space with other bounds: the DP may take the whole budget, or
     # half when the order is short enough for that search; otherwise it leaves the rest to the bound and
     # the convex phase.
+    # Replica groups: only the DP searches them (the later phases place one device per stage), so it takes
+    # the whole budget.
     chain_like = contiguous_is_convex(problem) and problem.max_replicas == 1
-    lattice = convex_lattice(problem)   # None past MAX_IDEALS ideals (ViT-B/16 finds out in 0.3 s)
-    dp_share = 1.0 if chain_like and lattice is None else DP_SHARE
+    replicas = problem.max_replicas > 1
+    lattice = None if replicas else convex_lattice(problem)   # None past MAX_IDEALS ideals (ViT-B/16: 0.3 s)
+    dp_share = 1.0 if (chain_like and lattice is None) or replicas else DP_SHARE
     found = [s for s in [_phase("dp", keep_error(lambda: solve_dp(problem, time_limit_s=dp_share * time_limit_s)),
                                 log)] if s is not None]
     dp = found[0] if found else None

@@ -104,3 +104,26 @@ def test_memory_that_only_some_devices_have_is_named_in_the_error():
         links=dict(bandwidth_Bps=[[0, 1], [1, 0]], latency_s=[[0, 0], [0, 0]])))
     with pytest.raises(InfeasibleError, match=r"fullest stage needs 50 bytes .*\(memory from 40 to 60 bytes\)"):
         solve_dp(problem)
+
+
+def test_a_certifying_search_stopped_by_its_share_runs_again_with_the_time_left(monkeypatch):
+    """The replica search gets half of what is left; when the searches after it end early it runs again,
+    so the solve certifies its space instead of stopping with time unused."""
+    import solvers.dp.search as search_module
+    problem = Problem.from_dict({**_mixed_problem(random.Random("resume"), n=6, devices=4).to_dict(),
+                                 "format": "fxpipe-problem/2", "max_replicas": 2})
+    calls: dict[str, int] = {}
+    real = search_module.deepening
+
+    def deepening(problem, tables, p, ub, space, deadline, proven, floor=0.0, search=None):
+        calls[space.kind] = calls.get(space.kind, 0) + 1
+        if space.kind == "runs" and calls[space.kind] == 1:   # the first replica search: its share runs out
+            proven[p] = 0.0
+            raise search_module.Timeout
+        return real(problem, tables, p, ub, space, deadline, proven, floor, search)
+
+    monkeypatch.setattr(search_module, "deepening", deepening)
+    got = solve_dp(problem, time_limit_s=60.0)
+    assert calls["runs"] > 1 and got.solver["space_optimal"] is True
+    monkeypatch.setattr(search_module, "deepening", real)
+    assert score(problem, got).iteration_s == pytest.approx(score(problem, solve_dp(problem)).iteration_s, rel=1e-9)

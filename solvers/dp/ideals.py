@@ -13,8 +13,9 @@ proves optimal in 2 s. It is the same label setting with ideals in place of cut 
 
 Its bounds, all over the lattice: the rest's work at the fastest speed and at the best balance; what every
 node read after ``J`` must still send, from its own device over that device's cheapest link (it raises both
-the sum and its stage's time); and the rest's sum and slowest stage together
-(:mod:`solvers.dp.ideal_bounds`).
+the sum and its stage's time); the rest's sum and slowest stage together
+(:mod:`solvers.dp.ideal_bounds`); and, with devices of different speeds, the share slow devices must take
+(:mod:`solvers.dp.speeds`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from solvers.dp.ideal_bounds import IdealCompletion
 from solvers.dp.labels import Label, Timeout, insert_label
 from solvers.dp.lattice import Lattice
 from solvers.dp.space import Space
+from solvers.dp.speeds import SpeedRest
 from solvers.dp.tables import REL_TOL, Tables
 
 __all__ = ["solve_ideals_p"]
@@ -59,6 +61,8 @@ def solve_ideals_p(problem: Problem, tables: Tables, lattice: Lattice, p: int, u
     # a node read after the ideal still sends at least once, from its device over that device's cheapest link
     links_from = [sorted({table.link(a, b) for b in range(n_dev) if b != a}) for a in range(n_dev)]
     owe_memo: dict[tuple[int, float], float] = {}
+    mixed = space.mixed_speeds   # devices of different speeds: the rest at the speeds it can still have
+    speed_rests: dict[tuple[float, ...], SpeedRest] = {}
 
     def owes(a: int, nbytes: float) -> float:
         got = owe_memo.get((a, nbytes))
@@ -123,6 +127,12 @@ def solve_ideals_p(problem: Problem, tables: Tables, lattice: Lattice, p: int, u
                     group = groups[d]
                     speed = group.speed
                     act_scale = inflight / group.replicas
+                    speed_rest: SpeedRest | None = None
+                    if mixed and stages_left:
+                        rest_speeds = space.rest_speeds(new_used, k, p)
+                        speed_rest = speed_rests.get(rest_speeds)
+                        if speed_rest is None:
+                            speed_rest = speed_rests[rest_speeds] = SpeedRest(list(rest_speeds), m)
                     for work, rest_work, j, st in viable:
                         compute = work / speed
                         if compute > cap:   # and every later target, heavier
@@ -165,6 +175,11 @@ def solve_ideals_p(problem: Problem, tables: Tables, lattice: Lattice, p: int, u
                             joint = least_total + stage_total + completion.bound(stages_left, j, t_k + owe_new)
                             if joint > floor_j:
                                 floor_j = joint
+                        if speed_rest is not None and floor_j <= ub_limit:
+                            slow = least_total + stage_total + owe_total + speed_rest.bound(
+                                rest_work, max(t_k + owe_new, future_max))
+                            if slow > floor_j:
+                                floor_j = slow
                         if floor_j > ub_limit:
                             pruned = min(pruned, floor_j)
                             continue
@@ -200,6 +215,10 @@ def solve_ideals_p(problem: Problem, tables: Tables, lattice: Lattice, p: int, u
                                 joint = total + completion.bound(stages_left, j, biggest)
                                 if joint > bound:
                                     bound = joint
+                            if speed_rest is not None and bound <= ub_limit:
+                                slow = total + owe_total + speed_rest.bound(rest_work, max(biggest, future_max))
+                                if slow > bound:
+                                    bound = slow
                             if bound > ub_limit:
                                 pruned = min(pruned, bound)
                                 continue

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 from solvers.cuts import CUT_ANCHORS, QUADRATIC_ANCHORS
 from solvers.cuts_scheduled import autopartition_cuts, megatron_cuts
@@ -21,7 +22,7 @@ from solvers.dp.hierarchy import TreeCanon, link_tree
 from solvers.dp.symmetry import Canon, automorphisms
 from solvers.dp.bounds import min_peak_bytes, placement_floor
 
-__all__ = ['ANCHOR_SEED_LIMIT', 'MAX_EXACT_PLACEMENT_DEVICES', 'Search', 'fastest_first', 'solve_dp']
+__all__ = ['ANCHOR_SEED_LIMIT', 'MAX_EXACT_PLACEMENT_DEVICES', 'CutShort', 'Search', 'fastest_first', 'solve_dp']
 
 
 MAX_EXACT_PLACEMENT_DEVICES = 16
@@ -32,6 +33,16 @@ ANCHOR_SEED_LIMIT = 2e7
 """Seed with the anchors' quadratic partitioners only up to ``nodes^2 x stages`` this large."""
 
 
+@dataclass
+class CutShort:
+    """A certifying search the deadline stopped: its space, the floors it had, and what it proved."""
+
+    space: Space
+    floor: dict[int, float]
+    lower: float         # no plan of its space is faster
+    by_share: bool       # stopped by its share of the time, not by the solve's deadline: worth another go
+
+
 class Search:
     """The incumbent and what the searches so far certify about the optimum."""
 
@@ -39,8 +50,17 @@ class Search:
         self.problem, self.tables, self.table, self.deadline = problem, tables, table, deadline
         self.ub = math.inf
         self.incumbent: tuple[int, list[int], list[tuple[int, ...]]] | None = None
-        self.lower = math.inf          # lower bound from searches cut short by the deadline
-        self.complete = True
+        self.cut_short: list[CutShort] = []   # certifying searches the deadline stopped
+
+    @property
+    def complete(self) -> bool:
+        """Every certifying search finished."""
+        return not self.cut_short
+
+    @property
+    def lower(self) -> float:
+        """The lower bound the searches cut short still prove (inf when none was)."""
+        return min((c.lower for c in self.cut_short), default=math.inf)
 
     def offer(self, p: int, cuts: list[int], groups: list[tuple[int, ...]]) -> None:
         sc = score_assignment(self.problem, assignment_from_cuts(self.tables.order, cuts), groups)
@@ -69,15 +89,27 @@ class Search:
                                      floor.get(p, 0.0))
             except Timeout:
                 if certifies:
-                    self.complete = False
                     rest = [max(proven.get(p, 0.0), floor.get(p, 0.0))] + [
                         max(analytic_lower(self.problem, self.tables, q, space), floor.get(q, 0.0))
                         for q in counts[i + 1:]]
-                    self.lower = min([self.lower] + rest)
+                    self.cut_short.append(CutShort(space, floor, min(rest), by_share=deadline < self.deadline))
                 return
             if label is not None and t <= self.ub * (1 + REL_TOL):
                 cuts, devices = plan_of(label)
                 self.ub, self.incumbent = t, (p, cuts, [self.table.groups[d].devices for d in devices])
+
+    def resume(self) -> None:
+        """Run again, with all the time left, the certifying searches their share stopped while later ones
+        finished early (one that stops again keeps the better of its two bounds)."""
+        for item in [c for c in self.cut_short if c.by_share]:
+            if time.perf_counter() >= self.deadline:
+                return
+            self.cut_short.remove(item)
+            before = len(self.cut_short)
+            self.exact(item.space, certifies=True, floor=item.floor)
+            if len(self.cut_short) > before:
+                again = self.cut_short[-1]
+                again.lower = max(again.lower, item.lower)
 
 
 def fastest_first(problem: Problem) -> list[int]:
@@ -179,6 +211,7 @@ def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | Non
                  if search.incumbent is not None else {})
         search.exact(Space("classes", table, classes=classes, canon=orbit_canon(problem, classes)),
                      certifies=True, floor=floor)
+    search.resume()
     if search.incumbent is None:
         need = min_peak_bytes(problem)
         have = max(d.memory_bytes for d in problem.devices)
