@@ -10,6 +10,7 @@ from solvers.problem import Problem
 from solvers.dp.tables import Tables, device_classes, fastest_link, stage_counts
 from solvers.dp.labels import Timeout, deepening
 from solvers.dp.space import Space
+from solvers.dp.peaks import least_peak
 
 __all__ = ['min_peak_bytes', 'placement_floor']
 
@@ -17,9 +18,12 @@ __all__ = ['min_peak_bytes', 'placement_floor']
 def min_peak_bytes(problem: Problem) -> float:
     """Smallest over the search space of the largest per-device peak memory of a stage.
 
-    With ``max_replicas > 1`` a stage may spread its activations over a replica
-    group of consecutive devices, so the programme also tracks devices used.
+    With one device per stage, :func:`solvers.dp.peaks.least_peak` (to a relative 1e-12); with
+    ``max_replicas > 1`` a stage may spread its activations over a replica group of consecutive devices,
+    so a quadratic programme also tracks devices used.
     """
+    if problem.max_replicas == 1:   # one device per stage: bisection on the cap (solvers.dp.peaks)
+        return least_peak(problem, problem.order, stage_counts(problem))
     tables = Tables(problem)
     n, factor, d = tables.n, 1.0 + problem.optimizer_state_factor, len(problem.devices)
     reps = range(1, problem.max_replicas + 1)

@@ -21,6 +21,7 @@ from solvers.dp.space import Space
 from solvers.dp.hierarchy import TreeCanon, link_tree
 from solvers.dp.symmetry import Canon, automorphisms
 from solvers.dp.bounds import min_peak_bytes, placement_floor
+from solvers.dp.peaks import plan_within
 
 __all__ = ['ANCHOR_SEED_LIMIT', 'MAX_EXACT_PLACEMENT_DEVICES', 'CutShort', 'Search', 'fastest_first', 'solve_dp']
 
@@ -172,6 +173,12 @@ def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | Non
         # anchor itself may end a little better than this seed)
         search.offer(anchor_p, autopartition_cuts(problem, anchor_p, deadline), [(k,) for k in range(anchor_p)])
     search.offer(anchor_p, megatron_cuts(problem, anchor_p), [(k,) for k in range(anchor_p)])
+    if search.incumbent is None:   # no balanced plan fits in memory: one within the smallest device, if any
+        smallest = min(d.memory_bytes for d in problem.devices)
+        for p in stage_counts(problem):
+            cuts = plan_within(problem, tables.order, p, smallest)
+            if cuts is not None:
+                search.offer(p, cuts, [(k,) for k in range(p)])
     exhaustive = placement and n_dev <= MAX_EXACT_PLACEMENT_DEVICES
     classes = device_classes(problem) if placement else [[d] for d in identity]
     blind_is_all = not placement or len(classes) == 1
