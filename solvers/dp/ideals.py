@@ -29,7 +29,7 @@ from solvers.dp.ideal_bounds import IdealCompletion
 from solvers.dp.labels import Label, Timeout, insert_label
 from solvers.dp.lattice import Lattice
 from solvers.dp.space import Space
-from solvers.dp.speeds import SpeedRest
+from solvers.dp.speeds import SpeedRests
 from solvers.dp.tables import REL_TOL, Tables
 
 __all__ = ["solve_ideals_p"]
@@ -61,8 +61,7 @@ def solve_ideals_p(problem: Problem, tables: Tables, lattice: Lattice, p: int, u
     # a node read after the ideal still sends at least once, from its device over that device's cheapest link
     links_from = [sorted({table.link(a, b) for b in range(n_dev) if b != a}) for a in range(n_dev)]
     owe_memo: dict[tuple[int, float], float] = {}
-    mixed = space.mixed_speeds   # devices of different speeds: the rest at the speeds it can still have
-    speed_rests: dict[tuple[float, ...], SpeedRest] = {}
+    speed_rests = SpeedRests(space, m)   # devices of different speeds: the rest at the speeds it can still have
 
     def owes(a: int, nbytes: float) -> float:
         got = owe_memo.get((a, nbytes))
@@ -127,12 +126,7 @@ def solve_ideals_p(problem: Problem, tables: Tables, lattice: Lattice, p: int, u
                     group = groups[d]
                     speed = group.speed
                     act_scale = inflight / group.replicas
-                    speed_rest: SpeedRest | None = None
-                    if mixed and stages_left:
-                        rest_speeds = space.rest_speeds(new_used, k, p)
-                        speed_rest = speed_rests.get(rest_speeds)
-                        if speed_rest is None:
-                            speed_rest = speed_rests[rest_speeds] = SpeedRest(list(rest_speeds), m)
+                    speed_rest = speed_rests.of(new_used, k, p)
                     for work, rest_work, j, st in viable:
                         compute = work / speed
                         if compute > cap:   # and every later target, heavier

@@ -19,7 +19,7 @@ from solvers.groups import allreduce_s
 from solvers.problem import Problem
 from solvers.dp.completion import completion_for
 from solvers.dp.space import Space
-from solvers.dp.speeds import SpeedRest
+from solvers.dp.speeds import SpeedRest, SpeedRests
 from solvers.dp.tables import REL_TOL, Tables
 
 __all__ = ['FIRST_STEP', 'analytic_lower', 'Label', 'plan_of', 'Timeout', 'deepening', 'insert_label', 'solve_fixed_p']
@@ -103,8 +103,7 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
     prefix_fb = np.concatenate([[0.0], np.cumsum(tables.fb)])
     last_use = np.array(tables.last_use)
     # devices of different speeds: the rest's compute at the speeds it can still have (solvers.dp.speeds)
-    mixed = space.mixed_speeds
-    speed_rests: dict[tuple[float, ...], SpeedRest] = {}
+    speed_rests = SpeedRests(space, m)
     # frontier[(j, k)] maps (used devices, pending senders) to Pareto sets of labels.
     frontier: dict[tuple[int, int], dict[tuple, list[Label]]] = {
         (0, 0): {(space.start(), ()): [Label(0.0, 0.0, (), None, 0, 0, -1)]}
@@ -150,12 +149,7 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                         first_end = j + 1 + first
                 for d, new_used in space.candidates(used, k, p, pending):
                     group = groups[d]
-                    speed_rest: SpeedRest | None = None
-                    if mixed and stages_left:
-                        speeds = space.rest_speeds(new_used, k, p)
-                        speed_rest = speed_rests.get(speeds)
-                        if speed_rest is None:
-                            speed_rest = speed_rests[speeds] = SpeedRest(list(speeds), m)
+                    speed_rest = speed_rests.of(new_used, k, p)
                     act_scale = inflight / group.replicas
                     replicated = group.replicas > 1
                     # Everything of a stage [j, j2) on d but the labels' own sums is the same for every label
@@ -170,19 +164,7 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                     # the earlier senders still read at or after j2, updated only when one stops being read
                     kept_pending, done_slots, kept_slots = pending, [], list(range(len(pend_stages)))
                     expiry = min((tables.last_use[u] for u, _, _ in pending), default=n)
-                    for x in range(j, first_end - 1):   # the skipped ends: only what later ends add up
-                        compute += tables.fb[x]
-                        params += tables.param[x]
-                        acts += tables.act[x]
-                        for u, nbytes in tables.inputs[x]:
-                            if u < j and nbytes >= recv.get(u, -1.0):
-                                recv[u] = nbytes
-                                c = 2.0 * space.table.transfer_s(nbytes, pend_dev[u], d)
-                                comm_in += c - recv_cost.get(u, 0.0)
-                                recv_cost[u] = c
-                    if first_end > j + 1:
-                        alive_seg = (j + np.flatnonzero(last_use[j:first_end - 1] >= first_end - 1)).tolist()
-                    for j2 in range(first_end, j_max + 1):
+                    for j2 in range(j + 1, j_max + 1):
                         x = j2 - 1
                         compute += tables.fb[x]
                         params += tables.param[x]
@@ -193,13 +175,18 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                                 c = 2.0 * space.table.transfer_s(nbytes, pend_dev[u], d)
                                 comm_in += c - recv_cost.get(u, 0.0)
                                 recv_cost[u] = c
+                        if j2 < first_end:   # an end the floor test fails for every label: only add it up
+                            continue
                         if params * factor + acts * act_scale > group.memory_bytes:
                             break
                         ar = allreduce_s(group, params) / m if replicated else 0.0
                         t_k = compute / group.speed + comm_in + ar
-                        alive_seg = [u for u in alive_seg if tables.last_use[u] >= j2]
-                        if tables.last_use[x] >= j2:
-                            alive_seg.append(x)
+                        if j2 == first_end > j + 1:   # the first end looked at past the skipped ones
+                            alive_seg = (j + np.flatnonzero(last_use[j:j2] >= j2)).tolist()
+                        else:
+                            alive_seg = [u for u in alive_seg if tables.last_use[u] >= j2]
+                            if tables.last_use[x] >= j2:
+                                alive_seg.append(x)
                         stage_total = compute / group.speed + 2.0 * comm_in + ar
                         rest = tables.suffix_fb[j2] / max_speed
                         # Tests for every label at once (each label's max is at least t_k): t_k and

@@ -17,8 +17,12 @@ is convex, and so is ``g(mu) = R(mu W) / W + (m - 1) mu``; its minimum over ``mu
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-__all__ = ["SpeedRest"]
+if TYPE_CHECKING:   # only for the annotation: Space imports nothing of this module
+    from solvers.dp.space import Space
+
+__all__ = ["SpeedRest", "SpeedRests"]
 
 
 class SpeedRest:
@@ -53,3 +57,22 @@ class SpeedRest:
             return self.weight * slowest_at_least
         mu = max(slowest_at_least / work, self.best_mu, self.lowest_mu)
         return work * self.g(mu)
+
+
+class SpeedRests:
+    """The :class:`SpeedRest` of each list of rest speeds one search meets, made once: what a label search asks
+    for the rest after stage ``k`` of ``p`` once ``used`` is taken (None where all devices are alike)."""
+
+    def __init__(self, space: "Space", micro_batches: int) -> None:
+        self.space, self.micro_batches = space, micro_batches
+        self.mixed = space.mixed_speeds
+        self.made: dict[tuple[float, ...], SpeedRest] = {}
+
+    def of(self, used: tuple | int, k: int, p: int) -> SpeedRest | None:
+        if not self.mixed or k == p - 1:
+            return None
+        speeds = self.space.rest_speeds(used, k, p)
+        rest = self.made.get(speeds)
+        if rest is None:
+            rest = self.made[speeds] = SpeedRest(list(speeds), self.micro_batches)
+        return rest
