@@ -15,8 +15,8 @@
 
 ``time_limit_s`` bounds the whole solve: the DP takes all of it when its space
 holds an optimum of the reference problem and the order is too long for the search over ideals, or when
-the problem allows replica groups (no later phase searches them), else :data:`DP_SHARE`; the search over ideals :data:`IDEALS_SHARE` of the rest when the ILP phases could
-follow, else all of it. The heaviest chain's bound
+the problem allows replica groups (no later phase searches them), else :data:`DP_SHARE`; the search over
+ideals :data:`IDEALS_SHARE` of the rest when the ILP phases could follow, else all of it. The heaviest chain's bound
 then takes what it needs of the rest (up to :data:`SPINE_SHARE` of it when the exact
 decomposition is to follow, which certifies on its own), and the convex phase (model
 building included) what is left. A phase that finds nothing or times out

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import math
 import time
-
-import numpy as np
 from dataclasses import dataclass
 from operator import le
 from typing import Callable
 
+import numpy as np
+
 from solvers.groups import allreduce_s
 from solvers.problem import Problem
 from solvers.dp.completion import completion_for
+from solvers.dp.skip import EndSkip
 from solvers.dp.space import Space
 from solvers.dp.speeds import SpeedRest, SpeedRests
 from solvers.dp.tables import REL_TOL, Tables
@@ -94,13 +95,8 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
     slowest = (ub_limit - tables.suffix_fb[0] / max_speed) / (m - 1) if m > 1 and math.isfinite(ub) else math.inf
     completion = (completion_for(problem, tables, p, max_speed, least_max, slowest)
                   if p > 1 and math.isfinite(slowest) and slowest >= least_max else None)
-    # The state-free part of the floor test below, per stage count left and stage end: a state skips the
-    # ends where even its cheapest label fails it (most of them: a stage must be long enough to leave the
-    # rest a bottleneck under the bound), and jumps to the first one that may pass.
-    floor_parts = [np.zeros(n + 1)] + [
-        (m - 1) * np.array(future_bottleneck[s]) + np.array(transfer_lbs[s]) if m > 1 else np.array(transfer_lbs[s])
-        for s in range(1, p)]
-    prefix_fb = np.concatenate([[0.0], np.cumsum(tables.fb)])
+    # a state skips the stage ends where even its cheapest label fails the floor test (solvers.dp.skip)
+    skip = EndSkip(tables, p, m, max_speed, future_bottleneck, transfer_lbs)
     last_use = np.array(tables.last_use)
     # devices of different speeds: the rest's compute at the speeds it can still have (solvers.dp.speeds)
     speed_rests = SpeedRests(space, m)
@@ -127,26 +123,11 @@ def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Sp
                 pend_dev = {u: d for u, _, d in pending}
                 pend_stages = sorted(set(pend_stage.values()))
                 slot = {a: i for i, a in enumerate(pend_stages)}
-                first_end = j + 1
-                if stages_left:
-                    # floor_j2 >= least total + all the work from j at the fastest speed + floor_parts: the
-                    # ends where that is over the limit are skipped (recorded in ``pruned`` as that value,
-                    # no more than theirs), and so are those past the cap on the stage's compute alone
-                    base = min(label.total for label in labels) + tables.suffix_fb[j] / max_speed
-                    last = j_max if not math.isfinite(cap) else min(j_max, int(np.searchsorted(
-                        prefix_fb, prefix_fb[j] + cap * max_speed, side="right")) - 1)
-                    window = floor_parts[stages_left][j + 1:last + 1]
-                    passing = window <= ub_limit * (1 + 1e-12) - base
-                    first = int(passing.argmax()) if len(window) else 0
-                    if not len(window) or not passing[first]:
-                        if len(window):
-                            pruned = min(pruned, base + float(window.min()))
-                        if last < j_max:   # the next end is over the cap: T >= m x its stage
-                            pruned = min(pruned, m * (prefix_fb[last + 1] - prefix_fb[j]) / max_speed)
-                        continue
-                    if first:
-                        pruned = min(pruned, base + float(window[:first].min()))
-                        first_end = j + 1 + first
+                first_end, skipped = skip.first_end(j, j_max, stages_left, min(label.total for label in labels),
+                                                    cap, ub_limit)
+                pruned = min(pruned, skipped)   # no more than the skipped ends' floors: still a proven bound
+                if first_end is None:
+                    continue
                 for d, new_used in space.candidates(used, k, p, pending):
                     group = groups[d]
                     speed_rest = speed_rests.of(new_used, k, p)

@@ -22,12 +22,18 @@ from solvers.problem import Problem
 __all__ = ["fits", "least_peak", "plan_within"]
 
 
-def _prefix(problem: Problem, order: list[str], k: int, p: int) -> np.ndarray:
+def _node_bytes(problem: Problem, order: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Per position of ``order``: parameter bytes with their optimizer state, and activation bytes."""
     nodes = problem.node_map()
     factor = 1.0 + problem.optimizer_state_factor
-    inflight = problem.inflight(k, p)
-    per_node = [nodes[v].param_bytes * factor + nodes[v].act_bytes * inflight for v in order]
-    return np.concatenate([[0.0], np.cumsum(per_node)])
+    return (np.array([nodes[v].param_bytes * factor for v in order], dtype=float),
+            np.array([nodes[v].act_bytes for v in order], dtype=float))
+
+
+def _prefixes(problem: Problem, node_bytes: tuple[np.ndarray, np.ndarray], p: int) -> list[np.ndarray]:
+    """``Q_k`` for the ``p`` stages of a ``p``-stage split: the prefix sums of each node's peak on stage ``k``."""
+    params, acts = node_bytes
+    return [np.concatenate([[0.0], np.cumsum(params + acts * problem.inflight(k, p))]) for k in range(p)]
 
 
 def _reach(prefixes: list[np.ndarray], cap: float) -> list[np.ndarray]:
@@ -50,12 +56,12 @@ def _reach(prefixes: list[np.ndarray], cap: float) -> list[np.ndarray]:
 
 def fits(problem: Problem, order: list[str], p: int, cap: float) -> bool:
     """Whether some split of ``order`` into ``p`` contiguous stages keeps every stage's peak within ``cap``."""
-    return bool(_reach([_prefix(problem, order, k, p) for k in range(p)], cap)[-1][len(order)])
+    return bool(_reach(_prefixes(problem, _node_bytes(problem, order), p), cap)[-1][len(order)])
 
 
 def plan_within(problem: Problem, order: list[str], p: int, cap: float) -> list[int] | None:
     """Cut positions of a ``p``-stage split of ``order`` whose every stage peaks within ``cap``, or None."""
-    prefixes = [_prefix(problem, order, k, p) for k in range(p)]
+    prefixes = _prefixes(problem, _node_bytes(problem, order), p)
     reach = _reach(prefixes, cap)
     n = len(order)
     if not reach[-1][n]:
@@ -73,10 +79,11 @@ def plan_within(problem: Problem, order: list[str], p: int, cap: float) -> list[
 def least_peak(problem: Problem, order: list[str], counts: list[int]) -> float:
     """The smallest largest stage peak over splits of ``order`` into any of ``counts`` stages (relative 1e-12)."""
     best = math.inf
+    node_bytes = _node_bytes(problem, order)
     for p in counts:
         if p > len(order):
             continue
-        prefixes = [_prefix(problem, order, k, p) for k in range(p)]
+        prefixes = _prefixes(problem, node_bytes, p)
         hi = max(float(q[-1]) for q in prefixes)            # one stage holding everything: every split fits
         lo = 0.0
         if best < hi:

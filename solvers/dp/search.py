@@ -69,12 +69,13 @@ class Search:
             self.ub, self.incumbent = sc.iteration_s, (p, list(cuts), list(groups))
 
     def exact(self, space: Space, certifies: bool, floor: dict[int, float] | None = None,
-              share: float = 1.0) -> None:
+              share: float = 1.0) -> CutShort | None:
         """Search ``space`` for every stage count; if cut short and ``certifies``, keep its lower bound.
 
         ``floor[p]`` is a known lower bound for ``p`` stages (from a relaxation): counts whose
         floor already reaches the incumbent are skipped. ``share`` is the fraction of the
-        remaining time this search may take (the rest is left to later searches).
+        remaining time this search may take (the rest is left to later searches). Returns the
+        :class:`CutShort` it recorded when the deadline stopped it and it ``certifies``.
         """
         floor = floor or {}
         deadline = self.deadline
@@ -93,11 +94,14 @@ class Search:
                     rest = [max(proven.get(p, 0.0), floor.get(p, 0.0))] + [
                         max(analytic_lower(self.problem, self.tables, q, space), floor.get(q, 0.0))
                         for q in counts[i + 1:]]
-                    self.cut_short.append(CutShort(space, floor, min(rest), by_share=deadline < self.deadline))
-                return
+                    stopped = CutShort(space, floor, min(rest), by_share=deadline < self.deadline)
+                    self.cut_short.append(stopped)
+                    return stopped
+                return None
             if label is not None and t <= self.ub * (1 + REL_TOL):
                 cuts, devices = plan_of(label)
                 self.ub, self.incumbent = t, (p, cuts, [self.table.groups[d].devices for d in devices])
+        return None
 
     def resume(self) -> None:
         """Run again, with all the time left, the certifying searches their share stopped while later ones
@@ -106,10 +110,8 @@ class Search:
             if time.perf_counter() >= self.deadline:
                 return
             self.cut_short.remove(item)
-            before = len(self.cut_short)
-            self.exact(item.space, certifies=True, floor=item.floor)
-            if len(self.cut_short) > before:
-                again = self.cut_short[-1]
+            again = self.exact(item.space, certifies=True, floor=item.floor)
+            if again is not None:
                 again.lower = max(again.lower, item.lower)
 
 
