@@ -5,6 +5,7 @@ Nothing here imports torch.
 """
 
 from solvers.brute import brute_force_contiguous
+from solvers.certificate import contiguous_is_convex
 from solvers.dp import min_peak_bytes, solve_dp
 from solvers.errors import InfeasibleError, InvalidProblemError, SolverError
 from solvers.problem import Device, Edge, Node, Problem
@@ -40,16 +41,31 @@ def solve(problem: Problem, method: str = "dp", time_limit_s: float = 10.0) -> S
     if method not in METHODS:
         raise InvalidProblemError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
     if method == "dp":
-        return solve_dp(problem, time_limit_s=time_limit_s)
+        try:
+            return solve_dp(problem, time_limit_s=time_limit_s)
+        except InfeasibleError as exc:
+            if contiguous_is_convex(problem):
+                raise
+            raise InfeasibleError(f"{exc}. Method 'dp' searches contiguous stages of one topological order "
+                                  "only; a convex partition outside them may fit: method 'auto' (the default) "
+                                  "searches those too", min_peak_bytes=exc.min_peak_bytes) from exc
     if method == "auto":
         from solvers.auto import solve_auto
         return solve_auto(problem, time_limit_s)
+    from solvers.dp.tables import device_classes
     from solvers.ilp import ilp_available, solve_ilp
 
     if not ilp_available():
         raise SolverError(f"method {method!r} needs HiGHS: pip install highspy")
     if method == "ilp":
-        return solve_ilp(problem, time_limit_s)
+        try:
+            return solve_ilp(problem, time_limit_s)
+        except InfeasibleError as exc:
+            if len(device_classes(problem)) == 1:   # every placement is alike: the one searched is all of them
+                raise
+            raise InfeasibleError(f"{exc}. Method 'ilp' searches that one placement only; another may fit: "
+                                  "method 'auto' (the default) or 'exact' searches the others",
+                                  min_peak_bytes=exc.min_peak_bytes) from exc
     from solvers.exact import solve_exact
     sol = solve_exact(problem, time_limit_s)
     if sol is None:

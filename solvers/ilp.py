@@ -277,8 +277,10 @@ def solve_ilp(problem: Problem, time_limit_s: float = 30.0, warm_start: Solution
                 best = (sc.iteration_s, run.stage_of, stage_devices)
     if best is None:
         if proven:
+            placed = (f"stage s on device {[problem.devices[d].id for d in devices]}[s]" if devices is not None
+                      else "stage s on device s")
             raise InfeasibleError(
-                f"no convex partition on devices {devices or 'stage s on device s'} fits in memory; add devices "
+                f"no convex partition with {placed} fits in memory; add devices "
                 "or memory, or lower micro_batches/activation memory", min_peak_bytes=math.nan)
         raise InfeasibleError("the ILP found no feasible convex partition within its time limit of "
                               f"{time_limit_s} s; raise the time limit", min_peak_bytes=math.nan)

@@ -258,3 +258,35 @@ def test_auto_finds_the_convex_plan_when_no_contiguous_one_fits():
     check_certificate(problem, sol, wall, best.iteration_s)
     assert sol.predicted["iteration_s"] == pytest.approx(best.iteration_s, rel=1e-7)
     assert sol.solver["optimal"] is True and sol.solver["phases"][0]["status"] == "no plan"
+
+
+def test_a_method_whose_space_missed_a_plan_says_so_and_names_the_method_that_searches_it():
+    """``solve(method='dp')`` and ``solve(method='ilp')`` search part of the reference space: when no plan of
+    that part fits while a plan of the rest does, the error says what was searched and that 'auto' searches
+    more (it used to advise adding memory, and the ILP's read "on devices stage s on device s")."""
+    rng = random.Random("ref-62-parallel")   # the problem of the test above: only a convex plan fits
+    problem = reference_problem(rng, "parallel", rng.randint(4, 6), 3, rng.choice(["gpipe", "1f1b"]),
+                                rng.random() < 0.5)
+    assert brute_force_reference(problem) is not None
+    with pytest.raises(InfeasibleError, match=r"Method 'dp' searches contiguous stages of one topological "
+                                              r"order only; .* method 'auto' \(the default\)"):
+        solve(problem, "dp")
+    # memory only the last device has: stage s on device s cannot fit, a plan on that device does
+    fits_last = Problem.from_dict({
+        "format": "fxpipe-problem/1", "micro_batches": 2, "schedule": "1f1b", "stages": None,
+        "optimizer_state_factor": 0,
+        "nodes": [{"id": f"v{i}", "fwd_s": 1.0, "bwd_s": 1.0, "param_bytes": 10.0, "act_bytes": 0.0}
+                  for i in range(3)],
+        "edges": [{"src": "v0", "dst": "v1", "bytes": 1.0}, {"src": "v1", "dst": "v2", "bytes": 1.0}],
+        "devices": [{"id": "a", "memory_bytes": 1.0}, {"id": "b", "memory_bytes": 1.0},
+                    {"id": "c", "memory_bytes": 100.0}],
+        "links": {"bandwidth_Bps": [[0, 1, 1], [1, 0, 1], [1, 1, 0]], "latency_s": [[0, 0, 0]] * 3}})
+    assert solve(fits_last, "auto").stages[0].devices == ["c"]
+    with pytest.raises(InfeasibleError, match=r"no convex partition with stage s on device s fits in memory; .*"
+                                              r"Method 'ilp' searches that one placement only; .*'exact'"):
+        solve(fits_last, "ilp")
+    # devices alike: the placement searched is every placement, so the plain message stands
+    alike = Problem.from_dict({**fits_last.to_dict(), "devices": [{"id": x, "memory_bytes": 1.0} for x in "abc"]})
+    with pytest.raises(InfeasibleError) as info:
+        solve(alike, "ilp")
+    assert "Method 'ilp'" not in str(info.value)

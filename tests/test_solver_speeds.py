@@ -113,17 +113,16 @@ def test_a_certifying_search_stopped_by_its_share_runs_again_with_the_time_left(
     problem = Problem.from_dict({**_mixed_problem(random.Random("resume"), n=6, devices=4).to_dict(),
                                  "format": "fxpipe-problem/2", "max_replicas": 2})
     calls: dict[str, int] = {}
-    real = search_module.deepening
+    real = search_module.CountDeepening.advance
 
-    def deepening(problem, tables, p, ub, space, deadline, proven, floor=0.0, search=None):
-        calls[space.kind] = calls.get(space.kind, 0) + 1
-        if space.kind == "runs" and calls[space.kind] == 1:   # the first replica search: its share runs out
-            proven[p] = 0.0
+    def advance(self, ub, deadline):
+        calls[self.space.kind] = calls.get(self.space.kind, 0) + 1
+        if self.space.kind == "runs" and calls[self.space.kind] == 1:   # the first replica search: its share runs out
             raise search_module.Timeout
-        return real(problem, tables, p, ub, space, deadline, proven, floor, search)
+        return real(self, ub, deadline)
 
-    monkeypatch.setattr(search_module, "deepening", deepening)
+    monkeypatch.setattr(search_module.CountDeepening, "advance", advance)
     got = solve_dp(problem, time_limit_s=60.0)
     assert calls["runs"] > 1 and got.solver["space_optimal"] is True
-    monkeypatch.setattr(search_module, "deepening", real)
+    monkeypatch.setattr(search_module.CountDeepening, "advance", real)
     assert score(problem, got).iteration_s == pytest.approx(score(problem, solve_dp(problem)).iteration_s, rel=1e-9)

@@ -13,7 +13,8 @@ from solvers.score import score_assignment
 from solvers.solution import Solution, Stage
 from solvers.dp.ideals import solve_ideals_p
 from solvers.dp.lattice import MAX_IDEALS, MAX_STEPS, Lattice
-from solvers.dp.labels import Timeout, analytic_lower, deepening
+from solvers.dp.deepen import deepening
+from solvers.dp.labels import Timeout, analytic_lower
 from solvers.dp.search import MAX_EXACT_PLACEMENT_DEVICES, orbit_canon
 from solvers.dp.space import Space
 from solvers.dp.tables import REL_TOL, Tables, device_classes, stage_counts
@@ -53,7 +54,7 @@ def solve_convex(problem: Problem, time_limit_s: float, incumbent: Solution | No
     ``incumbent`` (a plan of one device per stage) bounds the search from the start and is returned, with
     the certificate, when nothing beats it; ``floor`` is a lower bound on every plan proven elsewhere (the
     first bound of the deepening starts above it). ``prove``: the counts cut short in the first pass are
-    searched again under rising bounds (:func:`solvers.dp.labels.deepening`), each with a fair share of the
+    searched again under rising bounds (:func:`solvers.dp.deepen.deepening`), each with a fair share of the
     rest, so that each proves what it can by the deadline (for the last phase of a solve: there is no
     other bound to come); else one search each under the incumbent, which certifies sooner when the
     incumbent is optimal. Returns None when the problem is outside this search (:func:`convex_lattice`) or

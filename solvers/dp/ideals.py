@@ -38,7 +38,7 @@ __all__ = ["solve_ideals_p"]
 def solve_ideals_p(problem: Problem, tables: Tables, lattice: Lattice, p: int, ub: float, space: Space,
                    deadline: float) -> tuple[Label | None, float, float]:
     """Best label for ``p`` stages below ``ub`` over chains of ideals, its time, and the least bound pruned
-    (the signature of :func:`solvers.dp.labels.solve_fixed_p`, so :func:`~solvers.dp.labels.deepening` runs it)."""
+    (the signature of :func:`solvers.dp.labels.solve_fixed_p`, so :func:`~solvers.dp.deepen.deepening` runs it)."""
     m, n = problem.micro_batches, tables.n
     table: GroupTable = space.table
     groups = table.groups

@@ -2,7 +2,7 @@
 
 A state is ``(cut position, stages so far, pending senders)``; each keeps the Pareto set of
 :class:`Label` s (see :mod:`solvers.dp`); which devices a stage may take is a
-:class:`solvers.dp.space.Space`. :func:`deepening` runs :func:`solve_fixed_p` under
+:class:`solvers.dp.space.Space`. :mod:`solvers.dp.deepen` runs :func:`solve_fixed_p` under
 rising upper bounds."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import math
 import time
 from dataclasses import dataclass
 from operator import le
-from typing import Callable
 
 import numpy as np
 
@@ -23,7 +22,7 @@ from solvers.dp.space import Space
 from solvers.dp.speeds import SpeedRest, SpeedRests
 from solvers.dp.tables import REL_TOL, Tables
 
-__all__ = ['FIRST_STEP', 'analytic_lower', 'Label', 'plan_of', 'Timeout', 'deepening', 'insert_label', 'solve_fixed_p']
+__all__ = ['analytic_lower', 'Label', 'plan_of', 'Timeout', 'insert_label', 'solve_fixed_p']
 
 
 @dataclass(slots=True)   # millions are made in one search: slots make them smaller and faster to read
@@ -37,10 +36,6 @@ class Label:
     device: int                # device index of that stage (in the frame of the state it entered)
     sigma: tuple | None = None  # the automorphism that mapped that state to its canonical form
     ending: float = 0.0        # total + weight * max_done, set by insert_label (its weight is one per search)
-
-
-FIRST_STEP = 1e-3
-"""The first bound of :func:`deepening` is this far above the lower bound (relative); each failure makes the step 1.5 times larger."""
 
 
 class Timeout(Exception):
@@ -318,42 +313,3 @@ def analytic_lower(problem: Problem, tables: Tables, p: int, space: Space) -> fl
     if not space.mixed_speeds:
         return alike
     return max(alike, SpeedRest(space.stage_speeds(p), problem.micro_batches).bound(total, 0.0))
-
-
-def deepening(problem: Problem, tables: Tables, p: int, ub: float, space: Space,
-               deadline: float, proven: dict[int, float], floor: float = 0.0,
-               search: Callable[..., tuple[Label | None, float, float]] | None = None) -> tuple[Label | None, float]:
-    """Run the search under growing bounds ``G``, starting just above a lower bound.
-
-    A search bounded by ``G`` finds the optimum whenever it is ``<= G`` (only
-    labels whose lower bound exceeds ``G`` are pruned), so the first bound
-    that yields a solution yields the optimal one, and tight bounds prune hard.
-    ``proven[p]`` records the best lower bound on ``p`` stages proven so far,
-    which is what a timed-out search can still certify. ``floor`` is a lower bound known from elsewhere
-    (a relaxation): the first bound starts above it, not above the analytic one. ``search`` is the search
-    run under each bound, with :func:`solve_fixed_p`'s arguments (:func:`solve_fixed_p` when None).
-    """
-    search = search or solve_fixed_p
-    lower = max(analytic_lower(problem, tables, p, space), floor)
-    proven[p] = lower
-    if lower > ub * (1 + REL_TOL):
-        return None, math.inf
-    # A search's cost grows steeply with its bound, and the first bound at or above the optimum
-    # finds it: the bounds rise from just above the lower bound by steps that grow 1.5 times, so the
-    # searches that fail are cheap and the one that succeeds overshoots by at most one step.
-    step = FIRST_STEP
-    bound = lower * (1 + step)
-    for _ in range(60):   # past that many failed bounds, one search at the incumbent
-        bound = min(bound, ub)
-        label, t, pruned = search(problem, tables, p, bound, space, deadline)
-        if label is not None:
-            proven[p] = t
-            return label, t
-        proven[p] = min(pruned, ub)   # nothing at or below the bound; all else was pruned above it
-        if bound >= ub:
-            return None, math.inf
-        step *= 1.5
-        bound = max(pruned, bound) * (1 + step)   # at least what the failed search proved
-    label, t, _ = search(problem, tables, p, ub, space, deadline)
-    proven[p] = t if label is not None else ub
-    return label, t

@@ -16,7 +16,8 @@ from solvers.problem import Problem
 from solvers.score import Score, score_assignment
 from solvers.solution import Solution, Stage, assignment_from_cuts
 from solvers.dp.tables import REL_TOL, Tables, balanced_cuts, device_classes, stage_counts
-from solvers.dp.labels import analytic_lower, plan_of, Timeout, deepening
+from solvers.dp.deepen import CountDeepening, deepen_counts
+from solvers.dp.labels import Label, plan_of, Timeout
 from solvers.dp.space import Space
 from solvers.dp.hierarchy import TreeCanon, link_tree
 from solvers.dp.symmetry import Canon, automorphisms
@@ -70,7 +71,8 @@ class Search:
 
     def exact(self, space: Space, certifies: bool, floor: dict[int, float] | None = None,
               share: float = 1.0) -> CutShort | None:
-        """Search ``space`` for every stage count; if cut short and ``certifies``, keep its lower bound.
+        """Search ``space`` for every stage count (:func:`~solvers.dp.deepen.deepen_counts`: best-first when
+        it ``certifies``, else fewest stages first); if cut short and ``certifies``, keep its lower bound.
 
         ``floor[p]`` is a known lower bound for ``p`` stages (from a relaxation): counts whose
         floor already reaches the incumbent are skipped. ``share`` is the fraction of the
@@ -81,26 +83,24 @@ class Search:
         deadline = self.deadline
         if share < 1.0 and math.isfinite(deadline):
             deadline = time.perf_counter() + share * max(0.0, deadline - time.perf_counter())
-        counts = stage_counts(self.problem)
-        for i, p in enumerate(counts):
-            if floor.get(p, 0.0) >= self.ub * (1 + REL_TOL):
-                continue
-            proven: dict[int, float] = {}
-            try:
-                label, t = deepening(self.problem, self.tables, p, self.ub, space, deadline, proven,
-                                     floor.get(p, 0.0))
-            except Timeout:
-                if certifies:
-                    rest = [max(proven.get(p, 0.0), floor.get(p, 0.0))] + [
-                        max(analytic_lower(self.problem, self.tables, q, space), floor.get(q, 0.0))
-                        for q in counts[i + 1:]]
-                    stopped = CutShort(space, floor, min(rest), by_share=deadline < self.deadline)
-                    self.cut_short.append(stopped)
-                    return stopped
+        counts = [CountDeepening(self.problem, self.tables, p, space, floor.get(p, 0.0))
+                  for p in stage_counts(self.problem) if floor.get(p, 0.0) < self.ub * (1 + REL_TOL)]
+
+        def found(count: CountDeepening, label: Label, t: float) -> None:
+            cuts, devices = plan_of(label)
+            self.ub, self.incumbent = t, (count.p, cuts, [self.table.groups[d].devices for d in devices])
+
+        try:
+            deepen_counts(counts, self.ub, deadline, found, best_first=certifies)
+        except Timeout:
+            if not certifies:
                 return None
-            if label is not None and t <= self.ub * (1 + REL_TOL):
-                cuts, devices = plan_of(label)
-                self.ub, self.incumbent = t, (p, cuts, [self.table.groups[d].devices for d in devices])
+            # what each count proved is a floor for a second go at this space
+            proved = {c.p: c.lower for c in counts if not c.done}
+            stopped = CutShort(space, {**floor, **proved}, min(proved.values(), default=math.inf),
+                               by_share=deadline < self.deadline)
+            self.cut_short.append(stopped)
+            return stopped
         return None
 
     def resume(self) -> None:
