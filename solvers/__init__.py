@@ -48,7 +48,8 @@ def solve(problem: Problem, method: str = "dp", time_limit_s: float = 10.0) -> S
                 raise
             raise InfeasibleError(f"{exc}. Method 'dp' searches contiguous stages of one topological order "
                                   "only; a convex partition outside them may fit: method 'auto' (the default) "
-                                  "searches those too", min_peak_bytes=exc.min_peak_bytes) from exc
+                                  "searches those too", min_peak_bytes=exc.min_peak_bytes,
+                                  proven=exc.proven) from exc
     if method == "auto":
         from solvers.auto import solve_auto
         return solve_auto(problem, time_limit_s)
@@ -65,10 +66,11 @@ def solve(problem: Problem, method: str = "dp", time_limit_s: float = 10.0) -> S
                 raise
             raise InfeasibleError(f"{exc}. Method 'ilp' searches that one placement only; another may fit: "
                                   "method 'auto' (the default) or 'exact' searches the others",
-                                  min_peak_bytes=exc.min_peak_bytes) from exc
+                                  min_peak_bytes=exc.min_peak_bytes, proven=exc.proven) from exc
     from solvers.exact import solve_exact
     sol = solve_exact(problem, time_limit_s)
     if sol is None:
         raise InfeasibleError(f"the exact search found no plan within its time limit of {time_limit_s} s; "
-                              "raise the time limit or use method 'auto' (the DP first)", min_peak_bytes=None)
+                              "raise the time limit or use method 'auto' (the DP first)", min_peak_bytes=None,
+                              proven=False)
     return sol

@@ -112,6 +112,8 @@ def solve_auto(problem: Problem, time_limit_s: float = 10.0) -> Solution:
     found = [s for s in [_phase("dp", keep_error(lambda: solve_dp(problem, time_limit_s=dp_share * time_limit_s)),
                                 log)] if s is not None]
     dp = found[0] if found else None
+    if dp is None and chain_like and errors and errors[0].proven:
+        raise errors[0]   # the DP's space holds every plan of the reference problem, and it proved none fits
     rest = lambda: max(0.0, deadline - time.perf_counter())  # noqa: E731
     spine_lower = 0.0
     covered = dp is not None and (dp.solver["optimal"] or dp.solver["covers_reference"])
@@ -158,7 +160,7 @@ def solve_auto(problem: Problem, time_limit_s: float = 10.0) -> Solution:
     if not found:
         raise errors[0] if errors else InfeasibleError(
             f"no phase found a plan within the time limit of {time_limit_s} s; raise the time limit",
-            min_peak_bytes=None)
+            min_peak_bytes=None, proven=False)
     best = min(found, key=lambda s: s.predicted["iteration_s"])
     lower = max([s.solver["lower_bound_s"] for s in found] + [spine_lower])
     chosen = next(e["phase"] for e in log if e.get("iteration_s") == best.predicted["iteration_s"])

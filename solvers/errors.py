@@ -18,8 +18,10 @@ class InfeasibleError(SolverError):
 
     ``min_peak_bytes`` is the smallest per-stage peak memory any partition in
     the searched space reaches: a device with at least that much memory fits.
+    ``proven``: no plan of the searched space fits (False: none was found within a time limit).
     """
 
-    def __init__(self, message: str, min_peak_bytes: float | None = None) -> None:
+    def __init__(self, message: str, min_peak_bytes: float | None = None, proven: bool = True) -> None:
         super().__init__(message)
         self.min_peak_bytes = min_peak_bytes
+        self.proven = proven

@@ -283,7 +283,7 @@ def solve_ilp(problem: Problem, time_limit_s: float = 30.0, warm_start: Solution
                 f"no convex partition with {placed} fits in memory; add devices "
                 "or memory, or lower micro_batches/activation memory", min_peak_bytes=math.nan)
         raise InfeasibleError("the ILP found no feasible convex partition within its time limit of "
-                              f"{time_limit_s} s; raise the time limit", min_peak_bytes=math.nan)
+                              f"{time_limit_s} s; raise the time limit", min_peak_bytes=math.nan, proven=False)
     t_best, stage_of, stage_devices = best
     lower = min(lower, t_best)
     sc = score_assignment(problem, stage_of, stage_devices)

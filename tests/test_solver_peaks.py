@@ -61,3 +61,47 @@ def test_a_plan_that_fits_is_found_at_once_when_no_balanced_plan_does():
     assert _peak(problem, even, 8) > problem.devices[0].memory_bytes   # the balanced seed does not fit
     got = solve_dp(problem, time_limit_s=0.01)   # no time to search: the seed within the cap is the plan
     assert score(problem, got).feasible
+
+
+@pytest.mark.parametrize("method", ["dp", "auto"])
+def test_a_chain_no_device_can_hold_is_refused_before_any_search(monkeypatch, method):
+    """No split of a chain fits even the largest device: the DP says so before its searches, and auto, whose
+    DP covers every plan of a chain, raises that proof instead of giving the ILP its time limit (a 1500-node
+    chain took the whole 10 s and more, 10.97 s, to say what was known in 0.76 s)."""
+    import solvers.auto
+    import solvers.dp.search
+    from solvers import InfeasibleError, solve
+
+    def never(*args, **kwargs):
+        raise AssertionError("searched a problem whose least stage peak no device holds")
+
+    monkeypatch.setattr(solvers.dp.search.Search, "exact", never)
+    monkeypatch.setattr(solvers.auto, "spine_lower_bound", never)
+    import solvers.ilp
+    import solvers.exact
+    monkeypatch.setattr(solvers.ilp, "solve_ilp", never)
+    monkeypatch.setattr(solvers.exact, "solve_exact", never)
+    rng = random.Random("no-room")
+    doc = random_problem(rng, 40, 4, True, "1f1b", False).to_dict()
+    for d in doc["devices"]:
+        d["memory_bytes"] = 30.0   # every node alone needs up to 10 x (1 + factor) + activations
+    for v in doc["nodes"]:
+        v["param_bytes"] = 40.0
+    problem = Problem.from_dict(doc)
+    with pytest.raises(InfeasibleError, match=r"the smallest possible stage peak is .* the largest device has 30 "
+                                              r"bytes") as info:
+        solve(problem, method, time_limit_s=10.0)
+    assert info.value.proven and info.value.min_peak_bytes == pytest.approx(min_peak_bytes(problem), rel=1e-12)
+    assert info.value.min_peak_bytes > 30.0
+
+
+def test_a_plan_not_found_in_time_is_not_called_proven():
+    """The timeout's error says the time ran out and carries ``proven = False``, so auto goes on to its other
+    phases instead of stopping at it."""
+    from solvers import InfeasibleError
+    from solvers.dp.search import infeasible_error
+    from solvers.dp.tables import Tables
+
+    problem = random_problem(random.Random("in-time"), 8, 3, True, "1f1b", False)
+    err = infeasible_error(problem, Tables(problem), complete=False, time_limit_s=0.5, all_placements=True)
+    assert isinstance(err, InfeasibleError) and not err.proven and "within the time limit of 0.5 s" in str(err)

@@ -153,3 +153,32 @@ def test_no_anchor_beats_the_dp_even_when_the_time_limit_cuts_it_short():
         theirs = score(problem, anchor_solution(problem, name))
         if theirs.feasible:
             assert ours.predicted["iteration_s"] <= theirs.iteration_s * (1 + 1e-12), name
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_at_scale_the_plan_is_never_worse_than_even_replica_groups_with_balanced_cuts(replicas):
+    """A 300-node residual chain over two Titan V boxes (16 GPUs), ``max_replicas`` 2 or 4, 2 s: the exact
+    search over runs of devices cannot finish, and it used to return one device per stage, 1.8x slower than
+    every stage a group of 4 with even cuts. Now such plans seed it and the best cuts for the incumbent's
+    groups are searched: the plan is at least as fast as each of them, and uses replicas."""
+    from test_solver_certificates import residual_chain
+    from solvers.dp.tables import Tables, balanced_cuts
+    from solvers.groups import GroupTable
+    from solvers.score import score_assignment
+    from solvers.solution import assignment_from_cuts
+
+    problem = Problem.from_dict({**residual_chain(300, 2).to_dict(), "format": "fxpipe-problem/2",
+                                 "max_replicas": replicas})
+    sol = solve_dp(problem, time_limit_s=2.0)
+    got = score(problem, sol).iteration_s
+    tables, table, order = Tables(problem), GroupTable(problem), hierarchical_order(problem)
+    seeds = []
+    for r in range(1, replicas + 1):
+        for p in range(1, 16 // r + 1):
+            groups = [tuple(order[k * r:(k + 1) * r]) for k in range(p)]
+            speeds = [table.groups[table.add(g)].speed for g in groups]
+            seeds.append(score_assignment(problem, assignment_from_cuts(tables.order, balanced_cuts(tables, p, speeds)),
+                                          groups).iteration_s)
+    assert got <= min(seeds) * (1 + 1e-12)
+    assert min(seeds) < min(seeds[:16]) * 0.8   # replicas pay off here (the first 16: one device per stage)
+    assert any(len(stage.devices) > 1 for stage in sol.stages)

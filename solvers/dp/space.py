@@ -17,7 +17,8 @@ __all__ = ["Space"]
 class Space:
     """Which device group stage ``k`` may take, given the devices used so far.
 
-    * ``"order"``: stage ``k`` on device ``order[k]`` (``order = 0, 1, ...`` is topology-blind).
+    * ``"order"``: stage ``k`` on device group ``order[k]`` (``order = 0, 1, ...``, single devices, is
+      topology-blind); ``p`` stages need ``p`` entries.
     * ``"classes"``: any unused device, one per group of interchangeable devices
       (any injective mapping, up to relabelling).
     * ``"runs"``: the next ``r = 1..max_replicas`` devices of ``order`` as one replica group.
@@ -70,21 +71,23 @@ class Space:
 
     @property
     def mixed_speeds(self) -> bool:
-        """Whether stages of this space may run at different speeds (single devices only: not ``"runs"``)."""
+        """Whether stages of this space may run at different speeds (not ``"runs"``, whose bounds take the fastest)."""
+        if self.kind == "order":
+            return len({self.table.groups[g].speed for g in self.order}) > 1
         return self.kind != "runs" and len({d.speed for d in self.table.problem.devices}) > 1
 
     def stage_speeds(self, p: int) -> list[float]:
         """The fastest speeds ``p`` stages of this space can have (those of ``order[:p]`` in ``"order"``)."""
         devs = self.table.problem.devices
         if self.kind == "order":
-            return [devs[d].speed for d in self.order[:p]]
+            return [self.table.groups[g].speed for g in self.order[:p]]
         return sorted((d.speed for d in devs), reverse=True)[:p]
 
     def rest_speeds(self, used: tuple | int, k: int, p: int) -> tuple[float, ...]:
         """The fastest speeds stages ``k + 1 .. p - 1`` can have once ``used`` (after stage ``k``) is taken."""
         devs = self.table.problem.devices
         if self.kind == "order":
-            return tuple(devs[d].speed for d in self.order[k + 1:p])
+            return tuple(self.table.groups[g].speed for g in self.order[k + 1:p])
         if self.canon is not None:
             free = [devs[d].speed for d in range(len(devs)) if not used >> d & 1]
         else:
@@ -95,7 +98,7 @@ class Space:
         """(fastest stage speed, largest total speed of ``p`` stages) over this space."""
         devs = self.table.problem.devices
         if self.kind == "order":
-            sp = [devs[d].speed for d in self.order[:p]]
+            sp = [self.table.groups[g].speed for g in self.order[:p]]
             return max(sp), sum(sp)
         if self.kind == "classes":
             sp = sorted((d.speed for d in devs), reverse=True)[:p]
