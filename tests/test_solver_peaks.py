@@ -70,6 +70,8 @@ def test_a_chain_no_device_can_hold_is_refused_before_any_search(monkeypatch, me
     chain took the whole 10 s and more, 10.97 s, to say what was known in 0.76 s)."""
     import solvers.auto
     import solvers.dp.search
+    import solvers.exact
+    import solvers.ilp
     from solvers import InfeasibleError, solve
 
     def never(*args, **kwargs):
@@ -77,16 +79,14 @@ def test_a_chain_no_device_can_hold_is_refused_before_any_search(monkeypatch, me
 
     monkeypatch.setattr(solvers.dp.search.Search, "exact", never)
     monkeypatch.setattr(solvers.auto, "spine_lower_bound", never)
-    import solvers.ilp
-    import solvers.exact
     monkeypatch.setattr(solvers.ilp, "solve_ilp", never)
     monkeypatch.setattr(solvers.exact, "solve_exact", never)
     rng = random.Random("no-room")
     doc = random_problem(rng, 40, 4, True, "1f1b", False).to_dict()
     for d in doc["devices"]:
-        d["memory_bytes"] = 30.0   # every node alone needs up to 10 x (1 + factor) + activations
+        d["memory_bytes"] = 30.0
     for v in doc["nodes"]:
-        v["param_bytes"] = 40.0
+        v["param_bytes"] = 40.0   # more than any device holds, each node alone
     problem = Problem.from_dict(doc)
     with pytest.raises(InfeasibleError, match=r"the smallest possible stage peak is .* the largest device has 30 "
                                               r"bytes") as info:

@@ -82,7 +82,7 @@ def deepening(problem: Problem, tables: Tables, p: int, ub: float, space: Space,
     proven[p] = count.lower
     while not count.done:
         label, t = count.advance(ub, deadline)
-        proven[p] = min(count.lower, ub) if label is None else t
+        proven[p] = count.lower   # the optimum when found; else what the failed searches proved
         if label is not None:
             return label, t
     return None, math.inf

@@ -159,8 +159,8 @@ def infeasible_error(problem: Problem, tables: Tables, complete: bool, time_limi
                      all_placements: bool) -> InfeasibleError:
     """Why no plan of the DP's space was found: none fits (how much memory the fullest stage needs, and where
     there is too little), or, when a search was cut short (``complete`` false), none was found in time.
-    ``all_placements``: the searches covered every placement (else only a stage peak above every device's
-    memory proves that none fits)."""
+    ``all_placements``: the searches covered every placement of the DP's space (one, stage ``k`` on device
+    ``k``, with ``placement=False``); else only a stage peak above every device's memory proves that none fits."""
     n_dev = len(problem.devices)
     need = min_peak_bytes(problem)
     have = max(d.memory_bytes for d in problem.devices)
@@ -270,7 +270,7 @@ def solve_dp(problem: Problem, placement: bool = True, time_limit_s: float | Non
     if problem.max_replicas > 1 and search.incumbent is not None and any(len(g) > 1 for g in search.incumbent[2]):
         # the best cuts for the incumbent's replica groups (the runs' search below rarely finishes at scale)
         groups = search.incumbent[2]
-        search.exact(Space("order", table, order=[table.add(tuple(g)) for g in groups]), certifies=False,
+        search.exact(Space("order", table, order=[table.add(g) for g in groups]), certifies=False,
                      share=0.3)
     if problem.max_replicas > 1:
         search.exact(Space("runs", table, order=order, max_replicas=problem.max_replicas), certifies=True,
