@@ -75,12 +75,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", required=True, help="the plan file (plan.save)")
     p.add_argument("--model", required=True, help="pkg.module:factory, called with no argument, returning the model")
     p.add_argument("--data", required=True,
-                   help="pkg.module:batches, called with no argument, returning an iterable of (inputs, target); "
-                        "every process is given the same batches")
+                   help="pkg.module:batches, called with no argument, returning an iterable of (inputs, target) "
+                        "or of dicts of the model's keyword inputs ({'input_ids': ..., 'labels': ...}, trained "
+                        "on the model's own loss); every process is given the same batches")
     p.add_argument("--weights", help="a state dict (torch.save), .safetensors file or torch.distributed.checkpoint "
                                      "directory: build on meta and load only this process's stages")
     p.add_argument("--steps", type=int, default=10, help="batches to train (default 10)")
-    p.add_argument("--loss", default="cross_entropy", help="cross_entropy (default), mse or pkg.module:fn(out, y)")
+    p.add_argument("--loss", default="auto",
+                   help="auto (default: the loss the model computes itself where it returns one, as a Hugging Face "
+                        "model given labels, else cross_entropy), model, cross_entropy, mse or pkg.module:fn(out, y)")
     p.add_argument("--optimizer", default="sgd", choices=sorted(OPTIMIZERS))
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--schedule", help="another schedule than the plan's (gpipe, 1f1b, zb-h1, ...)")
@@ -97,11 +100,16 @@ def parser() -> argparse.ArgumentParser:
 def _train(args: argparse.Namespace, rank: int) -> None:
     from fxpipe.distributed import PipelineRank, checkpoint
     model_fn, data_fn = _import(args.model, "--model"), _import(args.data, "--data")
-    loss_fn = LOSSES.get(args.loss) or _import(args.loss, "--loss")
+    loss_fn = None if args.loss in ("auto", "model") else LOSSES.get(args.loss) or _import(args.loss, "--loss")
     if args.resume and not args.checkpoint:
         raise UsageError("--resume needs --checkpoint DIR")
     stage = PipelineRank(args.plan, model_fn, loss_fn, weights=args.weights, timeout_s=args.timeout,
                          compression=args.compression)
+    if args.loss == "model" and not stage.pipe.has_model_loss:
+        raise UsageError("--loss model: the plan's model returns no loss of its own (plan it with the inputs that "
+                         "make it compute one, e.g. labels); pass --loss cross_entropy, mse or pkg.module:fn")
+    if args.loss == "auto" and not stage.pipe.has_model_loss:
+        stage.loss_fn = LOSSES["cross_entropy"]
     node, local = int(os.environ.get("FXPIPE_NODE", 0)), int(os.environ.get("LOCAL_RANK", rank))
     devices = sorted({stage.pipe.devices[k].type for k in stage.own})
     # one write per line: the ranks share torchrun's stdout, and print's separate newline could interleave
@@ -116,8 +124,13 @@ def _train(args: argparse.Namespace, rank: int) -> None:
         with open(state) as f:
             done = json.load(f)["steps"]
     batches = islice(iter(data_fn()), done, done + args.steps)
-    for step, (x, y) in enumerate(batches, start=done):
-        loss = stage.step(x, y, **({"schedule": args.schedule} if args.schedule else {}))
+    options = {"schedule": args.schedule} if args.schedule else {}
+    for step, batch in enumerate(batches, start=done):
+        if isinstance(batch, dict):   # the model's keyword inputs, labels among them
+            loss = stage.step((), **options, kwargs=batch)
+        else:
+            x, y = batch
+            loss = stage.step(x, y, **options)
         opt.step()
         opt.zero_grad()
         if loss is not None:

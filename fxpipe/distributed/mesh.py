@@ -44,7 +44,7 @@ class MeshPipelineRank:
     ``DeviceMesh`` named ``("pp", "dp")`` whose ``pp`` size is the plan's number of workers. ``reduction`` is
     ``"mean"`` or ``"sum"``; other keywords go to :class:`PipelineRank`."""
 
-    def __init__(self, plan: Plan, model_fn: Callable[[], nn.Module], loss_fn: Callable[[Any, Any], torch.Tensor],
+    def __init__(self, plan: Plan, model_fn: Callable[[], nn.Module], loss_fn: Callable[[Any, Any], torch.Tensor] | None,
                  *, mesh: Any, reduction: str = "mean", **rank_kwargs: Any) -> None:
         names = tuple(mesh.mesh_dim_names or ())
         if mesh.ndim != 2 or set(names) != {"pp", "dp"}:
@@ -57,6 +57,10 @@ class MeshPipelineRank:
                    f"start a multiple of {w} processes (pp={w} times dp)")
             raise PlanMismatchError(f"the plan runs on {w} workers but the mesh's pp dimension has "
                                     f"{mesh['pp'].size()} ranks: {fix}, or plan for {mesh['pp'].size()} devices")
+        if loss_fn is None:
+            raise ValueError("MeshPipelineRank needs a loss_fn: training on the loss the model computes itself "
+                             "(loss_fn=None) needs the token count over every dp replica, which only PipelineRank "
+                             "(pp alone) combines today; pass loss_fn(output, target) with reduction='mean' or 'sum'")
         if reduction not in ("mean", "sum"):
             raise ValueError(f"MeshPipelineRank supports reduction 'mean' or 'sum', got {reduction!r} (a token mean "
                              "needs the count over every replica: use PipelineRank without dp)")

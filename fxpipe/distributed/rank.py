@@ -29,7 +29,7 @@ from fxpipe.distributed.placement import stage_ranks
 from fxpipe.distributed.transport import P2P
 from fxpipe.distributed.weights import open_weights
 from fxpipe.errors import FxpipeError, PlanMismatchError
-from fxpipe.frontend.capture import capture
+from fxpipe.frontend.capture import capture_as_planned
 from fxpipe.planning.plan import Plan, load_plan
 from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
 from fxpipe.runtime.codegen import StageSpec, move_stage, split_graph
@@ -54,7 +54,10 @@ class PipelineRank:
     """This rank's stages of ``plan``; :meth:`step` trains one batch and returns the loss on the last stage's rank.
 
     ``plan`` is a :class:`fxpipe.Plan` or the path of a saved one; ``model_fn()`` builds the model (the same
-    on every rank, e.g. from the same seed or checkpoint). ``weights`` (a state dict, the path of a
+    on every rank, e.g. from the same seed or checkpoint). The model is traced as the plan's was, with the
+    plan's front end and its recorded example inputs' shapes (:func:`fxpipe.frontend.capture.capture_as_planned`):
+    a Hugging Face model planned with ``torch.export`` runs here too. ``loss_fn=None`` trains on the loss the
+    model computes itself (``step(ids, labels=labels)``, :meth:`fxpipe.Pipeline.step`). ``weights`` (a state dict, the path of a
     ``torch.save``'d one or a ``.safetensors`` file, or a ``torch.distributed.checkpoint`` directory) builds it
     on ``meta`` instead and loads only this rank's tensors from there. ``loss_fn(output, target)`` and ``reduction`` are
     :meth:`fxpipe.Pipeline.step`'s. ``device`` puts this rank's stages elsewhere than the plan says (e.g.
@@ -64,7 +67,7 @@ class PipelineRank:
     """
 
     def __init__(self, plan: Plan | str | Path, model_fn: Callable[[], nn.Module],
-                 loss_fn: Callable[[Any, Any], torch.Tensor], *, reduction: str = "mean",
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *, reduction: str = "mean",
                  checkpoint: str = "except_last", group: Any = None, device: str | torch.device | None = None,
                  timeout_s: float = 300.0, leaf_modules: Iterable[type | str] = (),
                  deferred_batch_norm: bool = False, broadcast_loss: bool = False, weights: Any = None,
@@ -86,7 +89,7 @@ class PipelineRank:
                 self.model = model_fn()
         else:
             self.model = model_fn()
-        captured = capture(self.model, leaf_modules, None)
+        captured = capture_as_planned(self.model, plan.frontend, leaf_modules)
         if captured.fingerprint != plan.fingerprint:
             raise PlanMismatchError(
                 f"rank {self.rank}: the plan was made for another model ({plan.model}, fingerprint "
@@ -136,9 +139,10 @@ class PipelineRank:
             if id(param) in mine:
                 yield name, param
 
-    def step(self, inputs: Any, target: Any, **kwargs: Any) -> torch.Tensor | None:
+    def step(self, inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor | None:
         """One training step of the batch ``inputs`` (the model's input; a tuple for several) against
-        ``target``, given on every rank; ``.grad`` of this rank's parameters then holds their gradients. Returns
-        the loss on the last stage's rank (on every rank with ``broadcast_loss=True``), else ``None``."""
+        ``target``, given on every rank; ``.grad`` of this rank's parameters then holds their gradients. Other
+        keywords are :meth:`fxpipe.Pipeline.step`'s and the model's (``labels=labels``). Returns the loss on the
+        last stage's rank (on every rank with ``broadcast_loss=True``), else ``None``."""
         loss = self.pipe.step(inputs, target, self.loss_fn, reduction=self.reduction, **kwargs)
         return loss if self.last or self.broadcast_loss else None

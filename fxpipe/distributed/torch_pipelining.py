@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from fxpipe.errors import FxpipeError, PlanMismatchError
-from fxpipe.frontend.capture import capture
+from fxpipe.frontend.capture import capture_as_planned
 from fxpipe.planning import plan as plan_module
 from fxpipe.planning.plan import Plan
 from fxpipe.runtime.codegen import StageSpec, move_stage, split_graph
@@ -142,7 +142,7 @@ def to_torch_pipelining(plan: Plan, model: nn.Module, loss_fn: Callable[[Any, An
     schedule = schedule or (plan.schedule if plan.schedule in TORCH_SCHEDULES else "fxpipe")
     if schedule not in TORCH_SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(TORCH_SCHEDULES)}, got {schedule!r}")
-    captured = capture(model, leaf_modules, None)
+    captured = capture_as_planned(model, plan.frontend, leaf_modules)
     if captured.fingerprint != plan.fingerprint:
         raise PlanMismatchError(
             f"the plan was made for another model ({plan.model}, fingerprint {plan.fingerprint[:12]}) but this "

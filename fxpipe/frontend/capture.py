@@ -26,10 +26,12 @@ from fxpipe.frontend.export import export_graph, flat_program
 from fxpipe.frontend.fingerprint import graph_fingerprint
 from fxpipe.frontend.generation_cache import CACHE_OFF_REASON, generation_cache_off
 from fxpipe.frontend.kept_whole import KEEP_WHOLE, module_groups
+from fxpipe.frontend.input_record import record_inputs, recorded_inputs
+from fxpipe.frontend.model_loss import split_model_loss
 from fxpipe.frontend.modes import keeping_modes
 from fxpipe.frontend.trace import has_submodule, trace
 
-__all__ = ["Captured", "capture", "hidden_layer_stacks", "FRONTENDS"]
+__all__ = ["Captured", "capture", "capture_as_planned", "hidden_layer_stacks", "FRONTENDS"]
 
 FRONTENDS = ("auto", "export", "fx")
 
@@ -41,7 +43,8 @@ class Captured:
     graph: fx.GraphModule
     fingerprint: str          # names the graph: a plan made for another one is refused
     mode_dependent: bool      # tracing in the other train/eval mode gives another graph
-    frontend: dict[str, str] = field(default_factory=dict)   # {"name": "fx"|"export"|"given", "reason": ...}
+    # {"name": "fx"|"export"|"given", "reason": ..., "inputs": the example inputs' record (input_record.py)}
+    frontend: dict[str, Any] = field(default_factory=dict)
     # The model in eval mode, for checks that need it (fxpipe.runtime.batch_check): ``graph`` itself unless
     # that was traced in train mode and depends on the mode (a BatchNorm traced through computes batch
     # statistics whatever gm.eval() says), then the eval-mode trace; None where eval mode does not trace.
@@ -131,6 +134,7 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
     kwargs = dict(kwargs or {})
     if isinstance(model, torch.export.ExportedProgram):
         gm = flat_program(model)
+        split_model_loss(gm)
         # exported in train mode, its batch norms compute batch statistics in any mode: no eval graph
         eval_graph = None if gm.meta["fxpipe_traced_training"] else gm
         return Captured(gm, graph_fingerprint(gm, "given"), False, eval_graph=eval_graph, frontend=
@@ -147,6 +151,7 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
                          "their path in model.named_modules() (as 'transformer.h.0') or pass their class")
     with generation_cache_off(model, kwargs) as cache_off:   # a Hugging Face KV cache: not a training output
         gm, name, reason = _choose(model, frontend, leaves, concrete_args, args, kwargs, batch_dim)
+        split_model_loss(gm)   # a loss the model computes itself, made exact across micro-batches
         if cache_off:
             reason += "; " + CACHE_OFF_REASON
         tag = name
@@ -165,6 +170,7 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
             model.train(not model.training)
             try:
                 other_gm = _traced(model, name, leaves, concrete_args, args or (), kwargs, batch_dim)
+                split_model_loss(other_gm)
                 other_tag = name
                 if tag != name:
                     other_gm.meta[KEEP_WHOLE] = module_groups(other_gm, leaves)[0]
@@ -174,4 +180,21 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
             except TraceError:
                 other_gm, mode_dependent = None, True   # the other mode does not trace: this mode's graph only
     eval_graph = other_gm if mode_dependent and model.training else gm
-    return Captured(gm, fingerprint, mode_dependent, {"name": name, "reason": reason}, eval_graph)
+    planned: dict[str, Any] = {"name": name, "reason": reason}
+    if args is not None:   # what a rank needs to capture the model again the same way (capture_as_planned)
+        planned["inputs"] = record_inputs(args, kwargs, batch_dim)
+    return Captured(gm, fingerprint, mode_dependent, planned, eval_graph)
+
+
+def capture_as_planned(model: nn.Module, planned: dict[str, Any], leaf_modules: Iterable[Any] = (),
+                       concrete_args: Any = None) -> Captured:
+    """Capture ``model`` as the plan's model was captured (``plan.frontend``: the front end and the example
+    inputs' structure, shapes and dtypes), from no data: zeros of the recorded shapes on the model's device
+    (``meta`` for a model built there). The one way a process that was handed a plan traces its model."""
+    name = planned.get("name") if isinstance(planned, dict) else None
+    if name == "export":
+        device = next((t.device for t in model.parameters()), torch.device("cpu"))
+        args, kwargs = recorded_inputs(planned.get("inputs"), device)
+        batch_dim = planned["inputs"].get("batch_dim")
+        return capture(model, leaf_modules, concrete_args, "export", args, kwargs, 0 if batch_dim is None else batch_dim)
+    return capture(model, leaf_modules, concrete_args, "fx" if name == "fx" else "auto")

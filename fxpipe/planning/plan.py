@@ -82,7 +82,7 @@ class Plan:
     # where the samples are: {"inputs": {argument: dim}, "output": dim, "target": dim}; missing means dim 0
     batch_dims: dict[str, Any] = field(default_factory=dict)
     # the front end that traced the model and why that one: {"name": "fx"|"export"|"given", "reason": ...}
-    frontend: dict[str, str] = field(default_factory=dict)
+    frontend: dict[str, Any] = field(default_factory=dict)   # name, reason, the example inputs' record
 
     @property
     def workers(self) -> int:

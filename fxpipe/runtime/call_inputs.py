@@ -36,7 +36,7 @@ class CallInputs:
 
     def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         """The call's values by placeholder name (defaults filled in); ``TypeError`` as Python would say it."""
-        args, kwargs = flat_inputs(args, kwargs, self.in_spec)
+        args, kwargs = flat_inputs(args, kwargs, self.in_spec, [p.target for p in self.placeholders])
         if len(args) > len(self.placeholders):
             raise TypeError(f"the model takes {len(self.placeholders)} inputs, got {len(args)}")
         bound = {p.target: a for p, a in zip(self.placeholders, args)}

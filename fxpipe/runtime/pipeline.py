@@ -33,7 +33,8 @@ from fxpipe.errors import FxpipeError
 from fxpipe.runtime.failures import forward_error, step_error
 from fxpipe.runtime.call_inputs import CallInputs
 from fxpipe.runtime.input_grads import InputGraphs
-from fxpipe.runtime.microbatch import gather
+from fxpipe.frontend.model_loss import MODEL_LOSS, ModelLoss
+from fxpipe.runtime.model_loss import gather_outputs, no_model_loss_error, own_loss, with_micro_batch_mean
 from fxpipe.planning.memory_model import checkpointed
 from fxpipe.runtime.memory_probe import allocations, measure_worker_memory
 from fxpipe.planning.plan import Plan
@@ -84,11 +85,19 @@ class Pipeline(nn.Module):
         # a torch.export graph is flat: the model's input and output structures (fxpipe.runtime.structure)
         self._out_spec = graph_module.meta.get("fxpipe_out_spec")
         self._out_dict_types = graph_module.meta.get("fxpipe_out_dict_types")   # fx: an OrderedDict's type
+        self._meta = graph_module.meta
+        # a loss the model computes itself, summed per micro-batch (fxpipe.frontend.model_loss)
+        self._model_loss: ModelLoss | None = graph_module.meta.get(MODEL_LOSS)
         self.inputs = CallInputs(graph_module, plan, guard)   # a call bound to the graph and split
         self.layout = self.inputs.layout   # where the samples are in inputs, outputs and targets
         # Only the pipeline's own flag (what _check_mode compares): self.train() would recurse into the
         # stages and reset every submodule the user had set apart, e.g. a frozen BatchNorm in eval mode.
         self.training = self._traced_training
+
+    @property
+    def has_model_loss(self) -> bool:
+        """Whether the model computes its own loss and :meth:`step` can train on it without a ``loss_fn``."""
+        return self._model_loss is not None
 
     @property
     def guard(self) -> ModelGuard | None:
@@ -139,12 +148,14 @@ class Pipeline(nn.Module):
                     raise forward_error(k, i, self.devices[k], exc) from exc
         commit_statistics(self.modules())
         outputs = [fx.node.map_arg(self._output.args[0], lambda n, e=env: e[n.name]) for env in micro]
-        return model_output(gather(outputs, self.layout.output), self._out_spec, self._out_dict_types)
+        counts = [self._model_loss.count(env) for env in micro] if self._model_loss is not None else []
+        return model_output(gather_outputs(outputs, self.layout.output, self._model_loss, counts), self._out_spec,
+                            self._out_dict_types)
 
     # ------------------------------------------------------------------ training step
-    def step(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+    def step(self, inputs: Any, target: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *,
              schedule: str | None = None, reduction: str = "mean", return_outputs: bool = False,
-             measure_memory: bool = False, kwargs: dict[str, Any] | None = None) -> Any:
+             measure_memory: bool = False, kwargs: dict[str, Any] | None = None, **model_kwargs: Any) -> Any:
         """Forward and backward of one mini-batch with an explicit schedule; returns the loss.
 
         ``inputs`` is the model's input (a tuple for several; tensors inside tuples, lists and dicts
@@ -161,6 +172,14 @@ class Pipeline(nn.Module):
           ``cross_entropy(..., reduction="sum")`` and ``(target != -100).sum()``); the gradients are
           those of the total sum over the whole batch's count, and the returned loss is that mean.
         - ``reduction="sum"`` weights every micro-batch by 1 (for a summed loss).
+
+        Without ``loss_fn`` the step trains on the loss the model computes itself, as
+        ``model(ids, labels=labels).loss.backward()`` on the whole batch: ``pipe.step(ids, labels=labels)``
+        on a pipeline compiled with ``example_kwargs={"labels": labels}``. Keyword arguments other than the
+        step's own go to the model (``kwargs=`` takes them as a dict, for a model keyword named like one of
+        the step's). The model's cross-entropy over its counted targets is summed per micro-batch and divided
+        once by the whole batch's count (:mod:`fxpipe.frontend.model_loss`), so padded labels train exactly;
+        a model loss that cannot be combined so is refused with the reason.
 
         The returned loss and the gradients accumulated in ``.grad`` then equal one full-batch
         ``loss_fn(model(inputs), target).backward()`` — except for layers that mix samples: a
@@ -185,11 +204,20 @@ class Pipeline(nn.Module):
                               "to run the model without training it")
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         kwargs = dict(kwargs or {})
+        twice = sorted(set(kwargs) & set(model_kwargs))
+        if twice:
+            raise TypeError(f"pipe.step got the model's keyword input(s) {twice} both in kwargs= and as keywords")
+        kwargs.update(model_kwargs)
+        if loss_fn is None and self._model_loss is None:
+            raise no_model_loss_error(self._meta)
+        if loss_fn is None and target is not None:
+            raise TypeError("pipe.step was given a target but no loss_fn: the model's own loss reads its labels as an "
+                            "input, so pass them by keyword (pipe.step(ids, labels=labels)), or pass a loss_fn")
         graphs = InputGraphs()   # inputs carrying the caller's graph: one backward into it, after the step
         inputs, kwargs = graphs.detach(inputs), graphs.detach(kwargs)
         if self.inputs.in_spec is not None:   # the graph's leaves once, for the memory probe's replay as well
-            inputs, kwargs = FlatInputs(flat_inputs(inputs, kwargs, self.inputs.in_spec)[0]), {}
-        loss_fn = self.structured_loss(loss_fn)
+            inputs, kwargs = FlatInputs(flat_inputs(inputs, kwargs, self.inputs.in_spec,
+                                                     [p.target for p in self.inputs.placeholders])[0]), {}
         micro = self.inputs.micro_batches(inputs, kwargs)
         sizes = self.inputs.sizes(micro)
         targets = self.inputs.micro_targets(target)
@@ -197,6 +225,15 @@ class Pipeline(nn.Module):
             raise ValueError(f"target must have the batch size of the inputs, {sum(sizes)}, along its batch "
                              f"dimension {self.layout.target} (it is split into micro-batches the same way; "
                              "CompileOptions(target_batch_dim=...) names another dimension)")
+        if self._model_loss is None:
+            loss_fn = self.structured_loss(loss_fn)
+        else:   # the model's own loss: each micro-batch's sum and count (fxpipe.runtime.model_loss)
+            counts = [self._model_loss.count(mb) for mb in micro]
+            if loss_fn is None:
+                loss_fn, targets, reduction = own_loss(self._model_loss), counts, "token"
+            else:
+                loss_fn = with_micro_batch_mean(self.structured_loss(loss_fn), self._model_loss)
+                targets = list(zip(targets, counts))
         m = len(micro)
         grad_leaves = [t for t in tree_flatten(inputs)[0]
                        if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad]
@@ -231,12 +268,18 @@ class Pipeline(nn.Module):
             self.last_step.update(memory=[gpu_memory[d].peak_bytes for d in owner],
                                   memory_method="torch.cuda.max_memory_allocated")
         elif measure_memory:
-            found = measure_worker_memory(self, inputs, target, loss_fn, schedule=schedule)
+            if self._model_loss is not None:   # the replay needs the gradients' shapes only
+                leaf = self._model_loss.leaf
+                found = measure_worker_memory(self, inputs, None, lambda out, _: out[leaf], schedule=schedule)
+            else:
+                found = measure_worker_memory(self, inputs, target, loss_fn, schedule=schedule)
             self.last_step.update(memory=[w.peak_bytes for w in found],
                                   memory_method="profiled replay of each worker, torch.profiler")
         if not return_outputs:
             return loss
-        return loss, model_output(gather(outs, self.layout.output), self._out_spec, self._out_dict_types)
+        counts = [self._model_loss.count(mb) for mb in micro] if self._model_loss is not None else []
+        return loss, model_output(gather_outputs(outs, self.layout.output, self._model_loss, counts), self._out_spec,
+                                  self._out_dict_types)
 
     def structured_loss(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
         """``loss_fn`` called on the model's own output structure (a ``ModelOutput`` with ``.logits``) where the

@@ -28,12 +28,42 @@ class FlatInputs(tuple):
     """Inputs given as the flat graph's placeholders, in order (no pytree to flatten)."""
 
 
-def flat_inputs(args: tuple, kwargs: dict[str, Any], spec: TreeSpec | None) -> tuple[tuple, dict[str, Any]]:
+def _children(spec: TreeSpec) -> list[TreeSpec]:
+    children = getattr(type(spec), "children", None)   # torch >= 2.13; children_specs before (deprecated since)
+    return list(spec.children()) if callable(children) else list(spec.children_specs)
+
+
+def _by_position(args: tuple, kwargs: dict[str, Any], spec: TreeSpec, names: list[str]) -> tuple[tuple, dict]:
+    """A call that names by keyword a tensor input the exported call passed by position (``pipe(input_ids=ids)``
+    for a graph exported from ``model(ids)``), given as that call was: the placeholder of a positional tensor
+    input is named after the forward's parameter."""
+    if not names or not kwargs or spec.num_children != 2:
+        return args, kwargs
+    positional = _children(spec)[0]
+    wanted = positional.num_children
+    if len(args) >= wanted:
+        return args, kwargs
+    args, kwargs, leaf = list(args), dict(kwargs), 0
+    for j, child in enumerate(_children(positional)):
+        if j >= len(args):
+            name = names[leaf] if leaf < len(names) and child.num_leaves == 1 else None
+            if name not in kwargs:
+                break
+            args.append(kwargs.pop(name))
+        leaf += child.num_leaves
+    return tuple(args), kwargs
+
+
+def flat_inputs(args: tuple, kwargs: dict[str, Any], spec: TreeSpec | None,
+                names: list[str] | None = None) -> tuple[tuple, dict[str, Any]]:
     """``(args, kwargs)`` as the graph's positional inputs when the graph is flat (``spec`` is the exported
-    call's input spec); as given otherwise. A call whose structure differs from the exported one is refused
-    with both structures named: binding it leaf by leaf would feed one input to another's place."""
+    call's input spec, ``names`` its placeholders' names); as given otherwise. A keyword naming an input the
+    exported call passed by position is taken in its place (:func:`_by_position`). A call whose structure
+    differs from the exported one is refused with both structures named: binding it leaf by leaf would feed
+    one input to another's place."""
     if spec is None or isinstance(args, FlatInputs):
         return tuple(args), kwargs
+    args, kwargs = _by_position(tuple(args), dict(kwargs), spec, names or [])
     leaves, got = tree_flatten((tuple(args), dict(kwargs)))
     if got != spec:
         raise TypeError(f"the pipeline was compiled for inputs structured as {spec} (positional arguments, then "
