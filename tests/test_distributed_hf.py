@@ -30,13 +30,21 @@ def _train(rank, world, family, plan_json, schedule):
     plan = fxpipe.Plan.from_dict(json.loads(plan_json))
     stage = PipelineRank(plan, functools.partial(build, family), None, timeout_s=60)
     opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    first = _batches(family)[0]
+    try:   # inputs of another structure than the plan recorded: refused on every rank before any exchange
+        stage.step(first["input_ids"], labels=first["labels"], attention_mask=torch.ones_like(first["input_ids"]))
+        refused = ""
+    except TypeError as exc:
+        refused = str(exc)
+    assert all(p.grad is None for p in stage.parameters())
     losses = []
     for b in _batches(family):
         loss = stage.step(b["input_ids"], labels=b["labels"], schedule=schedule)
         losses.append(None if loss is None else loss.item())
         opt.step()
         opt.zero_grad()
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in stage.named_parameters()}}
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in stage.named_parameters()},
+            "refused": refused}
 
 
 @pytest.mark.slow
@@ -49,6 +57,7 @@ def test_a_hugging_face_model_trains_on_ranks_with_its_own_loss(family, world, s
     assert plan.frontend["name"] == "export" and plan.frontend["inputs"]["leaves"]
     results = run_ranks(world, _train, family, json.dumps(plan.to_dict()), schedule)
     assert all("ok" in r for r in results), [r.get("trace") for r in results]
+    assert all("compiled for inputs structured as" in r["ok"]["refused"] for r in results)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     want = []
     for batch in _batches(family):
