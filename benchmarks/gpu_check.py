@@ -84,6 +84,7 @@ SMALL = dict(
 )
 # seconds each row may take before it is stopped (a soft limit: checked between Python operations)
 ROW_LIMIT_S = {"tests": 180, "exec": 60, "bf16": 60, "speed": 120, "fidelity": 120, "compiled": 180}
+GRACE_S = 30   # a row started before --budget-s may run this long past it
 REFERENCE_PIPELINE_1 = 0.756   # torchgpipe's pipeline-1 / naive-1, ResNet-101, Tesla P40 (docs, v0.0.3)
 
 
@@ -166,6 +167,9 @@ class Context:
         self.gpu = not small
         self.sizes = SMALL if small else FULL
         self.device = torch.device("cuda:0" if self.gpu else "cpu")
+        # rows that check the executor need no measured costs: the small mode plans them from FLOPs (seconds
+        # less on a busy CPU); the fidelity rows measure in both modes, as their predictions are the point
+        self.profile = "estimate" if small else "measure"
 
     def devices(self, n: int) -> list[str]:
         return [str(self.device)] * n
@@ -310,8 +314,8 @@ def row_tests(ctx: Context, limit_s: float) -> list[Row]:
             bad = case.find("failure") if case.find("failure") is not None else case.find("error")
             if bad is not None:
                 per[name]["failed"] += 1
-                per[name]["first_failure"] = per[name]["first_failure"] or (
-                    f"{case.get('name')}: {(bad.get('message') or '').splitlines()[0][:120] if bad.get('message') else ''}")
+                message = ((bad.get("message") or "").strip().splitlines() or [""])[0][:120]
+                per[name]["first_failure"] = per[name]["first_failure"] or f"{case.get('name')}: {message}"
             elif case.find("skipped") is not None:
                 per[name]["skipped"] += 1
             else:
@@ -333,7 +337,7 @@ def row_executor(ctx: Context, stages: int, schedule: str) -> Row:
     workers = stages // 2 if schedule == "zb-v" else stages
     extra = {} if schedule == "zb-v" else {"stages": stages}
     pipe = fxpipe.compile(model, ctx.devices(workers), (x,), chunks=ctx.sizes["exec_chunks"], schedule=schedule,
-                          checkpoint="never", **extra)
+                          checkpoint="never", **extra, profile=ctx.profile)
     if len(pipe.plan.stages) != stages:
         raise AssertionError(f"the plan has {len(pipe.plan.stages)} stages, asked for {stages}")
     errs = compare(pipe, model, x, y, lm_loss)
@@ -346,7 +350,7 @@ def row_bf16(ctx: Context) -> Row:
     row = Row("bf16")
     model, x, y = gpt(ctx)
     pipe = fxpipe.compile(model, ctx.devices(2), (x,), chunks=ctx.sizes["exec_chunks"], schedule="1f1b", stages=2,
-                          checkpoint="never")
+                          checkpoint="never", profile=ctx.profile)
     autocast = lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)  # noqa: E731
     errs = compare(pipe, model, x, y, lm_loss, autocast())
     judged(row, errs, {"loss_err": 2e-2, "out_err": 5e-2, "grad_err": 5e-2})
@@ -378,7 +382,7 @@ def row_speed(ctx: Context) -> Row:
     xp, yp = batch(s["pipe_batch"])
     started = time.perf_counter()
     pipe = fxpipe.compile(model, ctx.devices(1), (xp,), chunks=s["chunks"], schedule="gpipe",
-                          checkpoint="except_last", stages=1)
+                          checkpoint="except_last", stages=1, profile=ctx.profile)
     compile_s = time.perf_counter() - started
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_fn = nn.functional.cross_entropy
@@ -392,18 +396,29 @@ def row_speed(ctx: Context) -> Row:
         pipe.step(xp, yp, loss_fn)
         opt.step()
         opt.zero_grad()
-    rates: dict[str, list[float]] = {"naive-1": [], "pipeline-1": []}
-    naive(), pipelined()   # warm-up
-    for _ in range(s["rounds"]):   # interleaved, so drift moves both alike
+    # the executor's own cost beside it: one stage, naive-1's batch whole, nothing recomputed
+    plain = fxpipe.compile(model, ctx.devices(1), (xn,), chunks=1, schedule="gpipe", checkpoint="never", stages=1,
+                           profile="estimate")
+
+    def plain_step() -> None:
+        plain.step(xn, yn, loss_fn)
+        opt.step()
+        opt.zero_grad()
+    rates: dict[str, list[float]] = {"naive-1": [], "pipeline-1": [], "pipeline-1-plain": []}
+    naive(), pipelined(), plain_step()   # warm-up
+    for _ in range(s["rounds"]):   # interleaved, so drift moves all alike
         rates["naive-1"].append(s["naive_batch"] / timed(ctx, naive, s["steps"], warmup=0))
         rates["pipeline-1"].append(s["pipe_batch"] / timed(ctx, pipelined, s["steps"], warmup=0))
-    naive_rate, pipe_rate = (statistics.median(v) for v in rates.values())
+        rates["pipeline-1-plain"].append(s["naive_batch"] / timed(ctx, plain_step, s["steps"], warmup=0))
+    naive_rate, pipe_rate, plain_rate = (statistics.median(v) for v in rates.values())
     ratio = pipe_rate / naive_rate
     row.figures.update(naive_samples_s=naive_rate, pipeline_samples_s=pipe_rate, ratio=ratio,
+                       plain_samples_s=plain_rate, plain_ratio=plain_rate / naive_rate,
                        torchgpipe_p40_ratio=REFERENCE_PIPELINE_1, compile_s=compile_s, settings=s, rounds=rates)
     row.detail = (f"naive-1 {naive_rate:.1f}/s (batch {s['naive_batch']}), pipeline-1 {pipe_rate:.1f}/s (batch "
                   f"{s['pipe_batch']}, {s['chunks']} chunks, except_last): {ratio:.3f}x "
-                  f"(torchgpipe P40: {REFERENCE_PIPELINE_1}x); compile {compile_s:.1f} s")
+                  f"(torchgpipe P40: {REFERENCE_PIPELINE_1}x); 1 stage, batch {s['naive_batch']} whole, no "
+                  f"checkpoint: {plain_rate / naive_rate:.3f}x; compile {compile_s:.1f} s")
     return row
 
 
@@ -446,7 +461,8 @@ def row_fidelity(ctx: Context, which: str) -> Row:
     row = Row(f"fidelity:{name}", "INFO")
     started = time.perf_counter()
     pipe = fxpipe.compile(model, ctx.devices(2), (x,), chunks=chunks, stages=2, schedule="gpipe",
-                          checkpoint="never", loss_fn=loss_fn, example_target=y)
+                          checkpoint="never", loss_fn=loss_fn, example_target=y,
+                          profile=fxpipe.ProfileOptions(cache=False))   # measured now, not read from a cache
     compile_s = time.perf_counter() - started
     loss = pipe.structured_loss(loss_fn)
     factors = stage_factors(pipe, (x,), target=y, loss_fn=loss)
@@ -469,16 +485,19 @@ def row_fidelity(ctx: Context, which: str) -> Row:
         pipe.step(x, y, loss_fn, measure_memory=True)
         step_peak = pipe.last_step["memory"][0] / 2**20
     serial_s = pipe.chunks * sum(st.fwd_s + st.bwd_s for st in pipe.plan.stages)
+    serial_meas_s = pipe.chunks * sum(s["meas_ms"] for s in stages) / 1e3
     model.zero_grad(set_to_none=True)
     row.figures.update(compile_s=compile_s, stages=stages, memory=memory, step_s=step_s,
-                       predicted_serial_step_s=serial_s, chunks=pipe.chunks,
+                       predicted_serial_step_s=serial_s, measured_serial_step_s=serial_meas_s, chunks=pipe.chunks,
                        profile=pipe.plan.profile.get("mode"),
                        step_peak_MiB=step_peak, predicted_sum_MiB=sum(m["pred_MiB"] for m in memory))
     row.detail = ("time/mb " + ", ".join(f"s{s['stage']} {s['pred_ms']:.1f}|{s['meas_ms']:.1f}ms {s['err']:+.0%}"
                                           for s in stages)
                   + "; act mem " + ", ".join(f"w{m['worker']} {m['pred_MiB']:.0f}|{m['meas_MiB']:.0f}MiB "
                                              f"{m['err']:+.0%}" for m in memory)
-                  + f"; step {step_s * 1e3:.0f}|serial pred {serial_s * 1e3:.0f}ms; compile {compile_s:.1f}s")
+                  + f"; step {step_s * 1e3:.0f}ms, stages in series pred {serial_s * 1e3:.0f}|meas "
+                  f"{serial_meas_s * 1e3:.0f}ms" + (f"; step peak {step_peak:.0f}MiB" if step_peak is not None else "")
+                  + f"; compile {compile_s:.1f}s")
     return row
 
 
@@ -501,13 +520,14 @@ def row_compiled(ctx: Context) -> Row:
     row = Row("compiled")
     model, x, y = gpt(ctx)
     eager = fxpipe.compile(model, ctx.devices(2), (x,), chunks=ctx.sizes["exec_chunks"], schedule="1f1b", stages=2,
-                           checkpoint="never")
+                           checkpoint="never", profile=ctx.profile)
     backend = "inductor" if ctx.gpu else "eager"   # CPU: no C++ toolchain needed, the path through fxpipe the same
     started = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pipe = fxpipe.compile(torch.compile(model, backend=backend), ctx.devices(2), (x,),
-                              chunks=ctx.sizes["exec_chunks"], schedule="1f1b", stages=2, checkpoint="never")
+                              chunks=ctx.sizes["exec_chunks"], schedule="1f1b", stages=2, checkpoint="never",
+                              profile=ctx.profile)
     compile_s = time.perf_counter() - started
     done, total, how = stage_modules_compiled(pipe)
     errs = compare(pipe, model, x, y, lm_loss)   # the first step also compiles the stages, where they are
@@ -554,6 +574,8 @@ def header(ctx: Context, reason: str) -> dict[str, Any]:
          "python": platform.python_version()}
     if ctx.gpu:
         h["memory"] = f"{torch.cuda.get_device_properties(0).total_memory / 2**30:.1f} GiB"
+        h["fp32"] = (f"matmul precision {torch.get_float32_matmul_precision()!r}, cuDNN TF32 "
+                     f"{torch.backends.cudnn.allow_tf32}, cuDNN {torch.backends.cudnn.version()}")
     return h
 
 
@@ -581,11 +603,15 @@ def main(argv: list[str] | None = None) -> int:
         if left <= 0:
             table.add(Row(name, "SKIPPED (budget)", f"--budget-s {args.budget_s:.0f} spent"))
             continue
-        limit = min(ROW_LIMIT_S[kind], left)
+        limit = min(ROW_LIMIT_S[kind], left + GRACE_S)   # the last row may run a little past the budget
+        print(f"  ... {name} (limit {limit:.0f} s)", flush=True)
         t0 = time.perf_counter()
         try:
-            with time_limit(limit):
+            with time_limit(limit), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 result = run()
+            for r in result if isinstance(result, list) else [result]:   # fxpipe's warnings, first line each
+                r.figures.setdefault("warnings", sorted({str(w.message).split(":")[0][:160] for w in caught}))
         except BaseException as exc:   # noqa: BLE001 - a row's failure is reported, the table goes on
             if isinstance(exc, KeyboardInterrupt):
                 raise
@@ -597,8 +623,7 @@ def main(argv: list[str] | None = None) -> int:
                 r.seconds = time.perf_counter() - t0
             table.add(r)
         ctx.clean()
-    print("-" * 100)
-    print(table.text().splitlines()[-1] + f"; {time.perf_counter() - started:.0f} s in all", flush=True)
+    print("\n" + table.text().rstrip() + f"; {time.perf_counter() - started:.0f} s in all", flush=True)
     if args.out:
         print(f"table and figures: {Path(args.out) / 'gpu_check.txt'}, {Path(args.out) / 'gpu_check.json'}")
     return 1 if any(r.status == "FAIL" for r in table.rows) else 0
