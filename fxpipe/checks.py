@@ -5,6 +5,7 @@ Every check raises with a message that names what is wrong and how to fix it.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any, Callable, Mapping, Sequence
 
@@ -16,34 +17,60 @@ from fxpipe.cost.device_names import EXAMPLE, is_device_names, parse_device_name
 from fxpipe.errors import PlanMismatchError
 from fxpipe.frontend.batch_dims import LEAF_DIMS
 from fxpipe.frontend.capture import Captured
-from fxpipe.options import CompileOptions, ProfileOptions
+from fxpipe.options import CompileOptions, ProfileOptions, stage_compile_kwargs
 from fxpipe.planning.lowering import device_memory_bytes
 from fxpipe.planning.plan import Plan
 from fxpipe.runtime.aliasing import written_buffers
+from fxpipe.runtime.compiled import options_of
 from fxpipe.runtime.microbatch import BatchLayout
 from fxpipe.runtime.pipeline import CHECKPOINT_MODES
 from solvers.schedules import SCHEDULES, check_schedule, stages_per_worker
 
-__all__ = ["batch_layout", "check_arguments", "check_plan", "check_plan_layout", "memory_limits", "parse_devices",
-           "unwrap_compiled", "warn_batch_norm", "worker_devices"]
+__all__ = ["batch_layout", "check_arguments", "check_plan", "check_plan_layout", "compiled_model", "memory_limits",
+           "parse_devices", "stage_compilation", "unwrap_compiled", "warn_batch_norm", "worker_devices"]
+
+log = logging.getLogger("fxpipe")
 
 
-def unwrap_compiled(model: Any) -> Any:
-    """The module that ``torch.compile`` wrapped, with a warning; ``model`` itself otherwise.
+def _optimized(model: Any) -> bool:
+    """Whether ``model`` is ``torch.compile``'s ``OptimizedModule`` (dynamo imported only for such a model)."""
+    if type(model).__name__ != "OptimizedModule" or not isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        return False
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(model, OptimizedModule)
+
+
+def compiled_model(model: Any) -> tuple[Any, dict[str, Any] | None]:
+    """The module that ``torch.compile`` wrapped and the ``torch.compile`` options it was given
+    (:func:`fxpipe.runtime.compiled.options_of`); ``(model, None)`` for any other model.
 
     An ``OptimizedModule`` has no forward of its own to trace (``*args, **kwargs``), and profiling it would
     time dynamo's compilation as the model's first operations. Its ``_orig_mod`` holds the same parameters,
-    so the pipeline trains the user's model all the same; its stages run eagerly.
+    so the pipeline trains the user's model all the same, and its stages are compiled with those options.
     """
-    if type(model).__name__ != "OptimizedModule" or not isinstance(getattr(model, "_orig_mod", None), nn.Module):
-        return model
-    from torch._dynamo.eval_frame import OptimizedModule   # dynamo is slow to import: only for such a model
+    if not _optimized(model):
+        return model, None
+    return model._orig_mod, options_of(model)
 
-    if not isinstance(model, OptimizedModule):
+
+def stage_compilation(options: CompileOptions, from_model: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The ``torch.compile`` keyword arguments of the stages: ``CompileOptions.compile_stages`` when given
+    (``False``: eager), else the compiled model's own (:func:`compiled_model`), else ``None`` (eager)."""
+    if options.compile_stages is None:
+        return from_model
+    if options.compile_stages is False and from_model is not None:
+        log.info("a torch.compile'd model with compile_stages=False: its stages run eagerly")
+    return stage_compile_kwargs(options.compile_stages)
+
+
+def unwrap_compiled(model: Any) -> Any:
+    """For :func:`fxpipe.plan`: the module that ``torch.compile`` wrapped, with a warning; ``model`` otherwise."""
+    if not _optimized(model):
         return model
-    warnings.warn(f"fxpipe got a torch.compile'd module: it pipelines the module torch.compile wrapped "
-                  f"({type(model._orig_mod).__name__}, model._orig_mod, the same parameters), and its stages run "
-                  "eagerly; pass the module itself to silence this", UserWarning, stacklevel=3)
+    warnings.warn(f"fxpipe got a torch.compile'd module: it plans the module torch.compile wrapped "
+                  f"({type(model._orig_mod).__name__}, model._orig_mod, the same parameters), its operations "
+                  "costed as eager ones; pass the module itself to silence this", UserWarning, stacklevel=3)
     return model._orig_mod
 
 

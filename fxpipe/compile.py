@@ -13,9 +13,9 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from fxpipe.compression_spec import BoundaryCodec, check_compression
-from fxpipe.checks import (batch_layout, check_arguments, check_plan, check_plan_layout, memory_limits,
-                           most_micro_batches, parse_devices, unwrap_compiled, warn_batch_norm, warn_buffer_updates,
-                           worker_devices)
+from fxpipe.checks import (batch_layout, check_arguments, check_plan, check_plan_layout, compiled_model,
+                           memory_limits, most_micro_batches, parse_devices, stage_compilation, warn_batch_norm,
+                           warn_buffer_updates, worker_devices)
 from fxpipe.cost.cpu import CpuHost
 from fxpipe.cost.node_costs import node_costs
 from fxpipe.frontend.capture import capture
@@ -26,10 +26,12 @@ from fxpipe.planning.auto import plan_auto, search_rows
 from fxpipe.planning.plan import Plan
 from fxpipe.planning.planner import Planner
 from fxpipe.planning.report import predicted_times
-from fxpipe.refine.rounds import refine
+from fxpipe.refine.rounds import record_compilation, refine
+from fxpipe.refine.stage_profile import stage_compile_seconds
 from fxpipe.runtime.assemble import build_pipeline
 from fxpipe.runtime.batch_check import check_micro_batching
 from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
+from fxpipe.runtime.compiled import refuse_split_backward
 from fxpipe.runtime.compression import BoundaryCompression, codec_seconds_per_byte
 from fxpipe.runtime.guards import ModelGuard, input_signature
 from fxpipe.runtime.host import UNSHARED
@@ -38,7 +40,7 @@ from fxpipe.runtime.microbatch import batch_size_of, scatter
 from fxpipe.runtime.pipeline import Pipeline
 from fxpipe.runtime.structure import FlatInputs, flat_inputs, model_output
 from solvers.schedule_search import chunk_choices
-from solvers.schedules import SCHEDULES
+from solvers.schedules import SCHEDULES, SPLIT_BACKWARD
 
 __all__ = ["compile", "parse_devices"]
 
@@ -122,7 +124,7 @@ def compile(
     if not isinstance(model, (nn.Module, torch.export.ExportedProgram)):
         raise TypeError(f"fxpipe.compile needs an nn.Module (or a torch.fx.GraphModule or torch.export."
                         f"ExportedProgram), got {type(model).__name__}")
-    model = unwrap_compiled(model)
+    model, compiled_as = compiled_model(model)   # torch.compile(model, **opts): its module, and opts
     if isinstance(example_inputs, list):
         raise TypeError("example_inputs must be a tuple of the forward's positional arguments (one tensor alone "
                         "is taken as (x,)), got a list: pass tuple(...) if it holds the arguments, or ([...],) if "
@@ -143,6 +145,10 @@ def compile(
     auto_chunks = chunks is None or chunks == "auto"
     profiling, options = ProfileOptions.of(profile), options or CompileOptions()
     v = check_arguments(checkpoint, schedule, virtual_stages, plan, profiling, loss_fn, example_target)
+    compiled = stage_compilation(options, compiled_as)   # torch.compile's arguments for every stage, or None
+    refuse_split_backward(schedule, compiled)
+    if plan is not None:
+        refuse_split_backward(plan.schedule, compiled)
     example_inputs = example_inputs if isinstance(example_inputs, tuple) or example_inputs is None else (
         example_inputs,)
     if plan is not None and frontend == "auto" and plan.frontend.get("name") in ("fx", "export"):
@@ -163,8 +169,14 @@ def compile(
         log.info("deferred_batch_norm=True but %s has no BatchNorm layer", type(model).__name__)
     host = CpuHost() if any(d.type == "cpu" for d in devs) else UNSHARED
 
+    built: dict[tuple, list] = {}   # compiled stages by cuts and devices: the refinement's rounds compile once
+
     def build(chosen: Plan) -> Pipeline:                                                # 4. codegen, run
-        pipe = build_pipeline(captured.graph, chosen, checkpoint, captured.mode_dependent, host)
+        cuts = tuple(sorted(chosen.stage_of().items())) + tuple(st.device for st in chosen.stages)
+        pipe = build_pipeline(captured.graph, chosen, checkpoint, captured.mode_dependent, host, compiled=compiled,
+                              specs=built.get(cuts))
+        if compiled is not None:
+            built[cuts] = pipe.specs
         pipe.guard = ModelGuard(model)   # after the moves: .to(device) replaces buffer tensors
         pipe.compression = BoundaryCompression.of_stages(options.compression, pipe.specs, pipe._output.args[0])
         return pipe
@@ -174,7 +186,10 @@ def compile(
         check_plan_layout(plan, layout, options)
         warn_batch_norm(model, plan.chunks, options.deferred_batch_norm)
         warn_buffer_updates(captured.graph, plan.chunks, model)
-        return predict_shared_step(build(plan))
+        pipe = build(plan)
+        record_compilation(pipe, None if compiled is None or example_inputs is None else
+                           stage_compile_seconds(pipe, example_inputs))
+        return predict_shared_step(pipe)
     if example_inputs is None:
         raise ValueError("example_inputs is required to profile the model (or pass plan=fxpipe.load_plan(...))")
     dims = layout.input_dims([n.target for n in captured.graph.graph.nodes if n.op == "placeholder"])
@@ -217,7 +232,8 @@ def compile(
     search = None
     if schedule == "auto" or auto_chunks:                                               # 3. plan
         search = plan_auto(planner, costs, profiled, chunk_choices(most, len(workers)) if auto_chunks else [chunks],
-                           SCHEDULES if schedule == "auto" else (schedule,), virtual_stages=v if v > 1 else 2)
+                           auto_schedules(compiled) if schedule == "auto" else (schedule,),
+                           virtual_stages=v if v > 1 else 2)
         planner, costs, first_plan = search.planner, search.costs, search.plan
         if check_graph is not None and first_plan.chunks not in (1, profiled):
             check_micro_batching(check_graph, example_inputs, layout, first_plan.chunks)
@@ -229,10 +245,16 @@ def compile(
     measured_loss = ((lambda out, target: scalar_of(loss_fn(model_output(out, spec, types), target)))
                      if loss_fn is not None else None)
     pipe = refine(planner, costs, first_plan, build, example_inputs, profiling,         # 5. refine
-                  loss_fn=measured_loss, example_target=example_target)
+                  loss_fn=measured_loss, example_target=example_target, compiled=compiled)
     if search is not None:   # what was tried, for plan.summary() and the saved plan
         pipe.plan.solver["search"] = search_rows(search.trials, search.best)
     return predict_shared_step(pipe)
+
+
+def auto_schedules(compiled: dict[str, Any] | None) -> tuple[str, ...]:
+    """The schedules ``schedule="auto"`` tries: all, but those with a split backward for compiled stages
+    (:func:`fxpipe.runtime.compiled.refuse_split_backward` says why)."""
+    return SCHEDULES if compiled is None else tuple(s for s in SCHEDULES if s not in SPLIT_BACKWARD)
 
 
 def predict_shared_step(pipe: Pipeline) -> Pipeline:

@@ -8,13 +8,15 @@ before anything runs.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+import torch
 from torch.utils._pytree import tree_flatten
 from fxpipe.compression_spec import check_compression
 
-__all__ = ["COMPILE_MODES", "CONTENTION_STEPS", "EFFORTS", "CompileOptions", "ProfileOptions"]
+__all__ = ["COMPILE_MODES", "CONTENTION_STEPS", "EFFORTS", "CompileOptions", "ProfileOptions", "stage_compile_kwargs"]
 
 COMPILE_MODES = ("measure", "estimate")   # cost.profile also has "analytic", for fxpipe.plan()
 CONTENTION_STEPS = 3
@@ -146,6 +148,13 @@ class CompileOptions:
             way (``"int8/topk:0.01"``; ``"fp32"``: exact), or a dict ``{stage: name}`` for the boundary after
             that stage (:mod:`fxpipe.runtime.compression`). ``pipe(x)`` stays exact. The planner costs the
             compressed bytes; ``plan.summary()`` lists each boundary's bytes before and after.
+        compile_stages: ``torch.compile`` each stage module after partitioning (:mod:`fxpipe.runtime.compiled`):
+            ``True`` (torch.compile's defaults), a dict of ``torch.compile`` keyword arguments
+            (``{"mode": "max-autotune", "fullgraph": True}``), ``False`` (eager stages), or ``None`` (default):
+            as the model, that is compiled with its own options when ``fxpipe.compile`` is given a
+            ``torch.compile(model, ...)``. The stages are timed compiled before the final plan, the compile time
+            is reported apart (``plan.compiled``, ``plan.summary()``), and ``zb-h1``/``zb-v`` are refused
+            (their split backward would run a compiled backward twice).
     """
 
     concrete_args: dict[str, Any] | None = None
@@ -158,9 +167,11 @@ class CompileOptions:
     check_micro_batching: bool = True
     keep_blocks_whole: bool = True
     compression: str | Mapping[int, str] | None = None
+    compile_stages: bool | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         check_compression(self.compression)   # ValueError naming the allowed codecs
+        stage_compile_kwargs(self.compile_stages)   # ValueError for a key torch.compile does not take
         if self.optimizer_state_factor < 0:
             raise ValueError(f"optimizer_state_factor must be 0 or more, got {self.optimizer_state_factor!r}")
         dims = self.batch_dim
@@ -172,3 +183,22 @@ class CompileOptions:
                                                                  ("target_batch_dim", self.target_batch_dim)]:
             if value is not None:
                 _whole(name, value, 0, " (a dimension; negative ones are not accepted)")
+
+
+def stage_compile_kwargs(value: bool | Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``CompileOptions.compile_stages`` as ``torch.compile`` keyword arguments: ``None`` for eager stages (or
+    "as the model", decided by the caller), ``{}`` for ``True`` (torch.compile's defaults), a copy of a dict.
+    Raises ``ValueError`` for another value or a key ``torch.compile`` does not take."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"compile_stages must be True, False, None or a dict of torch.compile keyword arguments "
+                         f"({{'mode': 'max-autotune'}}), got {value!r}")
+    allowed = [name for name in inspect.signature(torch.compile).parameters if name != "model"]
+    unknown = sorted(map(str, set(value) - set(allowed)))
+    if unknown:
+        raise ValueError(f"compile_stages has {', '.join(map(repr, unknown))}, which torch.compile does not take; "
+                         f"its keyword arguments are {', '.join(allowed)}")
+    return dict(value)

@@ -2,6 +2,7 @@
 
 import gc
 import threading
+import warnings
 
 import pytest
 import torch
@@ -279,20 +280,23 @@ def test_dict_subclasses_come_back_as_the_models_own_types(frontend):
 
 def test_a_torch_compiled_module_is_pipelined_as_the_module_it_wraps():
     """torch.compile's OptimizedModule has no forward of its own to trace (``*args, **kwargs``: it went to
-    torch.export, and profiling timed dynamo's compilation): the module it wraps is pipelined, with a warning,
-    and the user's parameters are the ones trained."""
+    torch.export, and profiling timed dynamo's compilation): the module it wraps is pipelined, and the user's
+    parameters are the ones trained (its stages compiled, tests/test_compiled_stages.py, or here, with
+    compile_stages=False, eager)."""
     torch.manual_seed(0)
     inner = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
     x, target = torch.randn(8, 8), torch.randn(8, 4)
-    with pytest.warns(UserWarning, match=r"torch.compile'd module: it pipelines the module .*\(Sequential"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         pipe = fxpipe.compile(torch.compile(inner), ["cpu", "cpu"], (x,), chunks=2, stages=2,
-                              profile=fxpipe.ProfileOptions(mode="estimate"))
-    assert "front end: fx" in pipe.plan.summary()
+                              profile=fxpipe.ProfileOptions(mode="estimate"),
+                              options=fxpipe.CompileOptions(compile_stages=False))
+    assert "front end: fx" in pipe.plan.summary() and pipe.compiled is None
     pipe.step(x, target, nn.functional.mse_loss)
     got = [q.grad.clone() for q in inner.parameters()]
     inner.zero_grad()
     sum(nn.functional.mse_loss(inner(a), b) for a, b in zip(x.tensor_split(2), target.tensor_split(2))).div(2).backward()
     for a, b in zip(got, inner.parameters()):
         torch.testing.assert_close(a, b.grad, rtol=1e-5, atol=1e-7)
-    with pytest.warns(UserWarning, match="torch.compile'd module"):
+    with pytest.warns(UserWarning, match="torch.compile'd module: it plans the module"):
         fxpipe.plan(torch.compile(inner), fxpipe.Devices.preset("h100", 2), (x,))

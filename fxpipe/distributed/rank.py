@@ -30,9 +30,11 @@ from fxpipe.distributed.transport import P2P
 from fxpipe.distributed.weights import open_weights
 from fxpipe.errors import FxpipeError, PlanMismatchError
 from fxpipe.frontend.capture import capture_as_planned
+from fxpipe.options import stage_compile_kwargs
 from fxpipe.planning.plan import Plan, load_plan
 from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
 from fxpipe.runtime.codegen import StageSpec, move_stage, split_graph
+from fxpipe.runtime.compiled import compile_stages, planned_compilation, refuse_split_backward
 from fxpipe.runtime.compression import BoundaryCompression
 from fxpipe.runtime.pipeline import Pipeline
 
@@ -64,6 +66,9 @@ class PipelineRank:
     ``cuda:<LOCAL_RANK>``). ``timeout_s`` bounds every wait for another rank. ``compression`` compresses what
     crosses stage boundaries (the values of :attr:`fxpipe.CompileOptions.compression`: ``"int8"``,
     ``"topk:0.01"``, ``"fp16/int8"``, or a dict by stage); every rank must be given the same.
+    ``compile_stages`` (:attr:`fxpipe.CompileOptions.compile_stages`: ``True``, a dict of ``torch.compile``
+    arguments, ``False``) compiles this rank's stage modules (:mod:`fxpipe.runtime.compiled`); ``None``
+    (default) compiles them as the plan's were (``plan.compiled``), eager for a plan of eager stages.
     """
 
     def __init__(self, plan: Plan | str | Path, model_fn: Callable[[], nn.Module],
@@ -71,12 +76,15 @@ class PipelineRank:
                  checkpoint: str = "except_last", group: Any = None, device: str | torch.device | None = None,
                  timeout_s: float = 300.0, leaf_modules: Iterable[type | str] = (),
                  deferred_batch_norm: bool = False, broadcast_loss: bool = False, weights: Any = None,
-                 compression: Any = None) -> None:
+                 compression: Any = None, compile_stages: bool | dict[str, Any] | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise FxpipeError("fxpipe.distributed needs torch.distributed initialised: run under torchrun and call "
                               "torch.distributed.init_process_group('gloo' or 'nccl') before PipelineRank")
         check_compression(compression)   # a bad codec name fails before anything is built
         plan = load_plan(plan) if isinstance(plan, (str, Path)) else plan
+        compiled = (stage_compile_kwargs(compile_stages) if compile_stages is not None else
+                    planned_compilation(plan.compiled))
+        refuse_split_backward(plan.schedule, compiled)
         self.rank, world = dist.get_rank(group), dist.get_world_size(group)
         if world != plan.workers:
             raise PlanMismatchError(
@@ -115,9 +123,11 @@ class PipelineRank:
             materialise(self.model, [captured.graph, *(s.module for s in specs)], tensors, source, model_fn, self.rank)
         for k in self.own:
             move_stage(specs[k], devices[k])
+        if compiled is not None:
+            compile_stages([specs[k].module for k in self.own], compiled)
         self.specs: list[StageSpec] = specs
         self.pipe = Pipeline(captured.graph, specs, devices, plan, checkpoint=checkpoint,
-                             mode_dependent=captured.mode_dependent)
+                             mode_dependent=captured.mode_dependent, compiled=compiled)
         self.pipe.compression = BoundaryCompression.of_stages(compression, specs, self.pipe._output.args[0])
         self.pipe.transport = P2P(self.rank, stage_rank, group, timeout_s)
         self.plan, self.loss_fn, self.reduction, self.broadcast_loss = plan, loss_fn, reduction, broadcast_loss

@@ -83,6 +83,9 @@ class Plan:
     batch_dims: dict[str, Any] = field(default_factory=dict)
     # the front end that traced the model and why that one: {"name": "fx"|"export"|"given", "reason": ...}
     frontend: dict[str, Any] = field(default_factory=dict)   # name, reason, the example inputs' record
+    # compiled stages (fxpipe.runtime.compiled): {"options": torch.compile's arguments as JSON, "compile_s": seconds
+    # the stages' first forward and backward spent compiling, "stage_compile_s": per stage}; None: eager stages
+    compiled: dict[str, Any] | None = None
 
     @property
     def workers(self) -> int:
@@ -114,6 +117,8 @@ class Plan:
         out += aligned_table(head, rows)
         if self.frontend:
             out.append(f"front end: {self.frontend.get('name', '?')} ({self.frontend.get('reason', '')})")
+        if self.compiled:
+            out.append(compiled_line(self.compiled))
         cuts = [boundary_name(a.modules[-1], b.modules[0])
                 for a, b in zip(self.stages, self.stages[1:]) if a.modules and b.modules]
         if cuts:
@@ -233,6 +238,17 @@ class Plan:
 def load_plan(path: str | Path) -> Plan:
     """Read a plan saved by :meth:`Plan.save`. Parses JSON only, with bounded memory; never executes code."""
     return Plan.from_dict(read_plan_document(path))
+
+
+def compiled_line(compiled: dict[str, Any]) -> str:
+    """One line of the summary: the stages' torch.compile options and their compile time, apart from the step."""
+    options = ", ".join(f"{k}={v!r}" for k, v in compiled.get("options", {}).items())
+    if "compile_s" not in compiled:
+        return (f"compiled stages: torch.compile({options}), compiled at their first call (not timed); "
+                "zb-h1/zb-v not run (a compiled backward does not split)")
+    each = ", ".join(f"{s:.1f}" for s in compiled.get("stage_compile_s", []))
+    return (f"compiled stages: torch.compile({options}); compile {compiled['compile_s']:.1f} s (stages {each} s), "
+            "not in the stage or step times; zb-h1/zb-v not run (a compiled backward does not split)")
 
 
 def boundary_name(before: str, after: str) -> str:

@@ -19,21 +19,33 @@ from fxpipe.planning.planner import Planner
 from fxpipe.refine.calibrate import scale_costs, stage_time_factors
 from fxpipe.refine.contention import measure_contention
 from fxpipe.refine.stage_memory import measure_stage_bytes
-from fxpipe.refine.stage_profile import stage_factors
+from fxpipe.refine.stage_profile import stage_compile_seconds, stage_factors
+from fxpipe.runtime.compiled import describe
 from fxpipe.runtime.pipeline import Pipeline
 
-__all__ = ["refine", "until_cuts_settle"]
+__all__ = ["record_compilation", "refine", "until_cuts_settle"]
 
 
 def refine(planner: Planner, costs: dict[str, Any], plan: Plan, build: Callable[[Plan], Pipeline],
            example_inputs: tuple, options: ProfileOptions, loss_fn: Any = None,
-           example_target: Any = None) -> Pipeline:
-    """The pipeline of ``plan`` refined as ``options`` ask (stage timing, calibration, memory, contention)."""
+           example_target: Any = None, compiled: dict[str, Any] | None = None) -> Pipeline:
+    """The pipeline of ``plan`` refined as ``options`` ask (stage timing, calibration, memory, contention).
+
+    With ``compiled`` stages (``torch.compile`` keyword arguments, :mod:`fxpipe.runtime.compiled`) and measured
+    costs, the stages are timed compiled whatever the effort: fusion crosses the nodes' boundaries, so only a
+    compiled stage timed whole says what it costs; the time its first run spent compiling goes to
+    ``plan.compiled`` (:func:`record_compilation`), apart from the stage times. ``build`` should return the
+    stages it built before for the same cuts, so that the final pipeline runs the code compiled while timing."""
     rounds: list[dict[str, Any]] | None = None
-    if options.measures_stages:
+    compile_s: dict[tuple, list[float]] = {}   # a measured plan's cuts -> its stages' compile seconds
+    if options.measures_stages or (compiled is not None and options.mode == "measure"):
         def timed_alone(measured_on: Plan) -> list[list[float]]:
-            return stage_factors(build(measured_on), example_inputs, warmup=options.warmup,
-                                 repeats=options.repeats, target=example_target, loss_fn=loss_fn)
+            seconds: list[float] = []
+            factors = stage_factors(build(measured_on), example_inputs, warmup=max(options.warmup, compiled is not None),
+                                    repeats=options.repeats, target=example_target, loss_fn=loss_fn,
+                                    compile_seconds=seconds)
+            compile_s[_cuts(measured_on)] = seconds
+            return factors
         with through_the_loss(loss_fn, "timing the last stage"):
             plan, costs, rounds = until_cuts_settle(planner, costs, plan, timed_alone)
     if options.calibrate:
@@ -45,9 +57,17 @@ def refine(planner: Planner, costs: dict[str, Any], plan: Plan, build: Callable[
         plan.profile["calibration"] = {"steps": options.calibration_steps, **calibration[-1], "rounds": calibration,
                                        "loss": "loss_fn" if loss_fn is not None else "sum of outputs"}
     if rounds is None:
-        return build(plan)
+        pipe = build(plan)
+        if compiled is not None:
+            with through_the_loss(loss_fn, "compiling the stages"):
+                record_compilation(pipe, stage_compile_seconds(pipe, example_inputs, example_target, loss_fn))
+        return pipe
     plan.profile["stage_profile"] = rounds
     pipe = build(plan)
+    if compiled is not None:
+        record_compilation(pipe, compile_s.get(_cuts(plan)))
+    if not options.measures_stages:   # compiled stages timed at effort="fast": no memory or contention steps
+        return pipe
     measure_memory(pipe, example_inputs, example_target, loss_fn)
     if not options.calibrate and options.contention_steps:   # a calibrated plan's times were measured in steps
         with through_the_loss(loss_fn, "measuring the stages' contention"):
@@ -83,6 +103,22 @@ def until_cuts_settle(planner: Planner, costs: dict[str, Any], plan: Plan,
     _, costs, record = measured[best]
     record["chosen_of_unsettled"] = True
     return candidates[best], costs, [r for k, (_, _, r) in enumerate(measured) if k != best] + [record]
+
+
+def _cuts(plan: Plan) -> tuple:
+    return tuple(sorted(plan.stage_of().items())) + tuple(st.device for st in plan.stages)
+
+
+def record_compilation(pipe: Pipeline, stage_seconds: list[float] | None) -> None:
+    """``plan.compiled``: the options the stages were compiled with and, where measured, the seconds each
+    stage's first forward and backward spent compiling (not in any stage or step time)."""
+    if pipe.compiled is None:
+        pipe.plan.compiled = None
+        return
+    record: dict[str, Any] = {"options": describe(pipe.compiled)}
+    if stage_seconds is not None:
+        record.update(compile_s=sum(stage_seconds), stage_compile_s=list(stage_seconds))
+    pipe.plan.compiled = record
 
 
 @contextmanager

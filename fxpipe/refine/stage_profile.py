@@ -34,7 +34,7 @@ from fxpipe.runtime.no_trace import leaving_no_trace
 from fxpipe.cost.profile import device_sync
 from fxpipe.runtime.worker import spawn_workers
 
-__all__ = ["stage_factors"]
+__all__ = ["stage_compile_seconds", "stage_factors"]
 
 MIN_REPEATS = 5       # a stage's time is the lower quartile of at least this many runs (see _typical)
 
@@ -81,14 +81,6 @@ def _typical(seconds: list[float]) -> float:
     return sorted(seconds)[len(seconds) // 4]
 
 
-def _stage_times(module: torch.nn.Module, inputs: list[tuple[Any, bool]], device: torch.device, warmup: int,
-                 repeats: int, loss: Loss = None) -> tuple[float, float]:
-    """Typical forward and backward seconds of one stage on ``inputs`` (``(value, requires_grad)`` pairs)."""
-    sync = device_sync(device)
-    runs = [_once(module, inputs, sync, loss=loss) for _ in range(warmup + repeats)][warmup:]
-    return _typical([f for f, _ in runs]), _typical([b for _, b in runs])
-
-
 def _loss(pipe: Any, spec: Any, env: dict[str, tuple[Any, bool]], device: torch.device, target: Any,
           loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> Loss:
     """The training loss of micro-batch 0 from the last stage's outputs (None without ``loss_fn``)."""
@@ -116,26 +108,56 @@ def _on_a_worker_thread(run: Callable[[], Any]) -> Any:
 
 
 def stage_factors(pipe: Any, example_inputs: tuple, warmup: int = 1, repeats: int = 3, target: Any = None,
-                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> list[list[float]]:
+                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                  compile_seconds: list[float] | None = None) -> list[list[float]]:
     """Each stage's ``[forward, backward]`` time alone over its planned time; with ``loss_fn`` and a full
-    batch's ``target`` the last stage's backward starts at the loss, as in a step. See the module doc."""
+    batch's ``target`` the last stage's backward starts at the loss, as in a step. See the module doc.
+    ``compile_seconds``, if given, receives per stage the seconds its first forward and backward took beyond
+    its typical ones: the compile time of a compiled stage (:mod:`fxpipe.runtime.compiled`)."""
+    times = _measure(pipe, example_inputs, warmup, max(repeats, MIN_REPEATS), target, loss_fn, compile_seconds)
+    return [[fwd / st.fwd_s if st.fwd_s > 0 else 1.0, bwd / st.bwd_s if st.bwd_s > 0 else 1.0]
+            for (fwd, bwd), st in zip(times, pipe.plan.stages)]
+
+
+def stage_compile_seconds(pipe: Any, example_inputs: tuple, target: Any = None,
+                          loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> list[float]:
+    """Compile every stage now, on micro-batch 0 as :func:`stage_factors` runs it (one forward and backward
+    more, timed): per stage, the seconds its first forward and backward took beyond the second's."""
+    seconds: list[float] = []
+    _measure(pipe, example_inputs, 1, 1, target, loss_fn, seconds)
+    return seconds
+
+
+def _measure(pipe: Any, example_inputs: tuple, warmup: int, repeats: int, target: Any,
+             loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+             compile_seconds: list[float] | None) -> list[tuple[float, float]]:
+    """Each stage's typical forward and backward seconds (``warmup`` untimed runs, the lower quartile of
+    ``repeats``), and into ``compile_seconds`` how much longer its first forward and backward took."""
     micro = pipe.inputs.micro_batches(example_inputs if isinstance(example_inputs, tuple) else (example_inputs,), {})[0]
     env: dict[str, tuple[Any, bool]] = {name: (value, False) for name, value in micro.items()}
-    factors = []
+    times = []
     last = len(pipe.specs) - 1
     with leaving_no_trace(pipe):
-        for spec, device, st in zip(pipe.specs, pipe.devices, pipe.plan.stages):
+        for spec, device in zip(pipe.specs, pipe.devices):
             inputs = [(tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, env[name][0]),
                        env[name][1]) for name in spec.inputs]
-            with torch.enable_grad():   # which outputs require grad, as in training
-                outs = spec.module(*[value for value, _ in inputs])
+            sync = device_sync(device)
+            sync()
+            started = time.perf_counter()
+            with torch.enable_grad():   # which outputs require grad, as in training (and what a compiled stage
+                outs = spec.module(*_args(inputs))   # guards on: inputs from earlier stages require grad)
+            sync()
+            first_forward = time.perf_counter() - started
             for name, value in zip(spec.outputs, outs):
                 flat = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
                 env[name] = (tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, value),
                              any(t.requires_grad for t in flat))
             del outs
             loss = _loss(pipe, spec, env, device, target, loss_fn) if spec is pipe.specs[last] else None
-            fwd, bwd = _on_a_worker_thread(lambda: _stage_times(spec.module, inputs, device, warmup,
-                                                                 max(repeats, MIN_REPEATS), loss))
-            factors.append([fwd / st.fwd_s if st.fwd_s > 0 else 1.0, bwd / st.bwd_s if st.bwd_s > 0 else 1.0])
-        return factors
+            runs = _on_a_worker_thread(lambda: [_once(spec.module, inputs, sync, loss=loss)
+                                                for _ in range(warmup + repeats)])
+            fwd, bwd = _typical([f for f, _ in runs[warmup:]]), _typical([b for _, b in runs[warmup:]])
+            times.append((fwd, bwd))
+            if compile_seconds is not None:   # the forward compiled in the first call, the backward in the first run
+                compile_seconds.append(max(0.0, first_forward - fwd) + max(0.0, runs[0][1] - bwd))
+        return times

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx as fx
 
 from fxpipe.planning.plan import Plan
-from fxpipe.runtime.codegen import move_stage, split_graph
+from fxpipe.runtime.codegen import StageSpec, move_stage, split_graph
+from fxpipe.runtime.compiled import compile_stages
 from fxpipe.runtime.guards import ModelGuard
 from fxpipe.runtime.host import UNSHARED, Host
 from fxpipe.runtime.pipeline import Pipeline
@@ -15,11 +18,18 @@ __all__ = ["build_pipeline"]
 
 
 def build_pipeline(gm: fx.GraphModule, plan: Plan, checkpoint: str, mode_dependent: bool,
-                   host: Host = UNSHARED, guard: ModelGuard | None = None) -> Pipeline:
-    """One stage module per planned stage, moved to its device, run by a :class:`Pipeline` on ``host``."""
-    specs = split_graph(gm, plan.stage_of(), len(plan.stages))
+                   host: Host = UNSHARED, guard: ModelGuard | None = None, compiled: dict[str, Any] | None = None,
+                   specs: list[StageSpec] | None = None) -> Pipeline:
+    """One stage module per planned stage, moved to its device, run by a :class:`Pipeline` on ``host``; with
+    ``compiled`` (``torch.compile`` keyword arguments) each stage module is compiled in place
+    (:mod:`fxpipe.runtime.compiled`). ``specs``: stages built before for the same cuts and devices, reused
+    (compiled stages keep the code they compiled)."""
     stage_devices = [torch.device(s.device) for s in plan.stages]
-    for spec, dev in zip(specs, stage_devices):
-        move_stage(spec, dev)
+    if specs is None:
+        specs = split_graph(gm, plan.stage_of(), len(plan.stages))
+        for spec, dev in zip(specs, stage_devices):
+            move_stage(spec, dev)
+        if compiled is not None:
+            compile_stages([spec.module for spec in specs], compiled)
     return Pipeline(gm, specs, stage_devices, plan, checkpoint=checkpoint, mode_dependent=mode_dependent,
-                    host=host, guard=guard)
+                    host=host, guard=guard, compiled=compiled)

@@ -47,6 +47,7 @@ from fxpipe.runtime.structure import FlatInputs, flat_inputs, model_output
 from fxpipe.runtime.traced_mode import TracedMode
 from fxpipe.runtime.step import OpTiming, StepFailure, run_step
 from fxpipe.runtime.streams import DeviceStreams, Event
+from fxpipe.runtime.compiled import refuse_split_backward
 from fxpipe.runtime.compression import BoundaryCompression
 from fxpipe.runtime.transport import Transport
 from fxpipe.runtime.worker import spawn_workers
@@ -62,7 +63,8 @@ class Pipeline(nn.Module):
 
     def __init__(self, graph_module: fx.GraphModule, stages: list[StageSpec], devices: list[torch.device],
                  plan: Plan, checkpoint: str = "except_last", mode_dependent: bool = False,
-                 host: Host = UNSHARED, guard: ModelGuard | None = None) -> None:
+                 host: Host = UNSHARED, guard: ModelGuard | None = None,
+                 compiled: dict[str, Any] | None = None) -> None:
         super().__init__()
         chosen = all(st.checkpoint in CHECKPOINT_MODES for st in plan.stages)
         if checkpoint not in CHECKPOINT_MODES and not (checkpoint == "auto" and chosen):
@@ -81,6 +83,9 @@ class Pipeline(nn.Module):
         self.host = host   # CPU workers take turns through it (fxpipe.cost.cpu.CpuHost); GPUs never wait
         self.transport: Transport | None = None   # how stages exchange values in pipe.step (default: in-process)
         self.compression: BoundaryCompression | None = None   # CompileOptions.compression, kept across steps
+        # the torch.compile keyword arguments every stage module was compiled with (fxpipe.runtime.compiled);
+        # None: the stages run eagerly
+        self.compiled = compiled
         self._output = next(n for n in graph_module.graph.nodes if n.op == "output")
         # a torch.export graph is flat: the model's input and output structures (fxpipe.runtime.structure)
         self._out_spec = graph_module.meta.get("fxpipe_out_spec")
@@ -196,6 +201,7 @@ class Pipeline(nn.Module):
             raise ValueError(f"schedule {schedule!r} is not supported by pipe.step; use one of {STEP_SCHEDULES}")
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        refuse_split_backward(schedule, self.compiled)
         self._check_mode()
         caller = CallerState.capture()   # the workers run in the caller's autocast, as the model would
         if not caller.grad:
@@ -353,4 +359,5 @@ class Pipeline(nn.Module):
         return run
 
     def extra_repr(self) -> str:
-        return f"stages={len(self.specs)}, chunks={self.chunks}, checkpoint={self.checkpoint!r}"
+        return (f"stages={len(self.specs)}, chunks={self.chunks}, checkpoint={self.checkpoint!r}"
+                + (f", compiled={self.compiled!r}" if self.compiled is not None else ""))
