@@ -571,6 +571,8 @@ def stage_modules_compiled(pipe: fxpipe.Pipeline) -> tuple[int, int, str]:
         return sum(bool(f) for f in flag), len(mods), "pipe.compiled"
     if isinstance(flag, bool):
         return (len(mods) if flag else 0), len(mods), "pipe.compiled"
+    if isinstance(flag, dict):   # the torch.compile options every stage was compiled with (fxpipe.runtime.compiled)
+        return len(mods), len(mods), f"pipe.compiled={flag!r}"
     return wrapped, len(mods), "stage module types" if flag is None else f"pipe.compiled={flag!r}"
 
 
@@ -596,7 +598,8 @@ def row_compiled(ctx: Context) -> Row:
     eager_s, compiled_s = timed(ctx, step(eager), n), timed(ctx, step(pipe), n)
     done, total, how = stage_modules_compiled(pipe)   # after steps: stages may be compiled at their first call
     model.zero_grad(set_to_none=True)
-    warned = [str(w.message).split(":")[0] for w in caught if "torch.compile" in str(w.message)]
+    warned = [str(w.message).split(":")[0] for w in caught
+              if "torch.compile" in str(w.message) and "eager" in str(w.message)]
     row.figures.update(stages_compiled=done, stages=total, detected_by=how, backend=backend, compile_s=compile_s,
                        eager_step_s=eager_s, compiled_step_s=compiled_s, warnings=warned)
     row.detail += (f"; stages compiled: {done}/{total} ({how}); step {compiled_s * 1e3:.1f} ms vs eager pipeline "
