@@ -143,7 +143,7 @@ class Pipeline(nn.Module):
 
     # ------------------------------------------------------------------ training step
     def step(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
-             schedule: str | None = None, reduction: str = "mean", return_outputs: bool = False,
+             schedule: str | None = None, reduction: str = "auto", return_outputs: bool = False,
              measure_memory: bool = False, kwargs: dict[str, Any] | None = None) -> Any:
         """Forward and backward of one mini-batch with an explicit schedule; returns the loss.
 
@@ -215,7 +215,8 @@ class Pipeline(nn.Module):
                 loss, outs = run_step(self.specs, self.devices, self._output.args[0], micro, targets,
                                       loss_fn, schedule, ckpt, reduction, timings, workers=self._workers(schedule),
                                       random=self._random_stages(), host=self.host, caller=caller, sizes=sizes,
-                                      grad_tensors=list(self.parameters()) + grad_leaves, transport=transport)
+                                      grad_tensors=list(self.parameters()) + grad_leaves, transport=transport,
+                                      loss_dims=(self.layout.output, self.layout.target))
             except BaseException as failure:
                 commit_statistics(self.modules(), discard=True)
                 if not isinstance(failure, StepFailure):

@@ -38,6 +38,7 @@ from fxpipe.runtime.batchnorm import tracking
 from fxpipe.runtime.caller_state import CallerState
 from fxpipe.runtime.codegen import StageSpec
 from fxpipe.runtime.host import UNSHARED, Host
+from fxpipe.runtime.auto_loss import AutoLoss
 from fxpipe.runtime.losses import REDUCTIONS, LossFailure, StepGradients, step_loss, weigh
 from fxpipe.runtime.microbatch import batch_size_of
 from fxpipe.runtime.rng import is_random, rng_guard, step_seed
@@ -103,6 +104,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
              grad_tensors: list[torch.Tensor] | None = None,
              transport: Transport | None = None, orders: list[list[Op]] | None = None,
              around: Callable[[str, int, int], ContextManager[None]] | None = None,
+             loss_dims: tuple[int, int] = (0, 0), auto: AutoLoss | None = None,
              ) -> tuple[torch.Tensor | None, list[Any]]:
     """Run forward and backward of every micro-batch; return the weighted loss and per-micro-batch outputs.
 
@@ -120,7 +122,9 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
     ``orders`` replaces the schedule's per-worker orders (one stage per worker; :mod:`solvers.asynchronous`
     holds forwards back for bounded staleness), and ``around(kind, stage, micro_batch)``, a context manager,
     wraps each operation on its worker (asynchronous training swaps weight versions and steps optimizers in it,
-    :mod:`fxpipe.runtime.asynchronous`).
+    :mod:`fxpipe.runtime.asynchronous`). ``reduction="auto"`` (:mod:`fxpipe.runtime.auto_loss`) reads the
+    outputs' and targets' batch dimensions from ``loss_dims``; ``auto`` is its state (default: a new one; given
+    with another ``reduction``, it computes the losses and the step does not divide by their counts).
 
     Raises :class:`StepFailure` for the first operation that failed (all workers stop).
     """
@@ -200,10 +204,16 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         outputs[i] = fx.node.map_arg(output_arg, lambda n: final[n.name].detach()
                                      if isinstance(final[n.name], torch.Tensor) else final[n.name])
         try:
-            root, losses[i], counts[i] = weigh(loss_fn(structure, target), reduction, sizes[i], total)
+            if auto is not None:   # loss_fn and its backward on copies of the outputs; pushed into the stages below
+                pushed, losses[i], counts[i] = auto(loss_fn, structure, target, i, sizes[i] / total, 1.0 / total)
+            else:
+                root, losses[i], counts[i] = weigh(loss_fn(structure, target), reduction, sizes[i], total)
         except Exception as exc:   # the user's loss, not a stage: reported as such (fxpipe.runtime.pipeline)
             raise LossFailure(exc) from exc
-        root.backward()
+        if auto is None:
+            root.backward()
+        elif pushed:
+            torch.autograd.backward([t for t, _ in pushed], [g for _, g in pushed])
         send_back({name: leaf for name, leaf in final.items() if name in producer}, LOSS, i, streams.record(device))
 
     def backward(k: int, i: int) -> None:
@@ -273,8 +283,11 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
                 timings.append(OpTiming(kind, k, i, start - origin, end - origin, checkpoint(k, i)))
             board.finish((kind, k, i))
 
+    if reduction == "auto" and auto is None:
+        auto = AutoLoss(*loss_dims)
+    # "auto" may refuse the loss at any micro-batch: the step's gradients stay apart until it ends
     step_grads = StepGradients(grad_tensors or [q for spec in specs for q in spec.module.parameters()]) \
-        if reduction == "token" else None
+        if reduction in ("token", "auto") else None
     threads = [threading.Thread(target=work, args=(w,), name=f"fxpipe-step-{w}", daemon=True)
                for w in transport.workers(n_workers)]
     try:   # Ctrl-C may land while the first workers already run and the last are being started
@@ -299,11 +312,11 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
     if here:
         return step_loss(losses, counts, devices[-1], step_grads), outputs
     assert result is not None   # the process of the last stage sends it with its end of the step
-    count = result["count"]
+    count = result["count"]   # None: the micro-batches were weighted by their samples
     if step_grads is not None:
         step_grads.finish(count)
     loss = torch.tensor(result["loss"], dtype=getattr(torch, result["dtype"]))
-    return (loss / count if reduction == "token" else loss), [None] * m
+    return (loss / count if count is not None else loss), [None] * m
 
 
 def _result(losses: list[Any], counts: list[Any]) -> dict[str, Any]:
