@@ -65,6 +65,7 @@ class AutoLoss:
         self.own_mean = own_mean   # a token sum divided by its own count at once (an update of one micro-batch)
         self.kind: str | None = None
         self.first = -1
+        self.loss_fn: Callable[[Any, Any], Any] | None = None   # the last one called (tying dp replicas reruns it)
         # micro-batch -> its loss (the token sum, or the scalar loss) and count (None: not a token loss), unweighted
         self.records: dict[int, tuple[torch.Tensor, Any]] = {}
 
@@ -75,6 +76,7 @@ class AutoLoss:
         gradient) pairs to backpropagate into the stages, the micro-batch's part of the step's loss and its
         count (``None`` for a per-sample mean, weighted ``weight``, its share of the samples). ``key`` names the
         mini-batch (the check's reference sample is one of its own)."""
+        self.loss_fn = loss_fn
         copies, pairs = _detached(output)
         with MeanCalls() as calls:
             result = loss_fn(copies, target)

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 import torch
 
-__all__ = ["REDUCTIONS", "TOKEN_EXAMPLE", "LossFailure", "StepGradients", "token_pair", "weigh", "scalar_of",
-           "step_loss"]
+__all__ = ["REDUCTIONS", "TOKEN_EXAMPLE", "LossFailure", "Replicas", "StepGradients", "token_pair", "weigh",
+           "scalar_of", "total_count"]
 
 REDUCTIONS = ("auto", "mean", "sum", "token")
 
@@ -66,9 +67,11 @@ def token_pair(result: Any, what: str = "reduction='token' needs") -> tuple[torc
     return loss_sum, count
 
 
-def weigh(result: Any, reduction: str, size: int, total: float) -> tuple[torch.Tensor, torch.Tensor, Any]:
+def weigh(result: Any, reduction: str, size: int, total: float,
+          summed: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """``loss_fn``'s result for one micro-batch of ``size`` of ``total`` samples: the tensor to backpropagate,
-    its part of the returned loss (summed over micro-batches) and its count (``"token"``; else None)."""
+    its part of the returned loss (summed over micro-batches) and its count (``"token"``; else None).
+    ``"sum"`` weights it ``summed``."""
     pair = isinstance(result, (tuple, list))
     if reduction == "token":
         loss_sum, count = token_pair(result)
@@ -77,7 +80,7 @@ def weigh(result: Any, reduction: str, size: int, total: float) -> tuple[torch.T
         raise TypeError(f"loss_fn returned a pair (loss_sum, count), which reduction={reduction!r} cannot use: "
                         "pass pipe.step(..., reduction='token') to divide the summed loss by the whole batch's count")
     loss = _scalar(result, "loss_fn must return")
-    weight = size / total if reduction == "mean" else 1.0
+    weight = size / total if reduction == "mean" else summed
     return loss * weight, loss.detach() * weight, None
 
 
@@ -118,16 +121,23 @@ class StepGradients:
                     t.grad = before.add_(t.grad)   # accumulate into the caller's tensor, as autograd does
 
 
-def step_loss(losses: list[torch.Tensor], counts: list[Any], device: torch.device,
-              gradients: StepGradients | None) -> torch.Tensor:
-    """The step's loss from its micro-batches' parts; with counts (``"token"``, or ``"auto"`` that found them)
-    the total sum over the total count, the step's gradients (``gradients``) divided by that count."""
-    loss = torch.stack([x.to(device) for x in losses]).sum()
-    if gradients is None:
-        return loss
-    if counts[0] is None:   # "auto" weighted the micro-batches by their samples: only the earlier gradients back
-        gradients.finish(None)
-        return loss
-    count = functools.reduce(operator.add, [c.to(device) if isinstance(c, torch.Tensor) else c for c in counts])
-    gradients.finish(count)
-    return loss / count
+def total_count(counts: list[Any], device: torch.device) -> Any:
+    """The step's count, summed over its micro-batches (``None`` where they have none: not a token loss)."""
+    if counts[0] is None:
+        return None
+    return functools.reduce(operator.add, [c.to(device) if isinstance(c, torch.Tensor) else c for c in counts])
+
+
+@dataclass
+class Replicas:
+    """``dp`` copies of a pipeline, each training its share of the batch, whose gradients are then averaged over
+    them (``DistributedDataParallel``; :mod:`fxpipe.distributed.mesh`). A micro-batch of ``n_i`` samples counts
+    ``dp * n_i / samples`` under ``"mean"`` (``samples``: the whole batch's, over every replica), ``dp`` under
+    ``"sum"``; a token count is ``sum_counts(count)``, summed over the replicas (every replica calls it, also
+    with ``None``) and divided by ``dp``. ``tie(auto, failed)``, a collective of the last stages' replicas,
+    returns an exception where ``"auto"``'s check finds that their reference samples weigh differently."""
+
+    count: int
+    samples: int
+    sum_counts: Callable[[Any], Any]
+    tie: Callable[[Any, bool], BaseException | None] | None = None

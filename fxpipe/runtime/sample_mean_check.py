@@ -74,11 +74,26 @@ def _grads(loss: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]
     return [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, got)]
 
 
-class _Reference:
-    """The reference sample: its output and target (detached) and ``loss_fn``'s gradient on it alone."""
+class Reference:
+    """The reference sample: its output and target (detached), ``loss_fn``'s gradient on it alone for the output
+    leaves at ``positions``, and the micro-batch it came from."""
 
-    def __init__(self, output: Any, target: Any, grads: list[torch.Tensor], micro_batch: int) -> None:
-        self.output, self.target, self.grads, self.micro_batch = output, target, grads, micro_batch
+    def __init__(self, output: Any, target: Any, grads: list[torch.Tensor], positions: list[int],
+                 micro_batch: int) -> None:
+        self.output, self.target, self.grads, self.positions = output, target, grads, positions
+        self.micro_batch = micro_batch
+
+    def to(self, device: torch.device | str) -> "Reference":
+        """A copy on ``device`` (sent to other processes from the CPU)."""
+        def move(value: Any) -> Any:
+            leaves, spec = tree_flatten(value)
+            return tree_unflatten([t.to(device) if isinstance(t, torch.Tensor) else t for t in leaves], spec)
+        return Reference(move(self.output), move(self.target), [g.to(device) for g in self.grads], self.positions,
+                         self.micro_batch)
+
+    @property
+    def device(self) -> torch.device:
+        return self.grads[0].device
 
 
 class SampleMeanCheck:
@@ -87,7 +102,7 @@ class SampleMeanCheck:
 
     def __init__(self, output_dim: int = 0, target_dim: int = 0) -> None:
         self.output_dim, self.target_dim = output_dim, target_dim
-        self.references: dict[Hashable, _Reference] = {}
+        self.references: dict[Hashable, Reference] = {}
 
     def positions(self, output: Any) -> list[int]:
         """The output leaves whose gradients are compared: floating, batched, requiring grad."""
@@ -95,10 +110,12 @@ class SampleMeanCheck:
                 if _batched(t, self.output_dim) and t.is_floating_point() and t.requires_grad]
 
     def check(self, loss_fn: Callable[[Any, Any], Any], output: Any, target: Any, grads: list[torch.Tensor],
-              micro_batch: int, key: Hashable = None) -> None:
+              micro_batch: int, key: Hashable = None, positions: list[int] | None = None,
+              names: tuple[str, str] | None = None) -> None:
         """``output`` (the micro-batch's outputs, as ``loss_fn`` was given them), ``target`` and ``grads``, the
-        gradient of ``loss_fn(output, target)`` (unweighted) for each leaf of :meth:`positions`."""
-        positions = self.positions(output)
+        gradient of ``loss_fn(output, target)`` (unweighted) for each leaf of :meth:`positions` (or
+        ``positions``). ``names`` says what the micro-batch and the reference are, for the message."""
+        positions = self.positions(output) if positions is None else positions
         if not positions or not all(torch.isfinite(g).all() for g in grads):
             return   # nothing to weigh, or the step's own gradient is not finite (its error, not the weighting's)
         n = tree_flatten(output)[0][positions[0]].size(self.output_dim)
@@ -107,8 +124,8 @@ class SampleMeanCheck:
             if ref is None:
                 ref_out, ref_target = _take(output, self.output_dim, 0, 1), _take(target, self.target_dim, 0, 1)
                 graded, leaves = _graded(ref_out, positions)
-                ref = _Reference(ref_out, ref_target, _grads(_scalar(loss_fn(graded, ref_target)), leaves),
-                                 micro_batch)
+                ref = Reference(ref_out, ref_target, _grads(_scalar(loss_fn(graded, ref_target)), leaves),
+                                positions, micro_batch)
                 self.references[key] = ref
             try:
                 joined, leaves = _graded(_join(ref.output, output, self.output_dim), positions)
@@ -127,23 +144,38 @@ class SampleMeanCheck:
         tol = max(TOLERANCE.get(g.dtype, 1e-4) for g in grads)
         if _close(got, want, tol):
             return
-        raise LossReductionError(self._message(ref, grads, both, n, micro_batch, tol),
+        raise LossReductionError(self._message(ref, grads, both, n, micro_batch, tol, names),
                                  stage=-1, micro_batch=micro_batch, node=None)
 
-    def _message(self, ref: _Reference, grads: list[torch.Tensor], both: list[torch.Tensor], n: int,
-                 micro_batch: int, tol: float) -> str:
+    def tie(self, loss_fn: Callable[[Any, Any], Any], references: list[Reference]) -> None:
+        """Check the reference samples of data-parallel replicas (``references[d]``, replica ``d``'s) against
+        replica 0's: each replica checked its micro-batches against its own, so all samples weigh alike only
+        if these do. Raises :class:`fxpipe.errors.LossReductionError` where one does not."""
+        device = references[0].device
+        base = references[0]
+        for d, other in enumerate(references[1:], 1):
+            other = other.to(device)
+            pair = SampleMeanCheck(self.output_dim, self.target_dim)
+            pair.references[None] = base
+            pair.check(loss_fn, other.output, other.target, other.grads, other.micro_batch,
+                       positions=other.positions,
+                       names=(f"the first sample of data-parallel replica {d}",
+                              "the first sample of replica 0 (each replica's micro-batches weigh alike)"))
+
+    def _message(self, ref: Reference, grads: list[torch.Tensor], both: list[torch.Tensor], n: int,
+                 micro_batch: int, tol: float, names: tuple[str, str] | None = None) -> str:
         d = self.output_dim
         g_b = torch.cat([g.flatten().double() for g in grads])
         u_b = torch.cat([u.narrow(d, 1, n).flatten().double() for u in both])
         u_r = torch.cat([u.narrow(d, 0, 1).flatten().double() for u in both])
         g_r = torch.cat([g.flatten().double() for g in ref.grads])
         which = (f"micro-batch {micro_batch}" if micro_batch != ref.micro_batch else
-                 f"micro-batch {micro_batch} (with a copy of its first sample)")
+                 f"micro-batch {micro_batch} (with a copy of its first sample)") if names is None else names[0]
         summed = _close([torch.cat([u_r, u_b])], [torch.cat([g_r, g_b])], tol)
         scale = float(g_b.dot(g_b))
         rho = float(u_b.dot(g_b)) / scale if scale > 0 else math.nan
         proportional = scale > 0 and _close([u_b], [rho * g_b], tol) and 0 < rho < 1
-        ref_name = f"the first sample of micro-batch {ref.micro_batch}"
+        ref_name = f"the first sample of micro-batch {ref.micro_batch}" if names is None else names[1]
         kept = "This step's gradients were left as they were before it."
         if summed:
             return (f"loss_fn sums over samples: on {which} its gradients do not shrink when {ref_name} joins the "

@@ -39,7 +39,7 @@ from fxpipe.runtime.caller_state import CallerState
 from fxpipe.runtime.codegen import StageSpec
 from fxpipe.runtime.host import UNSHARED, Host
 from fxpipe.runtime.auto_loss import AutoLoss
-from fxpipe.runtime.losses import REDUCTIONS, LossFailure, StepGradients, step_loss, weigh
+from fxpipe.runtime.losses import REDUCTIONS, LossFailure, StepGradients, total_count, weigh
 from fxpipe.runtime.microbatch import batch_size_of
 from fxpipe.runtime.rng import is_random, rng_guard, step_seed
 from fxpipe.runtime.split_backward import WeightPass, backward_inputs, full_backward
@@ -145,11 +145,12 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
             if name in producer:
                 consumers[producer[name]].add(k)
     sizes = [batch_size_of(list(mb.values())) for mb in micro_inputs] if sizes is None else sizes
-    total = sum(sizes)
+    transport = Transport() if transport is None else transport
+    replicas = transport.replicas   # dp copies of this pipeline (pp x dp): their gradients are averaged after
+    total = sum(sizes) if replicas is None else replicas.samples / replicas.count
     leaves: dict[tuple[int, int], dict[str, Any]] = {}  # (stage, mb) -> its input leaves by name
     outs: dict[tuple[int, int], dict[str, Any]] = {}    # (stage, mb) -> its outputs by name
     streams = DeviceStreams(devices)
-    transport = Transport() if transport is None else transport
     transport.begin(specs, devices, streams, micro_inputs, [n.name for n in _output_nodes(output_arg)])
     turns = host.turns(devices, n_workers)
     losses: list[torch.Tensor | None] = [None] * m
@@ -207,7 +208,8 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
             if auto is not None:   # loss_fn and its backward on copies of the outputs; pushed into the stages below
                 pushed, losses[i], counts[i] = auto(loss_fn, structure, target, i, sizes[i] / total, 1.0 / total)
             else:
-                root, losses[i], counts[i] = weigh(loss_fn(structure, target), reduction, sizes[i], total)
+                root, losses[i], counts[i] = weigh(loss_fn(structure, target), reduction, sizes[i], total,
+                                                   1.0 if replicas is None else replicas.count)
         except Exception as exc:   # the user's loss, not a stage: reported as such (fxpipe.runtime.pipeline)
             raise LossFailure(exc) from exc
         if auto is None:
@@ -304,19 +306,30 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
             step_grads.restore()
         raise
     here = transport.local(p - 1)
+    if here and replicas is not None and replicas.tie is not None and auto is not None:
+        tied = replicas.tie(auto, board.failure is not None)   # the last stages' replicas, all of them, every step
+        if tied is not None and board.failure is None:
+            board.fail(StepFailure(p - 1, -1, "loss", tied))
     failure, result = transport.end(board.failure, lambda: _result(losses, counts) if here else None)
     if failure is not None:
         if step_grads is not None:
             step_grads.restore()
         raise failure
     if here:
-        return step_loss(losses, counts, devices[-1], step_grads), outputs
-    assert result is not None   # the process of the last stage sends it with its end of the step
-    count = result["count"]   # None: the micro-batches were weighted by their samples
-    if step_grads is not None:
+        loss, count = torch.stack([x.to(devices[-1]) for x in losses]).sum(), total_count(counts, devices[-1])
+    else:   # the process of the last stage sent them with its end of the step
+        assert result is not None
+        loss, count = torch.tensor(result["loss"], dtype=getattr(torch, result["dtype"])), result["count"]
+    if replicas is not None and reduction in ("auto", "token"):
+        try:   # the whole batch's count, over the replicas (DDP then averages what each divides by it)
+            count = replicas.sum_counts(count)
+        except BaseException:
+            if step_grads is not None:
+                step_grads.restore()
+            raise
+    if step_grads is not None:   # None: the micro-batches were weighted by their samples
         step_grads.finish(count)
-    loss = torch.tensor(result["loss"], dtype=getattr(torch, result["dtype"]))
-    return (loss / count if count is not None else loss), [None] * m
+    return (loss / count if count is not None else loss), (outputs if here else [None] * m)
 
 
 def _result(losses: list[Any], counts: list[Any]) -> dict[str, Any]:
