@@ -268,3 +268,189 @@ def test_one_micro_batch_with_every_label_ignored_is_counted_as_nothing(net_pipe
     loss = pipe.step(x, y, F.cross_entropy)
     assert abs(loss.item() - want_loss) <= 1e-5 * want_loss and _worst(model, want) <= 1e-5
     model.zero_grad(set_to_none=True)
+
+
+def test_async_updates_divide_a_padded_cross_entropy_by_each_groups_count():
+    """AsyncTrainer at staleness 0 (one update per mini-batch) with a padded cross-entropy mean and nothing set:
+    each update's gradients are divided by its mini-batch's count before the optimizer steps, so it trains as
+    pipe.step does (bit for bit) and as the unpartitioned model (1e-5), and reports each mini-batch's per-token
+    mean. A masked mean written by hand is refused before the first update."""
+    import copy
+    model = _make_gpt()
+    sync_model, flat_model = copy.deepcopy(model), copy.deepcopy(model)
+    batches = [_gpt_batch(GPT_LENGTHS), _gpt_batch(GPT_LENGTHS[::-1])]
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (batches[0][0],), chunks=3, stages=2, schedule="1f1b",
+                          profile="estimate", checkpoint="never")
+    sync = fxpipe.compile(sync_model, ["cpu"] * 2, (batches[0][0],), chunks=3, stages=2, schedule="1f1b",
+                          profile="estimate", checkpoint="never")
+    trainer = fxpipe.AsyncTrainer(pipe, lambda ps: torch.optim.SGD(ps, lr=0.5), mode="ssp", staleness=0)
+    with pytest.raises(fxpipe.LossReductionError, match="not a mean over samples"):
+        trainer.train(batches, gpt_masked)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), flat_model.parameters()))   # no update
+    losses = trainer.train(batches, gpt_ce)
+    opt, flat_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (sync_model, flat_model))
+    want = []
+    for tokens, labels in batches:
+        sync.step(tokens, labels, gpt_ce)
+        opt.step()
+        opt.zero_grad()
+        loss = gpt_ce(flat_model(tokens), labels)
+        loss.backward()
+        want.append(loss.item())
+        flat_opt.step()
+        flat_opt.zero_grad()
+    for (name, a), b, c in zip(model.named_parameters(), sync_model.parameters(), flat_model.parameters()):
+        assert torch.equal(a, b), name
+        assert max_relative_error(a.detach(), c.detach()) <= 1e-5, name
+    assert losses == pytest.approx(want, rel=1e-5)
+
+
+# ---------------------------------------------------------------------------- over torch.distributed (gloo)
+SEQ, VOCAB = 8, 11
+
+
+def _make_gpt() -> nn.Module:
+    from models import SkipTied
+    torch.manual_seed(0)
+    return SkipTied(vocab=VOCAB, width=8, depth=6)
+
+
+def _gpt_batch(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (len(lengths), SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (len(lengths), SEQ), generator=g)
+    for b, length in enumerate(lengths):
+        labels[b, length:] = -100
+    return tokens, labels
+
+
+GPT_LENGTHS = [8, 1, 5, 2, 8, 3, 6]   # 7 samples: micro-batches of 3, 2, 2 in 3 chunks
+
+
+def gpt_ce(out, labels):
+    return F.cross_entropy(out.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def gpt_masked(out, labels):
+    per_token = F.cross_entropy(out.flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none")
+    mask = (labels != -100).flatten().float()
+    return (per_token * mask).sum() / mask.sum()
+
+
+def _gpt_plan(chunks: int, batch: int) -> str:
+    from forced_cuts import compile_with_cuts
+    plan = compile_with_cuts(_make_gpt(), (_gpt_batch([SEQ] * batch)[0],), ["blocks_3_0"], chunks=chunks).plan
+    return plan.to_json()
+
+
+def _gpt_reference(lengths: list[int], loss_fn) -> tuple[float, dict[str, torch.Tensor]]:
+    model = _make_gpt()
+    tokens, labels = _gpt_batch(lengths)
+    return _reference(model, tokens, labels, loss_fn)
+
+
+def _refused(run, params) -> dict:
+    """Run ``run()`` (a step that must be refused) with every parameter's gradient 0.5: the error and whether
+    the gradients were left as they were."""
+    params = list(params)
+    for p in params:
+        p.grad = torch.full_like(p, 0.5)
+    try:
+        run()
+        return {"error": None}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "kept": all(torch.equal(p.grad, torch.full_like(p, 0.5))
+                                                                    for p in params)}
+
+
+def _rank_auto(rank: int, world: int, plan_json: str) -> dict:
+    from fxpipe.distributed import PipelineRank
+    plan = fxpipe.Plan.from_dict(__import__("json").loads(plan_json))
+    tokens, labels = _gpt_batch(GPT_LENGTHS)
+    found: dict = {}
+    for schedule in ("1f1b", "gpipe"):
+        stage = PipelineRank(plan, _make_gpt, gpt_ce, timeout_s=60)
+        loss = stage.step(tokens, labels, schedule=schedule)
+        found[schedule] = {"loss": None if loss is None else loss.item(),
+                           "grads": {n: p.grad.clone() for n, p in stage.named_parameters()}}
+    stage = PipelineRank(plan, _make_gpt, gpt_masked, timeout_s=60)   # a mean over a mask, written by hand
+    found["masked"] = _refused(lambda: stage.step(tokens, labels), stage.parameters())
+    stage = PipelineRank(plan, _make_gpt, gpt_ce, timeout_s=60)   # a token loss, updates of 3 micro-batches
+    trainer = fxpipe.AsyncTrainer(stage, lambda ps: torch.optim.SGD(ps, lr=0.1), mode="ssp", staleness=0)
+    before = {n: p.detach().clone() for n, p in stage.named_parameters()}
+    found["async"] = _refused(lambda: trainer.train([(tokens, labels)], gpt_ce), [])
+    found["async"]["unchanged"] = all(torch.equal(p, before[n]) for n, p in stage.named_parameters())
+    return found
+
+
+@pytest.mark.slow
+def test_ranks_weight_a_padded_token_mean_exactly_and_all_refuse_a_masked_mean():
+    """PipelineRank: the last stage's rank finds the count and sends it; every rank's gradients are the full
+    batch's. A masked mean is refused on every rank (the last one's LossReductionError, the other naming it),
+    gradients as before; AsyncTrainer over ranks, whose updates of several micro-batches cannot be divided by a
+    count, checks a cross-entropy mean as any loss and refuses a padded one before any update."""
+    from distributed_run import run_ranks
+    results = run_ranks(2, _rank_auto, _gpt_plan(3, 7))
+    errors = [r["trace"] for r in results if "ok" not in r]
+    assert not errors, errors[0]
+    got = [r["ok"] for r in results]
+    want_loss, want = _gpt_reference(GPT_LENGTHS, gpt_ce)
+    for schedule in ("1f1b", "gpipe"):
+        assert abs(got[1][schedule]["loss"] - want_loss) <= 1e-5 * want_loss and got[0][schedule]["loss"] is None
+        grads = {n: g for r in got for n, g in r[schedule]["grads"].items()}
+        assert set(grads) == set(want)
+        assert max(max_relative_error(grads[n], want[n]) for n in want) <= 1e-5, schedule
+    masked = [r["masked"] for r in got]
+    assert masked[1]["error"].startswith("LossReductionError: loss_fn is not a mean over samples"), masked[1]
+    assert "reduction='token'" in masked[0]["error"] and "rank 1" in masked[0]["error"], masked[0]
+    assert all(m["kept"] for m in masked)
+    refused = [r["async"] for r in got]
+    assert "LossReductionError: loss_fn is not a mean over samples" in refused[1]["error"], refused[1]
+    assert "update_every=1" in refused[1]["error"], refused[1]
+    assert refused[0]["error"] is not None and all(r["unchanged"] for r in refused)
+
+
+MESH_LENGTHS = [8, 2, 7, 3, 1, 8, 5, 6]   # replica 0 trains samples 0-3, replica 1 samples 4-7
+TIED_LENGTHS = [8, 8, 8, 8, 3, 3, 3, 3]   # alike within each replica, not across them
+
+
+def _mesh_auto(rank: int, world: int, plan_json: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from fxpipe.distributed.mesh import MeshPipelineRank
+    plan = fxpipe.Plan.from_dict(__import__("json").loads(plan_json))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    found: dict = {}
+    for loss_fn, name in ((gpt_ce, "ce"), (gpt_masked, "masked_alike")):   # alike everywhere: not refused
+        stage = MeshPipelineRank(plan, _make_gpt, loss_fn, mesh=mesh, timeout_s=60)
+        tokens, labels = _gpt_batch(MESH_LENGTHS if name == "ce" else [SEQ] * 8)
+        loss = stage.step(tokens, labels, schedule="1f1b")
+        found[name] = {"loss": None if loss is None else loss.item(),
+                       "grads": {n: p.grad.clone() for n, p in stage.named_parameters()}}
+    stage = MeshPipelineRank(plan, _make_gpt, gpt_masked, mesh=mesh, timeout_s=60)
+    tokens, labels = _gpt_batch(TIED_LENGTHS)
+    found["tied"] = _refused(lambda: stage.step(tokens, labels, schedule="1f1b"), stage.parameters())
+    return found
+
+
+@pytest.mark.slow
+def test_pp2_dp2_counts_tokens_over_the_replicas_and_refuses_replicas_that_weigh_apart():
+    """MeshPipelineRank (pp=2 x dp=2): the count of a padded cross-entropy mean is summed over the replicas, so
+    the gradients are the whole batch's; a masked mean whose samples weigh alike within each replica but not
+    across them is refused on all four ranks (the replicas' reference samples are checked against each other)."""
+    from distributed_run import run_ranks
+    results = run_ranks(4, _mesh_auto, _gpt_plan(2, 8))
+    errors = [r["trace"] for r in results if "ok" not in r]
+    assert not errors, errors[0]
+    got = [r["ok"] for r in results]
+    for name, lengths, loss_fn in (("ce", MESH_LENGTHS, gpt_ce), ("masked_alike", [SEQ] * 8, gpt_masked)):
+        want_loss, want = _gpt_reference(lengths, loss_fn)
+        losses = [r[name]["loss"] for r in got if r[name]["loss"] is not None]
+        assert len(losses) == 2 and all(abs(x - want_loss) <= 1e-5 * want_loss for x in losses), (losses, want_loss)
+        for replica in (0, 1):   # mesh (2, 2): ranks 0, 1 hold stage 0 of replicas 0, 1; ranks 2, 3 stage 1
+            grads = {**got[replica][name]["grads"], **got[2 + replica][name]["grads"]}
+            assert max(max_relative_error(grads[n], want[n]) for n in want) <= 1e-5, (name, replica)
+    tied = [r["tied"] for r in got]
+    for rank in (2, 3):
+        assert tied[rank]["error"].startswith("LossReductionError") and "data-parallel replica 1" in \
+            tied[rank]["error"], tied[rank]
+    assert all(t["error"] is not None and t["kept"] for t in tied), tied

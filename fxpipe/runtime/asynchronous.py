@@ -323,20 +323,32 @@ class AsyncTrainer:
 class _StreamLoss(AutoLoss):
     """``reduction="auto"`` over a stream: micro-batch ``j`` weighted by its share of its update group's samples,
     checked against a reference sample of its group, its token count (``counts``) dividing the group's gradients
-    at the group's end; over torch.distributed only the last stage's rank would know that count, so there a token
-    loss is refused unless every update is one micro-batch (then divided by its own count at once)."""
+    at the group's end. Over torch.distributed only the last stage's rank would know that count: there a
+    cross-entropy mean is checked as any other loss (a per-sample one passes, a padded one is refused) and a
+    ``(loss_sum, count)`` pair refused, unless every update is one micro-batch (then divided by its own count at
+    once)."""
 
     def __init__(self, layout: Any, weights: list[float], groups: list[int], scales: list[float], single: bool,
                  distributed: bool) -> None:
-        super().__init__(layout.output, layout.target, check=not single, own_mean=single)
+        super().__init__(layout.output, layout.target, check=not single, own_mean=single,
+                         recognise=single or not distributed)
         self.weights, self.groups, self.scales = weights, groups, scales   # scales: 1 / the group's samples
         self.distributed = distributed and not single
         self.counts: dict[int, Any] = {}
 
     def __call__(self, loss_fn: Callable[[Any, Any], Any], output: Any, target: Any, micro_batch: int,
                  weight: float, scale: float, key: Any = None) -> Any:
-        pushed, part, count = super().__call__(loss_fn, output, target, micro_batch, self.weights[micro_batch],
-                                               self.scales[micro_batch], self.groups[micro_batch])
+        try:
+            pushed, part, count = super().__call__(loss_fn, output, target, micro_batch, self.weights[micro_batch],
+                                                   self.scales[micro_batch], self.groups[micro_batch])
+        except LossReductionError as exc:
+            if not self.distributed or "loss_fn returned (loss_sum, count)" in str(exc):
+                raise
+            raise LossReductionError(
+                f"{exc} Over torch.distributed, AsyncTrainer cannot divide updates of several micro-batches by a "
+                "count (only the last stage's rank has it): for a mean over tokens, use mode='stash' with "
+                "update_every=1 (each micro-batch its own update), or train in one process.", stage=-1,
+                micro_batch=micro_batch, node=None) from exc
         self.counts[micro_batch] = count
         return pushed, part, count
 
@@ -344,10 +356,8 @@ class _StreamLoss(AutoLoss):
         super()._same_kind(kind, micro_batch)
         if kind == "token" and self.distributed:
             raise LossReductionError(
-                "loss_fn is a token-weighted loss (it returned (loss_sum, count) or an F.cross_entropy/F.nll_loss "
-                "mean, weighted by its count), and AsyncTrainer over torch.distributed updates after groups of "
+                "loss_fn returned (loss_sum, count), and AsyncTrainer over torch.distributed updates after groups of "
                 "several micro-batches, whose gradients would have to be divided by the group's count on every "
                 "rank; only the last stage's rank has it. Use update_every=1 with mode='stash' (each micro-batch "
-                "its own update, divided by its own count), train in one process, or pass reduction='mean' to "
-                "weight micro-batches by their samples. No update was made.", stage=-1, micro_batch=micro_batch,
-                node=None)
+                "its own update, divided by its own count), train in one process, or return a mean over samples. "
+                "No update was made.", stage=-1, micro_batch=micro_batch, node=None)

@@ -24,6 +24,7 @@ around ``loss_fn`` (microseconds); the check one more ``loss_fn`` forward and ba
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Callable, Hashable
 
 import torch
@@ -60,9 +61,11 @@ class AutoLoss:
     ``target_dim`` are the batch dimensions of the outputs and targets; ``check=False`` trusts a loss it does not
     recognise to be a per-sample mean (an update made of one micro-batch needs no weights)."""
 
-    def __init__(self, output_dim: int = 0, target_dim: int = 0, *, check: bool = True, own_mean: bool = False) -> None:
+    def __init__(self, output_dim: int = 0, target_dim: int = 0, *, check: bool = True, own_mean: bool = False,
+                 recognise: bool = True) -> None:
         self.checker = SampleMeanCheck(output_dim, target_dim) if check else None
         self.own_mean = own_mean   # a token sum divided by its own count at once (an update of one micro-batch)
+        self.recognise = recognise   # False: a cross-entropy mean is checked as any other loss (no count needed)
         self.kind: str | None = None
         self.first = -1
         self.loss_fn: Callable[[Any, Any], Any] | None = None   # the last one called (tying dp replicas reruns it)
@@ -78,12 +81,13 @@ class AutoLoss:
         mini-batch (the check's reference sample is one of its own)."""
         self.loss_fn = loss_fn
         copies, pairs = _detached(output)
-        with MeanCalls() as calls:
+        calls = MeanCalls() if self.recognise else None
+        with calls if calls is not None else nullcontext():
             result = loss_fn(copies, target)
         if isinstance(result, (tuple, list)):
             kind, (summed, count) = "token", token_pair(result, "reduction='auto' takes a pair returned by loss_fn as")
         else:
-            found = calls.pair(result)
+            found = calls.pair(result) if calls is not None else None
             kind = "sample" if found is None else "token"
             summed, count = found if found is not None else (result, None)
         self._same_kind(kind, micro_batch)

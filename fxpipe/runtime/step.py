@@ -18,8 +18,9 @@ compute stream and values cross devices on copy streams, ordered by events
 (:mod:`fxpipe.runtime.streams`); on CPU the same calls do nothing, and CPU workers
 beyond the processors take turns, one operation at a time (the host's turns, :mod:`fxpipe.runtime.host`). The loss of micro-batch ``i`` is computed on the last stage before
 ``B(p-1, i)`` and combined as :mod:`fxpipe.runtime.losses` says (``reduction="mean"``: weighted
-``n_i / N``; ``"sum"``; ``"token"``: ``(sum, count)`` divided by the global count), so the accumulated
-gradients are those of one full-batch backward of that loss.
+``n_i / N``; ``"sum"``; ``"token"``: ``(sum, count)`` divided by the global count; ``"auto"``: one of those
+as :mod:`fxpipe.runtime.auto_loss` finds, or refused), so the accumulated gradients are those of one
+full-batch backward of that loss.
 """
 
 from __future__ import annotations
