@@ -13,7 +13,7 @@ from fxpipe.analytic import plan
 from fxpipe.compile import compile, parse_devices
 from fxpipe.cost.devices import Devices, DeviceSpec
 from fxpipe.errors import (
-    FxpipeError, InfeasiblePlanError, PlanFormatError, PlanMismatchError, StageError, TraceError,
+    FxpipeError, InfeasiblePlanError, LossReductionError, PlanFormatError, PlanMismatchError, StageError, TraceError,
 )
 from fxpipe.frontend.trace import trace
 from fxpipe.options import CompileOptions, ProfileOptions
@@ -24,7 +24,8 @@ from fxpipe.runtime.pipeline import Pipeline
 import fxpipe.distributed.torch_pipelining  # noqa: E402,F401  registers Plan.to_torch_pipelining
 
 __all__ = [
-    "AsyncTrainer", "CompileOptions", "DeviceSpec", "Devices", "FxpipeError", "InfeasiblePlanError", "Pipeline", "Plan",
+    "AsyncTrainer", "CompileOptions", "DeviceSpec", "Devices", "FxpipeError", "InfeasiblePlanError",
+    "LossReductionError", "Pipeline", "Plan",
     "PlanFormatError", "PlanMismatchError", "PlanStage", "ProfileOptions", "StageError", "TraceError",
     "__version__", "compile", "load_plan", "parse_devices", "plan", "trace",
 ]

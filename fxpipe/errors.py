@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["FxpipeError", "TraceError", "PlanMismatchError", "InfeasiblePlanError", "StageError", "PlanFormatError"]
+__all__ = ["FxpipeError", "TraceError", "PlanMismatchError", "InfeasiblePlanError", "StageError", "PlanFormatError",
+           "LossReductionError"]
 
 
 class FxpipeError(Exception):
@@ -42,3 +43,10 @@ class StageError(FxpipeError):
         self.stage = stage
         self.micro_batch = micro_batch
         self.node = node
+
+
+class LossReductionError(StageError):
+    """A training step refused ``loss_fn`` under ``reduction="auto"``: weighting its micro-batches by their share
+    of the samples would not give the full batch's gradients (a mean over tokens or a mask, a sum). The message
+    names the fix (``reduction="token"`` with ``(loss_sum, count)``, ``"sum"``, or ``"mean"`` to opt out); the
+    step's gradients are left as they were before it."""

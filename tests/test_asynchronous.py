@@ -222,7 +222,8 @@ def test_bad_arguments_are_refused_before_training_naming_the_allowed_values():
         fxpipe.AsyncTrainer(pipe, opt, schedule="gpipe")
     with pytest.raises(ValueError, match=r"update_every >= 2 \(stages - 1\).*got 1"):
         fxpipe.AsyncTrainer(pipe, opt, mode="2bw", update_every=1)
-    with pytest.raises(ValueError, match=r"reduction must be one of \('mean', 'sum'\)"):
+    with pytest.raises(ValueError, match=r"reduction must be one of \('auto', 'mean', 'sum'\).*'auto' a "
+                                         r"\(loss_sum, count\) pair returned by loss_fn is weighted by its count"):
         fxpipe.AsyncTrainer(pipe, opt, reduction="token")
     before = [q.detach().clone() for q in pipe.parameters()]
     inter = fxpipe.compile(Chain(4), ["cpu"] * 2, (torch.ones(4, 3, dtype=torch.float64),), chunks=2, stages=4,

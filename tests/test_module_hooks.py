@@ -70,7 +70,7 @@ def test_a_forward_hook_that_would_not_run_is_warned_about_and_runs_in_a_leaf():
     pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, profile=EST, frontend="fx", leaf_modules=[Block],
                           checkpoint="never")
     seen.clear()
-    pipe.step(x, None, lambda out, target: out.sum())
+    pipe.step(x, None, lambda out, target: out.sum(), reduction="sum")
     assert seen == [4, 4]   # once per micro-batch, as the model called on each
 
 

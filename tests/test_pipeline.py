@@ -269,7 +269,8 @@ def test_dict_subclasses_come_back_as_the_models_own_types(frontend):
 
     def loss_fn(out, t):
         return ((out[2].last_hidden_state - t) ** 2).mean() + out[0]["out"].sum() * 0.01
-    loss, stepped = pipe.step(x, target, loss_fn, return_outputs=True)
+    # a mean plus a sum: the mean of the micro-batches' losses, asked for (reduction="auto" refuses the sum)
+    loss, stepped = pipe.step(x, target, loss_fn, return_outputs=True, reduction="mean")
     same_types(stepped, want)
     grads = {n: q.grad.clone() for n, q in model.named_parameters()}
     model.zero_grad()

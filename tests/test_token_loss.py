@@ -93,12 +93,16 @@ def test_token_reduction_keeps_earlier_gradients_unscaled():
 
 
 def test_mean_reduction_is_not_exact_for_a_token_loss():
-    """Why "token" exists: the sample-weighted mean of per-micro-batch token means is another loss."""
+    """Why "token" exists: the sample-weighted mean of per-micro-batch token means is another loss (which
+    reduction="mean" promises not to be; the default "auto" weighs this one by its count instead)."""
     model, pipe, tokens, labels = _compiled("gpipe", 8)
     _, want = _reference(model, tokens, labels)
-    pipe.step(tokens, labels, mean_loss)
+    pipe.step(tokens, labels, mean_loss, reduction="mean")
     worst = max(max_relative_error(p.grad, want[n]) for n, p in model.named_parameters())
     assert worst > 1e-2
+    model.zero_grad(set_to_none=True)
+    pipe.step(tokens, labels, mean_loss)
+    assert max(max_relative_error(p.grad, want[n]) for n, p in model.named_parameters()) <= 1e-5
 
 
 def test_token_reduction_refuses_a_scalar_loss_and_a_pair_needs_token():
@@ -106,7 +110,7 @@ def test_token_reduction_refuses_a_scalar_loss_and_a_pair_needs_token():
     with pytest.raises(fxpipe.StageError, match=r"reduction='token' needs loss_fn to return \(loss_sum, count\)"):
         pipe.step(tokens, labels, mean_loss, reduction="token")
     with pytest.raises(fxpipe.StageError, match="pass pipe.step\\(..., reduction='token'\\)"):
-        pipe.step(tokens, labels, token_loss)
+        pipe.step(tokens, labels, token_loss, reduction="mean")
     assert all(p.grad is None for p in model.parameters())   # a failed token step leaves no partial gradients
 
 

@@ -6,9 +6,14 @@ the same schedule interpreter and transport as without dp), and each of the ``dp
 its share of the batch (``torch.tensor_split`` along the plan's batch dimensions: shares differ by at most one
 sample). A stage's gradients are all-reduced inside its ``dp`` group by ``DistributedDataParallel`` wrapped round
 this rank's stage modules: the pipeline accumulates every micro-batch's gradients locally (DDP's hooks stay idle,
-as under ``no_sync``), then DDP's reducer all-reduces the accumulated gradients once, in its buckets. Each share's
-loss is weighted by its size, so the gradients and the returned loss are the whole batch's, as one process would
-compute them, even when the shares differ.
+as under ``no_sync``), then DDP's reducer all-reduces the accumulated gradients once, in its buckets. The step
+weighs its micro-batches over the whole batch (:class:`fxpipe.runtime.losses.Replicas`): a micro-batch of ``n``
+samples counts ``dp * n / N`` of a mean, and a token loss's count (``reduction="token"``, or ``"auto"`` finding an
+``F.cross_entropy`` mean) is summed over the replicas before any rank divides by it, so the gradients and the
+returned loss are the whole batch's, as one process would compute them, even when the shares differ. Under
+``"auto"`` the last stages' replicas also check their reference samples against each other
+(:meth:`fxpipe.runtime.sample_mean_check.SampleMeanCheck.tie`) before they end the step, so a loss whose samples
+weigh differently is refused on every rank even where each replica's own samples weigh alike.
 
 The all-reduce overlaps the pipeline's drain: it starts the moment this rank's own operations of the step are
 over (the transport's ``when_local_done``), not when the whole pipeline's are, so a late stage's gradients are
@@ -31,8 +36,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from fxpipe.distributed.rank import PipelineRank
-from fxpipe.errors import FxpipeError, PlanMismatchError
+from fxpipe.errors import FxpipeError, LossReductionError, PlanMismatchError
 from fxpipe.planning.plan import Plan
+from fxpipe.runtime.losses import REDUCTIONS, Replicas
 from fxpipe.runtime.microbatch import BatchLayout, scatter
 
 __all__ = ["MeshPipelineRank"]
@@ -42,10 +48,10 @@ class MeshPipelineRank:
     """This rank's stages of ``plan`` in one of ``dp`` pipeline replicas; :meth:`step` trains its share of a batch
     and leaves the whole batch's gradients in ``.grad`` (all-reduced over ``dp``). ``mesh`` is a 2-D
     ``DeviceMesh`` named ``("pp", "dp")`` whose ``pp`` size is the plan's number of workers. ``reduction`` is
-    ``"mean"`` or ``"sum"``; other keywords go to :class:`PipelineRank`."""
+    :meth:`fxpipe.Pipeline.step`'s (default ``"auto"``); other keywords go to :class:`PipelineRank`."""
 
     def __init__(self, plan: Plan, model_fn: Callable[[], nn.Module], loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-                 *, mesh: Any, reduction: str = "mean", **rank_kwargs: Any) -> None:
+                 *, mesh: Any, reduction: str = "auto", **rank_kwargs: Any) -> None:
         names = tuple(mesh.mesh_dim_names or ())
         if mesh.ndim != 2 or set(names) != {"pp", "dp"}:
             raise ValueError(f"mesh must be a 2-D DeviceMesh with mesh_dim_names ('pp', 'dp'), got {mesh.ndim} "
@@ -60,18 +66,17 @@ class MeshPipelineRank:
         if loss_fn is None:
             raise ValueError("MeshPipelineRank needs a loss_fn: training on the loss the model computes itself "
                              "(loss_fn=None) needs the token count over every dp replica, which only PipelineRank "
-                             "(pp alone) combines today; pass loss_fn(output, target) with reduction='mean' or 'sum'")
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"MeshPipelineRank supports reduction 'mean' or 'sum', got {reduction!r} (a token mean "
-                             "needs the count over every replica: use PipelineRank without dp)")
+                             "(pp alone) combines today; pass loss_fn(output, target)")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
         self.dp, self.dp_rank = mesh["dp"].size(), mesh.get_local_rank("dp")
         timeout_s = float(rank_kwargs.get("timeout_s", 300.0))
         self.dp_group = dist.new_group(dist.get_process_group_ranks(mesh.get_group("dp")),
                                        timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=True)
         self.timeout_s = timeout_s
-        self.reduction, self._scale = reduction, 1.0
+        self.reduction = reduction
         self.loss_fn = loss_fn
-        self.ranked = PipelineRank(plan, model_fn, self._scaled_loss, group=mesh.get_group("pp"),
+        self.ranked = PipelineRank(plan, model_fn, loss_fn, group=mesh.get_group("pp"),
                                    reduction=reduction, **rank_kwargs)
         self.layout = BatchLayout.of(plan.batch_dims)
         own = nn.ModuleList(self.ranked.specs[k].module for k in self.ranked.own)
@@ -81,9 +86,6 @@ class MeshPipelineRank:
         self._reduced: BaseException | str | None = None
         # (start, end) wall-clock times of the last step's gradient all-reduce, comparable across processes
         self.all_reduce_s: tuple[float, float] | None = None
-
-    def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
-        return self.loss_fn(output, target) * self._scale
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.ranked.parameters()
@@ -115,13 +117,59 @@ class MeshPipelineRank:
         self.ddp.reducer.prepare_for_backward([])
         torch.autograd.backward([(p * 0).sum() for p in params])
 
+    def _wire_device(self) -> torch.device:
+        device = next(iter(self.ddp.parameters()), torch.empty(0)).device
+        return device if dist.get_backend(self.dp_group) == "nccl" else torch.device("cpu")
+
+    def _sum_counts(self, count: Any) -> Any:
+        """The step's token count summed over the replicas, divided by ``dp`` (DDP averages the gradients each
+        replica divides by it); ``None`` where no replica has one. Every replica calls it after its all-reduce."""
+        self._raise_if_not_reduced()
+        got = torch.tensor([0.0 if count is None else float(count), 0.0 if count is None else 1.0],
+                           dtype=torch.float64, device=self._wire_device())
+        dist.all_reduce(got, group=self.dp_group)
+        if got[1].item() == 0:
+            return None
+        if got[1].item() != self.dp:
+            raise LossReductionError(
+                f"rank {dist.get_rank()}: loss_fn returned a token loss ((loss_sum, count), or an F.cross_entropy/"
+                f"F.nll_loss mean) on {int(got[1].item())} of the {self.dp} data-parallel replicas and a per-sample "
+                "mean on the others: one step cannot weight its micro-batches both ways; return (loss_sum, count) "
+                "on every replica and pass reduction='token'", stage=-1, micro_batch=-1, node=None)
+        return got[0].item() / self.dp
+
+    def _tie(self, auto: Any, failed: bool) -> BaseException | None:
+        """On a last stage's rank: every replica's reference sample against replica 0's (``"auto"``'s check).
+        All the last stages' replicas call it once per step, failed or not. Never raises: returns the refusal."""
+        try:
+            checker = auto.checker
+            ref = None if failed or checker is None or auto.kind != "sample" else checker.references.get(None)
+            gathered: list[Any] = [None] * self.dp
+            dist.all_gather_object(gathered, None if ref is None else ref.to("cpu"), group=self.dp_group)
+            if any(r is None for r in gathered):
+                return None   # a failure, a token loss (counted over the replicas instead) or nothing checked
+            checker.tie(auto.loss_fn, [r.to(ref.device) for r in gathered])
+            return None
+        except BaseException as exc:   # the refusal, or a failed exchange: this step fails on every rank
+            return exc
+
+    def _raise_if_not_reduced(self) -> None:
+        if self._reduced == "failed":
+            raise FxpipeError(f"rank {dist.get_rank()}: another dp replica of this rank's stages failed its step, "
+                              "so the gradients were not all-reduced; that replica's processes report the error")
+        if isinstance(self._reduced, BaseException):
+            raise FxpipeError(f"rank {dist.get_rank()}: the all-reduce of this rank's gradients over its dp group "
+                              f"failed ({type(self._reduced).__name__}: {self._reduced}); a replica that died or "
+                              f"took longer than timeout_s={self.timeout_s:g} s ends it") from self._reduced
+        if self._reduced is not None:
+            raise FxpipeError(f"rank {dist.get_rank()}: the step ended without this rank's dp all-reduce "
+                              f"({self._reduced})")
+
     def _reduce_when_done(self, failed: bool) -> None:
         """The transport's call once this rank's operations are over: all-reduce the gradients over ``dp``
         unless a replica's step failed. Never raises (the transport is ending its step); :meth:`step` does."""
         try:
-            device = next(iter(self.ddp.parameters()), torch.empty(0)).device
-            flag = torch.tensor([1.0 if failed else 0.0],
-                                device=device if dist.get_backend(self.dp_group) == "nccl" else "cpu")
+            flag = torch.tensor([1.0 if failed else 0.0], device=self._wire_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
             if flag.item() > 0:
                 self._reduced = "failed"
@@ -137,20 +185,11 @@ class MeshPipelineRank:
         """One training step of the whole batch (the same ``inputs`` and ``target`` on every rank). Returns the
         whole batch's loss on every ``dp`` replica's last-stage rank (with ``broadcast_loss`` on every rank)."""
         inputs, target, mine, total = self._share(inputs, target)
-        # DDP averages over dp: a share's loss counts n_d / N of the mean (1 of a sum), so scale by dp x that
-        self._scale = self.dp * (mine / total if self.reduction == "mean" else 1.0)
+        transport = self.ranked.pipe.transport
+        transport.replicas = Replicas(self.dp, total, self._sum_counts, self._tie if self.ranked.last else None)
         self._reduced, self.all_reduce_s = "not run", None
         loss = self.ranked.step(inputs, target, **kwargs)   # its transport all-reduces when this rank is done
-        if self._reduced == "failed":
-            raise FxpipeError(f"rank {dist.get_rank()}: another dp replica of this rank's stages failed its step, "
-                              "so the gradients were not all-reduced; that replica's processes report the error")
-        if isinstance(self._reduced, BaseException):
-            raise FxpipeError(f"rank {dist.get_rank()}: the all-reduce of this rank's gradients over its dp group "
-                              f"failed ({type(self._reduced).__name__}: {self._reduced}); a replica that died or "
-                              f"took longer than timeout_s={self.timeout_s:g} s ends it") from self._reduced
-        if self._reduced is not None:
-            raise FxpipeError(f"rank {dist.get_rank()}: the step ended without this rank's dp all-reduce "
-                              f"({self._reduced})")
+        self._raise_if_not_reduced()
         if loss is None:
             return None
         whole = loss.detach() / self.dp   # this share's part of the batch's loss

@@ -62,7 +62,9 @@ class PipelineRank:
     model computes itself (``step(ids, labels=labels)``, :meth:`fxpipe.Pipeline.step`). ``weights`` (a state dict, the path of a
     ``torch.save``'d one or a ``.safetensors`` file, or a ``torch.distributed.checkpoint`` directory) builds it
     on ``meta`` instead and loads only this rank's tensors from there. ``loss_fn(output, target)`` and ``reduction`` are
-    :meth:`fxpipe.Pipeline.step`'s. ``device`` puts this rank's stages elsewhere than the plan says (e.g.
+    :meth:`fxpipe.Pipeline.step`'s: the loss runs on the last stage's rank, which sends the token count it found
+    (``"auto"``, ``"token"``) to every rank at the step's end, before any rank's gradients are final; a loss that
+    ``"auto"`` refuses ends every rank's step with the error, their gradients left as before it. ``device`` puts this rank's stages elsewhere than the plan says (e.g.
     ``cuda:<LOCAL_RANK>``). ``timeout_s`` bounds every wait for another rank. ``compression`` compresses what
     crosses stage boundaries (the values of :attr:`fxpipe.CompileOptions.compression`: ``"int8"``,
     ``"topk:0.01"``, ``"fp16/int8"``, or a dict by stage); every rank must be given the same.
@@ -72,7 +74,7 @@ class PipelineRank:
     """
 
     def __init__(self, plan: Plan | str | Path, model_fn: Callable[[], nn.Module],
-                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *, reduction: str = "mean",
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *, reduction: str = "auto",
                  checkpoint: str = "except_last", group: Any = None, device: str | torch.device | None = None,
                  timeout_s: float = 300.0, leaf_modules: Iterable[type | str] = (),
                  deferred_batch_norm: bool = False, broadcast_loss: bool = False, weights: Any = None,

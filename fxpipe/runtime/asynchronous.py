@@ -27,15 +27,17 @@ forward runs on in place of the parameters (swapped in as ``torch.func.functiona
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
-from fxpipe.errors import FxpipeError
+from fxpipe.errors import FxpipeError, LossReductionError
 from fxpipe.planning.memory_model import WorkerPrediction, predict_worker_memory
 from fxpipe.runtime.batchnorm import commit_statistics
+from fxpipe.runtime.auto_loss import AutoLoss
 from fxpipe.runtime.caller_state import CallerState
 from fxpipe.runtime.failures import step_error
 from fxpipe.runtime.input_grads import InputGraphs
@@ -45,7 +47,7 @@ from solvers.asynchronous import ASYNC_MODES, async_orders, check_orders, stashe
 
 __all__ = ["AsyncTrainer", "ASYNC_MODES"]
 
-REDUCTIONS = ("mean", "sum")
+REDUCTIONS = ("auto", "mean", "sum")
 
 
 class _Stage:
@@ -69,8 +71,9 @@ class _Stage:
         self.lags.append(group - self.version)
         self.max_lag = max(self.max_lag, group - self.version)
 
-    def finish(self, j: int, ends_group: bool) -> None:
-        """After micro-batch ``j``'s backward: its version's gradients join the parameters'; step at a group's end."""
+    def finish(self, j: int, ends_group: bool, count: Callable[[], Any] | None = None) -> None:
+        """After micro-batch ``j``'s backward: its version's gradients join the parameters'; step at a group's end
+        (first dividing the group's gradients by ``count()``, the group's token count, where one is given)."""
         _, used = self.in_flight.pop(j)
         for name, t in used.items():
             if t.grad is not None:
@@ -78,6 +81,12 @@ class _Stage:
                 q.grad = t.grad if q.grad is None else q.grad + t.grad   # same sums, same order as autograd's
                 t.grad = None
         if ends_group:
+            if count is not None and self.optimizer is not None:
+                scale = 1.0 / float(count())
+                with torch.no_grad():
+                    for q in self.params.values():
+                        if q.grad is not None:
+                            q.grad.mul_(scale)
             if self.optimizer is not None:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -114,7 +123,7 @@ class AsyncTrainer:
 
     def __init__(self, pipe: Any, optimizer_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
                  mode: str = "stash", update_every: int | None = None, staleness: int | None = None,
-                 schedule: str = "1f1b", reduction: str = "mean") -> None:
+                 schedule: str = "1f1b", reduction: str = "auto") -> None:
         if hasattr(pipe, "ranked") and hasattr(pipe, "dp_group"):
             raise ValueError("asynchronous modes run one pipeline (fxpipe.distributed.PipelineRank), not dp "
                              "replicas of it (MeshPipelineRank): their gradients are all-reduced once per "
@@ -133,7 +142,9 @@ class AsyncTrainer:
                              f"{pipe.plan.workers} workers (interleaved-1f1b): compile with schedule='1f1b'")
         self.transport = pipe.transport or Transport()   # which stages run here: every one, or this rank's
         if reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS} for asynchronous training, got {reduction!r}")
+            raise ValueError(f"reduction must be one of {REDUCTIONS} for asynchronous training, got {reduction!r}"
+                             + (" (under the default 'auto' a (loss_sum, count) pair returned by loss_fn is weighted "
+                                "by its count)" if reduction == "token" else ""))
         for name, value, low in (("update_every", update_every, 1), ("staleness", staleness, 0)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ValueError(f"{name} must be None or an integer >= {low}, got {value!r}")
@@ -222,7 +233,10 @@ class AsyncTrainer:
         for g, n in zip(groups, sizes):
             group_samples[g] = group_samples.get(g, 0) + n
         last_of = {g: j for j, g in enumerate(groups)}
-        weight = [n / group_samples[g] if self.reduction == "mean" else 1.0 for n, g in zip(sizes, groups)]
+        members: dict[int, list[int]] = {}
+        for j, g in enumerate(groups):
+            members.setdefault(g, []).append(j)
+        weight = [n / group_samples[g] if self.reduction != "sum" else 1.0 for n, g in zip(sizes, groups)]
         raw: list[float] = [0.0] * len(micro)
         batch_samples = [0] * (batch_of[-1] + 1)
         for b, n in zip(batch_of, sizes):
@@ -231,12 +245,23 @@ class AsyncTrainer:
         last_of_batch = {b: j for j, b in enumerate(batch_of)}
         position = [j - first[b] for j, b in enumerate(batch_of)]
         count = [position[last_of_batch[b]] + 1 for b in batch_of]
+        auto = None
+        if self.reduction == "auto":   # an update of one micro-batch is its own loss: nothing to weigh or check
+            single = all(len(js) == 1 for js in members.values())
+            auto = _StreamLoss(pipe.layout, weight, groups, [1.0 / group_samples[g] for g in groups], single,
+                               not all(self.transport.local(k) for k in range(len(self.stages))))
 
         def weighted_loss(out: Any, tagged: tuple[Any, int]) -> torch.Tensor:
             target, j = tagged
             loss = loss_fn(out, target)
             raw[j] = float(loss.detach())
             return loss * weight[j]   # as pipe.step weighs a micro-batch of its mini-batch (bit for bit)
+
+        def group_count(g: int) -> Callable[[], Any] | None:
+            """The token count of group ``g`` (its gradients are sums until its end), once its losses ran."""
+            if auto is None or auto.kind != "token" or auto.own_mean:
+                return None
+            return lambda: sum(auto.counts[j] for j in members[g])
 
         @contextmanager
         def around(kind: str, k: int, j: int) -> Iterator[None]:
@@ -246,7 +271,7 @@ class AsyncTrainer:
             with _swapped(stage.module, stage.in_flight[j][1]):   # this micro-batch's version, also in a recompute
                 yield
             if kind == "B":
-                stage.finish(j, last_of[groups[j]] == j)
+                stage.finish(j, last_of[groups[j]] == j, group_count(groups[j]))
 
         for q in pipe.parameters():
             q.grad = None
@@ -255,10 +280,12 @@ class AsyncTrainer:
         if compression is not None:   # top-k's residuals kept per slot of a mini-batch, as in pipe.step
             compression.slots = position
         try:
-            run_step(pipe.specs, pipe.devices, pipe._output.args[0], micro, [(t, j) for j, t in enumerate(targets)],
-                     weighted_loss, "1f1b", lambda k, j: pipe._checkpointed(k, position[j], count[j]), "sum",
+            run_step(pipe.specs, pipe.devices, pipe._output.args[0], micro,
+                     targets if auto is not None else [(t, j) for j, t in enumerate(targets)],
+                     loss_fn if auto is not None else weighted_loss, "1f1b",
+                     lambda k, j: pipe._checkpointed(k, position[j], count[j]), "sum",
                      random=pipe._random_stages(), host=pipe.host, caller=caller, sizes=sizes,
-                     orders=orders, around=around, transport=self.transport)
+                     orders=orders, around=around, transport=self.transport, auto=auto)
         except StepFailure as failure:   # the updates already applied stay; nothing in flight survives
             commit_statistics(pipe.modules(), discard=True)
             for st in self.stages:
@@ -279,7 +306,58 @@ class AsyncTrainer:
             st.max_versions, st.max_lag, st.lags = 0, 0, []
         if not self.transport.local(len(self.stages) - 1):
             return None   # the losses are computed on the last stage's rank
+        if auto is not None and auto.kind == "token":   # each mini-batch's per-token mean
+            sums, counts = [0.0] * (batch_of[-1] + 1), [0.0] * (batch_of[-1] + 1)
+            for j, b in enumerate(batch_of):
+                sums[b] += float(auto.records[j][0])
+                counts[b] += float(auto.records[j][1])
+            return [x / c if c else math.nan for x, c in zip(sums, counts)]
+        if auto is not None:
+            raw = [float(auto.records[j][0]) for j in range(len(micro))]
         per_batch = [0.0] * (batch_of[-1] + 1)
         for j, b in enumerate(batch_of):
-            per_batch[b] += raw[j] * (sizes[j] / batch_samples[b] if self.reduction == "mean" else 1.0)
+            per_batch[b] += raw[j] * (sizes[j] / batch_samples[b] if self.reduction != "sum" else 1.0)
         return per_batch
+
+
+class _StreamLoss(AutoLoss):
+    """``reduction="auto"`` over a stream: micro-batch ``j`` weighted by its share of its update group's samples,
+    checked against a reference sample of its group, its token count (``counts``) dividing the group's gradients
+    at the group's end. Over torch.distributed only the last stage's rank would know that count: there a
+    cross-entropy mean is checked as any other loss (a per-sample one passes, a padded one is refused) and a
+    ``(loss_sum, count)`` pair refused, unless every update is one micro-batch (then divided by its own count at
+    once)."""
+
+    def __init__(self, layout: Any, weights: list[float], groups: list[int], scales: list[float], single: bool,
+                 distributed: bool) -> None:
+        super().__init__(layout.output, layout.target, check=not single, own_mean=single,
+                         recognise=single or not distributed)
+        self.weights, self.groups, self.scales = weights, groups, scales   # scales: 1 / the group's samples
+        self.distributed = distributed and not single
+        self.counts: dict[int, Any] = {}
+
+    def __call__(self, loss_fn: Callable[[Any, Any], Any], output: Any, target: Any, micro_batch: int,
+                 weight: float, scale: float, key: Any = None) -> Any:
+        try:
+            pushed, part, count = super().__call__(loss_fn, output, target, micro_batch, self.weights[micro_batch],
+                                                   self.scales[micro_batch], self.groups[micro_batch])
+        except LossReductionError as exc:
+            if not self.distributed or "loss_fn returned (loss_sum, count)" in str(exc):
+                raise
+            raise LossReductionError(
+                f"{exc} Over torch.distributed, AsyncTrainer cannot divide updates of several micro-batches by a "
+                "count (only the last stage's rank has it): for a mean over tokens, use mode='stash' with "
+                "update_every=1 (each micro-batch its own update), or train in one process.", stage=-1,
+                micro_batch=micro_batch, node=None) from exc
+        self.counts[micro_batch] = count
+        return pushed, part, count
+
+    def _same_kind(self, kind: str, micro_batch: int) -> None:
+        super()._same_kind(kind, micro_batch)
+        if kind == "token" and self.distributed:
+            raise LossReductionError(
+                "loss_fn returned (loss_sum, count), and AsyncTrainer over torch.distributed updates after groups of "
+                "several micro-batches, whose gradients would have to be divided by the group's count on every "
+                "rank; only the last stage's rank has it. Use update_every=1 with mode='stash' (each micro-batch "
+                "its own update, divided by its own count), train in one process, or return a mean over samples. "
+                "No update was made.", stage=-1, micro_batch=micro_batch, node=None)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from fxpipe.errors import StageError
+from fxpipe.errors import LossReductionError, StageError
 
 __all__ = ["failing_node", "forward_error", "step_error"]
 
@@ -42,6 +42,8 @@ def forward_error(stage: int, micro_batch: int, device: torch.device, exc: BaseE
 def step_error(failure: Any, devices: list[torch.device]) -> StageError:
     """A :class:`fxpipe.runtime.step.StepFailure` of ``pipe.step``, as the caller's error."""
     k, i, exc = failure.stage, failure.micro_batch, failure.exc
+    if failure.kind == "loss" and isinstance(exc, LossReductionError):   # refused, not failed: its own words
+        return LossReductionError(str(exc), stage=k, micro_batch=i, node=None)
     if failure.kind == "loss":
         return StageError(
             f"loss_fn failed on micro-batch {i} (computed on the last stage, {k}, device {devices[k]}, from that "

@@ -1,4 +1,5 @@
-"""How the micro-batches' losses make one step's loss and gradients: ``reduction="mean"``, ``"sum"``, ``"token"``.
+"""How the micro-batches' losses make one step's loss and gradients: ``reduction="mean"``, ``"sum"``, ``"token"``
+(and ``"auto"``, the default, which picks ``"token"`` or ``"mean"`` or refuses: :mod:`fxpipe.runtime.auto_loss`).
 
 ``"mean"`` weights micro-batch ``i``'s loss by ``n_i / N`` (its share of the samples): exact for a loss that
 averages over samples of equal weight (``mse_loss``, ``cross_entropy`` on one label per sample), since the
@@ -19,13 +20,18 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 import torch
 
-__all__ = ["REDUCTIONS", "LossFailure", "StepGradients", "weigh", "scalar_of", "step_loss"]
+__all__ = ["REDUCTIONS", "TOKEN_EXAMPLE", "LossFailure", "Replicas", "StepGradients", "token_pair", "weigh",
+           "scalar_of", "total_count"]
 
-REDUCTIONS = ("mean", "sum", "token")
+REDUCTIONS = ("auto", "mean", "sum", "token")
+
+TOKEN_EXAMPLE = ("loss_fn = lambda logits, labels: (F.cross_entropy(logits.flatten(0, 1), labels.flatten(), "
+                 "ignore_index=-100, reduction='sum'), (labels != -100).sum())")
 
 
 class LossFailure(Exception):
@@ -43,26 +49,38 @@ def _scalar(value: Any, what: str) -> torch.Tensor:
     return value.reshape(())
 
 
-def weigh(result: Any, reduction: str, size: int, total: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
+def token_pair(result: Any, what: str = "reduction='token' needs") -> tuple[torch.Tensor, Any]:
+    """``loss_fn``'s ``(loss_sum, count)``, checked: a scalar tensor and a number or scalar tensor (detached)."""
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        got = type(result).__name__ + (f" of shape {tuple(result.shape)}" if isinstance(result, torch.Tensor) else "")
+        raise TypeError(f"{what} loss_fn to return (loss_sum, count), the loss summed over the micro-batch and how "
+                        f"many elements it summed; got {got}. For example:\n    {TOKEN_EXAMPLE}\n"
+                        "(or leave reduction unset: reduction='auto' weights an F.cross_entropy/F.nll_loss mean "
+                        "returned as it is by its count, and checks that any other scalar loss is a mean over "
+                        "samples)")
+    loss_sum = _scalar(result[0], "loss_fn's loss_sum must be")
+    count = result[1]
+    if isinstance(count, torch.Tensor):
+        count = _scalar(count, "loss_fn's count must be").detach()
+    elif isinstance(count, bool) or not isinstance(count, (int, float)):
+        raise TypeError(f"loss_fn's count must be a number or a scalar tensor, got {type(count).__name__}")
+    return loss_sum, count
+
+
+def weigh(result: Any, reduction: str, size: int, total: float,
+          summed: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """``loss_fn``'s result for one micro-batch of ``size`` of ``total`` samples: the tensor to backpropagate,
-    its part of the returned loss (summed over micro-batches) and its count (``"token"``; else None)."""
+    its part of the returned loss (summed over micro-batches) and its count (``"token"``; else None).
+    ``"sum"`` weights it ``summed``."""
     pair = isinstance(result, (tuple, list))
     if reduction == "token":
-        if not pair or len(result) != 2:
-            raise TypeError(f"reduction='token' needs loss_fn to return (loss_sum, count), the loss summed over "
-                            f"the micro-batch and how many elements it summed; got {type(result).__name__}")
-        loss_sum = _scalar(result[0], "loss_fn's loss_sum must be")
-        count = result[1]
-        if isinstance(count, torch.Tensor):
-            count = _scalar(count, "loss_fn's count must be").detach()
-        elif isinstance(count, bool) or not isinstance(count, (int, float)):
-            raise TypeError(f"loss_fn's count must be a number or a scalar tensor, got {type(count).__name__}")
+        loss_sum, count = token_pair(result)
         return loss_sum, loss_sum.detach(), count
     if pair:
         raise TypeError(f"loss_fn returned a pair (loss_sum, count), which reduction={reduction!r} cannot use: "
                         "pass pipe.step(..., reduction='token') to divide the summed loss by the whole batch's count")
     loss = _scalar(result, "loss_fn must return")
-    weight = size / total if reduction == "mean" else 1.0
+    weight = size / total if reduction == "mean" else summed
     return loss * weight, loss.detach() * weight, None
 
 
@@ -85,8 +103,9 @@ class StepGradients:
             t.grad = before
 
     def finish(self, count: Any) -> None:
-        """Divide the step's gradients by the global ``count`` and add back the earlier ones."""
-        total = float(count)
+        """Divide the step's gradients by the global ``count`` (``None``: they are weighted already) and add back
+        the earlier ones."""
+        total = 1.0 if count is None else float(count)
         if not total > 0:
             self.restore()
             raise ValueError(f"loss_fn counted {total:g} elements over the whole batch (every target ignored?): "
@@ -96,18 +115,29 @@ class StepGradients:
                 if t.grad is None:
                     t.grad = before
                     continue
-                t.grad.mul_(1.0 / total)
+                if count is not None:
+                    t.grad.mul_(1.0 / total)
                 if before is not None:
                     t.grad = before.add_(t.grad)   # accumulate into the caller's tensor, as autograd does
 
 
-def step_loss(losses: list[torch.Tensor], counts: list[Any], device: torch.device,
-              gradients: StepGradients | None) -> torch.Tensor:
-    """The step's loss from its micro-batches' parts; with ``"token"`` (``gradients`` given) the total sum over
-    the total count, the step's gradients divided by that count."""
-    loss = torch.stack([x.to(device) for x in losses]).sum()
-    if gradients is None:
-        return loss
-    count = functools.reduce(operator.add, [c.to(device) if isinstance(c, torch.Tensor) else c for c in counts])
-    gradients.finish(count)
-    return loss / count
+def total_count(counts: list[Any], device: torch.device) -> Any:
+    """The step's count, summed over its micro-batches (``None`` where they have none: not a token loss)."""
+    if counts[0] is None:
+        return None
+    return functools.reduce(operator.add, [c.to(device) if isinstance(c, torch.Tensor) else c for c in counts])
+
+
+@dataclass
+class Replicas:
+    """``dp`` copies of a pipeline, each training its share of the batch, whose gradients are then averaged over
+    them (``DistributedDataParallel``; :mod:`fxpipe.distributed.mesh`). A micro-batch of ``n_i`` samples counts
+    ``dp * n_i / samples`` under ``"mean"`` (``samples``: the whole batch's, over every replica), ``dp`` under
+    ``"sum"``; a token count is ``sum_counts(count)``, summed over the replicas (every replica calls it, also
+    with ``None``) and divided by ``dp``. ``tie(auto, failed)``, a collective of the last stages' replicas,
+    returns an exception where ``"auto"``'s check finds that their reference samples weigh differently."""
+
+    count: int
+    samples: int
+    sum_counts: Callable[[Any], Any]
+    tie: Callable[[Any, bool], BaseException | None] | None = None

@@ -159,7 +159,7 @@ class Pipeline(nn.Module):
 
     # ------------------------------------------------------------------ training step
     def step(self, inputs: Any, target: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *,
-             schedule: str | None = None, reduction: str = "mean", return_outputs: bool = False,
+             schedule: str | None = None, reduction: str = "auto", return_outputs: bool = False,
              measure_memory: bool = False, kwargs: dict[str, Any] | None = None, **model_kwargs: Any) -> Any:
         """Forward and backward of one mini-batch with an explicit schedule; returns the loss.
 
@@ -169,10 +169,19 @@ class Pipeline(nn.Module):
         there (:mod:`fxpipe.runtime.losses`); ``target=None`` passes ``None`` to every call (a loss of
         the output alone):
 
-        - ``reduction="mean"`` weights micro-batch ``i`` by ``n_i / N``. Exact for a loss that averages
-          over samples of equal weight (``mse_loss``, ``cross_entropy`` with one label per sample). Not
-          exact for a loss averaged over elements spread unevenly over the samples, e.g.
-          ``cross_entropy(ignore_index=-100)`` on padded sequences: use ``"token"``.
+        - ``reduction="auto"`` (the default) weighs each micro-batch exactly or refuses the step
+          (:mod:`fxpipe.runtime.auto_loss`): an ``F.cross_entropy``/``F.nll_loss`` mean that ``loss_fn``
+          returns as it is (``nn.CrossEntropyLoss`` too; padded labels with ``ignore_index``, class weights,
+          shifted logits) is weighted by its own count, the non-ignored targets, as ``"token"`` would; a
+          ``(loss_sum, count)`` pair is ``"token"``; any other scalar loss is checked, micro-batch by
+          micro-batch, to be a mean over samples of equal weight (one more ``loss_fn`` forward and backward
+          each) and weighted as ``"mean"``. A loss that is not (a mean over tokens or a mask written by hand, a
+          sum, a loss mixing samples) raises :class:`fxpipe.LossReductionError` naming the fix, with the
+          gradients left as they were before the step.
+        - ``reduction="mean"`` weights micro-batch ``i`` by ``n_i / N``, unchecked (the promise of a mean over
+          samples of equal weight: ``mse_loss``, ``cross_entropy`` with one label per sample). Not exact for a
+          loss averaged over elements spread unevenly over the samples, e.g. ``cross_entropy(ignore_index=-100)``
+          on padded sequences.
         - ``reduction="token"``: ``loss_fn`` returns ``(loss_sum, count)`` (e.g.
           ``cross_entropy(..., reduction="sum")`` and ``(target != -100).sum()``); the gradients are
           those of the total sum over the whole batch's count, and the returned loss is that mean.
@@ -258,7 +267,8 @@ class Pipeline(nn.Module):
                 loss, outs = run_step(self.specs, self.devices, self._output.args[0], micro, targets,
                                       loss_fn, schedule, ckpt, reduction, timings, workers=self._workers(schedule),
                                       random=self._random_stages(), host=self.host, caller=caller, sizes=sizes,
-                                      grad_tensors=list(self.parameters()) + grad_leaves, transport=transport)
+                                      grad_tensors=list(self.parameters()) + grad_leaves, transport=transport,
+                                      loss_dims=(self.layout.output, self.layout.target))
             except BaseException as failure:
                 commit_statistics(self.modules(), discard=True)
                 if not isinstance(failure, StepFailure):

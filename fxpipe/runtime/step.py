@@ -18,8 +18,9 @@ compute stream and values cross devices on copy streams, ordered by events
 (:mod:`fxpipe.runtime.streams`); on CPU the same calls do nothing, and CPU workers
 beyond the processors take turns, one operation at a time (the host's turns, :mod:`fxpipe.runtime.host`). The loss of micro-batch ``i`` is computed on the last stage before
 ``B(p-1, i)`` and combined as :mod:`fxpipe.runtime.losses` says (``reduction="mean"``: weighted
-``n_i / N``; ``"sum"``; ``"token"``: ``(sum, count)`` divided by the global count), so the accumulated
-gradients are those of one full-batch backward of that loss.
+``n_i / N``; ``"sum"``; ``"token"``: ``(sum, count)`` divided by the global count; ``"auto"``: one of those
+as :mod:`fxpipe.runtime.auto_loss` finds, or refused), so the accumulated gradients are those of one
+full-batch backward of that loss.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from fxpipe.runtime.batchnorm import tracking
 from fxpipe.runtime.caller_state import CallerState
 from fxpipe.runtime.codegen import StageSpec
 from fxpipe.runtime.host import UNSHARED, Host
-from fxpipe.runtime.losses import REDUCTIONS, LossFailure, StepGradients, step_loss, weigh
+from fxpipe.runtime.auto_loss import AutoLoss
+from fxpipe.runtime.losses import REDUCTIONS, LossFailure, StepGradients, total_count, weigh
 from fxpipe.runtime.microbatch import batch_size_of
 from fxpipe.runtime.rng import is_random, rng_guard, step_seed
 from fxpipe.runtime.split_backward import WeightPass, backward_inputs, full_backward
@@ -103,6 +105,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
              grad_tensors: list[torch.Tensor] | None = None,
              transport: Transport | None = None, orders: list[list[Op]] | None = None,
              around: Callable[[str, int, int], ContextManager[None]] | None = None,
+             loss_dims: tuple[int, int] = (0, 0), auto: AutoLoss | None = None,
              ) -> tuple[torch.Tensor | None, list[Any]]:
     """Run forward and backward of every micro-batch; return the weighted loss and per-micro-batch outputs.
 
@@ -120,7 +123,9 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
     ``orders`` replaces the schedule's per-worker orders (one stage per worker; :mod:`solvers.asynchronous`
     holds forwards back for bounded staleness), and ``around(kind, stage, micro_batch)``, a context manager,
     wraps each operation on its worker (asynchronous training swaps weight versions and steps optimizers in it,
-    :mod:`fxpipe.runtime.asynchronous`).
+    :mod:`fxpipe.runtime.asynchronous`). ``reduction="auto"`` (:mod:`fxpipe.runtime.auto_loss`) reads the
+    outputs' and targets' batch dimensions from ``loss_dims``; ``auto`` is its state (default: a new one; given
+    with another ``reduction``, it computes the losses and the step does not divide by their counts).
 
     Raises :class:`StepFailure` for the first operation that failed (all workers stop).
     """
@@ -141,11 +146,12 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
             if name in producer:
                 consumers[producer[name]].add(k)
     sizes = [batch_size_of(list(mb.values())) for mb in micro_inputs] if sizes is None else sizes
-    total = sum(sizes)
+    transport = Transport() if transport is None else transport
+    replicas = transport.replicas   # dp copies of this pipeline (pp x dp): their gradients are averaged after
+    total = sum(sizes) if replicas is None else replicas.samples / replicas.count
     leaves: dict[tuple[int, int], dict[str, Any]] = {}  # (stage, mb) -> its input leaves by name
     outs: dict[tuple[int, int], dict[str, Any]] = {}    # (stage, mb) -> its outputs by name
     streams = DeviceStreams(devices)
-    transport = Transport() if transport is None else transport
     transport.begin(specs, devices, streams, micro_inputs, [n.name for n in _output_nodes(output_arg)])
     turns = host.turns(devices, n_workers)
     losses: list[torch.Tensor | None] = [None] * m
@@ -200,10 +206,17 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         outputs[i] = fx.node.map_arg(output_arg, lambda n: final[n.name].detach()
                                      if isinstance(final[n.name], torch.Tensor) else final[n.name])
         try:
-            root, losses[i], counts[i] = weigh(loss_fn(structure, target), reduction, sizes[i], total)
+            if auto is not None:   # loss_fn and its backward on copies of the outputs; pushed into the stages below
+                pushed, losses[i], counts[i] = auto(loss_fn, structure, target, i, sizes[i] / total, 1.0 / total)
+            else:
+                root, losses[i], counts[i] = weigh(loss_fn(structure, target), reduction, sizes[i], total,
+                                                   1.0 if replicas is None else replicas.count)
         except Exception as exc:   # the user's loss, not a stage: reported as such (fxpipe.runtime.pipeline)
             raise LossFailure(exc) from exc
-        root.backward()
+        if auto is None:
+            root.backward()
+        elif pushed:
+            torch.autograd.backward([t for t, _ in pushed], [g for _, g in pushed])
         send_back({name: leaf for name, leaf in final.items() if name in producer}, LOSS, i, streams.record(device))
 
     def backward(k: int, i: int) -> None:
@@ -273,8 +286,11 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
                 timings.append(OpTiming(kind, k, i, start - origin, end - origin, checkpoint(k, i)))
             board.finish((kind, k, i))
 
+    if reduction == "auto" and auto is None:
+        auto = AutoLoss(*loss_dims)
+    # "auto" may refuse the loss at any micro-batch: the step's gradients stay apart until it ends
     step_grads = StepGradients(grad_tensors or [q for spec in specs for q in spec.module.parameters()]) \
-        if reduction == "token" else None
+        if reduction in ("token", "auto") else None
     threads = [threading.Thread(target=work, args=(w,), name=f"fxpipe-step-{w}", daemon=True)
                for w in transport.workers(n_workers)]
     try:   # Ctrl-C may land while the first workers already run and the last are being started
@@ -291,19 +307,30 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
             step_grads.restore()
         raise
     here = transport.local(p - 1)
+    if here and replicas is not None and replicas.tie is not None and auto is not None:
+        tied = replicas.tie(auto, board.failure is not None)   # the last stages' replicas, all of them, every step
+        if tied is not None and board.failure is None:
+            board.fail(StepFailure(p - 1, -1, "loss", tied))
     failure, result = transport.end(board.failure, lambda: _result(losses, counts) if here else None)
     if failure is not None:
         if step_grads is not None:
             step_grads.restore()
         raise failure
     if here:
-        return step_loss(losses, counts, devices[-1], step_grads), outputs
-    assert result is not None   # the process of the last stage sends it with its end of the step
-    count = result["count"]
-    if step_grads is not None:
+        loss, count = torch.stack([x.to(devices[-1]) for x in losses]).sum(), total_count(counts, devices[-1])
+    else:   # the process of the last stage sent them with its end of the step
+        assert result is not None
+        loss, count = torch.tensor(result["loss"], dtype=getattr(torch, result["dtype"])), result["count"]
+    if replicas is not None and reduction in ("auto", "token"):
+        try:   # the whole batch's count, over the replicas (DDP then averages what each divides by it)
+            count = replicas.sum_counts(count)
+        except BaseException:
+            if step_grads is not None:
+                step_grads.restore()
+            raise
+    if step_grads is not None:   # None: the micro-batches were weighted by their samples
         step_grads.finish(count)
-    loss = torch.tensor(result["loss"], dtype=getattr(torch, result["dtype"]))
-    return (loss / count if reduction == "token" else loss), [None] * m
+    return (loss / count if count is not None else loss), (outputs if here else [None] * m)
 
 
 def _result(losses: list[Any], counts: list[Any]) -> dict[str, Any]:

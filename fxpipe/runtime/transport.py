@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.runtime.codegen import StageSpec
 from fxpipe.runtime.compression import BoundaryCompression
+from fxpipe.runtime.losses import Replicas
 from fxpipe.runtime.streams import DeviceStreams, Event
 
 __all__ = ["LOSS", "Transport", "fresh_leaves"]
@@ -49,6 +50,7 @@ class Transport:
     One object serves one step at a time: :meth:`begin` resets it."""
 
     compression: BoundaryCompression | None = None   # set by the pipeline (fxpipe.CompileOptions.compression)
+    replicas: Replicas | None = None   # dp copies of the pipeline (fxpipe.distributed.mesh): how losses combine
 
     def local(self, stage: int) -> bool:
         """Whether ``stage`` (or :data:`LOSS`) runs in this process."""
