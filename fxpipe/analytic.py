@@ -1,37 +1,121 @@
-"""``fxpipe.planning.plan``: a plan for devices described by numbers, without allocating the model.
+"""``fxpipe.plan``: a plan for devices described by numbers, without allocating the model.
 
-The model is traced and costed under ``FakeTensorMode`` (see ``profile`` mode
-``"analytic"``): FLOPs, saved-activation bytes and parameter bytes come from
-shapes only, so a model built on the ``meta`` device — billions of parameters
-on a laptop — plans as well as a real one. Times come from the target devices'
-roofline (:class:`fxpipe.cost.devices.Devices`), links from their link classes; the
-solver and the :class:`fxpipe.Plan` are the same as :func:`fxpipe.compile`'s,
-so the plan can later run on the real devices with ``compile(model, ..., plan=plan)``.
+The model is captured as :func:`fxpipe.compile` captures it (:func:`fxpipe.frontend.capture.capture`: torch.fx
+where it traces the model faithfully, ``torch.export`` otherwise, so a Hugging Face model on ``meta`` is
+exported) and costed under ``FakeTensorMode`` (profile mode ``"analytic"``): FLOPs, saved-activation bytes and
+parameter bytes come from shapes only, so a model built on the ``meta`` device — billions of parameters on a
+laptop — plans as well as a real one. Times come from the target devices' roofline
+(:class:`fxpipe.cost.devices.Devices`) at the dtype the model trains in (its parameters': build it in
+bfloat16 to plan bfloat16 training), links from their link classes. The plan is then made by the planner
+``compile`` uses (:class:`fxpipe.planning.planner.Planner`, and :func:`fxpipe.planning.auto.plan_auto` for
+``schedule="auto"`` / ``chunks="auto"``), so the plan can later run on the real devices with
+``compile(model, ..., plan=plan)``.
+
+:func:`cost_model` and :func:`planner_for` are the two halves of :func:`plan` (a benchmark costs a model once
+and plans it for several device counts, or costs a split it chose itself with ``Planner.costed``).
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
-import solvers
-from fxpipe.cost.devices import Devices
-from fxpipe.errors import InfeasiblePlanError
-from fxpipe.frontend.fingerprint import graph_fingerprint
-from fxpipe.planning.lowering import build_problem
-from fxpipe.planning.memory_model import check_fits
-from fxpipe.runtime.microbatch import batch_size_of, scatter
+from fxpipe.checks import batch_layout, check_arguments, most_micro_batches, unwrap_compiled, worker_devices
+from fxpipe.cost.devices import Devices, DeviceSpec
+from fxpipe.cost.optimizer_state import OPTIMIZER_STATE, optimizer_state_factor, training_dtype
+from fxpipe.cost.profile import NodeCost, profile_graph
+from fxpipe.frontend.capture import Captured, capture
+from fxpipe.options import CompileOptions, ProfileOptions
+from fxpipe.planning.auto import plan_auto, search_rows
 from fxpipe.planning.plan import Plan
-from fxpipe.cost.profile import profile_graph
+from fxpipe.planning.planner import Planner
 from fxpipe.planning.topology import links_from_classes
-from fxpipe.frontend.trace import trace
+from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, scatter
+from fxpipe.runtime.structure import FlatInputs, flat_inputs
+from solvers.schedule_search import chunk_choices
+from solvers.schedules import SCHEDULES
 
-__all__ = ["plan", "OPTIMIZER_STATE"]
+__all__ = ["AnalyticModel", "cost_model", "planner_for", "plan", "OPTIMIZER_STATE"]
 
-OPTIMIZER_STATE = {"none": 0.0, "sgd": 1.0, "momentum": 2.0, "adam": 3.0}
-"""Bytes kept per parameter byte besides the parameter: gradients, then optimizer moments."""
+
+@dataclass
+class AnalyticModel:
+    """A model captured and costed from shapes on one device spec: what :func:`plan` plans from."""
+
+    captured: Captured
+    costs: dict[str, NodeCost]   # per node, for micro-batches of the batch cut in ``profiled``
+    batch: int                   # samples in the example batch
+    most: int                    # the most micro-batches ``chunks="auto"`` makes of it
+    profiled: int
+    layout: BatchLayout
+    dtype: torch.dtype           # the dtype the model trains in (its parameters')
+    training: bool
+    model_name: str
+    spec: DeviceSpec
+
+
+def cost_model(model: nn.Module, example_inputs: tuple, spec: DeviceSpec, micro_batches: int | None = None, *,
+               workers: int = 8, example_kwargs: dict[str, Any] | None = None,
+               leaf_modules: Iterable[type | str] = (), frontend: str = "auto",
+               options: CompileOptions | None = None) -> AnalyticModel:
+    """Capture ``model`` as compile does and cost every node for ``spec`` on micro-batches of the batch cut in
+    ``micro_batches`` (default: what compile profiles at, 4 per worker of ``workers`` and at most one sample
+    each)."""
+    model = unwrap_compiled(model)
+    options = options or CompileOptions()
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    captured = capture(model, leaf_modules, options.concrete_args, frontend, example_inputs,   # 1. trace
+                       example_kwargs, options.batch_dim, other_mode=False)   # nothing here runs the graph
+    inputs = example_inputs
+    if captured.graph.meta.get("fxpipe_in_spec") is not None:   # torch.export's flat graph: its leaves
+        inputs = FlatInputs(flat_inputs(example_inputs, example_kwargs or {}, captured.graph.meta["fxpipe_in_spec"])[0])
+    layout = batch_layout(options, captured.graph)
+    dims = layout.input_dims([n.target for n in captured.graph.graph.nodes if n.op == "placeholder"])
+    dims = dims[:len(inputs)] + [0] * (len(inputs) - len(dims))
+    batch = batch_size_of(list(inputs), dims)
+    most = most_micro_batches(model, batch)
+    profiled = micro_batches if micro_batches is not None else min(most, 4 * workers)
+    if batch == 0 or profiled > batch:
+        raise ValueError(f"example_inputs hold a batch of {batch} samples, which cannot be split into {profiled} "
+                         "micro-batches: pass the batch the pipeline will train on")
+    first = tuple(scatter(list(inputs), profiled, dims)[0])
+    costs = profile_graph(captured.graph, first, torch.device("cpu"), mode="analytic", spec=spec)   # 2. cost
+    return AnalyticModel(captured, costs, batch, most, profiled, layout, training_dtype(model), model.training,
+                         type(model).__name__, spec)
+
+
+def planner_for(costed: AnalyticModel, devices: Devices, *, schedule: str = "1f1b", stages: int | None = None,
+                virtual_stages: int = 1, optimizer: str = "adam", checkpoint: str = "auto",
+                options: CompileOptions | None = None, time_limit_s: float | None = 2.0) -> Planner:
+    """The :class:`Planner` of ``costed`` on ``devices`` (its first ``len(devices)`` workers, or fewer for a
+    fixed ``stages`` of several stages per worker), at ``costed.profiled`` micro-batches."""
+    options = options or CompileOptions()
+    factor = optimizer_state_factor(optimizer, costed.dtype)
+    all_ids = [torch.device(i) for i in devices.ids]
+    workers = worker_devices(all_ids, schedule, virtual_stages, stages, costed.profiled)
+    n = len(workers)
+    specs = devices.specs[:n]
+    memory = list(options.memory_bytes) if options.memory_bytes is not None else [s.memory_bytes for s in specs]
+    if len(memory) < n:
+        raise ValueError(f"options.memory_bytes has {len(memory)} entries for {n} devices")
+    dtype = str(costed.dtype).removeprefix("torch.")
+
+    def rate(s: DeviceSpec) -> float:
+        return s.flops.get(dtype, s.flops["float32"])
+    return Planner(gm=costed.captured.graph, fingerprint=costed.captured.fingerprint, model_name=costed.model_name,
+                   devices=workers, all_devices=all_ids, memory_bytes=memory[:n], chunks=costed.profiled,
+                   stages=stages, virtual_stages=virtual_stages, schedule=schedule, checkpoint=checkpoint,
+                   optimizer_state_factor=factor, batch=costed.batch, profile="analytic", training=costed.training,
+                   batch_dims=costed.layout.to_dict(), frontend=costed.captured.frontend,
+                   keep_blocks_whole=options.keep_blocks_whole,
+                   profile_extra={"device": costed.spec.name, "dtype": dtype, "optimizer": optimizer},
+                   links=links_from_classes([row[:n] for row in devices.link_classes[:n]], devices.bandwidth_Bps),
+                   speeds=[rate(s) / rate(specs[0]) for s in specs], hosts=list(devices.nodes[:n]),
+                   time_limit_s=time_limit_s)
 
 
 def plan(
@@ -39,60 +123,62 @@ def plan(
     devices: Devices,
     example_inputs: tuple,
     *,
-    chunks: int | None = None,
-    schedule: str = "1f1b",
+    example_kwargs: dict[str, Any] | None = None,
+    chunks: int | str | None = "auto",
+    schedule: str = "auto",
     stages: int | None = None,
+    virtual_stages: int | None = None,
     optimizer: str = "adam",
-    checkpoint: str = "except_last",
+    checkpoint: str = "auto",
     leaf_modules: Iterable[type | str] = (),
-    time_limit_s: float = 10.0,
+    frontend: str = "auto",
+    options: CompileOptions | None = None,
+    time_limit_s: float = 2.0,
 ) -> Plan:
     """Plan ``model`` for ``devices`` (e.g. ``fxpipe.Devices.preset("h100", 8)``) from shapes alone.
 
-    ``example_inputs`` is one full batch (real or ``meta`` tensors); ``optimizer`` sets
-    the memory kept per parameter (``OPTIMIZER_STATE``: Adam keeps gradients and two
-    moments). Raises :class:`fxpipe.InfeasiblePlanError` when nothing fits.
+    Args:
+        model: an ``nn.Module``, typically built on ``meta`` (``with torch.device("meta"): ...``), in the dtype
+            it trains in: its parameters' dtype sets the roofline rate, the activations' bytes and the
+            optimizer memory (:mod:`fxpipe.cost.optimizer_state`: a bfloat16 model is charged a float32
+            master copy and float32 Adam moments, 16 bytes per parameter as a float32 one).
+        devices: :class:`fxpipe.Devices`, e.g. ``Devices.preset("h100", "0:0-7,1:0-7")``.
+        example_inputs, example_kwargs: one full batch (real or ``meta`` tensors), as for :func:`fxpipe.compile`.
+        chunks, schedule, stages, virtual_stages: as for :func:`fxpipe.compile`; ``"auto"`` (default) makes a
+            plan per schedule and micro-batch count and keeps the fastest simulated one that fits.
+        optimizer: ``"adam"`` (default), ``"momentum"``, ``"sgd"`` or ``"none"``: the memory kept per parameter.
+        checkpoint: ``"auto"`` (default: per device the cheapest mode that fits), or ``"always"``,
+            ``"except_last"``, ``"never"``.
+        leaf_modules, frontend, options: as for :func:`fxpipe.compile` (``options``: ``batch_dim``,
+            ``concrete_args``, ``keep_blocks_whole``, ``memory_bytes`` per device).
+        time_limit_s: the solver's limit per solve (default 2 s; the auto search solves once or twice per
+            schedule and micro-batch count, and a search stopped by it says so with its gap in the plan).
+
+    Raises :class:`fxpipe.InfeasiblePlanError` when nothing fits.
     """
-    from fxpipe.planning.planner import (give_stage_memory, plan_from_solution, recompute_attempts, recompute_share,
-                                         stage_buffers, with_recomputation)
-
-    from fxpipe.checks import unwrap_compiled
-
-    model = unwrap_compiled(model)
     if not isinstance(devices, Devices):
         raise TypeError("devices must be fxpipe.Devices, e.g. fxpipe.Devices.preset('h100', 8)")
-    if optimizer not in OPTIMIZER_STATE:
-        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATE)}, got {optimizer!r}")
-    if not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,)
-    gm = trace(model, leaf_modules)
-    batch = batch_size_of(list(example_inputs))
-    chunks = chunks if chunks is not None else min(batch, 4 * len(devices))
-    first = tuple(scatter(list(example_inputs), chunks)[0])
-    reference = devices.specs[0]
-    costs = profile_graph(gm, first, torch.device("cpu"), mode="analytic", spec=reference)
-    links = links_from_classes(devices.link_classes, devices.bandwidth_Bps)
-    failure: Exception | None = None
-    for recompute in recompute_attempts(checkpoint):   # as fxpipe.planning.planner.Planner.plan
-        share = recompute_share(checkpoint, chunks, recompute)   # the checkpointed micro-batches' forward, again
-        problem = build_problem(gm, with_recomputation(costs, share), [torch.device(i) for i in devices.ids], links,
-                                chunks, [s.memory_bytes for s in devices.specs], stages=stages,
-                                optimizer_state_factor=OPTIMIZER_STATE[optimizer], schedule=schedule,
-                                name=type(model).__name__,
-                                speeds=[s.flops["float32"] / reference.flops["float32"] for s in devices.specs])
-        problem.recompute = recompute
-        try:
-            solution = solvers.solve(problem, "dp", time_limit_s)
-            result = plan_from_solution(problem, solution, devices.ids, graph_fingerprint(gm), type(model).__name__,
-                                        chunks, checkpoint, batch, "analytic", reference.name, model.training,
-                                        hosts=devices.nodes, recompute_share=share)
-            stage_buffers(gm, costs, result)
-            give_stage_memory(result, problem, solution)
-            if recompute:
-                check_fits(result)
-            return result
-        except (solvers.InfeasibleError, MemoryError) as exc:
-            failure = exc
-    assert failure is not None
-    hint = "" if checkpoint == "never" else f" (under checkpoint={checkpoint!r}, recomputation counted)"
-    raise InfeasiblePlanError(f"{failure}{hint}", getattr(failure, "min_peak_bytes", None)) from failure
+    optimizer_state_factor(optimizer, torch.float32)   # the optimizer's name, before anything is traced
+    if chunks is not None and chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int)
+                                                    or chunks < 1):
+        raise ValueError(f"chunks must be a positive integer or 'auto' (the planner picks), got {chunks!r}")
+    auto_chunks = chunks is None or chunks == "auto"
+    v = check_arguments(checkpoint, schedule, virtual_stages, None, ProfileOptions(), None, None)
+    # costs at one micro-batch count (4 per worker, as compile profiles); the auto search scales them to others
+    workers = len(worker_devices([torch.device(i) for i in devices.ids], "gpipe" if schedule == "auto" else schedule,
+                                 v, stages, None if auto_chunks else chunks))
+    costed = cost_model(model, example_inputs, devices.specs[0], None if auto_chunks else chunks, workers=workers,
+                        example_kwargs=example_kwargs, leaf_modules=leaf_modules, frontend=frontend, options=options)
+    planner = planner_for(costed, devices, schedule="gpipe" if schedule == "auto" else schedule, stages=stages,
+                          virtual_stages=v, optimizer=optimizer, checkpoint=checkpoint, options=options,
+                          time_limit_s=time_limit_s)
+    if schedule == "auto" or auto_chunks:                                                # 3. plan
+        counts = chunk_choices(costed.most, workers) if auto_chunks else [chunks]
+        search = plan_auto(planner, costed.costs, costed.profiled, counts,
+                           SCHEDULES if schedule == "auto" else (schedule,), virtual_stages=v if v > 1 else 2,
+                           overhead_s=costed.spec.launch_s)
+        result = search.plan
+        result.solver["search"] = search_rows(search.trials, search.best)
+        return result
+    return planner.plan(costed.costs)
+

@@ -45,7 +45,7 @@ def test_a_meta_model_is_planned_without_allocating_and_the_plan_accounts_every_
     unique = sum(p.numel() * p.element_size() for p in model.parameters())   # the tied weight once
     assert sum(s.param_bytes for s in plan.stages) == unique
     assert all(s.act_bytes > 0 for s in plan.stages)
-    assert plan.profile == {"mode": "analytic", "device": "H100-SXM5-80GB"}
+    assert plan.profile == {"mode": "analytic", "device": "H100-SXM5-80GB", "dtype": "float32", "optimizer": "adam"}
     table = plan.memory_table()
     assert "param+grad+opt GiB" in table and f"{unique / 4 / 1e9:.2f}B parameters" in table
     assert fxpipe.Plan.from_dict(plan.to_dict()).stage_of() == plan.stage_of()

@@ -22,8 +22,8 @@ def fxpipe_cli(capsys, *args: str) -> tuple[int, str, str]:
 def test_plan_resnet_for_the_8_gpu_box_from_its_topology_file(tmp_path, capsys):
     path = tmp_path / "r18.plan.json"
     code, out, err = fxpipe_cli(capsys, "plan", "torchvision:resnet18", "--devices", "v100x8", "--topology",
-                                str(BOX), "--batch", "64", "--chunks", "8", "--leaf-modules", "BasicBlock",
-                                "-o", str(path))
+                                str(BOX), "--batch", "64", "--chunks", "8", "--schedule", "1f1b",
+                                "--leaf-modules", "BasicBlock", "-o", str(path))
     assert code == 0, err
     assert "profile: analytic on V100-SXM2-16GB" in out and "param+grad+opt GiB" in out
     plan = fxpipe.load_plan(path)

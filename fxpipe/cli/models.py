@@ -1,6 +1,7 @@
 """What ``fxpipe plan`` and ``fxpipe bench`` take as MODEL: a model and one batch of example inputs.
 
-MODEL is ``torchvision:resnet101``, ``timm:convnext_tiny``, ``pkg.module:factory`` (imported) or
+MODEL is ``torchvision:resnet101``, ``timm:convnext_tiny``, ``hf:llama`` (a Hugging Face causal language model
+from its config, :mod:`fxpipe.cli.hf`: ``--config``, ``--seq-len``), ``pkg.module:factory`` (imported) or
 ``path/to/file.py:factory`` (loaded from the file); a bare name (``resnet101``) is torchvision's. A factory
 is called without arguments and returns a module, or ``(module, example_inputs)`` for a model whose input is
 not an image batch (``example_inputs`` a tuple holding one full batch). Otherwise the input is a random batch
@@ -23,25 +24,32 @@ from torch import nn
 
 __all__ = ["ModelSpec", "load_model", "parse_shape"]
 
-HOW = ("MODEL is torchvision:NAME, timm:NAME, pkg.module:factory or path/to/file.py:factory "
-       "(e.g. torchvision:resnet101)")
+HOW = ("MODEL is torchvision:NAME, timm:NAME, hf:TYPE (a Hugging Face causal LM from its config: hf:llama, "
+       "hf:gpt2, hf:qwen2 ...), pkg.module:factory or path/to/file.py:factory (e.g. torchvision:resnet101)")
 
 
 class ModelSpec:
     """A parsed MODEL argument: ``source`` (torchvision, timm, module, file), ``name`` and its factory."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, config: dict[str, Any] | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         self.text = text
+        self.config, self.dtype = dict(config or {}), dtype   # hf:TYPE's config overrides and dtype
         source, sep, name = text.rpartition(":") if ":" in text else ("torchvision", ":", text)
         if not sep or not name or not source:
             raise ValueError(f"cannot read MODEL {text!r}: {HOW}")
         self.name = name
-        self.source = (source if source in ("torchvision", "timm")
+        self.source = (source if source in ("torchvision", "timm", "hf")
                        else "file" if source.endswith(".py") else "module")
         self._origin = source
         self.factory = self._factory()
 
     def _factory(self) -> Callable[[], Any]:
+        if self.config and self.source != "hf":
+            raise ValueError(f"--config sets a Hugging Face config; {self.text} is not hf:TYPE (e.g. hf:llama)")
+        if self.source == "hf":
+            from fxpipe.cli.hf import build_hf
+            return lambda: build_hf(self.name, self.config, self.dtype)
         if self.source == "torchvision":
             import torchvision
             known = torchvision.models.list_models()
@@ -75,7 +83,7 @@ class ModelSpec:
             with torch.device(device):
                 made = self.factory()
         except (NotImplementedError, RuntimeError):
-            if str(device) != "meta":
+            if str(device) != "meta" or self.source == "hf":   # a language model built for real: gigabytes
                 raise
             made = self.factory()   # e.g. an initialiser that reads values; built for real, then dropped
         model, inputs = made if isinstance(made, tuple) else (made, None)
@@ -95,10 +103,22 @@ class ModelSpec:
 
 
 def load_model(text: str, batch: int, shape: tuple[int, ...] | None, image_size: int,
-               device: str | torch.device = "cpu") -> tuple[nn.Module, tuple]:
-    """MODEL built on ``device`` and one batch of ``batch`` example inputs (random, or the factory's)."""
-    spec = ModelSpec(text)
+               device: str | torch.device = "cpu", *, config: dict[str, Any] | None = None, seq_len: int = 1024,
+               dtype: torch.dtype | None = None) -> tuple[nn.Module, tuple]:
+    """MODEL built on ``device`` and one batch of ``batch`` example inputs (random, or the factory's; ``hf:TYPE``:
+    ``batch`` sequences of ``seq_len`` tokens). ``dtype``: the model's floating parameters and inputs in it."""
+    spec = ModelSpec(text, config, dtype)
     model, inputs = spec.build(device)
+    if spec.source == "hf":
+        from fxpipe.cli.hf import token_inputs
+        if shape is not None:
+            raise ValueError(f"{text} takes token ids: give --seq-len (and --batch), not --input-shape")
+        inputs = token_inputs(model, batch, seq_len, device)
+    if dtype is not None:
+        model = model.to(dtype)
+        if inputs is not None:
+            inputs = tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                           for t in inputs)
     if inputs is None:
         inputs = (torch.randn(batch, *(shape or spec.input_shape(model, image_size)), device=device),)
     elif str(device) == "meta":

@@ -2,7 +2,10 @@
 
 For a preset (``--devices h100x8``, optionally with ``--topology FILE``) the model is built on ``meta`` and
 planned from shapes (:func:`fxpipe.plan`, nothing allocated, no GPU needed); for real devices it is
-compiled (:func:`fxpipe.compile`: traced, profiled, solved) and the compiled plan is printed.
+compiled (:func:`fxpipe.compile`: traced, profiled, solved) and the compiled plan is printed. A language model
+is ``hf:TYPE`` (:mod:`fxpipe.cli.hf`), shaped by ``--config KEY=VALUE,...`` and given ``--batch`` sequences of
+``--seq-len`` tokens; for a preset it is planned in bfloat16 (``--dtype``). ``--schedule`` and ``--chunks``
+default to ``auto``, as in :func:`fxpipe.compile`: every schedule and micro-batch count is tried.
 """
 
 from __future__ import annotations
@@ -24,35 +27,61 @@ EXAMPLES = """examples:
   fxpipe plan timm:convnext_tiny --devices h100x4 --batch 256 --schedule zb-h1
   fxpipe plan torchvision:resnet18 --devices cpu,cpu --batch 8 --image-size 64 --profile estimate
   fxpipe plan my_models.py:build --devices 4 --input-shape 128 -o mine.plan.json
+  fxpipe plan hf:llama --config num_hidden_layers=32,hidden_size=4096,intermediate_size=14336,\
+      num_key_value_heads=8,vocab_size=128256 --seq-len 4096 --batch 8 --devices h100x8   # Llama-3-8B-shaped
 """
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """MODEL and the batch it is given (shared with ``fxpipe bench``)."""
+def add_model_arguments(parser: argparse.ArgumentParser, auto: bool = False) -> None:
+    """MODEL and the batch it is given (shared with ``fxpipe bench``); ``auto``: ``--chunks`` and ``--schedule``
+    default to ``auto`` (``fxpipe plan``), else to 4 and 1F1B."""
     parser.add_argument("model", help=MODEL_HELP + "; a bare name is torchvision's")
     parser.add_argument("--batch", type=int, default=32, help="batch size (default: 32)")
-    parser.add_argument("--chunks", type=int, default=4, help="micro-batches per batch (default: 4)")
+    if auto:
+        parser.add_argument("--chunks", type=_chunks, default="auto",
+                            help="micro-batches per batch, or auto (default: the planner tries powers of two)")
+    else:
+        parser.add_argument("--chunks", type=int, default=4, help="micro-batches per batch (default: 4)")
     parser.add_argument("--input-shape", help="one sample's input shape, e.g. 3,224,224 (default: timm's "
                                               "config, else 3,S,S with S from --image-size)")
     parser.add_argument("--image-size", type=int, default=224, help="S of the default input shape (default: 224)")
     parser.add_argument("--leaf-modules", default="", help="module classes kept whole, comma-separated "
                                                            "(e.g. Bottleneck: stages cut between blocks)")
-    parser.add_argument("--schedule", choices=("gpipe", "1f1b", "zb-h1", "zb-v", "interleaved-1f1b"), default="1f1b",
-                        help="the schedule whose time and memory the plan is for (default: 1f1b)")
+    schedules = ("gpipe", "1f1b", "zb-h1", "zb-v", "interleaved-1f1b")
+    parser.add_argument("--schedule", choices=(("auto",) if auto else ()) + schedules,
+                        default="auto" if auto else "1f1b",
+                        help="the schedule whose time and memory the plan is for (default: "
+                             + ("auto, the fastest simulated that fits)" if auto else "1f1b)"))
+
+
+def _chunks(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--chunks must be a positive integer or auto, got {text!r}") from None
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("plan", help="plan a model for devices or a preset and print (and save) the plan",
                             description=__doc__, epilog=EXAMPLES, parents=parents,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(parser)
+    add_model_arguments(parser, auto=True)
+    parser.add_argument("--config", help="hf:TYPE only: the config's settings, KEY=VALUE,... (e.g. "
+                                         "num_hidden_layers=32,hidden_size=4096,vocab_size=128256)")
+    parser.add_argument("--seq-len", type=int, default=1024, help="hf:TYPE only: tokens per sequence (default: 1024)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                        help="the dtype the model trains in (default auto: bfloat16 for hf:TYPE planned for a "
+                             "preset, else the model's own)")
     parser.add_argument("--devices", default="cpu,cpu", help=DEVICES_HELP)
     parser.add_argument("--topology", help="FILE saved from `nvidia-smi topo -m` (links between the preset's "
                                            "GPUs), or auto (run it here)")
     parser.add_argument("--profile", choices=("measure", "thorough", "estimate"), default="measure",
                         help="real devices: time every node once (measure), also each stage whole and the CPU "
                              "workers' contention (thorough), or estimate from FLOPs (default: measure)")
-    parser.add_argument("--time-limit", type=float, default=10.0, help="solver seconds (default: 10)")
+    parser.add_argument("--time-limit", type=float, default=2.0,
+                        help="a preset's solver seconds per solve (default: 2; the auto search solves per candidate)")
     parser.add_argument("-o", "--output", "--save", dest="output", help="write the plan JSON here")
     # the older spelling: --preset h100 --count 8 is --devices h100x8
     parser.add_argument("--preset", help=argparse.SUPPRESS)
@@ -79,12 +108,18 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import fxpipe
-    if args.batch < 1 or args.chunks < 1:
+    from fxpipe.cli.hf import parse_config
+
+    if args.batch < 1 or args.chunks != "auto" and args.chunks < 1:
         raise ValueError(f"--batch and --chunks must be positive, got {args.batch} and {args.chunks}")
     devices = resolve_devices(_legacy(args.preset, args.count) if args.preset else args.devices, args.topology)
     shape = parse_shape(args.input_shape)
     analytic = isinstance(devices, fxpipe.Devices)
-    model, inputs = load_model(args.model, args.batch, shape, args.image_size, "meta" if analytic else "cpu")
+    language = args.model.startswith("hf:")
+    dtype = {"auto": torch.bfloat16 if language and analytic else None, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    model, inputs = load_model(args.model, args.batch, shape, args.image_size, "meta" if analytic else "cpu",
+                               config=parse_config(args.config), seq_len=args.seq_len, dtype=dtype)
     leaves = leaf_types(model, args.leaf_modules)
     try:
         if analytic:
@@ -96,9 +131,10 @@ def run(args: argparse.Namespace) -> int:
                                   leaf_modules=leaves, profile=profile).plan
     except RuntimeError as exc:   # torch's own: most often inputs the model cannot take
         shapes = [tuple(t.shape) for t in inputs if isinstance(t, torch.Tensor)]
+        fix = ("pass --seq-len and --batch (and --config)" if language
+               else "pass --input-shape with one sample's shape (e.g. 3,224,224)")
         raise ValueError(f"{args.model} failed on example inputs of shape {shapes}: "
-                         f"{str(exc).splitlines()[0]}; if the shape is wrong, pass --input-shape with one "
-                         "sample's shape (e.g. 3,224,224)") from exc
+                         f"{str(exc).splitlines()[0]}; if the shape is wrong, {fix}") from exc
     print(plan.summary())
     if analytic:
         print(plan.memory_table())

@@ -12,7 +12,8 @@ Two modes:
 * ``"analytic"``: the same counts taken under ``FakeTensorMode`` — nothing is
   allocated or computed, the model may live on ``meta`` — turned into time by
   the roofline of a target :class:`fxpipe.cost.devices.DeviceSpec` (plan for GPUs
-  this machine does not have).
+  this machine does not have). Attention runs as the GPU's fused kernel
+  (:mod:`fxpipe.cost.fused_attention`), not the math path that saves its weights.
 
 Both modes record, from one real run of the graph: bytes that autograd saves for
 backward (``saved_tensors_hooks``; each storage counted once, at the first node
@@ -36,6 +37,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.flop_counter import FlopCounterMode
+
+from fxpipe.cost.fused_attention import ATTENTION, fused_attention
 
 if TYPE_CHECKING:
     from fxpipe.cost.devices import DeviceSpec
@@ -120,8 +123,9 @@ def _is_inplace(gm: fx.GraphModule, node: fx.Node) -> bool:
 class _Recorder(fx.Interpreter):
     """Runs the graph once, keeping every value and attributing saved tensors to nodes."""
 
-    def __init__(self, gm: fx.GraphModule, count_flops: bool) -> None:
+    def __init__(self, gm: fx.GraphModule, count_flops: bool, fused: bool = False) -> None:
         super().__init__(gm, garbage_collect_values=False)
+        self.fused = fused   # attention as the GPU's fused kernel (fxpipe.cost.fused_attention)
         self.current: str | None = None
         self.act_bytes: dict[str, int] = {}
         self.flops: dict[str, int] = {}
@@ -144,6 +148,11 @@ class _Recorder(fx.Interpreter):
             self._alive.append(st)
             self.act_bytes[self.current] = self.act_bytes.get(self.current, 0) + st.nbytes()
         return None
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if self.fused and target in ATTENTION:
+            return fused_attention(*args, **kwargs)
+        return super().call_function(target, args, kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
         self.current = n.name
@@ -231,7 +240,7 @@ def profile_graph(
     saved_buffers = {name: b.detach().clone() for name, b in gm.named_buffers()}
     rng = torch.random.get_rng_state()
     try:
-        recorder = _Recorder(gm, count_flops=(mode != "measure"))
+        recorder = _Recorder(gm, count_flops=(mode != "measure"), fused=(mode == "analytic"))
         with contextlib.ExitStack() as stack:
             if mode == "analytic":
                 fake = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))

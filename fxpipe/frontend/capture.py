@@ -122,7 +122,8 @@ def hidden_layer_stacks(gm: fx.GraphModule, leaf_modules: list[Any]) -> list[str
 
 
 def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = None, frontend: str = "auto",
-            args: tuple | None = None, kwargs: dict[str, Any] | None = None, batch_dim: Any = 0) -> Captured:
+            args: tuple | None = None, kwargs: dict[str, Any] | None = None, batch_dim: Any = 0, *,
+            other_mode: bool = True) -> Captured:
     """Trace ``model`` with the front end ``frontend`` chooses (module doc) and find whether its graph
     depends on ``model.training``, by tracing it once more in the other mode. Every submodule's own flag
     is restored either way (:func:`fxpipe.frontend.modes.keeping_modes`): a frozen BatchNorm stays in eval
@@ -130,7 +131,11 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
 
     Only the mode the user compiles in must trace: code that runs only in the other mode (a training-only
     branch fx cannot follow) makes the graph mode-dependent, so the pipeline refuses to run in that mode
-    (with "compile again in the mode you want") rather than failing this compile."""
+    (with "compile again in the mode you want") rather than failing this compile.
+
+    ``other_mode=False`` skips that second trace, for a caller that never runs the graph (:func:`fxpipe.plan`:
+    exporting a 32-layer Hugging Face model takes tens of seconds): ``mode_dependent`` is then False and
+    ``eval_graph`` None, and a pipeline built from the plan captures the model again."""
     kwargs = dict(kwargs or {})
     if isinstance(model, torch.export.ExportedProgram):
         gm = flat_program(model)
@@ -166,6 +171,8 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
                               UserWarning, stacklevel=3)
             tag = f"{name}+keep:{sorted(groups)}"    # the same graph planned under other constraints
         fingerprint = graph_fingerprint(gm, tag)
+        if not other_mode:
+            return Captured(gm, fingerprint, False, {"name": name, "reason": reason}, None)
         with keeping_modes(model):
             model.train(not model.training)
             try:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import solvers
-from fxpipe.cost.rescale import scaled_costs
+from fxpipe.cost.rescale import NODE_OVERHEAD_S, scaled_costs
 from fxpipe.errors import InfeasiblePlanError
 from fxpipe.planning.memory_model import predict_worker_memory
 from fxpipe.planning.plan import Plan
@@ -41,9 +41,11 @@ class AutoChoice:
 
 
 def plan_auto(base: Planner, costs: dict[str, Any], profiled_chunks: int, counts: Sequence[int],
-              schedules: Sequence[str] = SCHEDULES, virtual_stages: int = 2) -> AutoChoice:
+              schedules: Sequence[str] = SCHEDULES, virtual_stages: int = 2,
+              overhead_s: float = NODE_OVERHEAD_S) -> AutoChoice:
     """The best plan over ``schedules`` × ``counts`` micro-batches. ``base`` is the planner of one stage per
-    device; ``costs`` were profiled on micro-batches of the batch cut in ``profiled_chunks``."""
+    device; ``costs`` were profiled on micro-batches of the batch cut in ``profiled_chunks``; ``overhead_s`` is
+    a node's forward time that does not scale with the micro-batch (:func:`fxpipe.cost.rescale.scaled_costs`)."""
     workers = len(base.devices)
     made: dict[Candidate, tuple[Planner, dict[str, Any]]] = {}
     solved: dict[tuple[str, int, bool], Any] = {}   # shared by the candidates' planners
@@ -52,7 +54,7 @@ def plan_auto(base: Planner, costs: dict[str, Any], profiled_chunks: int, counts
         v = stages_per_worker(cand.schedule, virtual_stages)
         planner = dataclasses.replace(base, schedule=cand.schedule, chunks=cand.micro_batches, virtual_stages=v,
                                       solved=solved)
-        scaled = scaled_costs(costs, profiled_chunks, cand.micro_batches)
+        scaled = scaled_costs(costs, profiled_chunks, cand.micro_batches, overhead_s)
         try:
             plan = planner.plan(scaled)
         except InfeasiblePlanError as exc:

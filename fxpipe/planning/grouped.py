@@ -13,8 +13,8 @@ comes back) is not kept, and the note says which.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import solvers
 from solvers.together import convex, solve_together
@@ -28,6 +28,17 @@ class Grouping:
 
     required: dict[str, list[str]]
     blocks: dict[str, list[str]]
+    # which groups are convex, by the problem's nodes: every problem of one graph asks the same (an auto
+    # search solves a dozen), and each answer walks the whole graph once per group
+    convex: dict[Any, tuple[dict[str, list[str]], list[str]]] = field(default_factory=dict, repr=False)
+
+    def convex_groups(self, problem: solvers.Problem,
+                      groups: dict[str, list[str]]) -> tuple[dict[str, list[str]], list[str]]:
+        """:func:`_convex`, once per graph and groups."""
+        key = (tuple(n.id for n in problem.nodes), tuple(sorted((k, tuple(v)) for k, v in groups.items())))
+        if key not in self.convex:
+            self.convex[key] = _convex(problem, groups)
+        return self.convex[key]
 
 
 def _merged(*parts: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -66,8 +77,8 @@ def _span(labels: list[str]) -> str:
 def solve_grouped(problem: solvers.Problem, grouping: Grouping,
                   solve: Callable[[solvers.Problem], solvers.Solution]) -> solvers.Solution:
     """The best plan keeping ``grouping.required`` and, where any plan can, every block whole."""
-    required, not_convex = _convex(problem, grouping.required)
-    both, not_convex_blocks = _convex(problem, _merged(grouping.blocks, required))
+    required, not_convex = grouping.convex_groups(problem, grouping.required)
+    both, not_convex_blocks = grouping.convex_groups(problem, _merged(grouping.blocks, required))
     blocks = [b for b in grouping.blocks if b in both]
     notes = []
     if not_convex:

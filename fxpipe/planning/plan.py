@@ -15,7 +15,10 @@ from typing import Any, Callable
 
 from fxpipe.planning.memory_model import predict_worker_memory
 from fxpipe.planning.plan_format import PLAN_FORMAT, check_plan_document, read_plan_document
-from solvers.schedules import inflight
+from solvers.schedules import inflight, stage_worker
+
+# bytes per parameter and the memory table's short name of the dtype a plan was costed at (profile["dtype"])
+_DTYPES = {"float32": (4, "fp32"), "bfloat16": (2, "bf16"), "float16": (2, "fp16"), "float64": (8, "fp64")}
 
 # Exports of a plan that later layers provide (planning does not import them): name -> function(plan, ...).
 # fxpipe.distributed.torch_pipelining registers "torch_pipelining" when imported (``import fxpipe`` does).
@@ -158,27 +161,41 @@ class Plan:
         return "\n".join(out)
 
     def memory_table(self) -> str:
-        """Per stage: parameter memory (with gradients and optimizer state), activation memory
+        """Per worker: parameter memory (with gradients and optimizer state), activation memory
         at the schedule's peak (:mod:`fxpipe.planning.memory_model`: in-flight micro-batches,
-        checkpointing, workspace), their sum and the device's memory, in GiB (torchgpipe's table)."""
+        checkpointing, workspace), their sum and the device's memory, in GiB (torchgpipe's table). A worker
+        that runs several stages (interleaved 1F1B, ZB-V) is one row naming them. Parameters are counted in
+        the dtype the plan was costed at (``profile["dtype"]``; float32 when it does not say)."""
         problem = self.problem or {}
         memory = {d["id"]: d["memory_bytes"] for d in problem.get("devices", [])}
+        placed = self.solver.get("stage_devices") or []
+        dtype = str(self.profile.get("dtype", "float32"))
+        size, short = _DTYPES.get(dtype, (4, dtype))
         p, m = len(self.stages), self.chunks
-        workers = predict_worker_memory(self) if self.virtual_stages == 1 else None
+        predicted = predict_worker_memory(self)
+        workers = len(predicted)
+
+        def device_memory(s: PlanStage) -> float | None:
+            if s.index < len(placed) and placed[s.index] and placed[s.index][0] in memory:
+                return memory[placed[s.index][0]]
+            return next((v for k, v in memory.items() if k.endswith(":" + s.device) or k == s.device),
+                        s.memory_bytes or None)
         rows = []
-        for s in self.stages:
-            held = inflight(self.schedule, s.index, p, m)
-            device_memory = next((v for k, v in memory.items() if k.endswith(":" + s.device) or k == s.device), None)
-            act = workers[s.index].activation_bytes if workers else s.act_bytes * held
-            params = workers[s.index].param_bytes if workers else s.param_bytes
-            rows.append([str(s.index), self._where(s), f"{s.param_bytes / 4 / 1e6:.0f}M" if s.param_bytes else "0",
-                         f"{params / 2**30:.2f}", str(held), f"{act / 2**30:.2f}",
-                         f"{(params + act) / 2**30:.2f}", f"{device_memory / 2**30:.1f}" if device_memory else "-"])
+        for w in predicted:
+            mine = [s for s in self.stages if stage_worker(self.schedule, s.index, workers) == w.worker]
+            held = "+".join(str(inflight(self.schedule, s.index, p, m)) for s in mine)
+            params = sum(s.param_bytes for s in mine)
+            room = [device_memory(s) for s in mine]
+            device = sum(room) if all(room) else None
+            rows.append([",".join(str(s.index) for s in mine), self._where(mine[0]),
+                         f"{params / size / 1e6:.0f}M" if params else "0", f"{w.param_bytes / 2**30:.2f}", held,
+                         f"{w.activation_bytes / 2**30:.2f}", f"{w.peak_bytes / 2**30:.2f}",
+                         f"{device / 2**30:.1f}" if device else "-"])
         total_params = sum(s.param_bytes for s in self.stages)
-        head = ["stage", "device", "params (fp32)", "param+grad+opt GiB", "in flight", "activation GiB",
-                "peak GiB", "device GiB"]
+        head = ["stage" if workers == p else "stages", "device", f"params ({short})", "param+grad+opt GiB",
+                "in flight", "activation GiB", "peak GiB", "device GiB"]
         out = aligned_table(head, rows)
-        out.append(f"total: {total_params / 4 / 1e9:.2f}B parameters (fp32), "
+        out.append(f"total: {total_params / size / 1e9:.2f}B parameters ({short}), "
                    f"{sum(float(r[3]) for r in rows):.2f} GiB parameter memory, "
                    f"{sum(float(r[5]) for r in rows):.2f} GiB peak activation memory")
         return "\n".join(out)

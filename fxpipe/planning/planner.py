@@ -76,6 +76,15 @@ class Planner:
     keep_blocks_whole: bool = True                             # fxpipe.CompileOptions.keep_blocks_whole
     compression: Any = None            # CompileOptions.compression (a dict by stage is costed as exact)
     codec_s_per_byte: float = 0.0      # the codec's measured encode + decode time per raw byte
+    # devices described by numbers (fxpipe.plan): the links between the workers (default: read from this
+    # machine, nvidia-smi for GPUs), each worker's speed relative to the first, its host
+    links: Links | None = None
+    speeds: list[float] | None = None
+    hosts: list[int] | None = None
+    time_limit_s: float | None = None  # the solver's per solve (None: solvers.solve's default, 10 s)
+    # blocks kept in one stage where a plan can (fxpipe.planning.grouped): found once per graph, and carried
+    # by dataclasses.replace to the planners an auto search makes (None: found from gm)
+    grouping: Grouping | None = None
 
     def __post_init__(self) -> None:
         # one solver device per (chunk, device) for interleaved-1f1b; the links are read once
@@ -83,10 +92,12 @@ class Planner:
         v, devs = self.virtual_stages, self.devices
         self._owner = [stage_worker(self.schedule, k, len(devs)) for k in range(v * len(devs))]
         self._solver_devices = [devs[w] for w in self._owner]
-        self._links = virtual_links(links_for_devices(devs), self._owner)
-        # blocks kept in one stage where a plan can (fxpipe.planning.grouped); found once, not per plan
-        self._grouping = Grouping({**self.gm.meta.get(KEEP_WHOLE, {}), **tied_parameters(self.gm)},
-                                  repeated_blocks(self.gm) if self.keep_blocks_whole else {})
+        if self.links is None:   # read once: dataclasses.replace carries it to an auto search's planners
+            self.links = links_for_devices(devs)
+        self._links = virtual_links(self.links, self._owner)
+        if self.grouping is None:
+            self.grouping = Grouping({**self.gm.meta.get(KEEP_WHOLE, {}), **tied_parameters(self.gm)},
+                                     repeated_blocks(self.gm) if self.keep_blocks_whole else {})
 
     def _problem(self, costs: dict[str, Any], recompute: bool) -> solvers.Problem:
         v, devs, mem = self.virtual_stages, self.devices, self.memory_bytes
@@ -96,7 +107,8 @@ class Planner:
                                 optimizer_state_factor=self.optimizer_state_factor,
                                 schedule="1f1b" if self.schedule == "interleaved-1f1b" else self.schedule,
                                 name=self.model_name,
-                                output_bytes=self._charged(costs))
+                                output_bytes=self._charged(costs),
+                                speeds=None if self.speeds is None else [self.speeds[w] for w in self._owner])
         problem.recompute = recompute
         return problem
 
@@ -120,9 +132,11 @@ class Planner:
                 return problem, found
 
         def solve(p: solvers.Problem) -> solvers.Solution:
-            return solve_dp(p, placement=False) if self.virtual_stages > 1 else solvers.solve(p, "dp")
+            if self.virtual_stages > 1:
+                return solve_dp(p, placement=False, time_limit_s=self.time_limit_s)
+            return solvers.solve(p, "dp", *([] if self.time_limit_s is None else [self.time_limit_s]))
         try:
-            solution = solve_grouped(problem, self._grouping, solve)
+            solution = solve_grouped(problem, self.grouping, solve)
         except solvers.InvalidProblemError as exc:   # only the kept-whole modules can make it invalid
             raise ValueError(f"the modules kept whole (leaf_modules) leave too few pieces for {problem.stages} "
                              f"stages ({exc}); keep fewer or smaller modules whole, or pass fewer stages") from exc
@@ -163,7 +177,8 @@ class Planner:
         v, workers = self.virtual_stages, len(self.devices)
         plan = plan_from_solution(problem, solution, self._solver_devices, self.fingerprint, self.model_name, self.chunks,
                                   self.checkpoint, self.batch, self.profile, str(self.devices[0]), self.training,
-                                  self.profile_extra, recompute_share=share)
+                                  self.profile_extra, recompute_share=share,
+                                  hosts=None if self.hosts is None else [self.hosts[w] for w in self._owner])
         plan.solver["stage_devices"] = [list(st.devices) for st in solution.stages]   # the solver's device ids
         if v > 1:
             plan.devices = [str(d) for d in self.all_devices]
