@@ -121,14 +121,18 @@ def run(args: argparse.Namespace) -> int:
     model, inputs = load_model(args.model, args.batch, shape, args.image_size, "meta" if analytic else "cpu",
                                config=parse_config(args.config), seq_len=args.seq_len, dtype=dtype)
     leaves = leaf_types(model, args.leaf_modules)
+    # a language model is planned for training on its own loss, as the LLM journey runs it: labels among its
+    # inputs (the graph then computes the loss, and fxpipe.launch's ranks trace the same graph), in train mode
+    kwargs = {"labels": inputs[0].clone()} if language else None
+    model = model.train() if language else model.eval()
     try:
         if analytic:
-            plan = fxpipe.plan(model, devices, inputs, chunks=args.chunks, schedule=args.schedule,
-                               leaf_modules=leaves, time_limit_s=args.time_limit)
+            plan = fxpipe.plan(model, devices, inputs, example_kwargs=kwargs, chunks=args.chunks,
+                               schedule=args.schedule, leaf_modules=leaves, time_limit_s=args.time_limit)
         else:
             profile = dataclasses.replace(fxpipe.ProfileOptions.of(args.profile), progress=not args.quiet)
-            plan = fxpipe.compile(model.eval(), devices, inputs, chunks=args.chunks, schedule=args.schedule,
-                                  leaf_modules=leaves, profile=profile).plan
+            plan = fxpipe.compile(model, devices, inputs, example_kwargs=kwargs, chunks=args.chunks,
+                                  schedule=args.schedule, leaf_modules=leaves, profile=profile).plan
     except RuntimeError as exc:   # torch's own: most often inputs the model cannot take
         shapes = [tuple(t.shape) for t in inputs if isinstance(t, torch.Tensor)]
         fix = ("pass --seq-len and --batch (and --config)" if language
