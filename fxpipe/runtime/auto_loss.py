@@ -116,9 +116,8 @@ class AutoLoss:
         if kind == "sample" and self.checker is not None:
             positions = self.checker.positions(copies)
             leaves = tree_flatten(copies)[0]
-            grads = [leaves[p].grad / weight if leaves[p].grad is not None else torch.zeros_like(leaves[p])
-                     for p in positions]
-            self.checker.check(loss_fn, copies, target, grads, micro_batch, key)
+            grads = [leaves[p].grad if leaves[p].grad is not None else torch.zeros_like(leaves[p]) for p in positions]
+            self.checker.check(loss_fn, copies, target, grads, micro_batch, key, weight=weight)
         return [(t, leaf.grad) for t, leaf in pairs if leaf.grad is not None], root.detach(), count
 
     def _factor(self, key: Hashable, count: Any, weight: float, scale: float, summed: torch.Tensor) -> torch.Tensor:
