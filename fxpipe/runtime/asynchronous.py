@@ -332,7 +332,7 @@ class _StreamLoss(AutoLoss):
                  distributed: bool) -> None:
         super().__init__(layout.output, layout.target, check=not single, own_mean=single,
                          recognise=single or not distributed)
-        self.weights, self.groups, self.scales = weights, groups, scales   # scales: 1 / the group's samples
+        self.weights, self.groups, self.fixed = weights, groups, scales   # fixed: 1 / the group's samples
         self.distributed = distributed and not single
         self.counts: dict[int, Any] = {}
 
@@ -340,7 +340,7 @@ class _StreamLoss(AutoLoss):
                  weight: float, scale: float, key: Any = None) -> Any:
         try:
             pushed, part, count = super().__call__(loss_fn, output, target, micro_batch, self.weights[micro_batch],
-                                                   self.scales[micro_batch], self.groups[micro_batch])
+                                                   self.fixed[micro_batch], self.groups[micro_batch])
         except LossReductionError as exc:
             if not self.distributed or "loss_fn returned (loss_sum, count)" in str(exc):
                 raise

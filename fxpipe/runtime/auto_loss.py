@@ -15,9 +15,11 @@ the full batch would combine them (:mod:`fxpipe.runtime.losses`). :class:`AutoLo
 
 Every micro-batch of a step must take the same one of the first two ways or the third. ``loss_fn`` runs on
 detached copies of the outputs (fresh leaves); their gradients then go into the stages' graphs with one
-``torch.autograd.backward``, as one backward through the loss would. A token sum is backpropagated scaled by
-``scale`` (``1 / N``, so gradients keep a mean's magnitude on the way) and its count with it: their ratio,
-which the step divides by at its end, is unchanged. What it costs: the recognition a ``TorchFunctionMode``
+``torch.autograd.backward``, as one backward through the loss would. A token sum is backpropagated scaled
+(and its count with it: their ratio, which the step divides by at its end, is unchanged) by one factor per
+step, ``1 / (N c_1 / n_1)``, the whole batch's count estimated from the first micro-batch's (``n_1`` samples,
+``c_1`` counted), so the gradients have the full batch mean's magnitude on their way and, where every sample
+counts alike, its rounding too; where the factor must be the same on data-parallel replicas, ``1 / N``. What it costs: the recognition a ``TorchFunctionMode``
 around ``loss_fn`` (microseconds); the check one more ``loss_fn`` forward and backward per micro-batch
 (``benchmarks/bench_auto_loss.py``).
 """
@@ -62,10 +64,12 @@ class AutoLoss:
     recognise to be a per-sample mean (an update made of one micro-batch needs no weights)."""
 
     def __init__(self, output_dim: int = 0, target_dim: int = 0, *, check: bool = True, own_mean: bool = False,
-                 recognise: bool = True) -> None:
+                 recognise: bool = True, estimate_scale: bool = True) -> None:
         self.checker = SampleMeanCheck(output_dim, target_dim) if check else None
         self.own_mean = own_mean   # a token sum divided by its own count at once (an update of one micro-batch)
         self.recognise = recognise   # False: a cross-entropy mean is checked as any other loss (no count needed)
+        self.estimate_scale = estimate_scale   # False: token sums scaled by the given scale (1 / N) as they are
+        self.factors: dict[Hashable, torch.Tensor] = {}   # key -> the token sums' factor, from its first micro-batch
         self.kind: str | None = None
         self.first = -1
         self.loss_fn: Callable[[Any, Any], Any] | None = None   # the last one called (tying dp replicas reruns it)
@@ -78,7 +82,8 @@ class AutoLoss:
         """Micro-batch ``micro_batch``'s loss, backpropagated to the copies of ``output``: the (output tensor,
         gradient) pairs to backpropagate into the stages, the micro-batch's part of the step's loss and its
         count (``None`` for a per-sample mean, weighted ``weight``, its share of the samples). ``key`` names the
-        mini-batch (the check's reference sample is one of its own)."""
+        unit divided by one count (the step, an update's group: its token factor and its check's reference
+        sample are its own); ``scale`` (``1 / N``) is the token factor where it is not estimated."""
         self.loss_fn = loss_fn
         copies, pairs = _detached(output)
         calls = MeanCalls() if self.recognise else None
@@ -94,7 +99,11 @@ class AutoLoss:
         if kind == "token":
             summed = summed.reshape(())
             self.records[micro_batch] = (summed.detach(), count)
-            root, count = (summed / count, None) if self.own_mean else (summed * scale, count * scale)
+            if self.own_mean:
+                root, count = summed / count, None
+            else:
+                factor = self._factor(key, count, weight, scale, summed)
+                root, count = summed * factor.to(summed.dtype), count * factor
         else:
             if not isinstance(result, torch.Tensor) or result.numel() != 1:
                 shape = tuple(result.shape) if isinstance(result, torch.Tensor) else ""
@@ -107,10 +116,19 @@ class AutoLoss:
         if kind == "sample" and self.checker is not None:
             positions = self.checker.positions(copies)
             leaves = tree_flatten(copies)[0]
-            grads = [leaves[p].grad / weight if leaves[p].grad is not None else torch.zeros_like(leaves[p])
-                     for p in positions]
-            self.checker.check(loss_fn, copies, target, grads, micro_batch, key)
+            grads = [leaves[p].grad if leaves[p].grad is not None else torch.zeros_like(leaves[p]) for p in positions]
+            self.checker.check(loss_fn, copies, target, grads, micro_batch, key, weight=weight)
         return [(t, leaf.grad) for t, leaf in pairs if leaf.grad is not None], root.detach(), count
+
+    def _factor(self, key: Hashable, count: Any, weight: float, scale: float, summed: torch.Tensor) -> torch.Tensor:
+        """The token sums' factor of ``key``: from its first micro-batch (``weight / count``: ``1 / (N c_1 / n_1)``),
+        on the loss's device without waiting for it; ``scale`` where that counted nothing or is not estimated."""
+        if key not in self.factors:
+            count = torch.as_tensor(count, device=summed.device, dtype=torch.float64)
+            fixed = torch.full((), scale, dtype=torch.float64, device=summed.device)
+            self.factors[key] = (torch.where(count > 0, weight / count.clamp(min=1e-30), fixed)
+                                if self.estimate_scale else fixed)
+        return self.factors[key]
 
     def _same_kind(self, kind: str, micro_batch: int) -> None:
         """Raises where micro-batches of one step take different ways (a subclass may refuse a way)."""

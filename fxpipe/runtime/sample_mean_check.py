@@ -82,6 +82,7 @@ class Reference:
                  micro_batch: int) -> None:
         self.output, self.target, self.grads, self.positions = output, target, grads, positions
         self.micro_batch = micro_batch
+        self.largest = max((float(torch.linalg.vector_norm(g, math.inf)) for g in grads), default=0.0)
 
     def to(self, device: torch.device | str) -> "Reference":
         """A copy on ``device`` (sent to other processes from the CPU)."""
@@ -111,13 +112,16 @@ class SampleMeanCheck:
 
     def check(self, loss_fn: Callable[[Any, Any], Any], output: Any, target: Any, grads: list[torch.Tensor],
               micro_batch: int, key: Hashable = None, positions: list[int] | None = None,
-              names: tuple[str, str] | None = None) -> None:
+              names: tuple[str, str] | None = None, weight: float = 1.0) -> None:
         """``output`` (the micro-batch's outputs, as ``loss_fn`` was given them), ``target`` and ``grads``, the
-        gradient of ``loss_fn(output, target)`` (unweighted) for each leaf of :meth:`positions` (or
-        ``positions``). ``names`` says what the micro-batch and the reference are, for the message."""
+        gradient of ``weight * loss_fn(output, target)`` for each leaf of :meth:`positions` (or ``positions``).
+        ``names`` says what the micro-batch and the reference are, for the message."""
         positions = self.positions(output) if positions is None else positions
-        if not positions or not all(torch.isfinite(g).all() for g in grads):
-            return   # nothing to weigh, or the step's own gradient is not finite (its error, not the weighting's)
+        if not positions:
+            return   # nothing to weigh
+        largest = max(float(torch.linalg.vector_norm(g, math.inf)) for g in grads) / weight
+        if not math.isfinite(largest):
+            return   # the step's own gradient is not finite: its error, not the weighting's
         n = tree_flatten(output)[0][positions[0]].size(self.output_dim)
         with torch.enable_grad():
             ref = self.references.get(key)
@@ -138,13 +142,14 @@ class SampleMeanCheck:
                     "reduction='token' with (loss_sum, count), or reduction='mean'", stage=-1,
                     micro_batch=micro_batch, node=None) from exc
             both = _grads(_scalar(loss_fn(joined, joined_target)), leaves)
-        d = self.output_dim
-        want = [torch.cat([r.to(g.dtype), n * g], d) for r, g in zip(ref.grads, grads)]
-        got = [(n + 1) * g for g in both]
+        # a per-sample mean: both == [ref.grads, n * grads / weight] / (n + 1), leaf by leaf
+        d, k = self.output_dim, n / ((n + 1) * weight)
+        deviations = [float(torch.linalg.vector_norm(x, math.inf)) for u, g, r in zip(both, grads, ref.grads)
+                      for x in (torch.sub(u.narrow(d, 1, n), g, alpha=k), u.narrow(d, 0, 1) - r.to(u.dtype) / (n + 1))]
         tol = max(TOLERANCE.get(g.dtype, 1e-4) for g in grads)
-        if _close(got, want, tol):
+        if all(x <= tol * max(n * largest, ref.largest) / (n + 1) for x in deviations):   # NaN: not
             return
-        raise LossReductionError(self._message(ref, grads, both, n, micro_batch, tol, names),
+        raise LossReductionError(self._message(ref, [g / weight for g in grads], both, n, micro_batch, tol, names),
                                  stage=-1, micro_batch=micro_batch, node=None)
 
     def tie(self, loss_fn: Callable[[Any, Any], Any], references: list[Reference]) -> None:

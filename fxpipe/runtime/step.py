@@ -286,8 +286,8 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
                 timings.append(OpTiming(kind, k, i, start - origin, end - origin, checkpoint(k, i)))
             board.finish((kind, k, i))
 
-    if reduction == "auto" and auto is None:
-        auto = AutoLoss(*loss_dims)
+    if reduction == "auto" and auto is None:   # replicas' token sums must all be scaled alike: by 1 / N
+        auto = AutoLoss(*loss_dims, estimate_scale=replicas is None)
     # "auto" may refuse the loss at any micro-batch: the step's gradients stay apart until it ends
     step_grads = StepGradients(grad_tensors or [q for spec in specs for q in spec.module.parameters()]) \
         if reduction in ("token", "auto") else None
