@@ -17,7 +17,7 @@ __all__ = ["build_pipeline"]
 def build_pipeline(gm: fx.GraphModule, plan: Plan, checkpoint: str, mode_dependent: bool,
                    host: Host = UNSHARED, guard: ModelGuard | None = None) -> Pipeline:
     """One stage module per planned stage, moved to its device, run by a :class:`Pipeline` on ``host``."""
-    specs = split_graph(gm, plan.stage_of(), len(plan.stages))
+    specs = split_graph(gm, plan.stage_of(), len(plan.stages), copies=True)   # tied weights: a copy per stage
     stage_devices = [torch.device(s.device) for s in plan.stages]
     for spec, dev in zip(specs, stage_devices):
         move_stage(spec, dev)

@@ -45,6 +45,7 @@ from fxpipe.runtime.losses import REDUCTIONS
 from fxpipe.runtime.structure import FlatInputs, flat_inputs, model_output
 from fxpipe.runtime.traced_mode import TracedMode
 from fxpipe.runtime.step import OpTiming, StepFailure, run_step
+from fxpipe.runtime.tied import TiedWeights
 from fxpipe.runtime.streams import DeviceStreams, Event
 from fxpipe.runtime.compression import BoundaryCompression
 from fxpipe.runtime.transport import Transport
@@ -68,6 +69,8 @@ class Pipeline(nn.Module):
             raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}")
         self.stages = nn.ModuleList(s.module for s in stages)
         self.specs = stages
+        # parameters several stages read: a copy per stage, refreshed before a call, summed after a step
+        self.tied = TiedWeights([s.module for s in stages])
         self.devices = devices
         self.plan = plan
         self.chunks = plan.chunks
@@ -116,6 +119,8 @@ class Pipeline(nn.Module):
         self._check_mode()
         micro = self.inputs.micro_batches(args, kwargs)
         caller = CallerState.capture()   # grad mode and autocast are thread-local: the workers enter the caller's
+        self.tied.prepare()
+        self.tied.read_primary(caller.grad)   # loss.backward() then reaches the model's own tied parameters
         m, p = len(micro), len(self.specs)
         random = self._random_stages()
         seed = step_seed(random)
@@ -191,6 +196,8 @@ class Pipeline(nn.Module):
             inputs, kwargs = FlatInputs(flat_inputs(inputs, kwargs, self.inputs.in_spec)[0]), {}
         loss_fn = self.structured_loss(loss_fn)
         micro = self.inputs.micro_batches(inputs, kwargs)
+        self.tied.prepare()   # a copy that diverged is refused here, before anything runs
+        self.tied.read_primary(False)
         sizes = self.inputs.sizes(micro)
         targets = self.inputs.micro_targets(target)
         if not self.inputs.targets_fit(targets, sizes):
@@ -218,10 +225,12 @@ class Pipeline(nn.Module):
                                       grad_tensors=list(self.parameters()) + grad_leaves, transport=transport)
             except BaseException as failure:
                 commit_statistics(self.modules(), discard=True)
+                self.tied.clear()
                 if not isinstance(failure, StepFailure):
                     raise
                 raise step_error(failure, self.devices) from failure.exc
             wall_s = time.perf_counter() - started
+        self.tied.reduce()   # the copies' gradients into the tied parameters', once per step
         commit_statistics(self.modules())
         graphs.hand_on()
         self.last_step = {"schedule": schedule, "micro_batches": m, "wall_s": wall_s,
