@@ -24,6 +24,7 @@ from fxpipe.planning.lowering import build_problem
 from fxpipe.planning.memory_model import check_fits
 from fxpipe.runtime.microbatch import batch_size_of, scatter
 from fxpipe.planning.plan import Plan
+from fxpipe.planning.tied_cost import charge_copies, tied_weights
 from fxpipe.cost.profile import profile_graph
 from fxpipe.planning.topology import links_from_classes
 from fxpipe.frontend.trace import trace
@@ -87,6 +88,10 @@ def plan(
                                         chunks, checkpoint, batch, "analytic", reference.name, model.training,
                                         hosts=devices.nodes, recompute_share=share)
             stage_buffers(gm, costs, result)
+            tied = tied_weights(gm, costs, result.stage_of(), chunks)
+            if tied:
+                result.predicted["tied_weights"] = tied
+                charge_copies(result, tied, OPTIMIZER_STATE[optimizer])
             give_stage_memory(result, problem, solution)
             if recompute:
                 check_fits(result)

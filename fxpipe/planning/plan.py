@@ -126,6 +126,11 @@ class Plan:
                  for b in self.predicted.get("boundaries", [])]
         if sizes:
             out.append("boundary bytes per micro-batch: " + "; ".join(sizes))
+        tied = [f"{t['name']} ({t['bytes'] / 2**20:.1f} MiB) in stages {t['stages']}: "
+                f"{t['all_reduce_per_step_bytes'] / 2**20:.1f} MiB per step"
+                for t in self.predicted.get("tied_weights", [])]
+        if tied:   # fxpipe.planning.tied_cost: a copy per reading stage, the gradient summed once per step
+            out.append("tied weights, a copy per stage, gradients summed once per step: " + "; ".join(tied))
         p = self.predicted
         if p:
             out.append(

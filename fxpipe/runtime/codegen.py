@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch import nn
 
 from fxpipe.errors import FxpipeError
 from fxpipe.runtime.aliasing import aliases_of, is_inplace, written_buffers, written_inputs
@@ -113,10 +114,11 @@ def split_graph(gm: fx.GraphModule, stage_of: dict[str, int], num_stages: int, c
     # code, not a value, and each stage that calls it holds it.
     buffers = {name for name, _ in gm.named_buffers(remove_duplicate=False)}
     local = {n for n in compute if n.op == "get_attr" and (n.target in buffers or _is_module(gm, n.target))}
-    # a tied parameter (copies=True) is read by each stage that reads it, later stages through their copies
+    # copies=True: a parameter is never sent as a value either: each stage that reads it holds it, the first
+    # the model's own, later ones (a tied weight) their copies
     shared = shared_parameter_reads(gm, stage_of) if copies else {}
-    local |= {n for n in compute if n.op == "get_attr" and n.target not in buffers
-              and not _is_module(gm, n.target) and id(_parameter(gm, n.target)) in shared}
+    if copies:
+        local |= {n for n in compute if n.op == "get_attr" and _parameter(gm, n.target) is not None}
     specs = []
     for k in range(num_stages):
         own = [n for n in compute if stage_of[n.name] == k]
@@ -149,10 +151,10 @@ def split_graph(gm: fx.GraphModule, stage_of: dict[str, int], num_stages: int, c
     return specs
 
 
-def _parameter(gm: fx.GraphModule, target: str) -> object:
+def _parameter(gm: fx.GraphModule, target: str) -> nn.Parameter | None:
     try:
         return gm.get_parameter(target)
-    except AttributeError:   # a constant tensor
+    except AttributeError:   # a buffer, a module or a constant tensor
         return None
 
 

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 from fxpipe.runtime.batchnorm import commit_statistics, tracking
 from fxpipe.runtime.caller_state import CallerState
-from fxpipe.runtime.codegen import StageSpec
+from fxpipe.runtime.codegen import StageSpec, split_graph
 from fxpipe.errors import FxpipeError
 from fxpipe.runtime.failures import forward_error, step_error
 from fxpipe.runtime.call_inputs import CallInputs
@@ -84,6 +84,8 @@ class Pipeline(nn.Module):
         self.transport: Transport | None = None   # how stages exchange values in pipe.step (default: in-process)
         self.compression: BoundaryCompression | None = None   # CompileOptions.compression, kept across steps
         self._output = next(n for n in graph_module.graph.nodes if n.op == "output")
+        self._graph = (graph_module,)   # a tuple: not a submodule (its parameters are the stages')
+        self._value_specs: list[StageSpec] | None = None
         # a torch.export graph is flat: the model's input and output structures (fxpipe.runtime.structure)
         self._out_spec = graph_module.meta.get("fxpipe_out_spec")
         self._out_dict_types = graph_module.meta.get("fxpipe_out_dict_types")   # fx: an OrderedDict's type
@@ -101,6 +103,17 @@ class Pipeline(nn.Module):
     @guard.setter
     def guard(self, guard: ModelGuard | None) -> None:
         self.inputs.guard = guard
+
+    def specs_sending_tied_weights(self) -> list[StageSpec]:
+        """The stages with each tied parameter held by the first stage that reads it only and sent to the others
+        as a value every micro-batch (:func:`fxpipe.runtime.codegen.split_graph` without copies): what
+        asynchronous training runs, where each stage's optimizer steps its own parameters. :attr:`specs` where
+        no parameter is tied across stages."""
+        if not self.tied:
+            return self.specs
+        if self._value_specs is None:
+            self._value_specs = split_graph(self._graph[0], self.plan.stage_of(), len(self.specs))
+        return self._value_specs
 
     def stage_checkpoint(self, stage: int) -> str:
         """The checkpoint mode of ``stage``: the plan's choice for it (``checkpoint="auto"``) or the pipeline's."""
