@@ -174,7 +174,8 @@ class Plan:
             rows.append([str(s.index), self._where(s), f"{s.param_bytes / 4 / 1e6:.0f}M" if s.param_bytes else "0",
                          f"{params / 2**30:.2f}", str(held), f"{act / 2**30:.2f}",
                          f"{(params + act) / 2**30:.2f}", f"{device_memory / 2**30:.1f}" if device_memory else "-"])
-        total_params = sum(s.param_bytes for s in self.stages)
+        copies = sum(t["bytes"] * (len(t["stages"]) - 1) for t in self.predicted.get("tied_weights", []))
+        total_params = sum(s.param_bytes for s in self.stages) - copies   # the model's: a tied weight once
         head = ["stage", "device", "params (fp32)", "param+grad+opt GiB", "in flight", "activation GiB",
                 "peak GiB", "device GiB"]
         out = aligned_table(head, rows)
