@@ -308,3 +308,151 @@ def test_the_planner_charges_a_tied_weight_once_per_step():
     rows = tied_weights(gm, costs, pipe.plan.stage_of(), 4)
     assert rows == [{"name": "emb.weight", "bytes": weight, "stages": [0, 3], "charged_stage": 0,
                      "sent_per_step_bytes": 2 * 4 * weight, "all_reduce_per_step_bytes": 2 * weight}]
+
+
+# ---------------------------------------------------------------- Hugging Face models tied by their configs
+
+def _hf(name: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if name == "gpt2":   # tied by default
+        config = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=4, n_positions=32, n_inner=64, vocab_size=64,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+        model = transformers.GPT2LMHeadModel(config)
+        assert model.lm_head.weight is model.transformer.wte.weight
+    else:
+        config = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=32, num_attention_heads=4,
+                                          num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32,
+                                          vocab_size=64, use_cache=False, tie_word_embeddings=True)
+        model = transformers.LlamaForCausalLM(config)
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model
+
+
+def _logits_loss(out, target):
+    return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hugging_face_tied_embeddings_train_like_the_model_on_2_and_4_stages(name):
+    """GPT2LMHeadModel and LlamaForCausalLM(tie_word_embeddings=True) through the torch.export front end: the
+    embedding and LM head in different stages, three AdamW steps of every schedule as the unpartitioned model's."""
+    model = _hf(name)
+    twin, initial = copy.deepcopy(model), copy.deepcopy(model.state_dict())
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (8, 10), generator=g)
+    target = ids.roll(-1, 1)
+    runs = [(4, "gpipe", ["gpipe", "1f1b", "zb-h1"]), (2, "zb-v", ["zb-v"]),
+            (2, "interleaved-1f1b", ["interleaved-1f1b"]), (2, "gpipe", ["gpipe", "1f1b"])]
+    for workers, planned, schedules in runs:
+        stages = 2 if (workers, planned) == (2, "gpipe") else 4
+        v = {"virtual_stages": 2} if planned == "interleaved-1f1b" else {}
+        model.load_state_dict(initial)
+        pipe = fxpipe.compile(model, ["cpu"] * workers, (ids,), chunks=4, stages=stages, schedule=planned,
+                              profile=EST, **v)
+        _in_one_stage_module_each(pipe)
+        assert [len(t.stages) for t in pipe.tied] == [2], (planned, [t.stages for t in pipe.tied])
+        for schedule in schedules:
+            for m in (model, twin):   # the same start for every schedule (the copies follow the model's load)
+                m.load_state_dict(initial)
+            mine, theirs = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, twin))
+            for _ in range(3):
+                pipe.step(ids, target, _logits_loss, schedule=schedule)
+                mine.step()
+                mine.zero_grad()
+                _logits_loss(twin(ids), target).backward()
+                theirs.step()
+                theirs.zero_grad()
+            for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+                assert torch.allclose(p, q, rtol=0, atol=1e-5), (stages, schedule, n, (p - q).abs().max().item())
+
+
+# ---------------------------------------------------------------- over torch.distributed (2 gloo processes)
+
+def _skip_tied() -> nn.Module:
+    from models import SkipTied
+    torch.manual_seed(0)
+    return SkipTied(vocab=11, width=8, depth=6)
+
+
+def _token_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 11, (7, 4), generator=g), torch.randint(0, 11, (7, 4), generator=g)) for _ in range(3)]
+
+
+def _adamw_ranks(rank: int, world: int, plan_json: str, diverge: bool) -> dict:
+    """Three AdamW steps over stage.parameters(); with ``diverge`` rank 1 then moves its copy of the tied weight
+    and steps once more."""
+    import json
+    from fxpipe.distributed import PipelineRank
+    stage = PipelineRank(fxpipe.Plan.from_dict(json.loads(plan_json)), _skip_tied, _lm_loss, timeout_s=60)
+    opt = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+    losses = []
+    for x, y in _token_batches():
+        loss = stage.step(x, y)
+        losses.append(None if loss is None else loss.item())
+        opt.step()
+        opt.zero_grad()
+    found = {"losses": losses, "params": {n: p.detach().clone() for n, p in stage.named_parameters()},
+             "counted_elsewhere": sorted(n for n, p in stage.named_parameters()
+                                         if getattr(p, "fxpipe_counted_elsewhere", False))}
+    if diverge:
+        if rank == 1:
+            with torch.no_grad():
+                dict(stage.named_parameters())["emb.weight"].add_(0.01)
+        before = {n: p.detach().clone() for n, p in stage.named_parameters()}
+        x, y = _token_batches()[0]
+        try:
+            stage.step(x, y)
+            found["refused"] = None
+        except TiedWeightsDiverged as exc:
+            found["refused"] = str(exc)
+        found["untouched"] = all(torch.equal(p, before[n]) and p.grad is None for n, p in stage.named_parameters())
+    return found
+
+
+def _two_rank_plan() -> fxpipe.Plan:
+    from forced_cuts import compile_with_cuts
+    x = _token_batches()[0][0]
+    return copy.deepcopy(compile_with_cuts(_skip_tied(), (x,), ["blocks_3_0"], chunks=3).plan)
+
+
+@pytest.mark.slow
+def test_on_two_ranks_the_tied_weight_is_each_ranks_and_trains_like_one_process_with_adamw():
+    from distributed_run import run_ranks
+    plan = _two_rank_plan()
+    results = run_ranks(2, _adamw_ranks, plan.to_json(), False)
+    errors = [r["trace"] for r in results if "ok" not in r]
+    assert not errors, errors[0]
+    model = _skip_tied()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    want_losses = []
+    for x, y in _token_batches():
+        loss = _lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want_losses.append(loss.item())
+    got = [r["ok"] for r in results]
+    assert [n for n in got[0]["params"] if n in got[1]["params"]] == ["emb.weight"]   # held by both ranks
+    assert torch.equal(got[0]["params"]["emb.weight"], got[1]["params"]["emb.weight"])
+    assert got[0]["counted_elsewhere"] == [] and got[1]["counted_elsewhere"] == ["emb.weight"]   # clipping counts once
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got[1]["losses"], want_losses)), got[1]["losses"]
+    params = {**got[0]["params"], **got[1]["params"]}
+    assert set(params) == {n for n, _ in model.named_parameters()}
+    for n, p in model.named_parameters():
+        assert torch.allclose(params[n], p.detach(), rtol=0, atol=1e-5), n
+
+
+@pytest.mark.slow
+def test_on_two_ranks_copies_that_diverged_are_refused_on_every_rank_before_anything_is_updated():
+    from distributed_run import run_ranks
+    results = run_ranks(2, _adamw_ranks, _two_rank_plan().to_json(), True)
+    errors = [r["trace"] for r in results if "ok" not in r]
+    assert not errors, errors[0]
+    for r in results:
+        msg = r["ok"]["refused"]
+        assert msg is not None and "the copies of tied parameter 'emb.weight' on ranks 0 and 1 differ" in msg
+        assert "step it with the same optimizer over stage.parameters()" in msg and "nothing was updated" in msg
+        assert r["ok"]["untouched"]
