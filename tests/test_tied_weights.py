@@ -456,3 +456,29 @@ def test_on_two_ranks_copies_that_diverged_are_refused_on_every_rank_before_anyt
         assert msg is not None and "the copies of tied parameter 'emb.weight' on ranks 0 and 1 differ" in msg
         assert "step it with the same optimizer over stage.parameters()" in msg and "nothing was updated" in msg
         assert r["ok"]["untouched"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("devices", [["cpu", "cuda:0"], ["cuda:0", "cpu", "cpu", "cuda:0"]])
+def test_each_stage_computes_with_the_tied_weight_on_its_own_device(devices):
+    """The copy is on the reading stage's device (before, each stage's .to(device) moved the one Parameter)."""
+    torch.manual_seed(0)
+    model = LM()
+    twin = copy.deepcopy(model)
+    ids, target = torch.randint(0, 16, (8, 5)), torch.randint(0, 16, (8, 5))
+    pipe = fxpipe.compile(model, devices, (ids,), chunks=4, stages=len(devices), profile=EST)
+    _in_one_stage_module_each(pipe)
+    assert all(p.device == pipe.devices[k] for k, s in enumerate(pipe.specs) for p in s.module.parameters())
+    assert [t.stages for t in pipe.tied] == [[0, len(devices) - 1]]
+    mine, theirs = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, twin))
+    for _ in range(3):
+        pipe.step(ids, target, _lm_loss)
+        mine.step()
+        mine.zero_grad()
+        _lm_loss(twin(ids), target).backward()
+        theirs.step()
+        theirs.zero_grad()
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.allclose(p.cpu(), q, rtol=0, atol=1e-4), n
+    with torch.no_grad():
+        assert torch.allclose(pipe(ids).cpu(), twin(ids), rtol=0, atol=1e-4)

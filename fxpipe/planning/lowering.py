@@ -84,7 +84,7 @@ def build_problem(
 
     def charged(n: fx.Node) -> float:
         if n.name in reads:
-            return edge_bytes(costs[n.name].output_bytes, micro_batches)
+            return edge_bytes(reads[n.name][1], micro_batches)
         return float(costs[n.name].output_bytes if output_bytes is None else output_bytes[n.name])
     edges = [solvers.Edge(n.name, u.name, charged(n)) for n in order for u in n.users if u in in_problem]
     ids = problem_device_ids(devices)

@@ -24,15 +24,17 @@ import torch.fx as fx
 __all__ = ["parameter_reads", "edge_bytes", "tied_weights", "charge_copies"]
 
 
-def parameter_reads(gm: fx.GraphModule) -> dict[str, int]:
-    """The ``get_attr`` nodes that read a ``Parameter``: node name -> the parameter's id."""
+def parameter_reads(gm: fx.GraphModule) -> dict[str, tuple[int, int]]:
+    """The ``get_attr`` nodes that read a ``Parameter``: node name -> the parameter's id and bytes (its own
+    size, not a profile's output bytes, which the auto search scales with the micro-batch)."""
     found = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             try:
-                found[node.name] = id(gm.get_parameter(str(node.target)))
+                param = gm.get_parameter(str(node.target))
             except AttributeError:   # a buffer, a module or a constant
                 continue
+            found[node.name] = (id(param), param.numel() * param.element_size())
     return found
 
 
@@ -51,10 +53,10 @@ def tied_weights(gm: fx.GraphModule, costs: Mapping[str, Any], stage_of: Mapping
     for node in gm.graph.nodes:
         if node.name not in reads:
             continue
-        row = by_param.setdefault(reads[node.name], {"name": str(node.target), "bytes": 0.0, "stages": set(),
-                                                     "charged": None})
+        key, nbytes = reads[node.name]
+        row = by_param.setdefault(key, {"name": str(node.target), "bytes": float(nbytes), "stages": set(),
+                                        "charged": None})
         cost = costs.get(node.name)
-        row["bytes"] = max(row["bytes"], float(cost.output_bytes) if cost is not None else 0.0)
         row["stages"].update(stage_of[u.name] for u in node.users if u.name in stage_of)
         if cost is not None and cost.param_bytes > 0:   # the read the profile counted the parameter at
             row["charged"] = stage_of.get(node.name)
