@@ -43,7 +43,13 @@ def test_a_meta_model_is_planned_without_allocating_and_the_plan_accounts_every_
     assert all(p.is_meta for p in model.parameters())
     assert [s.device for s in plan.stages] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
     unique = sum(p.numel() * p.element_size() for p in model.parameters())   # the tied weight once
-    assert sum(s.param_bytes for s in plan.stages) == unique
+    # ... and once more in every other stage that reads it (fxpipe.planning.tied_cost: a copy each)
+    tied = plan.predicted["tied_weights"]
+    assert [t["name"] for t in tied] == ["emb.weight"] and tied[0]["stages"] == [0, 3]
+    assert sum(s.param_bytes for s in plan.stages) == unique + tied[0]["bytes"]
+    assert plan.stages[3].param_bytes >= tied[0]["bytes"] == 1000 * 256 * 4
+    assert "tied weights, a copy per stage, gradients summed once per step: emb.weight (1.0 MiB) in stages [0, 3]: " \
+        "2.0 MiB per step" in plan.summary()
     assert all(s.act_bytes > 0 for s in plan.stages)
     assert plan.profile == {"mode": "analytic", "device": "H100-SXM5-80GB", "dtype": "float32", "optimizer": "adam"}
     table = plan.memory_table()

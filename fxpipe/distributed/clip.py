@@ -15,14 +15,17 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
                     group: Any = None) -> torch.Tensor:
     """Scale this rank's gradients so that the norm over all ranks' gradients is at most ``max_norm``; return that
     norm (the same on every rank). Collective: every rank of ``group`` calls it, with its own parameters
-    (``stage.parameters()``: each parameter on exactly one rank, so none is counted twice)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
+    (``stage.parameters()``: each parameter on one rank, or a tied one on each rank whose stages read it, counted
+    by the first of them only: :mod:`fxpipe.distributed.tied`)."""
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
+    counted = [p.grad for p in params if not getattr(p, "fxpipe_counted_elsewhere", False)]
     norm_type = float(norm_type)
     if norm_type == float("inf"):
-        local = torch.stack([g.detach().abs().max().float().cpu() for g in grads]).max() if grads else torch.zeros(())
+        local = torch.stack([g.detach().abs().max().float().cpu() for g in counted]).max() if counted else torch.zeros(())
         op = dist.ReduceOp.MAX
     else:   # sum of |g|^p over this rank; the p-th root after the sum over ranks
-        local = sum((torch.linalg.vector_norm(g.detach().float(), norm_type).cpu() ** norm_type for g in grads),
+        local = sum((torch.linalg.vector_norm(g.detach().float(), norm_type).cpu() ** norm_type for g in counted),
                     torch.zeros((), dtype=torch.float32))
         op = dist.ReduceOp.SUM
     total = local.reshape(1).to(torch.float64)

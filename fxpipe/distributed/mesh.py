@@ -82,6 +82,8 @@ class MeshPipelineRank:
         own = nn.ModuleList(self.ranked.specs[k].module for k in self.ranked.own)
         # DDP broadcasts replica 0's parameters and buffers: every replica starts from the same weights
         self.ddp = DistributedDataParallel(own, process_group=self.dp_group)
+        # after the rank's own (a tied weight's all-reduce over the pp ranks that hold it: fxpipe.distributed.tied)
+        self._rank_done = self.ranked.pipe.transport.when_local_done
         self.ranked.pipe.transport.when_local_done = self._reduce_when_done
         self._reduced: BaseException | str | None = None
         # (start, end) wall-clock times of the last step's gradient all-reduce, comparable across processes
@@ -168,6 +170,8 @@ class MeshPipelineRank:
     def _reduce_when_done(self, failed: bool) -> None:
         """The transport's call once this rank's operations are over: all-reduce the gradients over ``dp``
         unless a replica's step failed. Never raises (the transport is ending its step); :meth:`step` does."""
+        if self._rank_done is not None:
+            self._rank_done(failed)
         try:
             flag = torch.tensor([1.0 if failed else 0.0], device=self._wire_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)

@@ -26,6 +26,7 @@ from torch import nn
 from fxpipe.compression_spec import check_compression
 from fxpipe.distributed.materialise import materialise
 from fxpipe.distributed.placement import stage_ranks
+from fxpipe.distributed.tied import RankTies, install_representatives
 from fxpipe.distributed.transport import P2P
 from fxpipe.distributed.weights import open_weights
 from fxpipe.errors import FxpipeError, PlanMismatchError
@@ -37,6 +38,7 @@ from fxpipe.runtime.codegen import StageSpec, move_stage, split_graph
 from fxpipe.runtime.compiled import compile_stages, planned_compilation, refuse_split_backward
 from fxpipe.runtime.compression import BoundaryCompression
 from fxpipe.runtime.pipeline import Pipeline
+from fxpipe.runtime.tied import TiedWeights
 
 __all__ = ["PipelineRank"]
 
@@ -109,20 +111,30 @@ class PipelineRank:
             convert_deferred_batch_norm(captured.graph)
         p = len(plan.stages)
         stage_rank = stage_ranks(plan, self.rank, world, group)
-        specs = split_graph(captured.graph, plan.stage_of(), p)
+        # a parameter several stages read (a tied weight): a copy in each later reading stage
+        # (fxpipe.runtime.tied), each owning rank's own parameter, all-reduced over the owners (fxpipe.distributed.tied)
+        specs = split_graph(captured.graph, plan.stage_of(), p, copies=True)
         self.own = [k for k in range(p) if stage_rank[k] == self.rank]
+        tied = TiedWeights([s.module for s in specs], local=lambda k: k in self.own)
+        install = install_representatives(tied, [captured.graph, self.model])
         keep = {id(t) for k in self.own for t in [*specs[k].module.parameters(), *specs[k].module.buffers()]}
-        for k in range(p):   # a tensor two ranks' stages share (a tied weight) stays with the stage that reads it
+        for k in range(p):   # another rank's stages keep nothing real here
             if k not in self.own:
                 _drop(specs[k].module, keep)
         _drop(captured.graph, keep)
         _drop(self.model, keep)   # the model's modules the trace did not keep (a tied head read through get_attr)
+        install()   # this rank's copy of a tied parameter whose first reader is another rank's, under its names
         devices = [torch.device(device if device is not None and k in self.own else st.device)
                    for k, st in enumerate(plan.stages)]
         if source is not None:
+            followers = tied.replicas()   # a second copy on this rank: made from the first once that is loaded
             tensors = {id(t): (t, devices[k]) for k in self.own
-                       for t in [*specs[k].module.parameters(), *specs[k].module.buffers()]}
+                       for t in [*specs[k].module.parameters(), *specs[k].module.buffers()] if id(t) not in followers}
             materialise(self.model, [captured.graph, *(s.module for s in specs)], tensors, source, model_fn, self.rank)
+            for tie in tied:
+                rep = tied.representative(tie)
+                for c in tied.followers(tie):
+                    c.weight = nn.Parameter(rep.detach().clone(), requires_grad=rep.requires_grad)
         for k in self.own:
             move_stage(specs[k], devices[k])
         if compiled is not None:
@@ -132,12 +144,16 @@ class PipelineRank:
                              mode_dependent=captured.mode_dependent, compiled=compiled)
         self.pipe.compression = BoundaryCompression.of_stages(compression, specs, self.pipe._output.args[0])
         self.pipe.transport = P2P(self.rank, stage_rank, group, timeout_s)
+        self.pipe.tied = tied
+        self.ties = RankTies(tied, stage_rank, self.rank, group, timeout_s)
+        self.pipe.transport.when_local_done = self.ties.when_local_done
         self.plan, self.loss_fn, self.reduction, self.broadcast_loss = plan, loss_fn, reduction, broadcast_loss
         self.last = self.rank == stage_rank[-1]
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        """This rank's parameters (each once): what its optimizer updates."""
-        seen: set[int] = set()
+        """This rank's parameters (each once): what its optimizer updates. A tied parameter that this rank's stages
+        read is one of them (its copy, where another rank holds the model's own: :mod:`fxpipe.distributed.tied`)."""
+        seen: set[int] = self.pipe.tied.replicas()
         for k in self.own:
             for param in self.specs[k].module.parameters():
                 if id(param) not in seen:
@@ -156,5 +172,12 @@ class PipelineRank:
         ``target``, given on every rank; ``.grad`` of this rank's parameters then holds their gradients. Other
         keywords are :meth:`fxpipe.Pipeline.step`'s and the model's (``labels=labels``). Returns the loss on the
         last stage's rank (on every rank with ``broadcast_loss=True``), else ``None``."""
-        loss = self.pipe.step(inputs, target, self.loss_fn, reduction=self.reduction, **kwargs)
+        self.ties.check()   # copies of a tied parameter that diverged: refused on every rank, before anything runs
+        self.ties.begin()
+        ok = False
+        try:
+            loss = self.pipe.step(inputs, target, self.loss_fn, reduction=self.reduction, **kwargs)
+            ok = True
+        finally:
+            self.ties.end(ok)
         return loss if self.last or self.broadcast_loss else None

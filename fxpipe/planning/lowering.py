@@ -2,7 +2,9 @@
 
 The node order handed to the solver is the graph's order with every
 ``get_attr`` moved to just before its first user, so that a parameter read by
-a node lands in that node's stage rather than wherever tracing met it.
+a node lands in that node's stage rather than wherever tracing met it. A
+parameter read in another stage as well (a tied weight) is charged once per
+step, not per micro-batch (:mod:`fxpipe.planning.tied_cost`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch.fx as fx
 
 import solvers
 from fxpipe.cost.profile import NodeCost
+from fxpipe.planning.tied_cost import edge_bytes, parameter_reads
 from fxpipe.planning.topology import Links
 
 __all__ = ["solver_order", "build_problem", "device_memory_bytes", "problem_device_ids"]
@@ -77,9 +80,13 @@ def build_problem(
     in_problem = set(order)
     nodes = [solvers.Node(n.name, costs[n.name].fwd_s, costs[n.name].bwd_s,
                           float(costs[n.name].param_bytes), float(costs[n.name].act_bytes)) for n in order]
-    edges = [solvers.Edge(n.name, u.name, float(costs[n.name].output_bytes if output_bytes is None
-                                                else output_bytes[n.name]))
-             for n in order for u in n.users if u in in_problem]
+    reads = parameter_reads(gm)   # a copy in each stage that reads it: its gradient summed once per step
+
+    def charged(n: fx.Node) -> float:
+        if n.name in reads:
+            return edge_bytes(reads[n.name][1], micro_batches)
+        return float(costs[n.name].output_bytes if output_bytes is None else output_bytes[n.name])
+    edges = [solvers.Edge(n.name, u.name, charged(n)) for n in order for u in n.users if u in in_problem]
     ids = problem_device_ids(devices)
     return solvers.Problem(
         nodes=nodes, edges=edges,

@@ -134,6 +134,11 @@ class Plan:
                  for b in self.predicted.get("boundaries", [])]
         if sizes:
             out.append("boundary bytes per micro-batch: " + "; ".join(sizes))
+        tied = [f"{t['name']} ({t['bytes'] / 2**20:.1f} MiB) in stages {t['stages']}: "
+                f"{t['all_reduce_per_step_bytes'] / 2**20:.1f} MiB per step"
+                for t in self.predicted.get("tied_weights", [])]
+        if tied:   # fxpipe.planning.tied_cost: a copy per reading stage, the gradient summed once per step
+            out.append("tied weights, a copy per stage, gradients summed once per step: " + "; ".join(tied))
         p = self.predicted
         if p:
             out.append(
@@ -191,7 +196,8 @@ class Plan:
                          f"{params / size / 1e6:.0f}M" if params else "0", f"{w.param_bytes / 2**30:.2f}", held,
                          f"{w.activation_bytes / 2**30:.2f}", f"{w.peak_bytes / 2**30:.2f}",
                          f"{device / 2**30:.1f}" if device else "-"])
-        total_params = sum(s.param_bytes for s in self.stages)
+        copies = sum(t["bytes"] * (len(t["stages"]) - 1) for t in self.predicted.get("tied_weights", []))
+        total_params = sum(s.param_bytes for s in self.stages) - copies   # the model's: a tied weight once
         head = ["stage" if workers == p else "stages", "device", f"params ({short})", "param+grad+opt GiB",
                 "in flight", "activation GiB", "peak GiB", "device GiB"]
         out = aligned_table(head, rows)

@@ -38,6 +38,7 @@ from fxpipe.planning.boundaries import boundary_table, charged_bytes, codecs_by_
 from fxpipe.planning.lowering import build_problem, problem_device_ids
 from fxpipe.planning.memory_model import check_fits, checkpointed, choose_checkpoints
 from fxpipe.planning.plan import Plan, PlanStage
+from fxpipe.planning.tied_cost import charge_copies, tied_weights
 from fxpipe.planning.topology import Links, links_for_devices, links_from_classes
 from solvers.dp import solve_dp
 from solvers.schedule_search import LOOSER, reuse
@@ -201,6 +202,10 @@ class Planner:
             plan.predicted["codec_s_per_byte"] = self.codec_s_per_byte
             plan.predicted["boundaries"] = boundary_table(self.gm, costs, plan.stage_of(),
                                                           codecs_by_stage(self.compression, len(plan.stages)))
+        tied = tied_weights(self.gm, costs, plan.stage_of(), self.chunks)
+        if tied:
+            plan.predicted["tied_weights"] = tied
+            charge_copies(plan, tied, self.optimizer_state_factor)
         give_stage_memory(plan, problem, solution)
         if self.checkpoint == "auto":
             choose_checkpoints(plan)     # MemoryError when even "always" does not fit

@@ -26,7 +26,7 @@ def build_pipeline(gm: fx.GraphModule, plan: Plan, checkpoint: str, mode_depende
     (compiled stages keep the code they compiled)."""
     stage_devices = [torch.device(s.device) for s in plan.stages]
     if specs is None:
-        specs = split_graph(gm, plan.stage_of(), len(plan.stages))
+        specs = split_graph(gm, plan.stage_of(), len(plan.stages), copies=True)   # tied weights: a copy per stage
         for spec, dev in zip(specs, stage_devices):
             move_stage(spec, dev)
         if compiled is not None:

@@ -130,6 +130,11 @@ class AsyncTrainer:
                              "synchronous step; use stage.step there")
         if isinstance(getattr(pipe, "pipe", None), nn.Module) and hasattr(pipe, "own"):
             pipe = pipe.pipe   # an fxpipe.distributed.PipelineRank: its pipeline, with the transport to the others
+            if pipe.tied:
+                tie = next(iter(pipe.tied))
+                raise ValueError(f"parameter {tie.name!r} is read by stages {tie.stages} (tied weights), and on ranks "
+                                 "each of those holds a copy that asynchronous modes would update apart: train it "
+                                 "with stage.step, or asynchronously in one process (fxpipe.compile)")
         p = len(pipe.specs)
         if mode not in ASYNC_MODES:
             raise ValueError(f"unknown asynchronous mode {mode!r}; allowed: {', '.join(map(repr, ASYNC_MODES))}")
@@ -162,8 +167,11 @@ class AsyncTrainer:
         # others keep 1F1B's p - k, PipeDream's
         self.ahead = self.staleness * pipe.chunks if mode == "ssp" else 0
         self.pipe, self.mode, self.reduction = pipe, mode, reduction
+        # a tied weight lives in its first stage and reaches the others as a value (the version that stage
+        # stashed for the micro-batch), its gradient coming back: each stage steps only its own parameters
+        self.specs = pipe.specs_sending_tied_weights()
         owner: dict[int, int] = {}
-        for k, spec in enumerate(pipe.specs):
+        for k, spec in enumerate(self.specs):
             for name, q in spec.module.named_parameters():
                 if owner.setdefault(id(q), k) != k:
                     raise ValueError(f"parameter {name!r} is shared by stages {owner[id(q)]} and {k} (tied weights); "
@@ -171,7 +179,7 @@ class AsyncTrainer:
         # a stage without trained parameters, or another rank's, has no optimizer here
         self.stages = [_Stage(spec.module, optimizer_fn(trained) if self.transport.local(k) and (
             trained := [q for q in spec.module.parameters() if q.requires_grad]) else None)
-            for k, spec in enumerate(pipe.specs)]
+            for k, spec in enumerate(self.specs)]
         self.last: dict[str, Any] | None = None
 
     def version_bound(self, micro_batches: int | None = None) -> list[int]:
@@ -280,7 +288,7 @@ class AsyncTrainer:
         if compression is not None:   # top-k's residuals kept per slot of a mini-batch, as in pipe.step
             compression.slots = position
         try:
-            run_step(pipe.specs, pipe.devices, pipe._output.args[0], micro,
+            run_step(self.specs, pipe.devices, pipe._output.args[0], micro,
                      targets if auto is not None else [(t, j) for j, t in enumerate(targets)],
                      loss_fn if auto is not None else weighted_loss, "1f1b",
                      lambda k, j: pipe._checkpointed(k, position[j], count[j]), "sum",

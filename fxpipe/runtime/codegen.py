@@ -3,11 +3,14 @@
 Written instead of ``torch.fx.passes.split_module`` because the pipeline needs
 two things that pass does not give: a value produced in stage ``a`` and read in
 stage ``b > a + 1`` (a skip connection) goes straight to ``b``, not through the
-stages between; and a ``get_attr`` of a shared parameter belongs to exactly one
-stage and reaches the others as a value (so it lives on one device and its
-gradient flows back through autograd). The stage graphs are built with
-``Graph.node_copy``; the stage modules reference the model's own submodules and
-parameters (no copies).
+stages between; and each ``Parameter`` belongs to exactly one stage module. A
+parameter read by several stages (tied weights) is, with ``copies=True``, read by
+the first of them as the model's own and by each later one through its own copy
+(:mod:`fxpipe.runtime.tied`: gradients summed once per step); with ``copies=False``
+it belongs to the first and reaches the others as a value every micro-batch (its
+gradient flowing back through autograd), as torch.distributed.pipelining and
+asynchronous training need. The stage graphs are built with ``Graph.node_copy``;
+the stage modules reference the model's own submodules and parameters.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch import nn
 
 from fxpipe.errors import FxpipeError
 from fxpipe.runtime.aliasing import aliases_of, is_inplace, written_buffers, written_inputs
+from fxpipe.runtime.tied import install_copies, shared_parameter_reads
 
 __all__ = ["StageSpec", "split_graph", "is_inplace", "move_stage"]
 
@@ -86,8 +91,10 @@ def _is_module(gm: fx.GraphModule, target: str) -> bool:
     return True
 
 
-def split_graph(gm: fx.GraphModule, stage_of: dict[str, int], num_stages: int) -> list[StageSpec]:
-    """Split ``gm`` by ``stage_of`` (node name -> stage); placeholders are the pipeline's inputs."""
+def split_graph(gm: fx.GraphModule, stage_of: dict[str, int], num_stages: int, copies: bool = False
+                ) -> list[StageSpec]:
+    """Split ``gm`` by ``stage_of`` (node name -> stage); placeholders are the pipeline's inputs. With ``copies``
+    a parameter several stages read gets a copy in each later one (:mod:`fxpipe.runtime.tied`)."""
     nodes = list(gm.graph.nodes)
     compute = [n for n in nodes if n.op not in ("placeholder", "output")]
     missing = [n.name for n in compute if n.name not in stage_of]
@@ -107,6 +114,11 @@ def split_graph(gm: fx.GraphModule, stage_of: dict[str, int], num_stages: int) -
     # code, not a value, and each stage that calls it holds it.
     buffers = {name for name, _ in gm.named_buffers(remove_duplicate=False)}
     local = {n for n in compute if n.op == "get_attr" and (n.target in buffers or _is_module(gm, n.target))}
+    # copies=True: a parameter is never sent as a value either: each stage that reads it holds it, the first
+    # the model's own, later ones (a tied weight) their copies
+    shared = shared_parameter_reads(gm, stage_of) if copies else {}
+    if copies:
+        local |= {n for n in compute if n.op == "get_attr" and _parameter(gm, n.target) is not None}
     specs = []
     for k in range(num_stages):
         own = [n for n in compute if stage_of[n.name] == k]
@@ -133,8 +145,17 @@ def split_graph(gm: fx.GraphModule, stage_of: dict[str, int], num_stages: int) -
         _protect_mutated_inputs(graph, gm)
         graph.lint()
         module = fx.GraphModule(gm, graph, f"Stage{k}")
+        if shared:
+            install_copies(module, k, gm, shared)
         specs.append(StageSpec(k, module, [a.name for a in inputs], [n.name for n in outputs]))
     return specs
+
+
+def _parameter(gm: fx.GraphModule, target: str) -> nn.Parameter | None:
+    try:
+        return gm.get_parameter(target)
+    except AttributeError:   # a buffer, a module or a constant tensor
+        return None
 
 
 def move_stage(spec: StageSpec, device: torch.device) -> None:

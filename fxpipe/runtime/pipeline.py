@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 from fxpipe.runtime.batchnorm import commit_statistics, tracking
 from fxpipe.runtime.caller_state import CallerState
-from fxpipe.runtime.codegen import StageSpec
+from fxpipe.runtime.codegen import StageSpec, split_graph
 from fxpipe.errors import FxpipeError
 from fxpipe.runtime.failures import forward_error, step_error
 from fxpipe.runtime.call_inputs import CallInputs
@@ -46,6 +46,7 @@ from fxpipe.runtime.losses import REDUCTIONS
 from fxpipe.runtime.structure import FlatInputs, flat_inputs, model_output
 from fxpipe.runtime.traced_mode import TracedMode
 from fxpipe.runtime.step import OpTiming, StepFailure, run_step
+from fxpipe.runtime.tied import TiedWeights
 from fxpipe.runtime.streams import DeviceStreams, Event
 from fxpipe.runtime.compiled import refuse_split_backward
 from fxpipe.runtime.compression import BoundaryCompression
@@ -71,6 +72,8 @@ class Pipeline(nn.Module):
             raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}")
         self.stages = nn.ModuleList(s.module for s in stages)
         self.specs = stages
+        # parameters several stages read: a copy per stage, refreshed before a call, summed after a step
+        self.tied = TiedWeights([s.module for s in stages])
         self.devices = devices
         self.plan = plan
         self.chunks = plan.chunks
@@ -87,6 +90,8 @@ class Pipeline(nn.Module):
         # None: the stages run eagerly
         self.compiled = compiled
         self._output = next(n for n in graph_module.graph.nodes if n.op == "output")
+        self._graph = (graph_module,)   # a tuple: not a submodule (its parameters are the stages')
+        self._value_specs: list[StageSpec] | None = None
         # a torch.export graph is flat: the model's input and output structures (fxpipe.runtime.structure)
         self._out_spec = graph_module.meta.get("fxpipe_out_spec")
         self._out_dict_types = graph_module.meta.get("fxpipe_out_dict_types")   # fx: an OrderedDict's type
@@ -113,6 +118,17 @@ class Pipeline(nn.Module):
     def guard(self, guard: ModelGuard | None) -> None:
         self.inputs.guard = guard
 
+    def specs_sending_tied_weights(self) -> list[StageSpec]:
+        """The stages with each tied parameter held by the first stage that reads it only and sent to the others
+        as a value every micro-batch (:func:`fxpipe.runtime.codegen.split_graph` without copies): what
+        asynchronous training runs, where each stage's optimizer steps its own parameters. :attr:`specs` where
+        no parameter is tied across stages."""
+        if not self.tied:
+            return self.specs
+        if self._value_specs is None:
+            self._value_specs = split_graph(self._graph[0], self.plan.stage_of(), len(self.specs))
+        return self._value_specs
+
     def stage_checkpoint(self, stage: int) -> str:
         """The checkpoint mode of ``stage``: the plan's choice for it (``checkpoint="auto"``) or the pipeline's."""
         return self.plan.stages[stage].checkpoint or self.checkpoint
@@ -130,6 +146,8 @@ class Pipeline(nn.Module):
         self._check_mode()
         micro = self.inputs.micro_batches(args, kwargs)
         caller = CallerState.capture()   # grad mode and autocast are thread-local: the workers enter the caller's
+        self.tied.prepare()
+        self.tied.read_primary(caller.grad)   # loss.backward() then reaches the model's own tied parameters
         m, p = len(micro), len(self.specs)
         random = self._random_stages()
         seed = step_seed(random)
@@ -234,6 +252,8 @@ class Pipeline(nn.Module):
             inputs, kwargs = FlatInputs(flat_inputs(inputs, kwargs, self.inputs.in_spec,
                                                      [p.target for p in self.inputs.placeholders])[0]), {}
         micro = self.inputs.micro_batches(inputs, kwargs)
+        self.tied.prepare()   # a copy that diverged is refused here, before anything runs
+        self.tied.read_primary(False)
         sizes = self.inputs.sizes(micro)
         targets = self.inputs.micro_targets(target)
         if not self.inputs.targets_fit(targets, sizes):
@@ -271,10 +291,12 @@ class Pipeline(nn.Module):
                                       loss_dims=(self.layout.output, self.layout.target))
             except BaseException as failure:
                 commit_statistics(self.modules(), discard=True)
+                self.tied.clear()
                 if not isinstance(failure, StepFailure):
                     raise
                 raise step_error(failure, self.devices) from failure.exc
             wall_s = time.perf_counter() - started
+        self.tied.reduce()   # the copies' gradients into the tied parameters', once per step
         commit_statistics(self.modules())
         graphs.hand_on()
         self.last_step = {"schedule": schedule, "micro_batches": m, "wall_s": wall_s,
