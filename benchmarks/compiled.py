@@ -54,7 +54,8 @@ from make_problems import GPT  # noqa: E402
 GPT_SIZE = dict(vocab=2048, width=256, depth=8, heads=4, seq=128, tied=False)
 
 
-def build(name: str, batch: int, image_size: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Callable]:
+def build(name: str, batch: int, image_size: int,
+          device: str = "cpu") -> tuple[nn.Module, torch.Tensor, torch.Tensor, Callable]:
     """The model (seeded: every call builds the same weights), a batch, its target and the loss."""
     torch.manual_seed(0)
     if name == "gpt":
@@ -64,10 +65,11 @@ def build(name: str, batch: int, image_size: int) -> tuple[nn.Module, torch.Tens
 
         def loss_fn(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             return nn.functional.cross_entropy(out.flatten(0, 1), t.flatten())
-        return model, x, y, loss_fn
-    model = torchvision.models.get_model(name).train()
-    return model, torch.randn(batch, 3, image_size, image_size), torch.randint(0, 1000, (batch,)), \
-        nn.functional.cross_entropy
+    else:
+        model = torchvision.models.get_model(name).train()
+        x, y = torch.randn(batch, 3, image_size, image_size), torch.randint(0, 1000, (batch,))
+        loss_fn = nn.functional.cross_entropy
+    return model.to(device), x.to(device), y.to(device), loss_fn
 
 
 def model_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable, chunks: int,
@@ -90,14 +92,21 @@ def pipe_step(pipe: fxpipe.Pipeline, x: torch.Tensor, y: torch.Tensor, loss_fn: 
     return step
 
 
+def sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def timed(step: Callable[[], None]) -> float:
+    sync()
     start = time.perf_counter()
     step()
+    sync()
     return time.perf_counter() - start
 
 
 def run_model(args: argparse.Namespace, name: str) -> dict[str, Any]:
-    model, x, y, loss_fn = build(name, args.batch, args.image_size)
+    model, x, y, loss_fn = build(name, args.batch, args.image_size, args.device)
     steps: dict[str, Callable[[], None]] = {}
     notes: dict[str, Any] = {}
     eager = copy.deepcopy(model)
@@ -109,7 +118,7 @@ def run_model(args: argparse.Namespace, name: str) -> dict[str, Any]:
     notes["model first step s"] = timed(steps["compiled model"])   # compiles forward and backward
     for label, given in (("eager pipeline", copy.deepcopy(model)), ("compiled pipeline", torch.compile(model))):
         start = time.perf_counter()
-        pipe = fxpipe.compile(given, ["cpu", "cpu"], (x,), chunks=args.chunks, stages=2, schedule=args.schedule,
+        pipe = fxpipe.compile(given, [args.device] * 2, (x,), chunks=args.chunks, stages=2, schedule=args.schedule,
                               checkpoint=args.checkpoint)
         notes[f"{label} fxpipe.compile s"] = time.perf_counter() - start
         notes[f"{label} cuts"] = [len(st.nodes) for st in pipe.plan.stages]
@@ -147,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", default="never", choices=("always", "except_last", "never"))
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps of each setup after compiling")
     parser.add_argument("--steps", type=int, default=10, help="timed rounds, one step of each setup per round")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: every setup on cuda:0, the pipeline's two stages both there (compile's gain "
+                             "on a GPU, not a pipeline's)")
     parser.add_argument("--warm-cache", action="store_true",
                         help="use the inductor cache as it is (default: a fresh one, cold compile times)")
     args = parser.parse_args(argv)
@@ -154,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         keep_freed_memory()   # as benchmarks/speed.py: glibc keeps freed memory mapped
     warnings.filterwarnings("ignore", message="train-mode BatchNorm")
     torch.set_num_threads(1)
-    print(f"batch {args.batch} in {args.chunks} micro-batches, 2 CPU workers, schedule {args.schedule}, checkpoint "
+    where = torch.cuda.get_device_name(0) if args.device == "cuda" else "2 CPU workers"
+    print(f"batch {args.batch} in {args.chunks} micro-batches, {where}, schedule {args.schedule}, checkpoint "
           f"{args.checkpoint}, 1 intra-op thread per worker, {args.warmup} warm-up steps, {args.steps} interleaved "
           f"rounds; fxpipe {fxpipe.__version__}, torch {torch.__version__}, inductor cache "
           f"{'as it is' if args.warm_cache else 'cold'}, load average {os.getloadavg()[0]:.2f}")

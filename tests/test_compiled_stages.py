@@ -285,3 +285,26 @@ def test_pipeline_ranks_compile_their_stages_as_the_plan_says():
     params = {n: t for r in results for n, t in r["ok"]["params"].items()}
     for n, p in model.named_parameters():
         torch.testing.assert_close(params[n], p.detach(), **TOL, msg=n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_compiled_stages_on_a_gpu_compute_the_eager_model():
+    """Inductor's Triton kernels on the stages' compute streams (:mod:`fxpipe.runtime.streams`): both stages on
+    the first GPU, 1F1B with the first stage recomputed, an uneven last batch; loss and gradients are the eager
+    model's."""
+    torch.manual_seed(0)
+    model = SkipCNN().cuda()
+    eager = copy.deepcopy(model)
+    x = torch.randn(8, 3, 8, 8, device="cuda")
+    pipe = fxpipe.compile(torch.compile(model), ["cuda:0", "cuda:0"], (x,), chunks=4, stages=2, schedule="1f1b",
+                          checkpoint="except_last")
+    assert pipe.compiled == {"backend": "inductor"} and pipe.plan.compiled["compile_s"] > 0
+    for n in (8, 6):
+        x, target = torch.randn(n, 3, 8, 8, device="cuda"), torch.randn(n, 5, device="cuda")
+        want_out, want_loss, want_grads = _reference(eager, x, target, 4)
+        model.zero_grad(set_to_none=True)
+        loss, out = pipe.step(x, target, F.mse_loss, return_outputs=True)
+        torch.testing.assert_close(out, want_out, **TOL)
+        torch.testing.assert_close(loss, want_loss, **TOL)
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param.grad, want_grads[name], **TOL, msg=name)
