@@ -228,3 +228,83 @@ def test_hugging_face_transformers_in_compiled_stages_train_as_the_eager_model(n
     grads = dict(eager.named_parameters())
     for n, q in model.named_parameters():
         torch.testing.assert_close(q.grad, grads[n].grad, **TOL, msg=n)
+
+
+def _compiled_ranks(rank: int, world: int, plan_json: str, batches: list, compile_stages) -> dict:
+    """On each rank: the plan's stages of this rank (compiled as ``compile_stages`` or the plan say), three SGD
+    steps under 1F1B, the last batch smaller; the losses and this rank's parameters."""
+    import json
+
+    from fxpipe.distributed import PipelineRank
+    plan = fxpipe.Plan.from_dict(json.loads(plan_json))
+    torch.manual_seed(0)
+    stage = PipelineRank(plan, SkipCNN, F.cross_entropy, timeout_s=120, compile_stages=compile_stages)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    losses = []
+    for x, y in batches:
+        loss = stage.step(x, y)
+        losses.append(None if loss is None else loss.item())
+        opt.step()
+        opt.zero_grad()
+    plan.schedule = "zb-h1"
+    try:
+        PipelineRank(plan, SkipCNN, F.cross_entropy, compile_stages=compile_stages)
+        refused = ""
+    except fxpipe.FxpipeError as exc:
+        refused = str(exc)
+    return {"losses": losses, "compiled": stage.pipe.compiled, "refused": refused,
+            "params": {n: p.detach().clone() for n, p in stage.named_parameters()}}
+
+
+@pytest.mark.slow
+def test_pipeline_ranks_compile_their_stages_as_the_plan_says():
+    """Two processes (gloo), each compiling its own stage as the plan records (``plan.compiled``), train as the
+    eager model; a zero-bubble plan with compiled stages is refused before anything is built."""
+    from distributed_run import run_ranks
+    from forced_cuts import compile_with_cuts
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(n, 3, 6, 6, generator=g), torch.randint(0, 5, (n,), generator=g)) for n in (6, 6, 4)]
+    torch.manual_seed(0)
+    plan = copy.deepcopy(compile_with_cuts(SkipCNN(), (batches[0][0],), ["convs_2"], chunks=2,
+                                           schedule="1f1b").plan)
+    plan.compiled = {"options": {"backend": "inductor"}}
+    results = run_ranks(2, _compiled_ranks, plan.to_json(), batches, None, deadline_s=600)
+    assert all("ok" in r for r in results), [r.get("trace") for r in results]
+    assert all(r["ok"]["compiled"] == {"backend": "inductor"} for r in results)
+    assert all("schedule 'zb-h1' splits each stage's backward" in r["ok"]["refused"] for r in results)
+    torch.manual_seed(0)
+    model = SkipCNN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for (x, y), got in zip(batches, results[1]["ok"]["losses"]):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(torch.tensor(got), loss.detach(), **TOL)
+    params = {n: t for r in results for n, t in r["ok"]["params"].items()}
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(params[n], p.detach(), **TOL, msg=n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_compiled_stages_on_a_gpu_compute_the_eager_model():
+    """Inductor's Triton kernels on the stages' compute streams (:mod:`fxpipe.runtime.streams`): both stages on
+    the first GPU, 1F1B with the first stage recomputed, an uneven last batch; loss and gradients are the eager
+    model's."""
+    torch.manual_seed(0)
+    model = SkipCNN().cuda()
+    eager = copy.deepcopy(model)
+    x = torch.randn(8, 3, 8, 8, device="cuda")
+    pipe = fxpipe.compile(torch.compile(model), ["cuda:0", "cuda:0"], (x,), chunks=4, stages=2, schedule="1f1b",
+                          checkpoint="except_last")
+    assert pipe.compiled == {"backend": "inductor"} and pipe.plan.compiled["compile_s"] > 0
+    for n in (8, 6):
+        x, target = torch.randn(n, 3, 8, 8, device="cuda"), torch.randn(n, 5, device="cuda")
+        want_out, want_loss, want_grads = _reference(eager, x, target, 4)
+        model.zero_grad(set_to_none=True)
+        loss, out = pipe.step(x, target, F.mse_loss, return_outputs=True)
+        torch.testing.assert_close(out, want_out, **TOL)
+        torch.testing.assert_close(loss, want_loss, **TOL)
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param.grad, want_grads[name], **TOL, msg=name)

@@ -17,7 +17,8 @@ events; CUDA: the caching allocator's counters):
 - a split backward (zero-bubble schedules) and its weight pass:
   ``backward_peak_split``, ``weight_pending`` (what the forward and the
   input-gradient pass leave) and ``weight_peak``; checkpointed (the input pass
-  recomputes first): ``backward_peak_split_checkpointed``, ``weight_pending_checkpointed``.
+  recomputes first): ``backward_peak_split_checkpointed``, ``weight_pending_checkpointed``. Compiled stages
+  (:mod:`fxpipe.runtime.compiled`) run no split backward: these are their unsplit backward's sizes.
 
 Parameter gradients exist during the measurement (as after a first step), and
 one unmeasured forward and backward comes first, so one-off allocations are not
@@ -63,8 +64,12 @@ def measure_stage_bytes(pipe: Any, example_inputs: Any, target: Any = None,
             measured(k, False, False, "FB")    # one-off allocations (caches, lazy buffers) out of the way
             forward, backward = measured(k, False, False, "FB")
             forward_c, backward_c = measured(k, True, False, "FB")
-            forward_s, backward_s, weight = measured(k, False, True, "FBW")
-            forward_sc, backward_sc, _ = measured(k, True, True, "FBW")
+            if pipe.compiled is None:
+                forward_s, backward_s, weight = measured(k, False, True, "FBW")
+                forward_sc, backward_sc, _ = measured(k, True, True, "FBW")
+            else:   # a compiled stage's backward does not split (fxpipe.runtime.compiled): no zero-bubble schedule
+                (forward_s, backward_s), (forward_sc, backward_sc) = (forward, backward), (forward_c, backward_c)
+                weight = measured(k, False, False, "F")[0]   # any: the split sizes are never read
             loss = 1.5 * pipe.plan.stages[k].loss_bytes if k == last and loss_fn is None else 0.0
             sizes.append({
                 "full": float(forward.net_bytes), "checkpointed": float(forward_c.net_bytes),
