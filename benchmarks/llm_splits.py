@@ -10,7 +10,9 @@ last. Neither looks at what the layers, the embedding or the head cost, which is
 large vocabulary the head is worth many layers.
 
 Measured: Hugging Face ``LlamaForCausalLM`` and ``GPT2LMHeadModel``, 16 layers of width 256, vocabularies of
-4096 and 32000, 16 sequences of 128 tokens, on 2 CPU workers of this machine, 1F1B with 4 micro-batches.
+4096 and 32000, 16 sequences of 128 tokens, on 2 CPU workers of this machine with one intra-op thread each
+(each worker a processor of its own, as each stage has a GPU of its own; ``--threads``), 1F1B with 4
+micro-batches.
 fxpipe's plan is ``compile(model, ["cpu", "cpu"], (ids,), schedule="1f1b", chunks=4, stages=2)``; the other
 splits are that plan with its nodes re-assigned at their layer boundary, compiled with ``plan=`` (the same
 runtime, schedule and micro-batches). Steps are interleaved, one of each per round; the ratio is the median over
@@ -21,7 +23,8 @@ bfloat16 on 8 and 16 H100s, 32 sequences per step. fxpipe's plan is ``fxpipe.pla
 (schedule, micro-batches and checkpointing searched); torchtitan's and the even split are costed by the same
 planner on the same analytic costs with that plan's schedule, micro-batches, stage count (two stages per GPU for
 ZB-V, as torchtitan's virtual stages) and stage devices (``Planner.costed``), and every plan's step is the same
-simulator's. "plan s" is the capture and costs (once per model) + the search.
+simulator's. "torchtitan, 1F1B" is torchtitan's defaults: its split over one stage per GPU in order, 1F1B, the
+same micro-batches. "plan s" is the capture and costs (once per model) + the search.
 
     flock /tmp/fxpipe-bench.lock python benchmarks/llm_splits.py [--rounds 7] [--skip-cpu] [--skip-gpu]
 """
@@ -217,17 +220,30 @@ def gpu_rows(kind: str, shape: dict[str, Any], vocabs: list[int], counts: list[i
                     results[name] = (simulated_s(forced), shares, _modes(forced))
                 except MemoryError:
                     results[name] = (None, shares, "")
+            # torchtitan's defaults: its split, one stage per GPU in order, 1F1B, the same micro-batches
+            planner = planner_for(costed, devices, schedule="1f1b", stages=n)
+            like = planner.plan(costed.costs)   # a 1F1B plan of n stages to re-assign
+            order_1f1b = [x for st in like.stages for x in st.nodes]
+            shares = torchtitan_layers(layers, n)
+            for k, (st, nodes) in enumerate(zip(like.stages, forced_stages(order_1f1b, paths, PREFIX[kind], shares))):
+                st.nodes = nodes
+                like.solver["stage_devices"][k] = [f"{k}:{torch.device(devices.ids[k])}"]
+            try:
+                titan = planner.costed(costed.costs, like)
+                results["torchtitan 1F1B"] = (simulated_s(titan), shares, _modes(titan))
+            except MemoryError:
+                results["torchtitan 1F1B"] = (None, shares, "")
             fx_s = results["fxpipe"][0]
             row = [NAME[kind], str(vocab), f"{n} H100", f"{cost_s:.0f}+{search_s:.0f}",
                    f"{default.schedule}, {default.chunks}, {modes}"]
-            for name in ("fxpipe", "torchtitan", "even"):
+            for name in ("fxpipe", "torchtitan", "even", "torchtitan 1F1B"):
                 seconds, shares, mode = results[name]
                 text = "/".join(map(str, shares))
                 # a split that must checkpoint where fxpipe's did not is not charged its recomputation: it says so
                 other = f", {mode}" if mode != modes else ""
-                row += [text if len(shares) <= 8 else _short(text),
-                        "does not fit" if seconds is None else f"{seconds:.3f}" + (
-                            "" if name == "fxpipe" else f" ({seconds / fx_s:.2f}x{other})")]
+                cell = "does not fit" if seconds is None else f"{seconds:.3f}" + (
+                    "" if name == "fxpipe" else f" ({seconds / fx_s:.2f}x{other})")
+                row += [cell] if name == "torchtitan 1F1B" else [text if len(shares) <= 8 else _short(text), cell]
             rows.append(row)
             print("  ".join(row), file=sys.stderr, flush=True)
     return rows
@@ -254,11 +270,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7, help="timed steps of each split (interleaved)")
     parser.add_argument("--skip-cpu", action="store_true")
     parser.add_argument("--skip-gpu", action="store_true")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads per CPU worker (default 1: each worker a processor of its own, as "
+                             "each stage has its own GPU; with 2 threads two workers share both processors, and "
+                             "whichever is busy uses both, which hides the balance of the split)")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     if not args.skip_cpu:
-        print(f"Measured: 2 CPU workers, 16 layers of width 256, 16 x 128 tokens, 1F1B, 4 micro-batches; "
-              f"median of {args.rounds} interleaved steps; {os.cpu_count()} processors, load average "
-              f"{os.getloadavg()[0]:.1f}")
+        print(f"Measured: 2 CPU workers ({args.threads} intra-op thread each), 16 layers of width 256, 16 x 128 "
+              f"tokens, 1F1B, 4 micro-batches; median of {args.rounds} interleaved steps; {os.cpu_count()} "
+              f"processors, load average {os.getloadavg()[0]:.1f}")
         rows = [cpu_row(kind, vocab, args.rounds) for kind in ("llama", "gpt2") for vocab in (4096, 32000)]
         print(table(["model", "vocab", "compile s", "fxpipe layers", "s/step", "", "torchtitan layers", "s/step",
                      "vs fxpipe", "even layers", "s/step", "vs fxpipe"], rows))
@@ -271,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                         [128256, 32000], [8, 16], 32, 4096)
         rows += gpu_rows("gpt2", dict(layers=48, width=1600), [50257, 8192], [8, 16], 32, 1024)
         print(table(["model", "vocab", "GPUs", "plan s", "schedule, chunks, ckpt", "fxpipe layers", "s/step",
-                     "torchtitan layers", "s/step", "even layers", "s/step"], rows))
+                     "torchtitan layers", "s/step", "even layers", "s/step", "torchtitan, 1F1B"], rows))
     return 0
 
 
