@@ -376,9 +376,11 @@ def _rank_auto(rank: int, world: int, plan_json: str) -> dict:
     stage = PipelineRank(plan, _make_gpt, gpt_masked, timeout_s=60)   # a mean over a mask, written by hand
     found["masked"] = _refused(lambda: stage.step(tokens, labels), stage.parameters())
     stage = PipelineRank(plan, _make_gpt, gpt_ce, timeout_s=60)   # a token loss, updates of 3 micro-batches
-    trainer = fxpipe.AsyncTrainer(stage, lambda ps: torch.optim.SGD(ps, lr=0.1), mode="ssp", staleness=0)
     before = {n: p.detach().clone() for n, p in stage.named_parameters()}
-    found["async"] = _refused(lambda: trainer.train([(tokens, labels)], gpt_ce), [])
+    # this model's head is tied to its embedding, whose copies on two ranks asynchronous modes would update apart:
+    # refused as that, before the loss is looked at (fxpipe.distributed.tied)
+    found["async"] = _refused(lambda: fxpipe.AsyncTrainer(stage, lambda ps: torch.optim.SGD(ps, lr=0.1), mode="ssp",
+                                                          staleness=0).train([(tokens, labels)], gpt_ce), [])
     found["async"]["unchanged"] = all(torch.equal(p, before[n]) for n, p in stage.named_parameters())
     return found
 
@@ -405,9 +407,9 @@ def test_ranks_weight_a_padded_token_mean_exactly_and_all_refuse_a_masked_mean()
     assert "reduction='token'" in masked[0]["error"] and "rank 1" in masked[0]["error"], masked[0]
     assert all(m["kept"] for m in masked)
     refused = [r["async"] for r in got]
-    assert "LossReductionError: loss_fn is not a mean over samples" in refused[1]["error"], refused[1]
-    assert "update_every=1" in refused[1]["error"], refused[1]
-    assert refused[0]["error"] is not None and all(r["unchanged"] for r in refused)
+    assert all("(tied weights)" in r["error"] and "asynchronous modes would update apart" in r["error"]
+               for r in refused), refused
+    assert all(r["unchanged"] for r in refused)
 
 
 MESH_LENGTHS = [8, 2, 7, 3, 1, 8, 5, 6]   # replica 0 trains samples 0-3, replica 1 samples 4-7
