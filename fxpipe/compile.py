@@ -70,8 +70,10 @@ def compile(
 
     Args:
         model: an ``nn.Module`` (its parameters are used in place, moved to the stage devices, like
-            torchgpipe), or a ``torch.fx.GraphModule`` / ``torch.export.ExportedProgram`` the user traced,
-            partitioned as given.
+            torchgpipe), ``torch.compile(module, ...)`` (the module is partitioned and every stage module
+            compiled with those options, :mod:`fxpipe.runtime.compiled`; ``CompileOptions(compile_stages=...)``
+            says it for a plain module), or a ``torch.fx.GraphModule`` / ``torch.export.ExportedProgram`` the
+            user traced, partitioned as given.
         devices: torch device strings, one per pipeline stage at most; ``["cpu", "cpu"]`` is two CPU workers.
         example_inputs: a tuple of inputs of one full batch; needed unless ``plan`` is given. Inputs may be
             nested tuples, lists and dicts of tensors.

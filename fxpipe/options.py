@@ -53,7 +53,9 @@ class ProfileOptions:
             again until the cuts stop moving (at most 3 rounds; :mod:`fxpipe.refine.stage_profile`); then
             measure every stage's memory for the memory model (:mod:`fxpipe.refine.stage_memory`) and, for
             CPU workers that share the processors, how much slower each stage runs beside the others
-            (:mod:`fxpipe.refine.contention`).
+            (:mod:`fxpipe.refine.contention`). Compiled stages (``CompileOptions.compile_stages``) are timed
+            compiled in any case (at ``effort="fast"``: two rounds at most, without the memory and contention
+            measurements).
         contention_steps: timed training steps of that contention measurement (each costs one step of
             the full batch); 0 skips it and the report falls back on a synthetic figure.
         calibrate: close the loop in training steps: run ``calibration_steps`` steps of the plan, scale

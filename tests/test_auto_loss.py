@@ -239,7 +239,8 @@ def test_cross_entropy_and_nll_means_become_their_torch_sum_and_count():
         lambda: F.cross_entropy(x, t, weight=w, label_smoothing=0.2), lambda: F.cross_entropy(x, probs),
         lambda: F.cross_entropy(x, probs, weight=w, label_smoothing=0.1), lambda: F.nll_loss(x.log_softmax(1), t),
         lambda: F.nll_loss(x.log_softmax(1), t.clamp(min=0), weight=w, ignore_index=2),
-        lambda: nn.CrossEntropyLoss(weight=w, ignore_index=3)(x, t.clamp(min=0)), lambda: F.cross_entropy(x[0, :, 0], t[0, 0]),
+        lambda: nn.CrossEntropyLoss(weight=w, ignore_index=3)(x, t.clamp(min=0)),
+        lambda: F.cross_entropy(x[0, :, 0], t[0, 0]),
     ]
     for k, call in enumerate(calls):
         want = call()

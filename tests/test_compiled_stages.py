@@ -308,3 +308,23 @@ def test_compiled_stages_on_a_gpu_compute_the_eager_model():
         torch.testing.assert_close(loss, want_loss, **TOL)
         for name, param in model.named_parameters():
             torch.testing.assert_close(param.grad, want_grads[name], **TOL, msg=name)
+
+
+def test_asynchronous_training_swaps_weight_versions_into_compiled_stages():
+    """AsyncTrainer runs each micro-batch on the weight version its forward saw, swapped into the stage module
+    for the operation: compiled stages read the swapped tensors (dynamo lifts parameters as graph inputs) and
+    train as eager ones. The aot_eager backend (dynamo and AOT autograd, no code generation) keeps it fast."""
+    from test_asynchronous import Chain, _batches
+
+    weights = []
+    for stages in (False, {"backend": "aot_eager"}):
+        torch.manual_seed(0)
+        model = Chain(3)
+        pipe = fxpipe.compile(model, ["cpu"] * 3, (torch.ones(4, 3, dtype=torch.float64),), chunks=2, stages=3,
+                              schedule="1f1b", profile="estimate", options=fxpipe.CompileOptions(compile_stages=stages))
+        trainer = fxpipe.AsyncTrainer(pipe, lambda ps: torch.optim.SGD(ps, lr=0.05), mode="stash")
+        trainer.train(_batches(5), lambda out, t: out.mean())
+        weights.append([q.detach().clone() for q in model.parameters()])
+    assert pipe.compiled == {"backend": "aot_eager"}
+    for a, b in zip(*weights):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

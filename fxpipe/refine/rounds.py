@@ -47,7 +47,10 @@ def refine(planner: Planner, costs: dict[str, Any], plan: Plan, build: Callable[
             compile_s[_cuts(measured_on)] = seconds
             return factors
         with through_the_loss(loss_fn, "timing the last stage"):
-            plan, costs, rounds = until_cuts_settle(planner, costs, plan, timed_alone)
+            # compiled stages at effort="fast": each round compiles its stages, so two rounds at most (the first
+            # plan and the one its measurement chose; unsettled, the faster of the two on its own measurement)
+            plan, costs, rounds = until_cuts_settle(planner, costs, plan, timed_alone,
+                                                    limit=3 if options.measures_stages else 2)
     if options.calibrate:
         def timed_in_steps(measured_on: Plan) -> list[list[float]]:
             return stage_time_factors(build(measured_on), example_inputs, steps=options.calibration_steps,

@@ -16,7 +16,9 @@ node sums scale the node costs (:func:`fxpipe.refine.calibrate.scale_costs`) and
 planner solves again; the compiler repeats until the cuts stop moving, so the
 plan's stage times are the measured ones. How much slower a stage runs beside the others when CPU workers
 share the processors is measured afterwards, on the final plan, in steps of its
-schedule (:mod:`fxpipe.refine.contention`). Nothing is left behind: gradients, buffers
+schedule (:mod:`fxpipe.refine.contention`). A compiled stage (:mod:`fxpipe.runtime.compiled`) compiles in
+its first forward and backward: the warm-up, kept out of its times, and what it took beyond a typical run is
+its compile time (``compile_seconds``, :func:`stage_compile_seconds`). Nothing is left behind: gradients, buffers
 (BatchNorm statistics) and the RNG state are restored. ``calibrate=True``
 covers what only a real step shows.
 """

@@ -19,9 +19,11 @@ detached copies of the outputs (fresh leaves); their gradients then go into the 
 (and its count with it: their ratio, which the step divides by at its end, is unchanged) by one factor per
 step, ``1 / (N c_1 / n_1)``, the whole batch's count estimated from the first micro-batch's (``n_1`` samples,
 ``c_1`` counted), so the gradients have the full batch mean's magnitude on their way and, where every sample
-counts alike, its rounding too; where the factor must be the same on data-parallel replicas, ``1 / N``. What it costs: the recognition a ``TorchFunctionMode``
-around ``loss_fn`` (microseconds); the check one more ``loss_fn`` forward and backward per micro-batch
-(``benchmarks/bench_auto_loss.py``).
+counts alike, its rounding too; where the factor must be the same on data-parallel replicas, ``1 / N``.
+
+What it costs (``benchmarks/auto_loss.py``): the recognition a ``TorchFunctionMode`` around ``loss_fn``
+(microseconds) and the token path's bookkeeping, about what ``"token"`` by hand costs; the check one more
+``loss_fn`` forward and backward per micro-batch, on ``n + 1`` samples, and two passes over its gradients.
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ class AutoLoss:
         with calls if calls is not None else nullcontext():
             result = loss_fn(copies, target)
         if isinstance(result, (tuple, list)):
-            kind, (summed, count) = "token", token_pair(result, "reduction='auto' takes a pair returned by loss_fn as")
+            kind, (summed, count) = "token", token_pair(
+                result, "loss_fn returned a tuple, which reduction='auto' reads as (loss_sum, count): it needs")
         else:
             found = calls.pair(result) if calls is not None else None
             kind = "sample" if found is None else "token"
