@@ -330,7 +330,8 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
             raise
     if step_grads is not None:   # None: the micro-batches were weighted by their samples
         step_grads.finish(count)
-    return (loss / count if count is not None else loss), (outputs if here else [None] * m)
+    # the loss in its own dtype: a count kept in float64 (auto's token factor) must not promote it
+    return ((loss / count).to(loss.dtype) if count is not None else loss), (outputs if here else [None] * m)
 
 
 def _result(losses: list[Any], counts: list[Any]) -> dict[str, Any]:
