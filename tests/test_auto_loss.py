@@ -188,6 +188,35 @@ def test_a_loss_that_mixes_samples_is_refused(net_pipe):
     assert all(p.grad is None for p in model.parameters())
 
 
+class WithScalar(nn.Module):
+    """Returns a value computed over the whole (micro-)batch beside the per-sample outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 16), nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.a(x))
+        return self.b(h), h.pow(2).mean()
+
+
+def test_a_loss_of_a_value_without_a_batch_dimension_is_refused():
+    """A per-micro-batch scalar (a loss the model computes, an auxiliary term) cannot be checked by adding a
+    sample: using it is refused under "auto" (and weighted by samples under "mean", as asked)."""
+    torch.manual_seed(0)
+    model = WithScalar()
+    x, y = torch.randn(6, 6), torch.randn(6, 5)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, stages=2, profile="estimate", checkpoint="never")
+    with pytest.raises(fxpipe.LossReductionError, match=r"output leaf 1, a 0-dim tensor without the batch "
+                                                          r"dimension 0.*reduction='mean' to weight"):
+        pipe.step(x, y, lambda out, t: F.mse_loss(out[0], t) + 0.1 * out[1])
+    assert all(p.grad is None for p in model.parameters())
+    pipe.step(x, y, lambda out, t: F.mse_loss(out[0], t) + 0.1 * out[1], reduction="mean")
+    model.zero_grad(set_to_none=True)
+    pipe.step(x, y, lambda out, t: F.mse_loss(out[0], t))   # the scalar unused: checked and weighted
+    assert all(p.grad is not None for p in model.parameters())
+
+
 PER_SAMPLE = {
     "mse": F.mse_loss,
     "cross_entropy per sample": lambda out, t: F.cross_entropy(out, t.argmax(1)),   # recognised: counts 1 a sample

@@ -117,6 +117,7 @@ class AutoLoss:
         if root.requires_grad:
             root.backward()
         if kind == "sample" and self.checker is not None:
+            self.checker.unbatched(copies, micro_batch)
             positions = self.checker.positions(copies)
             leaves = tree_flatten(copies)[0]
             grads = [leaves[p].grad if leaves[p].grad is not None else torch.zeros_like(leaves[p]) for p in positions]

@@ -112,6 +112,22 @@ class SampleMeanCheck:
         return [p for p, t in enumerate(tree_flatten(output)[0])
                 if _batched(t, self.output_dim) and t.is_floating_point() and t.requires_grad]
 
+    def unbatched(self, output: Any, micro_batch: int) -> None:
+        """Refuse a loss whose gradient reaches output leaves without the batch dimension (a scalar the model
+        computed over its micro-batch, such as its own loss): how micro-batches should weigh those cannot be
+        seen by adding a sample. ``output`` holds the leaves after the loss's backward."""
+        for p, t in enumerate(tree_flatten(output)[0]):
+            if (isinstance(t, torch.Tensor) and not _batched(t, self.output_dim) and t.is_floating_point()
+                    and t.grad is not None and bool(t.grad.ne(0).any())):
+                raise LossReductionError(
+                    f"loss_fn uses output leaf {p}, a {t.dim()}-dim tensor without the batch dimension "
+                    f"{self.output_dim} (a value the model computed over the whole micro-batch, such as a loss it "
+                    "returns), so reduction='auto' cannot check how micro-batches should weigh it: pass "
+                    "reduction='token' with loss_fn returning (loss_sum, count) for a mean over tokens, "
+                    "reduction='sum' for a sum, or reduction='mean' to weight micro-batches by their samples. "
+                    "This step's gradients were left as they were before it.", stage=-1, micro_batch=micro_batch,
+                    node=None)
+
     def check(self, loss_fn: Callable[[Any, Any], Any], output: Any, target: Any, grads: list[torch.Tensor],
               micro_batch: int, key: Hashable = None, positions: list[int] | None = None,
               names: tuple[str, str] | None = None, weight: float = 1.0) -> None:
