@@ -34,7 +34,8 @@ from fxpipe.options import stage_compile_kwargs
 from fxpipe.planning.plan import Plan, load_plan
 from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
 from fxpipe.runtime.codegen import StageSpec, move_stage, split_graph
-from fxpipe.runtime.compiled import compile_stages, planned_compilation, refuse_split_backward
+from fxpipe.runtime.compiled import compile_stages as compile_stage_modules
+from fxpipe.runtime.compiled import planned_compilation, refuse_split_backward
 from fxpipe.runtime.compression import BoundaryCompression
 from fxpipe.runtime.pipeline import Pipeline
 
@@ -121,7 +122,7 @@ class PipelineRank:
         for k in self.own:
             move_stage(specs[k], devices[k])
         if compiled is not None:
-            compile_stages([specs[k].module for k in self.own], compiled)
+            compile_stage_modules([specs[k].module for k in self.own], compiled)
         self.specs: list[StageSpec] = specs
         self.pipe = Pipeline(captured.graph, specs, devices, plan, checkpoint=checkpoint,
                              mode_dependent=captured.mode_dependent, compiled=compiled)
