@@ -16,8 +16,9 @@ setup in turn (steps interleaved: a machine whose speed drifts moves all four al
 medians over the rounds of the per-round ratios. The figure the issue asks for is the compiled pipeline's
 speedup over the eager pipeline divided by the compiled model's over the eager model (target >= 0.9).
 
-Compile times, cold (an empty inductor cache in a fresh directory unless ``--warm-cache``; a tiny function is
-compiled first, so that inductor's one-off start counts in neither): the compiled model's first step minus its
+Compile times, cold (unless ``--warm-cache``: each setup compiles with inductor's caches fresh, in memory and
+in a new directory, so that no setup reuses kernels another compiled at the same shapes; a tiny function is
+compiled first, so that inductor's one-off start counts in none): the compiled model's first step minus its
 median step; the compiled pipeline's ``plan.compiled["compile_s"]`` (its final
 stages' first forward and backward beyond their typical ones, measured while timing them) and the wall time
 of ``fxpipe.compile`` with and without compiled stages (profiling, planning, the timing rounds of the compiled
@@ -107,6 +108,17 @@ def timed(step: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
+def cold(args: argparse.Namespace) -> Any:
+    """A fresh inductor cache for one setup's compilation (in memory and on disk), so that kernels another
+    setup compiled at the same shapes are not reused: each setup's compile time is its own, cold."""
+    from contextlib import nullcontext
+
+    from torch._inductor import utils
+
+    fresh = getattr(utils, "fresh_cache", None) or getattr(utils, "fresh_inductor_cache")
+    return nullcontext() if args.warm_cache else fresh(delete=False)
+
+
 def run_model(args: argparse.Namespace, name: str) -> dict[str, Any]:
     model, x, y, loss_fn = build(name, args.batch, args.image_size, args.device)
     steps: dict[str, Callable[[], None]] = {}
@@ -117,12 +129,14 @@ def run_model(args: argparse.Namespace, name: str) -> dict[str, Any]:
     compiled_model = torch.compile(compiled_copy)
     steps["compiled model"] = model_step(compiled_model, x, y, loss_fn, args.chunks,
                                          torch.optim.SGD(compiled_copy.parameters(), lr=1e-3))
-    notes["model first step s"] = timed(steps["compiled model"])   # compiles forward and backward
+    with cold(args):
+        notes["model first step s"] = timed(steps["compiled model"])   # compiles forward and backward
     for label, given in (("eager pipeline", copy.deepcopy(model)), ("compiled pipeline", torch.compile(model))):
-        start = time.perf_counter()
-        pipe = fxpipe.compile(given, [args.device] * 2, (x,), chunks=args.chunks, stages=2, schedule=args.schedule,
-                              checkpoint=args.checkpoint)
-        notes[f"{label} fxpipe.compile s"] = time.perf_counter() - start
+        with cold(args):
+            start = time.perf_counter()
+            pipe = fxpipe.compile(given, [args.device] * 2, (x,), chunks=args.chunks, stages=2,
+                                  schedule=args.schedule, checkpoint=args.checkpoint)
+            notes[f"{label} fxpipe.compile s"] = time.perf_counter() - start
         notes[f"{label} cuts"] = [len(st.nodes) for st in pipe.plan.stages]
         if pipe.plan.compiled:
             notes["pipeline compile s"] = pipe.plan.compiled.get("compile_s")

@@ -203,4 +203,12 @@ def stage_compile_kwargs(value: bool | Mapping[str, Any] | None) -> dict[str, An
     if unknown:
         raise ValueError(f"compile_stages has {', '.join(map(repr, unknown))}, which torch.compile does not take; "
                          f"its keyword arguments are {', '.join(allowed)}")
+    try:   # torch.compile checks its arguments when called (a backend's name, mode with options), compiles later
+        torch.compile(_nothing, **value)
+    except Exception as exc:
+        raise ValueError(f"compile_stages={dict(value)!r}: torch.compile refuses it: {exc}") from exc
     return dict(value)
+
+
+def _nothing() -> None:
+    return None

@@ -160,7 +160,9 @@ def test_auto_schedule_leaves_the_split_backward_out_and_the_plan_records_the_co
 
 def test_compile_options_name_what_torch_compile_takes():
     for bad, match in [({"fullgrpah": True}, "'fullgrpah', which torch.compile does not take"),
-                       ("yes", "must be True, False, None or a dict")]:
+                       ("yes", "must be True, False, None or a dict"),
+                       ({"backend": "no-such-backend"}, "torch.compile refuses it"),
+                       ({"mode": "max-autotune", "options": {"max_autotune": True}}, "torch.compile refuses it")]:
         with pytest.raises(ValueError, match=match):
             fxpipe.CompileOptions(compile_stages=bad)
     module = nn.Linear(2, 2)
