@@ -16,7 +16,7 @@ micro-batches.
 fxpipe's plan is ``compile(model, ["cpu", "cpu"], (ids,), schedule="1f1b", chunks=4, stages=2)``; the other
 splits are that plan with its nodes re-assigned at their layer boundary, compiled with ``plan=`` (the same
 runtime, schedule and micro-batches). Steps are interleaved, one of each per round; the ratio is the median over
-rounds of (split's step / fxpipe's step in the same round).
+rounds of (split's step / fxpipe's step in the same round), with the smallest and largest in brackets.
 
 Simulated: Llama-3-8B-shaped (32 layers, 4096 wide) and GPT-2-XL-shaped (48 layers, 1600 wide) models in
 bfloat16 on 8 and 16 H100s, 32 sequences per step. fxpipe's plan is ``fxpipe.plan``'s with nothing set
@@ -167,11 +167,12 @@ def cpu_row(kind: str, vocab: int, rounds: int) -> list[str]:
             times[name].append(time.perf_counter() - t0)
     for name, twin in same.items():
         times[name] = times[twin]
-    ratios = {name: statistics.median(t / f for t, f in zip(times[name], times["fxpipe"])) for name in times}
     row = [NAME[kind], str(vocab), f"{compile_s:.0f}"]
     for name in ("fxpipe", "torchtitan", "even"):
+        ratios = sorted(t / f for t, f in zip(times[name], times["fxpipe"]))
+        spread = "" if name == "fxpipe" or name in same else f" ({ratios[0]:.2f}-{ratios[-1]:.2f})"
         row += ["/".join(map(str, splits[name])), f"{statistics.median(times[name]):.3f}",
-                f"{ratios[name]:.2f}x" + (" (same)" if name in same else "")]
+                f"{statistics.median(ratios):.2f}x" + (" (same cuts)" if name in same else spread)]
     return row
 
 

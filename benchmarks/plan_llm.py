@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=list(SHAPES), default="8b")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--optimizer", default="adam", help="fxpipe.plan's optimizer (default adam: 16 bytes a "
+                                                              "parameter in mixed precision)")
     args = parser.parse_args(argv)
     shape, gpus = SHAPES[args.model]
     config = transformers.AutoConfig.for_model("llama", **shape)
@@ -61,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     analytic.profile_graph = timed("costs (FakeTensor roofline)", analytic.profile_graph)
     analytic.plan_auto = timed("search (schedules x micro-batches)", analytic.plan_auto)
     started = time.perf_counter()
-    plan = fxpipe.plan(model, devices, (ids,))
+    try:
+        plan = fxpipe.plan(model, devices, (ids,), optimizer=args.optimizer)
+    except fxpipe.InfeasiblePlanError as exc:
+        plan, failure = None, exc
     total = time.perf_counter() - started
     params = sum(p.numel() for p in model.parameters())
     tokens = args.batch * args.seq
@@ -71,14 +76,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Llama-{args.model.upper()}-shaped: {params / 1e9:.2f}B parameters in bfloat16 on meta (built in "
           f"{built:.1f} s); batch {args.batch} x {args.seq} tokens on {len(devices)} x {devices.specs[0].name} "
           f"({gpus}); {os.cpu_count()} processors, load average {os.getloadavg()[0]:.1f}")
-    print(plan.summary())
-    print(plan.memory_table())
+    if plan is not None:
+        print(plan.summary())
+        print(plan.memory_table())
+    else:
+        print(f"no plan fits: {failure}")
     print()
     for name, seconds in phases.items():
         print(f"{name:36} {seconds:7.1f} s")
     print(f"{'fxpipe.plan in all':36} {total:7.1f} s; peak resident memory of this process "
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
     ideal = flops / (len(devices) * peak)
+    if plan is None:
+        return 1
     print(f"step: {flops / 1e15:.2f} PFLOP = {ideal:.3f} s on {len(devices)} H100s at the bfloat16 peak "
           f"({ideal / 0.6:.3f} s at the preset's 60 %); predicted {plan.predicted['iteration_s']:.3f} s "
           f"({plan.schedule}, {plan.chunks} micro-batches, checkpoint "
