@@ -27,7 +27,6 @@ from fxpipe.frontend.fingerprint import graph_fingerprint
 from fxpipe.frontend.generation_cache import CACHE_OFF_REASON, generation_cache_off
 from fxpipe.frontend.kept_whole import KEEP_WHOLE, module_groups
 from fxpipe.frontend.input_record import record_inputs, recorded_inputs
-from fxpipe.frontend.model_loss import split_model_loss
 from fxpipe.frontend.modes import keeping_modes
 from fxpipe.frontend.trace import has_submodule, trace
 
@@ -139,7 +138,6 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
     kwargs = dict(kwargs or {})
     if isinstance(model, torch.export.ExportedProgram):
         gm = flat_program(model)
-        split_model_loss(gm)
         # exported in train mode, its batch norms compute batch statistics in any mode: no eval graph
         eval_graph = None if gm.meta["fxpipe_traced_training"] else gm
         return Captured(gm, graph_fingerprint(gm, "given"), False, eval_graph=eval_graph, frontend=
@@ -156,7 +154,6 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
                          "their path in model.named_modules() (as 'transformer.h.0') or pass their class")
     with generation_cache_off(model, kwargs) as cache_off:   # a Hugging Face KV cache: not a training output
         gm, name, reason = _choose(model, frontend, leaves, concrete_args, args, kwargs, batch_dim)
-        split_model_loss(gm)   # a loss the model computes itself, made exact across micro-batches
         if cache_off:
             reason += "; " + CACHE_OFF_REASON
         tag = name
@@ -177,7 +174,6 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
             model.train(not model.training)
             try:
                 other_gm = _traced(model, name, leaves, concrete_args, args or (), kwargs, batch_dim)
-                split_model_loss(other_gm)
                 other_tag = name
                 if tag != name:
                     other_gm.meta[KEEP_WHOLE] = module_groups(other_gm, leaves)[0]

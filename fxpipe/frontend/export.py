@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 from fxpipe.errors import TraceError
 from fxpipe.frontend.batch_dims import LEAF_DIMS, leaf_batch_dims
 from fxpipe.frontend.grad_regions import TENSOR_HOOK, refusing_grad_regions
+from fxpipe.frontend.model_loss import split_model_loss
 from fxpipe.frontend.failures import AS_WRITTEN, eager_failure, inputs_rejected
 from fxpipe.frontend.trace import dropped_region, frame_outside
 
@@ -219,5 +220,6 @@ def flat_program(program: torch.export.ExportedProgram, name: str = "Exported") 
     gm.meta.update(exported.meta)
     _flatten_graph(gm)
     _drop_self_write_backs(gm)
+    split_model_loss(gm)   # a loss the model computes itself, made exact across micro-batches
     gm.meta.setdefault("fxpipe_traced_training", bool(exported.training))
     return gm

@@ -27,6 +27,7 @@ through :func:`fxpipe.frontend.capture.capture`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,8 +75,7 @@ class ModelLoss:
             kept = target != self.ignore_index
             if self.weight is None:
                 return kept.sum()
-            weight = self.owner.get_parameter(self.weight) if self.weight in dict(self.owner.named_parameters()) \
-                else self.owner.get_buffer(self.weight)
+            weight = functools.reduce(getattr, self.weight.split("."), self.owner)   # as the get_attr node reads it
             return torch.where(kept, weight.to(target.device)[target.clamp(min=0)], 0).sum()
 
 
@@ -133,7 +133,8 @@ def split_model_loss(gm: fx.GraphModule) -> None:
         why = _rewrite(gm, leaf, i)
         if why is not None:
             gm.meta[UNCOMBINED] = f"output leaf {i} ({leaf.target}): {why}"
-    gm.recompile()
+    if MODEL_LOSS in gm.meta:
+        gm.recompile()
 
 
 def _rewrite(gm: fx.GraphModule, leaf: fx.Node, index: int) -> str | None:

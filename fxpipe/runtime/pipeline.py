@@ -171,9 +171,7 @@ class Pipeline(nn.Module):
                     raise forward_error(k, i, self.devices[k], exc) from exc
         commit_statistics(self.modules())
         outputs = [fx.node.map_arg(self._output.args[0], lambda n, e=env: e[n.name]) for env in micro]
-        counts = [self._model_loss.count(env) for env in micro] if self._model_loss is not None else []
-        return model_output(gather_outputs(outputs, self.layout.output, self._model_loss, counts), self._out_spec,
-                            self._out_dict_types)
+        return self._joined(outputs, self._counts(micro))
 
     # ------------------------------------------------------------------ training step
     def step(self, inputs: Any, target: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *,
@@ -260,15 +258,14 @@ class Pipeline(nn.Module):
             raise ValueError(f"target must have the batch size of the inputs, {sum(sizes)}, along its batch "
                              f"dimension {self.layout.target} (it is split into micro-batches the same way; "
                              "CompileOptions(target_batch_dim=...) names another dimension)")
+        counts = self._counts(micro)   # the model's own loss: what each micro-batch's sum divides by
         if self._model_loss is None:
             loss_fn = self.structured_loss(loss_fn)
-        else:   # the model's own loss: each micro-batch's sum and count (fxpipe.runtime.model_loss)
-            counts = [self._model_loss.count(mb) for mb in micro]
-            if loss_fn is None:
-                loss_fn, targets, reduction = own_loss(self._model_loss), counts, "token"
-            else:
-                loss_fn = with_micro_batch_mean(self.structured_loss(loss_fn), self._model_loss)
-                targets = list(zip(targets, counts))
+        elif loss_fn is None:   # (fxpipe.runtime.model_loss)
+            loss_fn, targets, reduction = own_loss(self._model_loss), counts, "token"
+        else:
+            loss_fn = with_micro_batch_mean(self.structured_loss(loss_fn), self._model_loss)
+            targets = list(zip(targets, counts))
         m = len(micro)
         grad_leaves = [t for t in tree_flatten(inputs)[0]
                        if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad]
@@ -315,9 +312,16 @@ class Pipeline(nn.Module):
                                   memory_method="profiled replay of each worker, torch.profiler")
         if not return_outputs:
             return loss
-        counts = [self._model_loss.count(mb) for mb in micro] if self._model_loss is not None else []
-        return loss, model_output(gather_outputs(outs, self.layout.output, self._model_loss, counts), self._out_spec,
-                                  self._out_dict_types)
+        return loss, self._joined(outs, counts)
+
+    def _counts(self, micro: list[dict[str, Any]]) -> list[torch.Tensor]:
+        """What each micro-batch's summed model loss divides by (none without a model loss)."""
+        return [self._model_loss.count(mb) for mb in micro] if self._model_loss is not None else []
+
+    def _joined(self, outputs: list[Any], counts: list[torch.Tensor]) -> Any:
+        """The micro-batches' outputs as the model's one output (its loss the whole batch's)."""
+        return model_output(gather_outputs(outputs, self.layout.output, self._model_loss, counts), self._out_spec,
+                            self._out_dict_types)
 
     def structured_loss(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
         """``loss_fn`` called on the model's own output structure (a ``ModelOutput`` with ``.logits``) where the
