@@ -220,7 +220,7 @@ def compile(
         captured.graph.to(workers[0])
         if check_graph is not None and check_graph is not captured.graph:   # for the check after the search
             check_graph.to(workers[0])
-        costs, cached = node_costs(captured.graph, captured.fingerprint, first, workers[0], profiling)   # 2. cost
+        costs, cached = node_costs(captured.graph, captured.fingerprint, first, workers[0], profiling, compiled)  # 2. cost
     planner = Planner(gm=captured.graph, fingerprint=captured.fingerprint, model_name=type(model).__name__,
                       devices=workers, all_devices=devs, memory_bytes=memory_limits(workers, v, options.memory_bytes),
                       chunks=profiled, stages=stages, virtual_stages=v,

@@ -74,3 +74,36 @@ def test_cache_can_be_turned_off(tmp_path, monkeypatch):
     fxpipe.compile(_model(), ["cpu"], (torch.randn(4, 8),), chunks=2,
                    profile=fxpipe.ProfileOptions(mode="estimate", cache=False))
     assert list(tmp_path.glob("*.json")) == []
+
+
+def test_compiled_stages_are_another_key(tmp_path, monkeypatch):
+    """Costs recorded for eager stages are not read for compiled ones, nor across compile options; the same
+    options (a backend given as a function included) read the same entry again."""
+    x = torch.randn(8, 8)
+    gm = fxpipe.trace(_model())
+    fp = fxpipe.frontend.fingerprint.graph_fingerprint(gm)
+    eager = profile_key(fp, torch.device("cpu"), (x[:4],), "estimate", 1, 1)
+    inductor = profile_key(fp, torch.device("cpu"), (x[:4],), "estimate", 1, 1, compiled={})
+    reduced = profile_key(fp, torch.device("cpu"), (x[:4],), "estimate", 1, 1, compiled={"mode": "reduce-overhead"})
+
+    def my_backend(gm, example_inputs):
+        return gm
+    custom = profile_key(fp, torch.device("cpu"), (x[:4],), "estimate", 1, 1, compiled={"backend": my_backend})
+    assert eager["compiled"] is None and inductor["compiled"] == {}
+    assert len({json.dumps(k, sort_keys=True) for k in (eager, inductor, reduced, custom)}) == 4
+    assert custom == profile_key(fp, torch.device("cpu"), (x[:4],), "estimate", 1, 1, compiled={"backend": my_backend})
+    assert "my_backend" in custom["compiled"]["backend"] and "0x" not in custom["compiled"]["backend"]
+    cache = ProfileCache(tmp_path)
+    cache.store(eager, fxpipe.cost.profile.profile_graph(gm, (x[:4],), torch.device("cpu"), mode="estimate"))
+    assert cache.load(eager, gm) is not None
+    assert cache.load(inductor, gm) is None and cache.load(reduced, gm) is None
+    # through compile: the eager entry above is read by an eager compile and missed by compiled stages, which
+    # profile and store their own, read by the next compile with the same options
+    options = fxpipe.ProfileOptions(mode="estimate", cache=str(tmp_path), stage_timing=False)
+    first = fxpipe.compile(_model(), ["cpu", "cpu"], (x,), chunks=2, profile=options)
+    compiled = fxpipe.compile(_model(), ["cpu", "cpu"], (x,), chunks=2, profile=options,
+                              options=fxpipe.CompileOptions(compile_stages={"backend": "eager"}))
+    again = fxpipe.compile(_model(), ["cpu", "cpu"], (x,), chunks=2, profile=options,
+                           options=fxpipe.CompileOptions(compile_stages={"backend": "eager"}))
+    assert first.plan.profile["from_cache"] is True and compiled.plan.profile["from_cache"] is False
+    assert again.plan.profile["from_cache"] is True

@@ -36,12 +36,14 @@ def _progress(enabled: bool) -> tuple[Callable[[int, int], None] | None, Callabl
 
 
 def node_costs(gm: fx.GraphModule, fingerprint: str, first_micro_batch: tuple, device: torch.device,
-               options: ProfileOptions) -> tuple[dict[str, Any], bool]:
+               options: ProfileOptions, compiled: dict[str, Any] | None = None) -> tuple[dict[str, Any], bool]:
     """Costs of every node of ``gm`` at the micro-batch size, and whether they came from the cache.
+    ``compiled``: the stages' ``torch.compile`` arguments (``None`` when eager), part of the cache key.
 
     A failure of the model on its example inputs is reported as a ``ValueError`` that says so."""
     cache = None if options.cache is False else ProfileCache(None if options.cache is True else options.cache)
-    key = profile_key(fingerprint, device, first_micro_batch, options.mode, options.warmup, options.repeats)
+    key = profile_key(fingerprint, device, first_micro_batch, options.mode, options.warmup, options.repeats,
+                      compiled=compiled)
     try:
         costs = cache.load(key, gm) if cache is not None else None
         cached = costs is not None

@@ -3,7 +3,8 @@
 An entry is keyed by everything a cost depends on: the graph fingerprint (op
 structure and parameter shapes), the device (and the GPU's name), the
 micro-batch's shapes and dtypes, the profile mode and its settings, the
-number of intra-op threads, and the fxpipe and torch versions. The key is
+number of intra-op threads, whether (and with which ``torch.compile`` options) the stages are compiled, and
+the fxpipe and torch versions. The key is
 stored inside the entry and compared in full on load, and the entry must cover
 exactly the graph's nodes: anything else — another version, another graph, a
 truncated or hand-edited file — is a miss, and the model is profiled again
@@ -46,12 +47,24 @@ def _describe(value: Any) -> Any:
     return repr(value)
 
 
+def _option(value: Any) -> Any:
+    """A ``torch.compile`` option as a stable JSON value: a backend given as a callable by its qualified name
+    (its ``repr`` holds an address that changes between processes, so the entry would never be read again)."""
+    if callable(value):
+        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+    return value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
+
+
 COST_MODEL = 3   # bump when what a profile measures changes (3: view bytes, inputs not activations, savers)
 
 
 def profile_key(fingerprint: str, device: torch.device, micro_inputs: tuple, mode: str, warmup: int,
-                repeats: int, spec_name: str | None = None) -> dict[str, Any]:
-    """Everything the costs depend on, as a JSON-able dict."""
+                repeats: int, spec_name: str | None = None,
+                compiled: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything the costs depend on, as a JSON-able dict. ``compiled`` is the ``torch.compile`` keyword
+    arguments the stages are compiled with (``None``: eager stages); a plan for compiled stages never reads the
+    costs recorded for eager ones, nor those of other compile options (a ``mode`` or ``backend`` changes what the
+    stage-timing rounds measure, and what a later cost model may measure per node)."""
     from fxpipe._version import __version__
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -61,6 +74,7 @@ def profile_key(fingerprint: str, device: torch.device, micro_inputs: tuple, mod
         "mode": mode, "warmup": warmup, "repeats": repeats, "spec": spec_name,
         "threads": torch.get_num_threads(), "fxpipe": __version__, "torch": torch.__version__,
         "cost_model": COST_MODEL,
+        "compiled": None if compiled is None else {k: _option(v) for k, v in sorted(compiled.items())},
     }
 
 
