@@ -116,7 +116,9 @@ def _train(args: argparse.Namespace, rank: int) -> None:
     sys.stdout.write(f"rank {rank} (node {node}, local {local}): stages {stage.own} on {','.join(devices)}, "
                      f"{sum(p.numel() for p in stage.parameters())} parameters\n")
     sys.stdout.flush()
-    opt = OPTIMIZERS[args.optimizer](stage.parameters(), lr=args.lr)
+    # a rank whose stages hold no parameter (positions, masks, a head without weights) has nothing to step
+    params = list(stage.parameters())
+    opt = OPTIMIZERS[args.optimizer](params, lr=args.lr) if params else None
     done = 0
     state = os.path.join(args.checkpoint or "", "fxpipe-launch.json")
     if args.resume:
@@ -131,8 +133,9 @@ def _train(args: argparse.Namespace, rank: int) -> None:
         else:
             x, y = batch
             loss = stage.step(x, y, **options)
-        opt.step()
-        opt.zero_grad()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
         if loss is not None:
             print(f"step {step}: loss {loss.item():.6f}", flush=True)
         done = step + 1

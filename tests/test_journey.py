@@ -5,6 +5,7 @@ checkpoint, resume; the losses and every parameter equal one process training th
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import subprocess
@@ -32,10 +33,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _launch(world: int, args: list[str]) -> str:
+def _launch(world: int, args: list[str], module: str = "fxpipe.launch", timeout_s: float = 600) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-           "-m", "fxpipe.launch", *args]
-    done = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+           "-m", module, *args]
+    done = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stdout
 
@@ -71,22 +72,54 @@ def _plan(family: str, world: int, schedule: str, path: Path) -> None:
     plan.save(path)
 
 
-@pytest.mark.slow   # two torchrun runs of `world` processes each: ~1-2 min on the shared machine
-@pytest.mark.parametrize("family,world,schedule", [
-    ("llama", 2, "1f1b"), ("llama-tied", 4, "gpipe"), ("gpt2", 4, "zb-h1"), ("qwen2", 2, "zb-h1"),
-    ("bert-mlm", 2, "gpipe"), ("t5", 2, "1f1b")])
-def test_the_journey_trains_as_one_process(tmp_path, family, world, schedule):
-    plan = tmp_path / "plan.json"
-    _plan(family, world, schedule, plan)
-    name = family.replace("-", "_")
-    common = ["--plan", str(plan), "--model", f"journey_target:{name}", "--data", f"journey_target:data_{name}",
-              "--lr", str(LR), "--checkpoint", str(tmp_path / "ckpt")]
-    first = _launch(world, [*common, "--steps", "3"])
-    second = _launch(world, [*common, "--resume", "--steps", str(STEPS - 3)])
+def _check(family: str, first: str, second: str, checkpoint: Path) -> None:
+    """Losses printed by the two runs and the parameters checkpointed at the end equal one process's."""
     want, params = _reference(family)
     assert _losses(first) + _losses(second) == pytest.approx(want, rel=1e-5, abs=1e-6)
     assert re.findall(r"^step (\d+):", second, re.M) == [str(i) for i in range(3, STEPS)]
-    found = _checkpointed_parameters(tmp_path / "ckpt")
+    found = _checkpointed_parameters(checkpoint)
     assert set(params) <= set(found), sorted(set(params) - set(found))
     for n, p in params.items():
         torch.testing.assert_close(found[n], p, rtol=1e-5, atol=1e-5, msg=n)
+
+
+@pytest.mark.slow   # two torchrun runs of 2 processes: ~1 min on the shared machine
+def test_the_journey_from_the_command_line(tmp_path):
+    """The user's two commands, as typed: ``torchrun ... -m fxpipe.launch``, then again with ``--resume``."""
+    family, world = "llama", 2
+    plan = tmp_path / "plan.json"
+    _plan(family, world, "1f1b", plan)
+    common = ["--plan", str(plan), "--model", "journey_target:llama", "--data", "journey_target:data_llama",
+              "--lr", str(LR), "--checkpoint", str(tmp_path / "ckpt")]
+    first = _launch(world, [*common, "--steps", "3"])
+    second = _launch(world, [*common, "--resume", "--steps", str(STEPS - 3)])
+    _check(family, first, second, tmp_path / "ckpt")
+
+
+JOURNEY_FAMILIES = ("llama", "llama-tied", "gpt2", "qwen2", "bert-mlm", "t5")
+JOURNEY_SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+
+
+@pytest.mark.slow   # 6 plans, then one torchrun of `world` processes running 18 journeys (36 launches)
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_family_and_schedule_trains_as_one_process(tmp_path, world):
+    """Every model family × schedule on ``world`` ranks: plan, train 3 steps with a checkpoint, resume for the
+    rest (the last batch smaller), through :func:`fxpipe.launch.main` with the command's own arguments
+    (``tests/journey_matrix.py`` runs them all in one torchrun). One plan per family (1F1B's cuts), run under
+    each schedule with ``--schedule``."""
+    cases = []
+    for family in JOURNEY_FAMILIES:
+        _plan(family, world, "1f1b", tmp_path / f"{family}.json")
+        for schedule in JOURNEY_SCHEDULES:
+            here = tmp_path / f"{family}-{schedule}"
+            cases.append({"family": family, "schedule": schedule, "plan": str(tmp_path / f"{family}.json"),
+                          "lr": LR, "checkpoint": str(here / "ckpt"), "out": str(here / "out")})
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    _launch(world, [str(tmp_path / "cases.json")], module="journey_matrix", timeout_s=1500)
+    for case in cases:
+        out = "".join(p.read_text() for p in sorted(Path(case["out"]).glob("rank*.txt")))
+        first, _, second = out.partition("step 3:")   # the resumed run's first line starts its part
+        try:
+            _check(case["family"], first, "step 3:" + second, Path(case["checkpoint"]))
+        except AssertionError as exc:
+            raise AssertionError(f"{case['family']} / {case['schedule']} on {world} ranks: {exc}") from exc
