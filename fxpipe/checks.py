@@ -22,11 +22,11 @@ from fxpipe.planning.lowering import device_memory_bytes
 from fxpipe.planning.plan import Plan
 from fxpipe.runtime.aliasing import written_buffers
 from fxpipe.runtime.compiled import options_of
-from fxpipe.runtime.microbatch import BatchLayout
+from fxpipe.runtime.microbatch import BatchLayout, batch_size_of
 from fxpipe.runtime.pipeline import CHECKPOINT_MODES
 from solvers.schedules import SCHEDULES, check_schedule, stages_per_worker
 
-__all__ = ["batch_layout", "check_arguments", "check_plan", "check_plan_layout", "compiled_model", "memory_limits",
+__all__ = ["batch_layout", "check_arguments", "check_batch", "check_call", "check_plan", "check_plan_layout", "compiled_model", "memory_limits",
            "parse_devices", "stage_compilation", "unwrap_compiled", "warn_batch_norm", "worker_devices"]
 
 log = logging.getLogger("fxpipe")
@@ -107,6 +107,52 @@ def parse_devices(devices: Sequence[str | torch.device]) -> list[torch.device]:
             raise ValueError(f"device {str(d)!r}: fxpipe runs stages on 'cpu' and 'cuda' devices")
         out.append(dev)
     return out
+
+
+def check_call(model: Any, example_inputs: Any, devices: Sequence[str | torch.device],
+               chunks: int | str | None) -> tuple[Any, dict[str, Any] | None, tuple | None, list[torch.device], bool]:
+    """``fxpipe.compile``'s first checks: the model (a ``torch.compile``'d one unwrapped, with its options), the
+    example inputs as a tuple (one tensor alone is ``(x,)``), the devices, and whether ``chunks`` is ``"auto"``."""
+    if not isinstance(model, (nn.Module, torch.export.ExportedProgram)):
+        raise TypeError(f"fxpipe.compile needs an nn.Module (or a torch.fx.GraphModule or torch.export."
+                        f"ExportedProgram), got {type(model).__name__}")
+    model, compiled_as = compiled_model(model)   # torch.compile(model, **opts): its module, and opts
+    if isinstance(example_inputs, list):
+        raise TypeError("example_inputs must be a tuple of the forward's positional arguments (one tensor alone "
+                        "is taken as (x,)), got a list: pass tuple(...) if it holds the arguments, or ([...],) if "
+                        "the forward takes one list")
+    on_meta = [n for n, t in (model.named_parameters() if isinstance(model, nn.Module) else [])
+               if t.device.type == "meta"]
+    if on_meta:
+        raise ValueError(f"the model's parameters are on the meta device (no values: {on_meta[0]!r}"
+                         f"{f' and {len(on_meta) - 1} more' if len(on_meta) > 1 else ''}), and fxpipe.compile runs "
+                         "the model to profile it: materialise them first (model.to_empty(device='cpu'), then "
+                         "load_state_dict or initialise); to plan it without values use fxpipe.plan(model, "
+                         "fxpipe.Devices.preset(...), example_inputs), and to run it build it on meta under "
+                         "fxpipe.distributed.PipelineRank(..., weights=...), which materialises each rank's stages")
+    devs = parse_devices(devices)
+    if chunks is not None and chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int)
+                                                    or chunks < 1):
+        raise ValueError(f"chunks must be a positive integer or 'auto' (the planner picks), got {chunks!r}")
+    example_inputs = example_inputs if isinstance(example_inputs, tuple) or example_inputs is None else (
+        example_inputs,)
+    return model, compiled_as, example_inputs, devs, chunks is None or chunks == "auto"
+
+
+def check_batch(example_inputs: Sequence[Any], layout: BatchLayout, gm: fx.GraphModule, chunks: Any,
+                auto_chunks: bool) -> tuple[int, list[int]]:
+    """The example batch's size and each input's batch dimension; refused when it cannot be split into
+    ``chunks`` micro-batches."""
+    dims = layout.input_dims([n.target for n in gm.graph.nodes if n.op == "placeholder"])
+    dims = dims[:len(example_inputs)] + [0] * (len(example_inputs) - len(dims))
+    batch = batch_size_of(list(example_inputs), dims)
+    if batch == 0 or not auto_chunks and chunks > batch:
+        wanted = "" if auto_chunks else f" {chunks}"
+        raise ValueError(f"example_inputs hold a batch of {batch} samples (along the batch dimension "
+                         f"{sorted(set(dims))}), which cannot be split into{wanted} micro-batches; use a batch of "
+                         f"at least{wanted or ' 1'} samples (the batch the pipeline will train on)"
+                         + (f" or chunks <= {batch}" if batch and not auto_chunks else ""))
+    return batch, dims
 
 
 def check_arguments(checkpoint: str, schedule: str, virtual_stages: int | None, plan: Plan | None,

@@ -6,6 +6,7 @@ Each step is a call into its own package (see ``docs/architecture.md``); this mo
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -13,7 +14,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from fxpipe.compression_spec import BoundaryCodec, check_compression
-from fxpipe.checks import (batch_layout, check_arguments, check_plan, check_plan_layout, compiled_model,
+from fxpipe.checks import (batch_layout, check_arguments, check_batch, check_call, check_plan, check_plan_layout,
                            memory_limits, most_micro_batches, parse_devices, stage_compilation, warn_batch_norm,
                            warn_buffer_updates, worker_devices)
 from fxpipe.cost.cpu import CpuHost
@@ -36,7 +37,7 @@ from fxpipe.runtime.compression import BoundaryCompression, codec_seconds_per_by
 from fxpipe.runtime.guards import ModelGuard, input_signature
 from fxpipe.runtime.host import UNSHARED
 from fxpipe.runtime.losses import scalar_of
-from fxpipe.runtime.microbatch import batch_size_of, scatter
+from fxpipe.runtime.microbatch import scatter
 from fxpipe.runtime.pipeline import Pipeline
 from fxpipe.runtime.structure import FlatInputs, flat_inputs, model_output
 from solvers.schedule_search import chunk_choices
@@ -123,52 +124,16 @@ def compile(
     sequence-first layout split along time, a batch-level operation) is refused. A train-mode BatchNorm
     with ``chunks > 1`` gets a warning: micro-batch statistics are not a full batch's.
     """
-    if not isinstance(model, (nn.Module, torch.export.ExportedProgram)):
-        raise TypeError(f"fxpipe.compile needs an nn.Module (or a torch.fx.GraphModule or torch.export."
-                        f"ExportedProgram), got {type(model).__name__}")
-    model, compiled_as = compiled_model(model)   # torch.compile(model, **opts): its module, and opts
-    if isinstance(example_inputs, list):
-        raise TypeError("example_inputs must be a tuple of the forward's positional arguments (one tensor alone "
-                        "is taken as (x,)), got a list: pass tuple(...) if it holds the arguments, or ([...],) if "
-                        "the forward takes one list")
-    on_meta = [n for n, t in (model.named_parameters() if isinstance(model, nn.Module) else [])
-               if t.device.type == "meta"]
-    if on_meta:
-        raise ValueError(f"the model's parameters are on the meta device (no values: {on_meta[0]!r}"
-                         f"{f' and {len(on_meta) - 1} more' if len(on_meta) > 1 else ''}), and fxpipe.compile runs "
-                         "the model to profile it: materialise them first (model.to_empty(device='cpu'), then "
-                         "load_state_dict or initialise); to plan it without values use fxpipe.plan(model, "
-                         "fxpipe.Devices.preset(...), example_inputs), and to run it build it on meta under "
-                         "fxpipe.distributed.PipelineRank(..., weights=...), which materialises each rank's stages")
-    devs = parse_devices(devices)
-    if chunks is not None and chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int)
-                                                    or chunks < 1):
-        raise ValueError(f"chunks must be a positive integer or 'auto' (the planner picks), got {chunks!r}")
-    auto_chunks = chunks is None or chunks == "auto"
+    model, compiled_as, example_inputs, devs, auto_chunks = check_call(model, example_inputs, devices, chunks)
     profiling, options = ProfileOptions.of(profile), options or CompileOptions()
     v = check_arguments(checkpoint, schedule, virtual_stages, plan, profiling, loss_fn, example_target)
     compiled = stage_compilation(options, compiled_as)   # torch.compile's arguments for every stage, or None
     refuse_split_backward(schedule, compiled)
     if plan is not None:
         refuse_split_backward(plan.schedule, compiled)
-    example_inputs = example_inputs if isinstance(example_inputs, tuple) or example_inputs is None else (
-        example_inputs,)
-    if plan is not None and frontend == "auto" and plan.frontend.get("name") in ("fx", "export"):
-        frontend = plan.frontend["name"]   # trace as the plan's model was traced: the fingerprints then compare
-    if frontend == "export" and example_inputs is None:
-        raise ValueError("the torch.export front end traces the model on example inputs: pass example_inputs "
-                         "(and example_kwargs) with plan=, as for the compile that made the plan")
-    captured = capture(model, leaf_modules, options.concrete_args, frontend, example_inputs,   # 1. trace
-                       example_kwargs, options.batch_dim)
     given = (example_inputs, example_kwargs)   # as the caller passed them, for the model run as written
-    if example_inputs is not None and captured.graph.meta.get("fxpipe_in_spec") is not None:
-        # the flat graph's leaves: profiling, checks and refinement all run the graph on them
-        example_inputs = FlatInputs(flat_inputs(example_inputs, example_kwargs or {},
-                                                captured.graph.meta["fxpipe_in_spec"])[0])
-    model = model if isinstance(model, nn.Module) else captured.graph   # an ExportedProgram: its module
-    check_module_hooks(captured.graph, model)
-    if options.deferred_batch_norm and convert_deferred_batch_norm(captured.graph) == 0:
-        log.info("deferred_batch_norm=True but %s has no BatchNorm layer", type(model).__name__)
+    captured, model, example_inputs = _capture(model, plan, frontend, example_inputs, example_kwargs,   # 1. trace
+                                               leaf_modules, options)
     host = CpuHost() if any(d.type == "cpu" for d in devs) else UNSHARED
 
     built: dict[tuple, list] = {}   # compiled stages by cuts and devices: the refinement's rounds compile once
@@ -194,33 +159,10 @@ def compile(
         return predict_shared_step(pipe)
     if example_inputs is None:
         raise ValueError("example_inputs is required to profile the model (or pass plan=fxpipe.load_plan(...))")
-    dims = layout.input_dims([n.target for n in captured.graph.graph.nodes if n.op == "placeholder"])
-    dims = dims[:len(example_inputs)] + [0] * (len(example_inputs) - len(dims))
-    batch = batch_size_of(list(example_inputs), dims)
-    if batch == 0 or not auto_chunks and chunks > batch:
-        wanted = "" if auto_chunks else f" {chunks}"
-        raise ValueError(f"example_inputs hold a batch of {batch} samples (along the batch dimension "
-                         f"{sorted(set(dims))}), which cannot be split into{wanted} micro-batches; use a batch of "
-                         f"at least{wanted or ' 1'} samples (the batch the pipeline will train on)"
-                         + (f" or chunks <= {batch}" if batch and not auto_chunks else ""))
-    # costs are measured on micro-batches of this count; an auto search scales them to the others it tries
-    most = most_micro_batches(model, batch)   # micro-batches auto may make of this batch
-    profiled = min(most, 4 * len(devs)) if auto_chunks else chunks
-    workers = worker_devices(devs, "gpipe" if schedule == "auto" else schedule, v, stages,
-                             None if auto_chunks else chunks)
-    check_graph = captured.eval_graph if options.check_micro_batching else None
-    if options.check_micro_batching and check_graph is None:
-        log.info("micro-batching is not checked: %s depends on train/eval mode and does not trace in eval mode",
-                 type(model).__name__)
-    with judged_by_the_model(model, *given):   # a failure blamed on the trace may be the inputs'
-        if check_graph is not None:
-            check_micro_batching(check_graph, example_inputs, layout, profiled)
-        first = tuple(tree_map(lambda x: x.to(workers[0]) if isinstance(x, torch.Tensor) else x, part)
-                      for part in scatter(list(example_inputs), profiled, dims)[0])
-        captured.graph.to(workers[0])
-        if check_graph is not None and check_graph is not captured.graph:   # for the check after the search
-            check_graph.to(workers[0])
-        costs, cached = node_costs(captured.graph, captured.fingerprint, first, workers[0], profiling, compiled)  # 2. cost
+    batch, dims = check_batch(example_inputs, layout, captured.graph, chunks, auto_chunks)
+    costed = _cost(model, captured, example_inputs, given, layout, dims, batch,                        # 2. cost
+                   devs, schedule, v, stages, None if auto_chunks else chunks, options, profiling, compiled)
+    costs, workers, profiled, check_graph = costed.costs, costed.workers, costed.profiled, costed.check_graph
     planner = Planner(gm=captured.graph, fingerprint=captured.fingerprint, model_name=type(model).__name__,
                       devices=workers, all_devices=devs, memory_bytes=memory_limits(workers, v, options.memory_bytes),
                       chunks=profiled, stages=stages, virtual_stages=v,
@@ -228,12 +170,13 @@ def compile(
                       optimizer_state_factor=options.optimizer_state_factor, batch=batch, profile=profiling.mode,
                       training=model.training, batch_dims=layout.to_dict(), frontend=captured.frontend,
                       keep_blocks_whole=options.keep_blocks_whole,
-                      profile_extra={"threads": torch.get_num_threads(), "from_cache": cached,
+                      profile_extra={"threads": torch.get_num_threads(), "from_cache": costed.cached,
                                      "inputs": input_signature(captured.graph, example_inputs)},
                       compression=options.compression, codec_s_per_byte=codec_cost(options.compression, workers[0]))
     search = None
     if schedule == "auto" or auto_chunks:                                               # 3. plan
-        search = plan_auto(planner, costs, profiled, chunk_choices(most, len(workers)) if auto_chunks else [chunks],
+        search = plan_auto(planner, costs, profiled,
+                           chunk_choices(costed.most, len(workers)) if auto_chunks else [chunks],
                            auto_schedules(compiled) if schedule == "auto" else (schedule,),
                            virtual_stages=v if v > 1 else 2)
         planner, costs, first_plan = search.planner, search.costs, search.plan
@@ -257,6 +200,64 @@ def auto_schedules(compiled: dict[str, Any] | None) -> tuple[str, ...]:
     """The schedules ``schedule="auto"`` tries: all, but those with a split backward for compiled stages
     (:func:`fxpipe.runtime.compiled.refuse_split_backward` says why)."""
     return SCHEDULES if compiled is None else tuple(s for s in SCHEDULES if s not in SPLIT_BACKWARD)
+
+
+@dataclass
+class _Costed:
+    costs: dict[str, Any]          # every node's, at the profiled micro-batch size
+    cached: bool                   # read from the profile cache
+    workers: list[torch.device]    # one per stage (several stages per device when interleaved)
+    profiled: int                  # the micro-batch count the costs were measured at
+    most: int                      # the most micro-batches chunks="auto" may make of the batch
+    check_graph: Any               # the eval-mode graph the micro-batching check runs, or None
+
+
+def _cost(model: nn.Module, captured: Any, example_inputs: Any, given: tuple, layout: Any, dims: list[int],
+          batch: int, devs: list[torch.device], schedule: str, v: int, stages: int | None, chunks: int | None,
+          options: CompileOptions, profiling: ProfileOptions, compiled: dict[str, Any] | None) -> _Costed:
+    """Step 2: the micro-batching check, then every node's costs on the first micro-batch (the cache's or the
+    profiler's). ``chunks`` ``None`` is "auto": costs are measured at ``min(most, 4 x devices)`` micro-batches
+    and the search scales them to the other counts it tries."""
+    most = most_micro_batches(model, batch)
+    profiled = min(most, 4 * len(devs)) if chunks is None else chunks
+    workers = worker_devices(devs, "gpipe" if schedule == "auto" else schedule, v, stages, chunks)
+    check_graph = captured.eval_graph if options.check_micro_batching else None
+    if options.check_micro_batching and check_graph is None:
+        log.info("micro-batching is not checked: %s depends on train/eval mode and does not trace in eval mode",
+                 type(model).__name__)
+    with judged_by_the_model(model, *given):   # a failure blamed on the trace may be the inputs'
+        if check_graph is not None:
+            check_micro_batching(check_graph, example_inputs, layout, profiled)
+        first = tuple(tree_map(lambda x: x.to(workers[0]) if isinstance(x, torch.Tensor) else x, part)
+                      for part in scatter(list(example_inputs), profiled, dims)[0])
+        captured.graph.to(workers[0])
+        if check_graph is not None and check_graph is not captured.graph:   # for the check after the search
+            check_graph.to(workers[0])
+        costs, cached = node_costs(captured.graph, captured.fingerprint, first, workers[0], profiling, compiled)
+    return _Costed(costs, cached, workers, profiled, most, check_graph)
+
+
+def _capture(model: Any, plan: Plan | None, frontend: str, example_inputs: tuple | None,
+             example_kwargs: dict[str, Any] | None, leaf_modules: Iterable[type | str],
+             options: CompileOptions) -> tuple[Any, nn.Module, Any]:
+    """Step 1: the model's graph (traced as a loaded plan's model was, so the fingerprints compare), the module
+    the pipeline runs (an ExportedProgram's graph module), and the example inputs as the flat graph's leaves
+    (profiling, checks and refinement run the graph on them)."""
+    if plan is not None and frontend == "auto" and plan.frontend.get("name") in ("fx", "export"):
+        frontend = plan.frontend["name"]
+    if frontend == "export" and example_inputs is None:
+        raise ValueError("the torch.export front end traces the model on example inputs: pass example_inputs "
+                         "(and example_kwargs) with plan=, as for the compile that made the plan")
+    captured = capture(model, leaf_modules, options.concrete_args, frontend, example_inputs, example_kwargs,
+                       options.batch_dim)
+    if example_inputs is not None and captured.graph.meta.get("fxpipe_in_spec") is not None:
+        example_inputs = FlatInputs(flat_inputs(example_inputs, example_kwargs or {},
+                                                captured.graph.meta["fxpipe_in_spec"])[0])
+    model = model if isinstance(model, nn.Module) else captured.graph
+    check_module_hooks(captured.graph, model)
+    if options.deferred_batch_norm and convert_deferred_batch_norm(captured.graph) == 0:
+        log.info("deferred_batch_norm=True but %s has no BatchNorm layer", type(model).__name__)
+    return captured, model, example_inputs
 
 
 def predict_shared_step(pipe: Pipeline) -> Pipeline:
