@@ -1,0 +1,271 @@
+"""The search over meshes (pp × dp × tp), schedules, micro-batch counts, recomputation and stage cuts.
+
+For every candidate (:func:`candidates`: each mesh shape of :func:`solvers.mesh.mesh_shapes`, each schedule
+it can run, each micro-batch count that divides a dp replica's samples — powers of two and the whole local
+batch — and recomputation only where nothing fits without it) the step is screened by a closed form of the
+schedule's timeline in the bottleneck stage time ``τ`` (the largest per-micro-batch forward + backward +
+pipeline transfers of the ``pp × v`` stages):
+
+* ``gpipe``, ``1f1b``: ``(m + p - 1) τ``; ``interleaved-1f1b``: ``(v m + p - 1) τ`` (Narayanan et al. 2021);
+* ``zb-h1``: ``(m + (p - 1) ρ) τ``; ``zb-v``: ``(2 m + (p - 1) ρ) τ``, with ``ρ = (F + B - W) / (F + B + W)``
+  over the model (Qi et al. 2023: the bubble is ``(p - 1)(F + B - W)``),
+
+plus data parallel's all-gather and gradient sync of the average device's parameters, charged whole. The
+closed form is increasing in ``τ`` and otherwise independent of the cuts, so the cuts that minimise ``τ``
+under each stage's memory (:func:`min_max_cuts`, an exact dynamic program over contiguous cuts, vectorised)
+minimise it: the search is exact for the screening model, which ``tests/test_mesh_search.py`` checks against
+:func:`solvers.brute.brute_force_mesh` (every mesh, candidate and cut).
+
+The best candidate of every mesh shape is then simulated (:func:`solvers.simulate.simulate`: the schedule's
+own timeline, the pipeline's transfers on their links, data parallel's sync after each device's last
+backward, overlapping the drain, and its all-gather before the first forward); the mesh whose simulated step
+is fastest is the choice. Screening every candidate by simulation would cost 15-130 ms each (hundreds of
+candidates at 64 devices); the closed form costs microseconds after the cuts.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from solvers.errors import InfeasibleError
+from solvers.mesh import Mesh, MeshProblem, StageFigures, budget, dp_sync_s, mesh_shapes, owner, stage_figures, \
+    stage_inflight
+from solvers.schedules import SPLIT_BACKWARD, check_schedule, stages_per_worker
+from solvers.simulate import simulate
+
+__all__ = ["Candidate", "MeshChoice", "MeshSearch", "candidates", "evaluate_cuts", "min_max_cuts", "search_mesh"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    mesh: Mesh
+    schedule: str
+    micro_batches: int
+    recompute: bool = False
+
+
+@dataclass
+class MeshChoice:
+    """One candidate with its cuts and predicted step."""
+
+    candidate: Candidate
+    samples: int                  # per micro-batch
+    cuts: list[int]               # stage s holds pieces cuts[s] .. cuts[s + 1] - 1
+    screened_s: float             # the closed form's step
+    iteration_s: float            # simulated (the shapes' bests), else the closed form's
+    stage_s: list[float]          # per micro-batch
+    peak_bytes: list[float]       # per device of the pipeline
+    sync_s: tuple[float, float] = (0.0, 0.0)   # data parallel's (before, after) of the first device
+    bubble: float = 0.0           # idle share of the pipeline's devices' step
+    simulated: bool = False
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.candidate.mesh
+
+
+@dataclass
+class MeshSearch:
+    best: MeshChoice
+    shapes: list[MeshChoice]                        # the best of every mesh shape that fits, fastest first
+    infeasible: dict[Mesh, str] = field(default_factory=dict)   # shape -> why nothing fits
+    tried: int = 0
+    time_s: float = 0.0
+
+
+def micro_batch_counts(problem: MeshProblem, dp: int) -> list[int]:
+    local = problem.batch // dp
+    most = min(local, problem.most_micro_batches or local)
+    counts = {m for m in (2 ** k for k in range(int(math.log2(most)) + 1)) if local % m == 0}
+    if local <= most:
+        counts.add(local)
+    return sorted(counts)
+
+
+def candidates(problem: MeshProblem) -> Iterator[Candidate]:
+    """Every (mesh, schedule, micro-batches) the search screens, without recomputation (module docstring)."""
+    for mesh in mesh_shapes(problem):
+        schedules = problem.schedules if mesh.pp > 1 else ("1f1b",)   # one stage: accumulation, one in flight
+        for schedule in schedules:
+            k, _ = budget(problem, schedule, mesh.pp)
+            if k > len(problem.pieces):
+                continue
+            for m in micro_batch_counts(problem, mesh.dp):
+                if mesh.pp > 1 and m == 1 and schedule != "gpipe":
+                    continue
+                try:
+                    check_schedule(schedule, k, mesh.pp, m)
+                except ValueError:
+                    continue
+                yield Candidate(mesh, schedule, m)
+
+
+def _closed_form(problem: MeshProblem, cand: Candidate, fig: StageFigures, tau: float) -> float:
+    p, m = cand.mesh.pp, cand.micro_batches
+    s = cand.schedule
+    if s in ("gpipe", "1f1b") or p == 1:
+        return (m + p - 1) * tau
+    if s == "interleaved-1f1b":
+        return (stages_per_worker(s, problem.virtual_stages) * m + p - 1) * tau
+    f, b, w = sum(fig.fwd_s), sum(fig.bwd_s), sum(fig.weight_s)
+    rho = max(0.0, f + b - 2 * w) / (f + b) if f + b > 0 else 0.0
+    return ((2 if s == "zb-v" else 1) * m + (p - 1) * rho) * tau
+
+
+def _screen_sync(problem: MeshProblem, cand: Candidate, fig: StageFigures) -> tuple[float, float]:
+    return dp_sync_s(problem, cand.mesh, sum(fig.param_bytes) / cand.mesh.pp)
+
+
+def _stage_memory(problem: MeshProblem, cand: Candidate, fig: StageFigures, j: int, k: int, a: int, i: int) -> float:
+    held = stage_inflight(cand.schedule, j, k, cand.micro_batches)
+    act = sum(fig.act_bytes[a:i])
+    kept = fig.cut_bytes[a - 1] * held + act if cand.recompute and a > 0 else (act if cand.recompute else act * held)
+    return sum(fig.state_bytes[a:i]) + kept
+
+
+def evaluate_cuts(problem: MeshProblem, cand: Candidate, cuts: list[int],
+                  fig: StageFigures | None = None) -> MeshChoice | None:
+    """``cand`` with stages ``cuts`` under the screening model; ``None`` when a stage does not fit its memory."""
+    samples = problem.batch // (cand.mesh.dp * cand.micro_batches)
+    fig = fig or stage_figures(problem, cand.mesh, samples, cand.recompute)
+    k, room = budget(problem, cand.schedule, cand.mesh.pp)
+    L = len(problem.pieces)
+    stage_s, memory = [], []
+    for j, (a, i) in enumerate(zip(cuts, cuts[1:])):
+        comm = 2 * ((fig.cut_s[a - 1] if a > 0 else 0.0) + (fig.cut_s[i - 1] if i < L else 0.0))
+        stage_s.append(sum(fig.fwd_s[a:i]) + sum(fig.bwd_s[a:i]) + comm)
+        memory.append(_stage_memory(problem, cand, fig, j, k, a, i))
+    if any(mb > room * (1 + 1e-12) for mb in memory):
+        return None
+    sync = _screen_sync(problem, cand, fig)
+    step = _closed_form(problem, cand, fig, max(stage_s)) + sum(sync)
+    peaks = [0.0] * cand.mesh.pp
+    for j, mb in enumerate(memory):
+        peaks[owner(cand.schedule, j, cand.mesh.pp)] += mb
+    return MeshChoice(cand, samples, list(cuts), step, step, stage_s, peaks, sync)
+
+
+def min_max_cuts(fig: StageFigures, k: int, room: float, inflight: list[int], recompute: bool) -> list[int] | None:
+    """Cuts of the pieces into ``k`` contiguous stages minimising the largest stage time, every stage ``j`` within
+    ``room`` bytes holding ``inflight[j]`` micro-batches; ``None`` when no cuts fit. Exact (dynamic program)."""
+    L = len(fig.fwd_s)
+    if k > L:
+        return None
+    zero = np.zeros(1)
+    T = np.concatenate([zero, np.cumsum(np.add(fig.fwd_s, fig.bwd_s))])
+    S = np.concatenate([zero, np.cumsum(fig.state_bytes)])
+    A = np.concatenate([zero, np.cumsum(fig.act_bytes)])
+    cut = np.concatenate([zero, np.asarray(fig.cut_s, dtype=float), zero])     # at position a: a cut before piece a
+    inb = np.concatenate([zero, np.asarray(fig.cut_bytes, dtype=float), zero])
+    a_idx, i_idx = np.arange(L + 1)[:, None], np.arange(L + 1)[None, :]
+    valid = a_idx < i_idx
+    seg_t = np.where(valid, T[None, :] - T[:, None] + 2 * (cut[:, None] + cut[None, :]), np.inf)
+    seg_s = S[None, :] - S[:, None]
+    seg_a = A[None, :] - A[:, None]
+    best = np.full(L + 1, np.inf)
+    best[0] = 0.0
+    choice = []
+    limit = room * (1 + 1e-12)
+    for j in range(k):
+        held = inflight[j]
+        mem = seg_s + (inb[:, None] * held + seg_a if recompute else seg_a * held)
+        cost = np.where(valid & (mem <= limit), seg_t, np.inf)
+        total = np.maximum(best[:, None], cost)
+        arg = np.argmin(total, axis=0)
+        best = total[arg, np.arange(L + 1)]
+        choice.append(arg)
+    if not math.isfinite(best[L]):
+        return None
+    cuts, i = [L], L
+    for j in reversed(range(k)):
+        i = int(choice[j][i])
+        cuts.append(i)
+    return cuts[::-1]
+
+
+def solve_candidate(problem: MeshProblem, cand: Candidate, fig: StageFigures) -> MeshChoice | None:
+    """The screening model's best cuts of ``cand`` and their step; ``None`` when nothing fits."""
+    k, room = budget(problem, cand.schedule, cand.mesh.pp)
+    held = [stage_inflight(cand.schedule, j, k, cand.micro_batches) for j in range(k)]
+    cuts = min_max_cuts(fig, k, room, held, cand.recompute)
+    return None if cuts is None else evaluate_cuts(problem, cand, cuts, fig)
+
+
+def simulate_choice(problem: MeshProblem, choice: MeshChoice) -> MeshChoice:
+    """``choice`` with its step simulated (module docstring)."""
+    cand, cuts = choice.candidate, choice.cuts
+    fig = stage_figures(problem, cand.mesh, choice.samples, cand.recompute)
+    p, k = cand.mesh.pp, len(cuts) - 1
+    fwd = [sum(fig.fwd_s[a:i]) for a, i in zip(cuts, cuts[1:])]
+    bwd = [sum(fig.bwd_s[a:i]) for a, i in zip(cuts, cuts[1:])]
+    share = [min(1.0, sum(fig.weight_s[a:i]) / b) if b > 0 else 0.0 for a, i, b in zip(cuts, cuts[1:], bwd)]
+    sends = {(j, j + 1): fig.cut_s[cuts[j + 1] - 1] for j in range(k - 1)}
+    params = [sum(fig.param_bytes[a:i]) for a, i in zip(cuts, cuts[1:])]
+    after = [dp_sync_s(problem, cand.mesh, b)[1] for b in params]
+    first = sum(b for j, b in enumerate(params) if owner(cand.schedule, j, p) == 0)
+    before = dp_sync_s(problem, cand.mesh, first)[0]
+    schedule = cand.schedule if p > 1 else "1f1b"
+    sim = simulate(fwd, bwd, cand.micro_batches, schedule, sends=sends, allreduce_s=after, workers=p,
+                   weight_share=share if schedule in SPLIT_BACKWARD else 0.5)
+    work = [sum(fwd[j] + bwd[j] for j in range(k) if owner(schedule, j, p) == w) * cand.micro_batches
+            for w in range(p)]
+    pipe = sim.iteration_s
+    bubble = 1.0 - sum(work) / (p * pipe) if pipe > 0 else 0.0
+    return MeshChoice(cand, choice.samples, cuts, choice.screened_s, pipe + before, choice.stage_s,
+                      choice.peak_bytes, (before, max(after) if after else 0.0), bubble, simulated=True)
+
+
+def search_mesh(problem: MeshProblem) -> MeshSearch:
+    """The best mesh, schedule, micro-batches, recomputation and cuts, and the best of every other shape.
+
+    Raises :class:`solvers.InfeasibleError` when no candidate fits memory on any mesh."""
+    started = time.perf_counter()
+    best_of: dict[Mesh, MeshChoice] = {}
+    why: dict[Mesh, str] = {}
+    figures: dict[tuple[Mesh, int, bool], StageFigures] = {}
+    tried = 0
+    for cand in candidates(problem):
+        samples = problem.batch // (cand.mesh.dp * cand.micro_batches)
+        found = None
+        for recompute in (False, True):
+            c = Candidate(cand.mesh, cand.schedule, cand.micro_batches, recompute)
+            key = (cand.mesh, samples, recompute)
+            if key not in figures:
+                figures[key] = stage_figures(problem, cand.mesh, samples, recompute)
+            if recompute and found is not None and max(found.stage_s) <= _least_tau(problem, c, figures[key]):
+                break   # recomputing cannot make the bottleneck stage faster than it is
+            tried += 1
+            other = solve_candidate(problem, c, figures[key])
+            if other is not None and (found is None or other.screened_s < found.screened_s):
+                found = other
+        if found is None:
+            why.setdefault(cand.mesh, "no schedule, micro-batch count or recomputation fits memory")
+            continue
+        old = best_of.get(cand.mesh)
+        if old is None or _rank(found) < _rank(old):
+            best_of[cand.mesh] = found
+    if not best_of:
+        raise InfeasibleError(f"no mesh of {problem.world} devices fits memory with any schedule, micro-batch "
+                              f"count or recomputation ({len(why)} shapes tried); add devices or memory, or "
+                              "train a smaller batch or shorter sequences", min_peak_bytes=None)
+    shapes = sorted((simulate_choice(problem, c) for c in best_of.values()), key=lambda c: c.iteration_s)
+    for mesh in best_of:
+        why.pop(mesh, None)
+    return MeshSearch(shapes[0], shapes, why, tried, time.perf_counter() - started)
+
+
+def _least_tau(problem: MeshProblem, cand: Candidate, fig: StageFigures) -> float:
+    """A lower bound on the bottleneck stage time of any cuts of ``cand``: the slowest piece, the average stage."""
+    k, _ = budget(problem, cand.schedule, cand.mesh.pp)
+    work = [f + b for f, b in zip(fig.fwd_s, fig.bwd_s)]
+    return max(max(work), sum(work) / k)
+
+
+def _rank(c: MeshChoice) -> tuple[float, int, bool]:
+    """Faster first; ties to fewer micro-batches, then no recomputation."""
+    return (c.screened_s, c.candidate.micro_batches, c.candidate.recompute)
