@@ -108,6 +108,7 @@ class MeshProblem:
     weight_share: float = 0.5     # of a backward, the weight-gradient pass (zero-bubble schedules)
     virtual_stages: int = 2       # interleaved-1f1b's stages per device
     most_micro_batches: int | None = None   # at most this many per step (default: the local batch)
+    micro_batch_counts: tuple[int, ...] = ()  # only these (per dp replica); empty: powers of two and the whole
     fixed: list[Mesh] = field(default_factory=list)   # only these meshes (empty: every shape)
 
     def __post_init__(self) -> None:

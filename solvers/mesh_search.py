@@ -61,6 +61,7 @@ class MeshChoice:
     stage_s: list[float]          # per micro-batch
     peak_bytes: list[float]       # per device of the pipeline
     sync_s: tuple[float, float] = (0.0, 0.0)   # data parallel's (before, after) of the first device
+    pipeline_s: float = 0.0       # simulated: the last forward or backward's end (without the dp sync)
     bubble: float = 0.0           # idle share of the pipeline's devices' step
     simulated: bool = False
 
@@ -79,7 +80,11 @@ class MeshSearch:
 
 
 def micro_batch_counts(problem: MeshProblem, dp: int) -> list[int]:
+    """Micro-batch counts of one dp replica's ``batch / dp`` samples: the problem's own, or powers of two that
+    divide it and the whole (one sample each), at most ``most_micro_batches``."""
     local = problem.batch // dp
+    if problem.micro_batch_counts:
+        return [m for m in problem.micro_batch_counts if 1 <= m <= local and local % m == 0]
     most = min(local, problem.most_micro_batches or local)
     counts = {m for m in (2 ** k for k in range(int(math.log2(most)) + 1)) if local % m == 0}
     if local <= most:
@@ -215,9 +220,10 @@ def simulate_choice(problem: MeshProblem, choice: MeshChoice) -> MeshChoice:
     work = [sum(fwd[j] + bwd[j] for j in range(k) if owner(schedule, j, p) == w) * cand.micro_batches
             for w in range(p)]
     pipe = sim.iteration_s
-    bubble = 1.0 - sum(work) / (p * pipe) if pipe > 0 else 0.0
+    compute_end = max((e.end for e in sim.timeline if e.kind in ("F", "B", "W")), default=0.0)
+    bubble = 1.0 - sum(work) / (p * compute_end) if compute_end > 0 else 0.0
     return MeshChoice(cand, choice.samples, cuts, choice.screened_s, pipe + before, choice.stage_s,
-                      choice.peak_bytes, (before, max(after) if after else 0.0), bubble, simulated=True)
+                      choice.peak_bytes, (before, max(after) if after else 0.0), compute_end, bubble, simulated=True)
 
 
 def search_mesh(problem: MeshProblem) -> MeshSearch:
@@ -250,13 +256,23 @@ def search_mesh(problem: MeshProblem) -> MeshSearch:
         if old is None or _rank(found) < _rank(old):
             best_of[cand.mesh] = found
     if not best_of:
-        raise InfeasibleError(f"no mesh of {problem.world} devices fits memory with any schedule, micro-batch "
-                              f"count or recomputation ({len(why)} shapes tried); add devices or memory, or "
-                              "train a smaller batch or shorter sequences", min_peak_bytes=None)
-    shapes = sorted((simulate_choice(problem, c) for c in best_of.values()), key=lambda c: c.iteration_s)
+        least = min((sum(stage_figures(problem, m, 1, True).state_bytes) / m.pp for m in why), default=math.nan)
+        raise InfeasibleError(
+            f"no mesh of {problem.world} devices fits memory with any schedule, micro-batch count or recomputation "
+            f"({len(why)} shapes tried): parameters, gradients and optimizer state alone need "
+            f"{least / 2**30:.1f} GiB a device on the best shape, before activations, of "
+            f"{problem.memory_bytes / 2**30:.1f} GiB; add devices or memory, use an optimizer that keeps less, or "
+            "train a smaller batch or shorter sequences", min_peak_bytes=least)
+    shapes = sorted((simulate_choice(problem, c) for c in best_of.values()), key=_simpler)
     for mesh in best_of:
         why.pop(mesh, None)
     return MeshSearch(shapes[0], shapes, why, tried, time.perf_counter() - started)
+
+
+def _simpler(c: MeshChoice) -> tuple[float, int, int, bool, bool]:
+    """Faster first; ties to fewer stages, less tensor parallelism, replicas, pp outermost."""
+    m = c.mesh
+    return (c.iteration_s, m.pp, m.tp, m.dp_mode == "shard", m.order != "pp-dp-tp")
 
 
 def _least_tau(problem: MeshProblem, cand: Candidate, fig: StageFigures) -> float:
