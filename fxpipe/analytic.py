@@ -257,7 +257,7 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
         sub = Devices([devices.specs[r] for r in ranks], [[devices.link_classes[a][b] for b in ranks] for a in ranks],
                       [devices.ids[r] for r in ranks], [devices.nodes[r] for r in ranks], dict(devices.bandwidth_Bps))
         v = stages_per_worker(choice.candidate.schedule, problem.virtual_stages) if m.pp > 1 else 1
-        planner = planner_for(costed, sub, schedule=choice.candidate.schedule if m.pp > 1 else "1f1b",
+        planner = planner_for(dataclasses.replace(costed, profiled=choice.candidate.micro_batches), sub, schedule=choice.candidate.schedule if m.pp > 1 else "1f1b",
                               virtual_stages=v, optimizer=optimizer, checkpoint=checkpoint, options=options)
         shard = m.dp_mode == "shard" and m.dp > 1
         planner = dataclasses.replace(planner, chunks=choice.candidate.micro_batches,
