@@ -92,3 +92,21 @@ def test_bad_meshes_are_refused_with_the_fix(costed):
     with pytest.raises(fxpipe.InfeasiblePlanError, match="optimizer state alone need"):
         analytic.plan_costed_mesh(c, Devices.preset("h100", "0:0-1"), "auto",
                                   options=fxpipe.CompileOptions(memory_bytes=[1e6, 1e6]))
+
+
+def test_link_levels_from_the_topology():
+    """tp's islands are the fastest class's blocks; each slower class inside a node, then the network, a level."""
+    import dataclasses
+    from pathlib import Path
+
+    from fxpipe.planning.mesh_chain import levels_of
+    from fxpipe.planning.topology import parse_nvidia_smi_topo
+
+    classes = parse_nvidia_smi_topo((Path(__file__).parent / "data" / "titan-v-8gpu-2socket.txt").read_text())
+    box = dataclasses.replace(Devices.preset("v100", 8), link_classes=classes)
+    assert [(lv.size, lv.name) for lv in levels_of(box)] == [(2, "PIX"), (2, "PHB"), (2, "SYS")]
+    two = Devices.preset("h100", "0:0-7,1:0-7", bandwidth_Bps={"NET": 50e9})
+    assert [(lv.size, lv.name, lv.bandwidth_Bps) for lv in levels_of(two)] == [(8, "NV18", 450e9), (2, "NET", 50e9)]
+    classes[0][1] = classes[1][0] = "SYS"   # GPU 1 no longer in GPU 0's PIX pair
+    with pytest.raises(ValueError, match="ordered island by island"):
+        levels_of(dataclasses.replace(box, link_classes=classes))

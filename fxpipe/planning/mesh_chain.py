@@ -14,7 +14,8 @@ hidden-state-sized activations of each block stay whole on every tp rank (Korthi
 ``10 s b h`` bytes of a layer's ``34 s b h`` that tensor parallelism alone does not divide).
 
 The devices become levels of links (:func:`levels_of`): the islands of the fastest link class inside a node
-(NVLink on an H100 box: all 8), the rest of the node (PCIe classes), then the network between nodes.
+(NVLink on an H100 box: all 8; PIX pairs on a PCIe box), the blocks of each slower class inside the node
+(the PHB quads, the SYS halves of a two-socket box), then the network between nodes.
 """
 
 from __future__ import annotations
@@ -109,20 +110,19 @@ def levels_of(devices: Devices) -> list[Level]:
     if len(set(per_node)) > 1:
         raise ValueError(f"the nodes hold {per_node} devices; a mesh needs the same number on each node")
     size = per_node[0]
-    inside = [devices.link_classes[i][j] for i in range(size) for j in range(size) if i != j]
     levels: list[Level] = []
-    if inside:
-        best = min(inside, key=_rank)
-        island = 1 + sum(1 for j in range(1, size) if devices.link_classes[0][j] == best)
-        if size % island or any(devices.link_classes[i][j] != best for start in range(0, size, island)
-                                for i in range(start, start + island) for j in range(start, start + island) if i != j):
-            raise ValueError(f"the devices linked by {best} do not form equal islands of consecutive devices; "
-                             "give the mesh search devices ordered island by island")
-        levels.append(Level(island, *_bandwidth(devices, best), name=best))
-        if size > island:
-            worst = max(inside, key=_rank)
-            levels.append(Level(size // island, *_bandwidth(devices, worst), name=worst))
-    else:
+    block = 1
+    for cls in sorted({c for c in devices.link_classes[0][1:size]}, key=_rank):   # fastest first
+        within = 1 + sum(1 for j in range(1, size) if _rank(devices.link_classes[0][j]) <= _rank(cls))
+        for i in range(size):   # every device's devices at least this fast: the aligned block holding it
+            start = i - i % within
+            fast = {j for j in range(size) if j != i and _rank(devices.link_classes[i][j]) <= _rank(cls)}
+            if within <= block or size % within or fast != set(range(start, start + within)) - {i}:
+                raise ValueError(f"the devices linked by {cls} or faster do not form equal blocks of consecutive "
+                                 "devices; give the mesh search devices ordered island by island")
+        levels.append(Level(within // block, *_bandwidth(devices, cls), name=cls))
+        block = within
+    if not levels:
         levels.append(Level(1, 1e12, 0.0, "X"))
     if n > size:
         levels.append(Level(n // size, *_bandwidth(devices, "NET"), name="NET"))
