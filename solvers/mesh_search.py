@@ -2,7 +2,7 @@
 
 For every candidate (:func:`candidates`: each mesh shape of :func:`solvers.mesh.mesh_shapes`, each schedule
 it can run, each micro-batch count that divides a dp replica's samples — powers of two and the whole local
-batch — and recomputation only where nothing fits without it) the step is screened by a closed form of the
+batch — with and without recomputation) the step is screened by a closed form of the
 schedule's timeline in the bottleneck stage time ``τ`` (the largest per-micro-batch forward + backward +
 pipeline transfers of the ``pp × v`` stages):
 
@@ -16,10 +16,16 @@ under each stage's memory (:func:`min_max_cuts`, an exact dynamic program over c
 minimise it: the search is exact for the screening model, which ``tests/test_mesh_search.py`` checks against
 :func:`solvers.brute.brute_force_mesh` (every mesh, candidate and cut).
 
-The best candidate of every mesh shape is then simulated (:func:`solvers.simulate.simulate`: the schedule's
+Inside a shape the candidates are solved in the order of a lower bound on their step (the closed form at
+the larger of the slowest piece and the average stage), until the bound reaches the best step found
+(branch and bound: exact, and a few dynamic programs per shape instead of every candidate's); a shape
+whose parameters, gradients and optimizer state alone exceed its devices' memory is not searched.
+
+The best candidate of each of the fastest mesh shapes is then simulated (:func:`solvers.simulate.simulate`: the schedule's
 own timeline, the pipeline's transfers on their links, data parallel's sync after each device's last
-backward, overlapping the drain, and its all-gather before the first forward); the mesh whose simulated step
-is fastest is the choice. Screening every candidate by simulation would cost 15-130 ms each (hundreds of
+backward, overlapping the drain, and its all-gather before the first forward: :data:`SIMULATE_MOST`,
+:data:`SIMULATE_MARGIN`); the mesh whose simulated step is fastest is the choice, the other shapes keep their
+closed form's step. Screening every candidate by simulation would cost 15-130 ms each (hundreds of
 candidates at 64 devices); the closed form costs microseconds after the cuts.
 """
 
@@ -37,6 +43,14 @@ from solvers.mesh import Mesh, MeshProblem, StageFigures, budget, dp_sync_s, mes
     stage_inflight
 from solvers.schedules import SPLIT_BACKWARD, check_schedule, stages_per_worker
 from solvers.simulate import simulate
+
+SIMULATE_MOST = 6
+"""Shapes simulated at most (the fastest by the closed form first): a simulation of 64 micro-batches over 16
+stages takes seconds in Python, the closed form microseconds."""
+SIMULATE_MARGIN = 0.05
+"""A shape is simulated while its closed-form step is within this share of the fastest simulated step: the
+closed form and the simulation differ by the transfers' overlap and uneven stages, a few per cent on the
+Llama shapes of ``benchmarks/scale.py``."""
 
 __all__ = ["Candidate", "MeshChoice", "MeshSearch", "candidates", "evaluate_cuts", "min_max_cuts", "search_mesh"]
 
@@ -234,27 +248,43 @@ def search_mesh(problem: MeshProblem) -> MeshSearch:
     best_of: dict[Mesh, MeshChoice] = {}
     why: dict[Mesh, str] = {}
     figures: dict[tuple[Mesh, int, bool], StageFigures] = {}
-    tried = 0
+    by_mesh: dict[Mesh, list[Candidate]] = {}
     for cand in candidates(problem):
-        samples = problem.batch // (cand.mesh.dp * cand.micro_batches)
-        found = None
-        for recompute in (False, True):
-            c = Candidate(cand.mesh, cand.schedule, cand.micro_batches, recompute)
-            key = (cand.mesh, samples, recompute)
-            if key not in figures:
-                figures[key] = stage_figures(problem, cand.mesh, samples, recompute)
-            if recompute and found is not None and max(found.stage_s) <= _least_tau(problem, c, figures[key]):
-                break   # recomputing cannot make the bottleneck stage faster than it is
-            tried += 1
-            other = solve_candidate(problem, c, figures[key])
-            if other is not None and (found is None or other.screened_s < found.screened_s):
-                found = other
-        if found is None:
-            why.setdefault(cand.mesh, "no schedule, micro-batch count or recomputation fits memory")
+        by_mesh.setdefault(cand.mesh, []).append(cand)
+    for mesh in mesh_shapes(problem):
+        why[mesh] = "no schedule, micro-batch count or recomputation fits memory"
+    tried = 0
+    for mesh, cands in by_mesh.items():
+        # every device of the pipeline holds its stages' parameters, gradients and optimizer state: on average
+        # their sum / pp, and the fullest at least that
+        if sum(stage_figures(problem, mesh, 1, False).state_bytes) / mesh.pp > problem.memory_bytes:
+            why[mesh] = "parameters, gradients and optimizer state alone exceed a device's memory"
             continue
-        old = best_of.get(cand.mesh)
-        if old is None or _rank(found) < _rank(old):
-            best_of[cand.mesh] = found
+        # branch and bound inside the shape: a candidate's step is at least its closed form at the bottleneck's
+        # lower bound (:func:`_least_tau`); candidates are solved from the least bound up, until the bound reaches
+        # the best step found
+        bounded = []
+        for cand in cands:
+            samples = problem.batch // (mesh.dp * cand.micro_batches)
+            for recompute in (False, True):
+                c = Candidate(mesh, cand.schedule, cand.micro_batches, recompute)
+                key = (mesh, samples, recompute)
+                if key not in figures:
+                    figures[key] = stage_figures(problem, mesh, samples, recompute)
+                fig = figures[key]
+                bound = _closed_form(problem, c, fig, _least_tau(problem, c, fig)) + sum(_screen_sync(problem, c, fig))
+                bounded.append((bound, c.micro_batches, recompute, c, fig))
+        bounded.sort(key=lambda b: b[:3])
+        best: MeshChoice | None = None
+        for bound, _, _, c, fig in bounded:
+            if best is not None and bound >= best.screened_s:
+                break
+            tried += 1
+            found = solve_candidate(problem, c, fig)
+            if found is not None and (best is None or _rank(found) < _rank(best)):
+                best = found
+        if best is not None:
+            best_of[mesh] = best
     if not best_of:
         least = min((sum(stage_figures(problem, m, 1, True).state_bytes) / m.pp for m in why), default=math.nan)
         raise InfeasibleError(
@@ -263,10 +293,27 @@ def search_mesh(problem: MeshProblem) -> MeshSearch:
             f"{least / 2**30:.1f} GiB a device on the best shape, before activations, of "
             f"{problem.memory_bytes / 2**30:.1f} GiB; add devices or memory, use an optimizer that keeps less, or "
             "train a smaller batch or shorter sequences", min_peak_bytes=least)
-    shapes = sorted((simulate_choice(problem, c) for c in best_of.values()), key=_simpler)
+    screened = sorted(best_of.values(), key=lambda c: (c.screened_s, *_simpler(c)[1:]))
+    shapes, fastest = [], math.inf
+    for c in screened:   # simulated while within SIMULATE_MARGIN of the fastest simulated step, at most SIMULATE_MOST
+        simulate_it = len(shapes) < SIMULATE_MOST and c.screened_s <= fastest * (1 + SIMULATE_MARGIN)
+        shapes.append(simulate_choice(problem, c) if simulate_it else _estimated(c))
+        if simulate_it:
+            fastest = min(fastest, shapes[-1].iteration_s)
+    shapes.sort(key=lambda c: (not c.simulated, *_simpler(c)))
     for mesh in best_of:
         why.pop(mesh, None)
     return MeshSearch(shapes[0], shapes, why, tried, time.perf_counter() - started)
+
+
+def _estimated(c: MeshChoice) -> MeshChoice:
+    """A shape left unsimulated: its closed form's step and bubble (the idle share of the closed form's
+    pipeline)."""
+    p, m = c.mesh.pp, c.candidate.micro_batches
+    pipe = c.screened_s - sum(c.sync_s)
+    work = sum(c.stage_s) * m / p
+    return MeshChoice(c.candidate, c.samples, c.cuts, c.screened_s, c.screened_s, c.stage_s, c.peak_bytes, c.sync_s,
+                      pipe, max(0.0, 1.0 - work / pipe) if pipe > 0 else 0.0, simulated=False)
 
 
 def _simpler(c: MeshChoice) -> tuple[float, int, int, bool, bool]:

@@ -121,6 +121,7 @@ def mesh_rows(search: MeshSearch, problem: MeshProblem, chosen: MeshChoice | Non
                      "order": c.mesh.order, "schedule": c.candidate.schedule, "chunks": c.candidate.micro_batches,
                      "recompute": c.candidate.recompute, "iteration_s": c.iteration_s, "screened_s": c.screened_s,
                      "bubble": c.bubble, "peak_bytes": max(c.peak_bytes), "sync_s": list(c.sync_s),
+                     "simulated": c.simulated,
                      "feasible": True, "chosen": c is chosen})
     for mesh, why in search.infeasible.items():
         rows.append({"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "dp_mode": mesh.dp_mode, "order": mesh.order,

@@ -31,10 +31,11 @@ def mesh_table(plan: Any, table: Callable[[list[str], list[list[str]]], list[str
     rows = plan.solver["mesh_search"]
     fits = [r for r in rows if r["feasible"]]
     out = [f"mesh search ({plan.solver.get('mesh_candidates', '?')} candidates in "
-           f"{plan.solver.get('mesh_search_s', float('nan')):.2f} s; the best of each shape, simulated; * chosen):"]
+           f"{plan.solver.get('mesh_search_s', float('nan')):.2f} s; the best of each shape, simulated, or ~ the "
+           "closed form's step; * chosen):"]
     out += table(["mesh", "schedule", "chunks", "recompute", "step ms", "bubble", "peak GiB"], [
         [("* " if r["chosen"] else "  ") + _label(r), r["schedule"], str(r["chunks"]), "yes" if r["recompute"] else "no",
-         f"{r['iteration_s'] * 1e3:.1f}", f"{r['bubble']:.1%}", f"{r['peak_bytes'] / 2**30:.1f}"] for r in fits])
+         ("" if r.get("simulated", True) else "~") + f"{r['iteration_s'] * 1e3:.1f}", f"{r['bubble']:.1%}", f"{r['peak_bytes'] / 2**30:.1f}"] for r in fits])
     refused = [_label(r) for r in rows if not r["feasible"]]
     if refused:
         out.append(f"no plan fits memory on: {', '.join(refused)}")
