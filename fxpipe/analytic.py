@@ -234,6 +234,10 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
     meshes or devices."""
     fixed = parse_mesh(mesh, len(devices))
     levels = levels_of(devices)
+    for m in fixed[:1]:
+        if costed.batch % m.dp:
+            raise ValueError(f"mesh {m.label()}: the batch of {costed.batch} samples does not split evenly over "
+                             f"dp={m.dp} replicas; pass a batch that is a multiple of {m.dp}")
     samples = costed.batch / costed.profiled
     launch = costed.spec.launch_s
     pieces, cuts, piece_nodes = chain_pieces(costed.captured.graph, costed.costs, samples, launch)

@@ -3,6 +3,7 @@ plans of the format before the mesh still load."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -82,6 +83,8 @@ def test_bad_meshes_are_refused_with_the_fix(costed):
     model, ids, devices, c = costed
     with pytest.raises(ValueError, match="pp x dp x tp must be 8"):
         analytic.plan_costed_mesh(c, devices, "pp=3,dp=1,tp=1")
+    with pytest.raises(ValueError, match="does not split evenly over dp=8"):
+        analytic.plan_costed_mesh(dataclasses.replace(c, batch=12), devices, "pp=1,dp=8,tp=1")
     with pytest.raises(ValueError, match="unknown key"):
         analytic.plan_costed_mesh(c, devices, {"pp": 8, "cp": 1})
     with pytest.raises(ValueError, match="leave stages and virtual_stages unset"):
@@ -96,7 +99,6 @@ def test_bad_meshes_are_refused_with_the_fix(costed):
 
 def test_link_levels_from_the_topology():
     """tp's islands are the fastest class's blocks; each slower class inside a node, then the network, a level."""
-    import dataclasses
     from pathlib import Path
 
     from fxpipe.planning.mesh_chain import levels_of
