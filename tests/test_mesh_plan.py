@@ -112,3 +112,18 @@ def test_link_levels_from_the_topology():
     classes[0][1] = classes[1][0] = "SYS"   # GPU 1 no longer in GPU 0's PIX pair
     with pytest.raises(ValueError, match="ordered island by island"):
         levels_of(dataclasses.replace(box, link_classes=classes))
+
+
+def test_cli_plans_a_mesh_for_a_preset_and_refuses_one_for_local_devices(tmp_path, capsys):
+    from fxpipe.__main__ import main
+
+    out = tmp_path / "mesh.plan.json"
+    code = main(["plan", "hf:llama", "--config", "num_hidden_layers=2,hidden_size=64,intermediate_size=128,"
+                 "num_attention_heads=4,num_key_value_heads=2,vocab_size=256", "--seq-len", "64", "--batch", "8",
+                 "--devices", "h100@0:0-1,1:0-1", "--mesh", "pp=2,dp=1,tp=2", "--schedule", "1f1b", "-o", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0 and text.startswith("mesh pp=2 dp=1 tp=2 on 4 devices")
+    assert fxpipe.load_plan(out).mesh["links"] == {"tp": "NV18", "dp": None, "pp": "NET"}
+    code = main(["plan", "resnet18", "--mesh", "auto", "--devices", "cpu,cpu", "--batch", "4", "--image-size", "32"])
+    err = capsys.readouterr().err
+    assert code != 0 and err.startswith("error: --mesh plans a preset's devices")
