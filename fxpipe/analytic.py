@@ -17,6 +17,7 @@ and plans it for several device counts, or costs a split it chose itself with ``
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -29,16 +30,22 @@ from fxpipe.cost.optimizer_state import OPTIMIZER_STATE, optimizer_state_factor,
 from fxpipe.cost.profile import NodeCost, profile_graph
 from fxpipe.frontend.capture import Captured, capture
 from fxpipe.options import CompileOptions, ProfileOptions
+from fxpipe.errors import InfeasiblePlanError
 from fxpipe.planning.auto import plan_auto, search_rows
+from fxpipe.planning.mesh_chain import chain_pieces, levels_of, pipeline_ranks
+from fxpipe.planning.mesh_plan import mesh_costs, mesh_record, mesh_rows, parse_mesh, plan_for_choice
 from fxpipe.planning.plan import Plan
 from fxpipe.planning.planner import Planner
 from fxpipe.planning.topology import links_from_classes
 from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, scatter
 from fxpipe.runtime.structure import FlatInputs, flat_inputs
+import solvers
+from solvers.mesh import MeshProblem
+from solvers.mesh_search import search_mesh
 from solvers.schedule_search import chunk_choices
-from solvers.schedules import SCHEDULES
+from solvers.schedules import SCHEDULES, stages_per_worker
 
-__all__ = ["AnalyticModel", "cost_model", "planner_for", "plan", "OPTIMIZER_STATE"]
+__all__ = ["AnalyticModel", "cost_model", "planner_for", "plan", "plan_costed_mesh", "plan_mesh", "OPTIMIZER_STATE"]
 
 
 @dataclass
@@ -134,6 +141,8 @@ def plan(
     frontend: str = "auto",
     options: CompileOptions | None = None,
     time_limit_s: float = 2.0,
+    mesh: str | dict[str, Any] | None = None,
+    sequence_parallel: bool = True,
 ) -> Plan:
     """Plan ``model`` for ``devices`` (e.g. ``fxpipe.Devices.preset("h100", 8)``) from shapes alone.
 
@@ -153,6 +162,17 @@ def plan(
             ``concrete_args``, ``keep_blocks_whole``, ``memory_bytes`` per device).
         time_limit_s: the solver's limit per solve (default 2 s; the auto search solves once or twice per
             schedule and micro-batch count, and a search stopped by it says so with its gap in the plan).
+        mesh: ``None`` (default): one pipeline over all the devices, as before. ``"auto"``: the devices as a
+            pp x dp x tp mesh (tensor parallel inside the fastest islands of links, data parallel replicated
+            or FSDP-sharded), the shape searched jointly with the stage cuts, the schedule, the micro-batches
+            and recomputation (:mod:`solvers.mesh_search`; :mod:`solvers.mesh` says what each dimension is
+            charged). ``"pp=2,dp=4,tp=1"`` (or a dict; ``dp_mode=shard|replicate``, ``order=pp-dp-tp|dp-pp-tp``
+            optional) fixes the shape. The plan is the pipeline of the dp x tp position of device 0, its stages'
+            costs those of one device of the mesh; ``plan.mesh`` records the shape and ``plan.summary()`` the
+            best plan of every other shape. ``chunks`` is then the micro-batches of one dp replica's share,
+            ``stages``/``virtual_stages`` are not taken (interleaved-1f1b runs 2 stages per device).
+        sequence_parallel: with a mesh, whether tensor parallelism also shards the activations outside its
+            matmuls by sequence (Megatron-LM's sequence parallelism; default ``True``).
 
     Raises :class:`fxpipe.InfeasiblePlanError` when nothing fits.
     """
@@ -163,6 +183,14 @@ def plan(
                                                     or chunks < 1):
         raise ValueError(f"chunks must be a positive integer or 'auto' (the planner picks), got {chunks!r}")
     auto_chunks = chunks is None or chunks == "auto"
+    if mesh is not None:
+        if stages is not None or virtual_stages is not None:
+            raise ValueError("with mesh=, the mesh search chooses the stages: leave stages and virtual_stages unset")
+        check_arguments(checkpoint, schedule, None, None, ProfileOptions(), None, None)
+        return plan_mesh(model, devices, example_inputs, mesh, example_kwargs=example_kwargs,
+                         chunks=None if auto_chunks else chunks, schedule=schedule, optimizer=optimizer,
+                         checkpoint=checkpoint, leaf_modules=leaf_modules, frontend=frontend, options=options,
+                         sequence_parallel=sequence_parallel)
     v = check_arguments(checkpoint, schedule, virtual_stages, None, ProfileOptions(), None, None)
     # costs at one micro-batch count (4 per worker, as compile profiles); the auto search scales them to others
     workers = len(worker_devices([torch.device(i) for i in devices.ids], "gpipe" if schedule == "auto" else schedule,
@@ -182,3 +210,76 @@ def plan(
         return result
     return planner.plan(costed.costs)
 
+
+
+def plan_mesh(model: nn.Module, devices: Devices, example_inputs: tuple, mesh: str | dict[str, Any], *,
+              example_kwargs: dict[str, Any] | None = None, chunks: int | None = None, schedule: str = "auto",
+              optimizer: str = "adam", checkpoint: str = "auto", leaf_modules: Iterable[type | str] = (),
+              frontend: str = "auto", options: CompileOptions | None = None,
+              sequence_parallel: bool = True) -> Plan:
+    """:func:`plan` with ``mesh=``: capture and cost as :func:`plan` does, build the chain of pieces
+    (:mod:`fxpipe.planning.mesh_chain`), search (:func:`solvers.mesh_search.search_mesh`), and cost the
+    choice node by node (:mod:`fxpipe.planning.mesh_plan`); a choice the node-level memory model refuses gives
+    way to the next fastest shape. ``plan.solver["mesh_search_s"]`` is the search's time."""
+    costed = cost_model(model, example_inputs, devices.specs[0], workers=len(devices), example_kwargs=example_kwargs,
+                        leaf_modules=leaf_modules, frontend=frontend, options=options)
+    return plan_costed_mesh(costed, devices, mesh, chunks=chunks, schedule=schedule, optimizer=optimizer,
+                            checkpoint=checkpoint, options=options, sequence_parallel=sequence_parallel)
+
+
+def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[str, Any], *, chunks: int | None = None,
+                     schedule: str = "auto", optimizer: str = "adam", checkpoint: str = "auto",
+                     options: CompileOptions | None = None, sequence_parallel: bool = True) -> Plan:
+    """The second half of :func:`plan_mesh`, for a model costed once (:func:`cost_model`) and planned for several
+    meshes or devices."""
+    fixed = parse_mesh(mesh, len(devices))
+    levels = levels_of(devices)
+    for m in fixed[:1]:
+        if costed.batch % m.dp:
+            raise ValueError(f"mesh {m.label()}: the batch of {costed.batch} samples does not split evenly over "
+                             f"dp={m.dp} replicas; pass a batch that is a multiple of {m.dp}")
+    samples = costed.batch / costed.profiled
+    launch = costed.spec.launch_s
+    pieces, cuts, piece_nodes = chain_pieces(costed.captured.graph, costed.costs, samples, launch)
+    factor = optimizer_state_factor(optimizer, costed.dtype)
+    grad = min(1.0, factor)
+    memory = (options.memory_bytes[0] if options is not None and options.memory_bytes is not None
+              else devices.specs[0].memory_bytes)
+    problem = MeshProblem(pieces, cuts, levels, float(memory), costed.batch, grad_factor=grad,
+                          optimizer_factor=factor - grad,
+                          schedules=SCHEDULES if schedule == "auto" else (schedule,),
+                          sequence_parallel=sequence_parallel, fixed=fixed,
+                          micro_batch_counts=(chunks,) if chunks is not None else ())
+    try:
+        search = search_mesh(problem)
+    except solvers.InfeasibleError as exc:
+        raise InfeasiblePlanError(str(exc), exc.min_peak_bytes) from exc
+    failures = []
+    for choice in search.shapes:
+        m = choice.mesh
+        ranks = pipeline_ranks(m.pp, m.dp, m.tp, m.order)
+        sub = Devices([devices.specs[r] for r in ranks], [[devices.link_classes[a][b] for b in ranks] for a in ranks],
+                      [devices.ids[r] for r in ranks], [devices.nodes[r] for r in ranks], dict(devices.bandwidth_Bps))
+        v = stages_per_worker(choice.candidate.schedule, problem.virtual_stages) if m.pp > 1 else 1
+        planner = planner_for(dataclasses.replace(costed, profiled=choice.candidate.micro_batches), sub, schedule=choice.candidate.schedule if m.pp > 1 else "1f1b",
+                              virtual_stages=v, optimizer=optimizer, checkpoint=checkpoint, options=options)
+        shard = m.dp_mode == "shard" and m.dp > 1
+        planner = dataclasses.replace(planner, chunks=choice.candidate.micro_batches,
+                                      optimizer_state_factor=grad + (factor - grad) / (m.dp if shard else 1),
+                                      memory_bytes=[float(memory)] * len(planner.devices))
+        scaled = mesh_costs(costed.costs, samples, choice, problem, piece_nodes, launch)
+        try:
+            result = plan_for_choice(planner, scaled, choice, piece_nodes)
+        except (MemoryError, InfeasiblePlanError) as exc:
+            failures.append(f"{m.label()}: {str(exc).splitlines()[0][:200]}")
+            continue
+        pipeline = result.predicted["iteration_s"]
+        result.predicted.update(pipeline_iteration_s=pipeline, iteration_s=pipeline + choice.iteration_s - choice.pipeline_s,
+                                data_parallel_sync_s=list(choice.sync_s), bubble=choice.bubble)
+        result.predicted["throughput_samples_per_s"] = costed.batch / result.predicted["iteration_s"]
+        result.mesh = mesh_record(choice, problem, ranks)
+        result.solver.update(mesh_search=mesh_rows(search, problem, chosen=choice), mesh_search_s=search.time_s,
+                             mesh_candidates=search.tried, mesh_refused=failures)
+        return result
+    raise InfeasiblePlanError("the mesh search's plans all exceed a device's memory under the node-level memory "
+                              "model: " + "; ".join(failures[:3]), None)

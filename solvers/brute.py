@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import TYPE_CHECKING
 
 from solvers.dp import stage_counts
 from solvers.groups import hierarchical_order
@@ -11,7 +12,11 @@ from solvers.problem import Problem
 from solvers.score import Score, score_assignment
 from solvers.solution import assignment_from_cuts
 
-__all__ = ["brute_force_contiguous", "brute_force_convex", "brute_force_reference", "brute_force_replicated"]
+if TYPE_CHECKING:
+    from solvers.mesh import MeshProblem
+
+__all__ = ["brute_force_contiguous", "brute_force_convex", "brute_force_mesh", "brute_force_reference",
+           "brute_force_replicated"]
 
 
 def brute_force_contiguous(problem: Problem, placement: bool = False) -> Score | None:
@@ -92,4 +97,24 @@ def brute_force_replicated(problem: Problem) -> Score | None:
                 sc = score_assignment(problem, stage_of, groups)
                 if sc.feasible and (best is None or sc.iteration_s < best.iteration_s):
                     best = sc
+    return best
+
+
+def brute_force_mesh(problem: "MeshProblem") -> dict:
+    """The best screened step of every mesh shape over every candidate of :func:`solvers.mesh_search.candidates`,
+    with and without recomputation, and every contiguous cut into its stages: mesh -> the best
+    :class:`solvers.mesh_search.MeshChoice` (shapes where nothing fits are absent). Exponential: tiny problems."""
+    from solvers.mesh import budget
+    from solvers.mesh_search import Candidate, candidates, evaluate_cuts
+
+    L = len(problem.pieces)
+    best: dict = {}
+    for cand in candidates(problem):
+        k, _ = budget(problem, cand.schedule, cand.mesh.pp)
+        for recompute in (False, True):
+            c = Candidate(cand.mesh, cand.schedule, cand.micro_batches, recompute)
+            for inner in itertools.combinations(range(1, L), k - 1):
+                found = evaluate_cuts(problem, c, [0, *inner, L])
+                if found is not None and (cand.mesh not in best or found.screened_s < best[cand.mesh].screened_s):
+                    best[cand.mesh] = found
     return best

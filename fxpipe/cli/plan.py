@@ -75,6 +75,9 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
                         help="the dtype the model trains in (default auto: bfloat16 for hf:TYPE planned for a "
                              "preset, else the model's own)")
     parser.add_argument("--devices", default="cpu,cpu", help=DEVICES_HELP)
+    parser.add_argument("--mesh", help="plan the devices as a pp x dp x tp mesh: auto (searched with the cuts and the "
+                                       "schedule) or a shape, e.g. pp=2,dp=4,tp=1 (dp_mode=shard for FSDP); a "
+                                       "preset's devices only (default: one pipeline over all)")
     parser.add_argument("--topology", help="FILE saved from `nvidia-smi topo -m` (links between the preset's "
                                            "GPUs), or auto (run it here)")
     parser.add_argument("--profile", choices=("measure", "thorough", "estimate"), default="measure",
@@ -125,10 +128,14 @@ def run(args: argparse.Namespace) -> int:
     # inputs (the graph then computes the loss, and fxpipe.launch's ranks trace the same graph), in train mode
     kwargs = {"labels": inputs[0].clone()} if language else None
     model = model.train() if language else model.eval()
+    if getattr(args, "mesh", None) and not analytic:
+        raise ValueError(f"--mesh plans a preset's devices (e.g. --devices h100@0:0-7,1:0-7); --devices "
+                         f"{args.devices} compiles on this machine's")
     try:
         if analytic:
             plan = fxpipe.plan(model, devices, inputs, example_kwargs=kwargs, chunks=args.chunks,
-                               schedule=args.schedule, leaf_modules=leaves, time_limit_s=args.time_limit)
+                               schedule=args.schedule, leaf_modules=leaves, time_limit_s=args.time_limit,
+                               mesh=getattr(args, "mesh", None))
         else:
             profile = dataclasses.replace(fxpipe.ProfileOptions.of(args.profile), progress=not args.quiet)
             plan = fxpipe.compile(model, devices, inputs, example_kwargs=kwargs, chunks=args.chunks,

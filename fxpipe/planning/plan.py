@@ -89,6 +89,9 @@ class Plan:
     # compiled stages (fxpipe.runtime.compiled): {"options": torch.compile's arguments as JSON, "compile_s": seconds
     # the stages' first forward and backward spent compiling, "stage_compile_s": per stage}; None: eager stages
     compiled: dict[str, Any] | None = None
+    # the pp x dp x tp mesh this pipeline is one position of (fxpipe.plan(mesh=...): pp, dp, tp, dp_mode, order,
+    # sequence_parallel, the links each dimension crosses, the pipeline's ranks); None: a pipeline alone
+    mesh: dict[str, Any] | None = None
 
     @property
     def workers(self) -> int:
@@ -117,6 +120,9 @@ class Plan:
             ])
         out = [f"fxpipe plan for {self.model}: {len(self.stages)} stages, batch {self.batch_size} in "
                f"{self.chunks} micro-batches, schedule {self.schedule}, checkpoint {self.checkpoint}"]
+        if self.mesh:   # fxpipe.planning.mesh_view: the mesh, and the best plan of every other shape
+            from fxpipe.planning.mesh_view import mesh_head
+            out = mesh_head(self) + out
         out += aligned_table(head, rows)
         if self.frontend:
             out.append(f"front end: {self.frontend.get('name', '?')} ({self.frontend.get('reason', '')})")
@@ -156,6 +162,9 @@ class Plan:
                            f"{'' if self.solver.get('space_optimal') else ' (stopped by the time limit)'}; "
                            f"gap to the best possible plan at most {self.solver.get('gap', float('nan')):.1%}"
                            + (f" ({self.solver['objective']})" if self.solver.get("objective") else ""))
+        if self.solver.get("mesh_search"):
+            from fxpipe.planning.mesh_view import mesh_table
+            out += mesh_table(self, aligned_table)
         if self.solver.get("search"):   # schedule="auto" / chunks="auto": every candidate, the chosen one marked *
             out.append("schedule search (simulated iteration; * chosen):")
             out += aligned_table(["schedule", "chunks", "checkpoint", "iteration ms", "peak MiB", "feasible"], [

@@ -6,7 +6,8 @@ they are read, nesting deeper than Python's recursion limit, non-finite numbers 
 ``1e999``) and integers of more than 4300 digits are refused while parsing, and every field is checked
 against ``plan.schema.json`` (shipped in this package; validated with the ``jsonschema`` library) with its
 bounds: at most a million micro-batches, 65536 stages, no unknown keys. The schema's version is the plan's
-``format``; :data:`MIGRATIONS` turns an older format into the current one (none is older yet).
+``format``; :data:`MIGRATIONS` turns an older format into the current one: ``fxpipe-plan/1`` (before the
+``mesh`` field; a pipeline over all its devices) reads as ``fxpipe-plan/2`` without a mesh.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from fxpipe.errors import PlanFormatError
 
 __all__ = ["MAX_PLAN_BYTES", "MIGRATIONS", "PLAN_FORMAT", "check_plan_document", "plan_schema", "read_plan_document"]
 
-PLAN_FORMAT = "fxpipe-plan/1"
+PLAN_FORMAT = "fxpipe-plan/2"
 MAX_PLAN_BYTES = 64 * 2**20
-MIGRATIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+MIGRATIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "fxpipe-plan/1": lambda doc: {**doc, "format": "fxpipe-plan/2"},   # /2 added the optional "mesh"
+}
 """``format`` of an older plan -> a function returning the document in the next format."""
 
 

@@ -1,0 +1,135 @@
+"""The mesh search's choice as a :class:`fxpipe.Plan`: the pipeline of one dp × tp position, costed node by node.
+
+:func:`solvers.mesh_search.search_mesh` chooses the mesh, schedule, micro-batches and cuts between pieces;
+this turns the choice into the plan the runtime runs. Every node's cost becomes what one device of the mesh
+pays (:func:`mesh_costs`: the micro-batch's samples, compute and saved activations / ``tp``, parameters
+/ ``tp``, the tensor-parallel collectives of each piece on its last operation) and the planner costs the
+chosen stages on them (:meth:`fxpipe.planning.planner.Planner.costed`: the per-worker memory model and
+checkpoint choice, the schedule simulated), its optimizer memory that of the dp mode (FSDP: the optimizer's
+state / ``dp``). The plan's ``mesh`` records the shape; its ``iteration_s`` is the pipeline's plus data
+parallel's exposed sync (the mesh search's simulation); ``solver["mesh_search"]`` holds the best plan of
+every shape tried, for :meth:`fxpipe.Plan.summary`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+from typing import Any, Sequence
+
+from fxpipe.cost.profile import NodeCost
+from fxpipe.planning.lowering import problem_device_ids
+from fxpipe.planning.plan import Plan
+from fxpipe.planning.planner import Planner
+from solvers.mesh import DP_MODES, ORDERS, Mesh, MeshProblem, allreduce_s
+from solvers.mesh_search import MeshChoice, MeshSearch
+
+__all__ = ["mesh_costs", "mesh_record", "mesh_rows", "parse_mesh", "plan_for_choice"]
+
+
+def parse_mesh(spec: Any, world: int) -> list[Mesh]:
+    """``"auto"`` -> [] (every shape); ``"pp=2,dp=4,tp=1"`` (``dp_mode=shard|replicate``, ``order=...``
+    optional) or a dict of the same -> that shape (both dp modes when ``dp_mode`` is not given)."""
+    if spec == "auto":
+        return []
+    if isinstance(spec, str):
+        fields = {}
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            key, sep, value = part.partition("=")
+            if not sep:
+                raise ValueError(f"mesh {spec!r}: {part!r} is not KEY=VALUE; write e.g. mesh='pp=2,dp=4,tp=1'")
+            fields[key.strip()] = value.strip()
+        spec = fields
+    if not isinstance(spec, dict):
+        raise TypeError(f"mesh must be 'auto', a string like 'pp=2,dp=4,tp=1' or a dict, got {spec!r}")
+    unknown = set(spec) - {"pp", "dp", "tp", "dp_mode", "order"}
+    if unknown:
+        raise ValueError(f"mesh: unknown key(s) {sorted(unknown)}; the keys are pp, dp, tp, dp_mode, order")
+    try:
+        shape = {k: int(spec.get(k, 1)) for k in ("pp", "dp", "tp")}
+    except (TypeError, ValueError):
+        raise ValueError(f"mesh: pp, dp and tp must be integers, got {spec!r}") from None
+    if min(shape.values()) < 1 or shape["pp"] * shape["dp"] * shape["tp"] != world:
+        raise ValueError(f"mesh {shape}: pp x dp x tp must be {world}, the devices given (got "
+                         f"{shape['pp'] * shape['dp'] * shape['tp']})")
+    modes = [spec["dp_mode"]] if "dp_mode" in spec else list(DP_MODES)
+    order = spec.get("order", ORDERS[0])
+    if any(m not in DP_MODES for m in modes) or order not in ORDERS:
+        raise ValueError(f"mesh: dp_mode must be one of {DP_MODES} and order one of {ORDERS}, got {spec!r}")
+    return [Mesh(shape["pp"], shape["dp"], shape["tp"], m, order) for m in modes[:1 if shape["dp"] == 1 else 2]]
+
+
+def mesh_costs(costs: dict[str, NodeCost], profiled_samples: float, choice: MeshChoice, problem: MeshProblem,
+               piece_nodes: Sequence[Sequence[str]], launch_s: float) -> dict[str, NodeCost]:
+    """Each node's cost on one device of ``choice``'s mesh at its micro-batch (module docstring)."""
+    mesh, samples = choice.mesh, choice.samples
+    t, f = mesh.tp, samples / profiled_samples
+    sp = problem.sequence_parallel
+    tp_link = problem.links(mesh)["tp"]
+
+    def time_of(x: float, fixed: float) -> float:
+        o = min(x, fixed)
+        return o + (x - o) * f / t
+    out = {name: dataclasses.replace(
+        c, fwd_s=time_of(c.fwd_s, launch_s), bwd_s=time_of(c.bwd_s, 2 * launch_s),
+        act_bytes=int(c.act_bytes * f / t), output_bytes=int(c.output_bytes * f / (t if sp else 1)),
+        param_bytes=int(c.param_bytes / t), flops=int(c.flops * f / t)) for name, c in costs.items()}
+    for piece, names in zip(problem.pieces, piece_nodes):
+        calls = [n for n in names if out[n].fwd_s > 0]
+        if not calls:
+            continue
+        comm = piece.tp_collectives * allreduce_s(piece.tp_bytes * samples, t, tp_link)
+        whole = 0 if sp or t == 1 else int(piece.replicated_act_bytes * samples * (1 - 1 / t))
+        last = out[calls[-1]]
+        out[calls[-1]] = dataclasses.replace(last, fwd_s=last.fwd_s + comm, bwd_s=last.bwd_s + comm,
+                                             act_bytes=last.act_bytes + whole)
+    return out
+
+
+def plan_for_choice(planner: Planner, costs: dict[str, NodeCost], choice: MeshChoice,
+                    piece_nodes: Sequence[Sequence[str]]) -> Plan:
+    """The plan of ``choice``'s stages on ``planner`` (the pipeline's workers, the micro-batches, the schedule and
+    the dp mode's optimizer memory already set); ``costs`` from :func:`mesh_costs`. Raises ``MemoryError`` or
+    :class:`fxpipe.InfeasiblePlanError` when the node-level memory model finds a device over its memory."""
+    ids = problem_device_ids(planner._solver_devices)
+    cuts = choice.cuts
+    stages = [SimpleNamespace(nodes=[n for names in piece_nodes[a:i] for n in names]) for a, i in zip(cuts, cuts[1:])]
+    like = SimpleNamespace(stages=stages, solver={"stage_devices": [[ids[k]] for k in range(len(stages))],
+                                                  "method": "mesh"},
+                           problem={"recompute": choice.candidate.recompute})
+    return planner.costed(costs, like)   # type: ignore[arg-type]
+
+
+def mesh_record(choice: MeshChoice, problem: MeshProblem, ranks: Sequence[int]) -> dict[str, Any]:
+    """What ``plan.mesh`` holds: the shape, the dp mode, the rank order, and the links each dimension crosses."""
+    m = choice.mesh
+    links = problem.links(m)
+    return {"pp": m.pp, "dp": m.dp, "tp": m.tp, "dp_mode": m.dp_mode, "order": m.order,
+            "sequence_parallel": problem.sequence_parallel,
+            "dims": ["pp", "dp", "tp"] if m.order == "pp-dp-tp" else ["dp", "pp", "tp"],
+            "links": {k: (v.name if v is not None else None) for k, v in links.items()},
+            "pipeline_ranks": list(ranks)}
+
+
+def mesh_rows(search: MeshSearch, problem: MeshProblem, chosen: MeshChoice | None = None) -> list[dict[str, Any]]:
+    """Every shape's best plan, fastest first, ``chosen`` (default the search's best) marked, and the shapes where
+    nothing fits."""
+    chosen = chosen or search.best
+    rows = []
+    for c in search.shapes:
+        rows.append({"pp": c.mesh.pp, "dp": c.mesh.dp, "tp": c.mesh.tp, "dp_mode": c.mesh.dp_mode,
+                     "order": c.mesh.order, "schedule": c.candidate.schedule, "chunks": c.candidate.micro_batches,
+                     "recompute": c.candidate.recompute, "iteration_s": c.iteration_s, "screened_s": c.screened_s,
+                     "bubble": c.bubble, "peak_bytes": max(c.peak_bytes), "sync_s": list(c.sync_s),
+                     "simulated": c.simulated,
+                     "feasible": True, "chosen": c is chosen})
+    for mesh, why in search.infeasible.items():
+        rows.append({"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "dp_mode": mesh.dp_mode, "order": mesh.order,
+                     "feasible": False, "chosen": False, "why": why})
+    return rows
+
+
+def label(row: dict[str, Any]) -> str:
+    """``pp=2 dp=4(fsdp) tp=1`` of a row of :func:`mesh_rows` or of ``plan.mesh``."""
+    return Mesh(row["pp"], row["dp"], row["tp"], row.get("dp_mode", "replicate"), row.get("order", ORDERS[0])).label()
+

@@ -1,0 +1,44 @@
+"""The mesh in :meth:`fxpipe.Plan.summary`: the chosen pp × dp × tp and the best plan of every shape tried."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+__all__ = ["mesh_head", "mesh_table"]
+
+
+def _label(row: dict[str, Any]) -> str:
+    dp = f"{row['dp']}" + ("(fsdp)" if row.get("dp_mode") == "shard" and row["dp"] > 1 else "")
+    return f"pp={row['pp']} dp={dp} tp={row['tp']}" + (" dp-outer" if row.get("order") == "dp-pp-tp" else "")
+
+
+def mesh_head(plan: Any) -> list[str]:
+    """Lines before the stage table: the mesh, what each dimension crosses, and what the table below is."""
+    m = plan.mesh
+    links = m.get("links", {})
+    crossing = ", ".join(f"{d} over {links[d]}" for d in ("tp", "dp", "pp") if links.get(d))
+    p = plan.predicted
+    step = (f"; predicted step {p['iteration_s'] * 1e3:.1f} ms = pipeline {p['pipeline_iteration_s'] * 1e3:.1f} ms + "
+            f"exposed data-parallel sync" if "pipeline_iteration_s" in p else "")
+    return [f"mesh {_label(m)} on {m['pp'] * m['dp'] * m['tp']} devices ({crossing or 'one device'}; "
+            f"{'sequence parallel' if m.get('sequence_parallel') else 'no sequence parallelism'}){step}",
+            f"the pipeline below is one of {m['dp'] * m['tp']} (dp x tp); each stage's figures are one device's"]
+
+
+def mesh_table(plan: Any, table: Callable[[list[str], list[list[str]]], list[str]]) -> list[str]:
+    """The best plan of every mesh shape tried (simulated step; * chosen), then the shapes where nothing fits;
+    ``table`` lays out the rows (:func:`fxpipe.planning.plan.aligned_table`)."""
+    rows = plan.solver["mesh_search"]
+    fits = [r for r in rows if r["feasible"]]
+    out = [f"mesh search ({plan.solver.get('mesh_candidates', '?')} candidates in "
+           f"{plan.solver.get('mesh_search_s', float('nan')):.2f} s; the best of each shape, simulated, or ~ the "
+           "closed form's step; * chosen):"]
+    out += table(["mesh", "schedule", "chunks", "recompute", "step ms", "bubble", "peak GiB"], [
+        [("* " if r["chosen"] else "  ") + _label(r), r["schedule"], str(r["chunks"]), "yes" if r["recompute"] else "no",
+         ("" if r.get("simulated", True) else "~") + f"{r['iteration_s'] * 1e3:.1f}", f"{r['bubble']:.1%}", f"{r['peak_bytes'] / 2**30:.1f}"] for r in fits])
+    refused = [_label(r) for r in rows if not r["feasible"]]
+    if refused:
+        out.append(f"no plan fits memory on: {', '.join(refused)}")
+    if plan.solver.get("mesh_refused"):
+        out.append("faster shapes refused by the node-level memory model: " + "; ".join(plan.solver["mesh_refused"]))
+    return out

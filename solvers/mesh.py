@@ -1,0 +1,242 @@
+"""The mesh problem: a chain of model pieces on ``world`` identical devices split as pp × dp × tp, and its cost model.
+
+A language model is a chain of pieces (the embedding, each transformer block, the head and loss) with
+figures per sample: forward and backward seconds on one device, parameter bytes, activation bytes saved
+for the backward, the bytes crossing a cut after each piece, and per piece the tensor-parallel collectives
+its forward makes (a transformer block: two, after attention and after the MLP, each of the hidden state's
+size; the backward makes as many). The devices form nested levels of links, innermost first: the islands
+of the fastest links (NVLink inside a node), then the network between nodes (:class:`Level`).
+
+A mesh (:class:`Mesh`) puts ``tp`` innermost (consecutive ranks, which must lie inside one island), then
+``dp`` and ``pp`` in either order (``order="pp-dp-tp"``: pp outermost, as torchtitan's mesh; ``"dp-pp-tp"``:
+dp outermost); a dimension's collectives run at the slowest link of the block of ranks it spans.
+What each part is charged (:func:`stage_figures`, :func:`dp_sync_s`):
+
+* compute: a piece's forward and backward per sample × the micro-batch's samples / ``tp`` (plus the fixed
+  per-micro-batch launch time, not divided), the backward again plus the forward when recomputing;
+* tensor parallel: per piece and micro-batch ``tp_collectives`` all-reduces (or, with sequence parallelism,
+  reduce-scatter + all-gather pairs: the same bytes on a ring) of ``tp_bytes`` × samples in the forward and
+  as many in the backward, ring time ``2 (t - 1) / t × bytes / bandwidth`` at the ``tp`` island's link,
+  not overlapped with compute;
+* the pipeline: a value crossing a cut goes forward and its gradient back, each charged to both stages
+  (as :mod:`solvers.score`), at the ``pp`` dimension's link; with sequence parallelism each rank sends its
+  ``1 / tp`` of it;
+* data parallel once per step: ``replicate`` all-reduces the gradients (``2 (d - 1) / d`` × bytes);
+  ``shard`` (FSDP2 with parameters kept unsharded through the step's micro-batches) all-gathers the
+  parameters before the first forward and reduce-scatters the gradients after the last backward
+  (``(d - 1) / d`` × bytes each), at the ``dp`` dimension's link;
+* memory per device: parameters and gradients of its stages / ``tp`` (kept whole on each dp rank through
+  the step), the optimizer's state / ``tp`` and, sharded, / ``dp``; activations / ``tp`` (with sequence
+  parallelism; without it ``replicated_act_bytes`` stay whole, Korthikanti et al. 2022, table 2) times the
+  schedule's micro-batches in flight (:func:`solvers.schedules.inflight`), or, recomputing, each in-flight
+  micro-batch's stage input plus one micro-batch's activations. Interleaved stages share a device's memory
+  equally, as the pipeline planner gives them.
+
+Left out: compute efficiency lost to narrower matrices under tensor parallelism, overlap of the
+collectives with compute (all charged exposed but the data-parallel sync, which :mod:`solvers.mesh_search`
+overlaps with the pipeline's drain when it simulates), contention of several dimensions on one link,
+workspace buffers and allocator fragmentation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from solvers.errors import InvalidProblemError
+from solvers.schedules import SCHEDULES, inflight, stage_worker, stages_per_worker
+
+__all__ = ["DP_MODES", "ORDERS", "Level", "Mesh", "MeshProblem", "Piece", "StageFigures", "allreduce_s",
+           "dp_sync_s", "gather_s", "mesh_shapes", "stage_figures"]
+
+DP_MODES = ("replicate", "shard")
+ORDERS = ("pp-dp-tp", "dp-pp-tp")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One piece of the chain; times and activation bytes per sample, at one device's speed."""
+
+    name: str
+    fwd_s: float
+    bwd_s: float
+    param_bytes: float = 0.0
+    act_bytes: float = 0.0
+    fixed_s: float = 0.0               # per micro-batch forward time that does not scale (the backward: twice)
+    tp_collectives: int = 0            # activation-sized collectives per forward (as many in the backward)
+    tp_bytes: float = 0.0              # per sample: the size of each
+    replicated_act_bytes: float = 0.0  # per sample: activations tensor parallel keeps whole without sequence par.
+
+
+@dataclass(frozen=True)
+class Level:
+    """Blocks of ``size`` units of the level inside (devices for the first), joined by this link."""
+
+    size: int
+    bandwidth_Bps: float
+    latency_s: float = 0.0
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Mesh:
+    pp: int
+    dp: int
+    tp: int
+    dp_mode: str = "replicate"
+    order: str = "pp-dp-tp"
+
+    def label(self) -> str:
+        dp = f"dp={self.dp}" + ("(fsdp)" if self.dp_mode == "shard" and self.dp > 1 else "")
+        return f"pp={self.pp} {dp} tp={self.tp}" + (" dp-outer" if self.order == "dp-pp-tp" else "")
+
+
+@dataclass
+class MeshProblem:
+    pieces: list[Piece]
+    cut_bytes: list[float]        # per sample: what crosses a cut after piece i (len(pieces) - 1 entries)
+    levels: list[Level]           # innermost first; the product of their sizes is the world
+    memory_bytes: float           # per device
+    batch: int                    # samples in one step, over all dp replicas
+    grad_factor: float = 1.0      # gradient bytes per parameter byte
+    optimizer_factor: float = 6.0  # optimizer bytes (master copy, moments) per parameter byte
+    speed: float = 1.0            # the devices' speed relative to the one the times are for
+    schedules: tuple[str, ...] = SCHEDULES
+    dp_modes: tuple[str, ...] = DP_MODES
+    orders: tuple[str, ...] = ORDERS
+    sequence_parallel: bool = True
+    weight_share: float = 0.5     # of a backward, the weight-gradient pass (zero-bubble schedules)
+    virtual_stages: int = 2       # interleaved-1f1b's stages per device
+    most_micro_batches: int | None = None   # at most this many per step (default: the local batch)
+    micro_batch_counts: tuple[int, ...] = ()  # only these (per dp replica); empty: powers of two and the whole
+    fixed: list[Mesh] = field(default_factory=list)   # only these meshes (empty: every shape)
+
+    def __post_init__(self) -> None:
+        if not self.pieces:
+            raise InvalidProblemError("the mesh problem has no pieces")
+        if len(self.cut_bytes) != len(self.pieces) - 1:
+            raise InvalidProblemError(f"cut_bytes has {len(self.cut_bytes)} entries for {len(self.pieces)} pieces; "
+                                      "it needs one per cut between consecutive pieces")
+        if not self.levels or any(lv.size < 1 or lv.bandwidth_Bps <= 0 for lv in self.levels):
+            raise InvalidProblemError("levels must be at least one level of positive size and bandwidth")
+        if self.batch < 1 or self.memory_bytes <= 0:
+            raise InvalidProblemError(f"batch ({self.batch}) and memory_bytes ({self.memory_bytes}) must be positive")
+        unknown = [s for s in self.schedules if s not in SCHEDULES] + [d for d in self.dp_modes if d not in DP_MODES]
+        if unknown:
+            raise InvalidProblemError(f"unknown schedule or dp mode {unknown[0]!r}; expected one of "
+                                      f"{', '.join(SCHEDULES + DP_MODES)}")
+
+    @property
+    def world(self) -> int:
+        return math.prod(lv.size for lv in self.levels)
+
+    def link(self, size: int, stride: int) -> Level | None:
+        """The slowest level a group of ``size`` ranks ``stride`` apart spans (None for one rank)."""
+        if size == 1:
+            return None
+        span, block = size * stride, 1
+        for lv in self.levels:
+            block *= lv.size
+            if span <= block:
+                return lv
+        return self.levels[-1]
+
+    def links(self, mesh: Mesh) -> dict[str, Level | None]:
+        """The link each dimension of ``mesh`` crosses."""
+        t, d, p = mesh.tp, mesh.dp, mesh.pp
+        dp_stride, pp_stride = (t, t * d) if mesh.order == "pp-dp-tp" else (t * p, t)
+        return {"tp": self.link(t, 1), "dp": self.link(d, dp_stride), "pp": self.link(p, pp_stride)}
+
+
+def mesh_shapes(problem: MeshProblem) -> list[Mesh]:
+    """Every pp × dp × tp = world with tp inside the innermost level and pp at most the pieces; each dp mode and
+    order where they differ (dp = 1: one; pp or dp = 1: one order)."""
+    if problem.fixed:
+        return list(problem.fixed)
+    world, island = problem.world, problem.levels[0].size
+    out = []
+    for t in (k for k in range(1, island + 1) if island % k == 0 and world % k == 0):
+        for p in (k for k in range(1, world // t + 1) if (world // t) % k == 0):
+            d = world // (t * p)
+            if p > len(problem.pieces) or problem.batch % d:
+                continue
+            for mode in (problem.dp_modes if d > 1 else problem.dp_modes[:1]):
+                for order in (problem.orders if d > 1 and p > 1 else problem.orders[:1]):
+                    out.append(Mesh(p, d, t, mode, order))
+    return out
+
+
+def allreduce_s(nbytes: float, n: int, link: Level | None) -> float:
+    """Ring all-reduce of ``nbytes`` over ``n`` ranks (a reduce-scatter and an all-gather)."""
+    return 0.0 if link is None or n < 2 else 2 * gather_s(nbytes, n, link)
+
+
+def gather_s(nbytes: float, n: int, link: Level | None) -> float:
+    """Ring all-gather (or reduce-scatter) of ``nbytes`` in all over ``n`` ranks."""
+    if link is None or n < 2:
+        return 0.0
+    return (n - 1) / n * nbytes / link.bandwidth_Bps + (n - 1) * link.latency_s
+
+
+@dataclass
+class StageFigures:
+    """Per piece, for one mesh and micro-batch size: what :mod:`solvers.mesh_search` cuts."""
+
+    fwd_s: list[float]        # per micro-batch, tensor-parallel collectives included
+    bwd_s: list[float]        # per micro-batch, recomputation included
+    weight_s: list[float]     # the weight-gradient share of bwd_s
+    state_bytes: list[float]  # parameters, gradients, optimizer state per device
+    param_bytes: list[float]  # parameters per device (what data parallel moves)
+    act_bytes: list[float]    # per micro-batch per device
+    cut_s: list[float]        # one way, one micro-batch, over the pp link: a cut after piece i
+    cut_bytes: list[float]    # per micro-batch per device: what a cut after piece i keeps
+
+
+def stage_figures(problem: MeshProblem, mesh: Mesh, samples: int, recompute: bool) -> StageFigures:
+    """The pieces' figures on ``mesh`` for micro-batches of ``samples`` samples (module docstring)."""
+    links, t, speed = problem.links(mesh), mesh.tp, problem.speed
+    sp = problem.sequence_parallel
+    shard = mesh.dp_mode == "shard" and mesh.dp > 1
+    state = 1.0 + problem.grad_factor + problem.optimizer_factor / (mesh.dp if shard else 1)
+    fwd, bwd, weight, states, params, acts = [], [], [], [], [], []
+    for piece in problem.pieces:
+        tp_s = piece.tp_collectives * allreduce_s(piece.tp_bytes * samples, t, links["tp"])
+        f = piece.fwd_s * samples / (t * speed) + piece.fixed_s + tp_s
+        w = problem.weight_share * piece.bwd_s * samples / (t * speed)
+        b = piece.bwd_s * samples / (t * speed) + 2 * piece.fixed_s + tp_s
+        fwd.append(f)
+        bwd.append(b + (f if recompute else 0.0))
+        weight.append(w)
+        params.append(piece.param_bytes / t)
+        states.append(piece.param_bytes / t * state)
+        kept = piece.replicated_act_bytes if not sp else 0.0
+        acts.append(((piece.act_bytes - kept) / t + kept) * samples)
+    cut_bytes = [c * samples / (t if sp else 1) for c in problem.cut_bytes]
+    link = links["pp"]
+    cut_s = [0.0 if link is None else c / link.bandwidth_Bps + link.latency_s for c in cut_bytes]
+    return StageFigures(fwd, bwd, weight, states, params, acts, cut_s, cut_bytes)
+
+
+def dp_sync_s(problem: MeshProblem, mesh: Mesh, param_bytes: float) -> tuple[float, float]:
+    """(before the first forward, after the last backward): data parallel's per-step collectives for a device
+    holding ``param_bytes`` of parameters (gradients of the same bytes)."""
+    link = problem.links(mesh)["dp"]
+    if mesh.dp_mode == "shard":
+        return gather_s(param_bytes, mesh.dp, link), gather_s(param_bytes * problem.grad_factor, mesh.dp, link)
+    return 0.0, allreduce_s(param_bytes * problem.grad_factor, mesh.dp, link)
+
+
+def budget(problem: MeshProblem, schedule: str, pp: int) -> tuple[int, float]:
+    """(stages, memory per stage) of ``schedule`` on ``pp`` devices."""
+    v = stages_per_worker(schedule, problem.virtual_stages) if pp > 1 else 1
+    return v * pp, problem.memory_bytes / v
+
+
+def stage_inflight(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
+    """Micro-batches ``stage`` holds at its peak (interleaved counted as the planner does: 1F1B over all
+    stages)."""
+    return inflight("1f1b" if schedule == "interleaved-1f1b" else schedule, stage, stages, micro_batches)
+
+
+def owner(schedule: str, stage: int, pp: int) -> int:
+    return stage_worker(schedule, stage, pp)

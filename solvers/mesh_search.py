@@ -1,0 +1,334 @@
+"""The search over meshes (pp × dp × tp), schedules, micro-batch counts, recomputation and stage cuts.
+
+For every candidate (:func:`candidates`: each mesh shape of :func:`solvers.mesh.mesh_shapes`, each schedule
+it can run, each micro-batch count that divides a dp replica's samples — powers of two and the whole local
+batch — with and without recomputation) the step is screened by a closed form of the
+schedule's timeline in the bottleneck stage time ``τ`` (the largest per-micro-batch forward + backward +
+pipeline transfers of the ``pp × v`` stages):
+
+* ``gpipe``, ``1f1b``: ``(m + p - 1) τ``; ``interleaved-1f1b``: ``(v m + p - 1) τ`` (Narayanan et al. 2021);
+* ``zb-h1``: ``(m + (p - 1) ρ) τ``; ``zb-v``: ``(2 m + (p - 1) ρ) τ``, with ``ρ = (F + B - W) / (F + B + W)``
+  over the model (Qi et al. 2023: the bubble is ``(p - 1)(F + B - W)``),
+
+plus data parallel's all-gather and gradient sync of the average device's parameters, charged whole. The
+closed form is increasing in ``τ`` and otherwise independent of the cuts, so the cuts that minimise ``τ``
+under each stage's memory (:func:`min_max_cuts`, an exact dynamic program over contiguous cuts, vectorised)
+minimise it: the search is exact for the screening model, which ``tests/test_mesh_search.py`` checks against
+:func:`solvers.brute.brute_force_mesh` (every mesh, candidate and cut).
+
+Inside a shape the candidates are solved in the order of a lower bound on their step (the closed form at
+the larger of the slowest piece and the average stage), until the bound reaches the best step found
+(branch and bound: exact, and a few dynamic programs per shape instead of every candidate's); a shape
+whose parameters, gradients and optimizer state alone exceed its devices' memory is not searched.
+
+The best candidate of each of the fastest mesh shapes is then simulated (:func:`solvers.simulate.simulate`: the schedule's
+own timeline, the pipeline's transfers on their links, data parallel's sync after each device's last
+backward, overlapping the drain, and its all-gather before the first forward: :data:`SIMULATE_MOST`,
+:data:`SIMULATE_MARGIN`); the mesh whose simulated step is fastest is the choice, the other shapes keep their
+closed form's step. Screening every candidate by simulation would cost 15-130 ms each (hundreds of
+candidates at 64 devices); the closed form costs microseconds after the cuts.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from solvers.errors import InfeasibleError
+from solvers.mesh import Mesh, MeshProblem, StageFigures, budget, dp_sync_s, mesh_shapes, owner, stage_figures, \
+    stage_inflight
+from solvers.schedules import SPLIT_BACKWARD, check_schedule, stages_per_worker
+from solvers.simulate import simulate
+
+SIMULATE_MOST = 6
+"""Shapes simulated at most (the fastest by the closed form first): a simulation of 64 micro-batches over 16
+stages takes seconds in Python, the closed form microseconds."""
+SIMULATE_MARGIN = 0.05
+"""A shape is simulated while its closed-form step is within this share of the fastest simulated step: the
+closed form and the simulation differ by the transfers' overlap and uneven stages, a few per cent on the
+Llama shapes of ``benchmarks/scale.py``."""
+
+__all__ = ["Candidate", "MeshChoice", "MeshSearch", "candidates", "evaluate_cuts", "min_max_cuts", "search_mesh"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    mesh: Mesh
+    schedule: str
+    micro_batches: int
+    recompute: bool = False
+
+
+@dataclass
+class MeshChoice:
+    """One candidate with its cuts and predicted step."""
+
+    candidate: Candidate
+    samples: int                  # per micro-batch
+    cuts: list[int]               # stage s holds pieces cuts[s] .. cuts[s + 1] - 1
+    screened_s: float             # the closed form's step
+    iteration_s: float            # simulated (the shapes' bests), else the closed form's
+    stage_s: list[float]          # per micro-batch
+    peak_bytes: list[float]       # per device of the pipeline
+    sync_s: tuple[float, float] = (0.0, 0.0)   # data parallel's (before, after) of the first device
+    pipeline_s: float = 0.0       # simulated: the last forward or backward's end (without the dp sync)
+    bubble: float = 0.0           # idle share of the pipeline's devices' step
+    simulated: bool = False
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.candidate.mesh
+
+
+@dataclass
+class MeshSearch:
+    best: MeshChoice
+    shapes: list[MeshChoice]                        # the best of every mesh shape that fits, fastest first
+    infeasible: dict[Mesh, str] = field(default_factory=dict)   # shape -> why nothing fits
+    tried: int = 0
+    time_s: float = 0.0
+
+
+def micro_batch_counts(problem: MeshProblem, dp: int) -> list[int]:
+    """Micro-batch counts of one dp replica's ``batch / dp`` samples: the problem's own, or powers of two that
+    divide it and the whole (one sample each), at most ``most_micro_batches``."""
+    local = problem.batch // dp
+    if problem.micro_batch_counts:
+        return [m for m in problem.micro_batch_counts if 1 <= m <= local and local % m == 0]
+    most = min(local, problem.most_micro_batches or local)
+    counts = {m for m in (2 ** k for k in range(int(math.log2(most)) + 1)) if local % m == 0}
+    if local <= most:
+        counts.add(local)
+    return sorted(counts)
+
+
+def candidates(problem: MeshProblem) -> Iterator[Candidate]:
+    """Every (mesh, schedule, micro-batches) the search screens, without recomputation (module docstring)."""
+    for mesh in mesh_shapes(problem):
+        schedules = problem.schedules if mesh.pp > 1 else ("1f1b",)   # one stage: accumulation, one in flight
+        for schedule in schedules:
+            k, _ = budget(problem, schedule, mesh.pp)
+            if k > len(problem.pieces):
+                continue
+            for m in micro_batch_counts(problem, mesh.dp):
+                if mesh.pp > 1 and m == 1 and schedule != "gpipe":
+                    continue
+                try:
+                    check_schedule(schedule, k, mesh.pp, m)
+                except ValueError:
+                    continue
+                yield Candidate(mesh, schedule, m)
+
+
+def _closed_form(problem: MeshProblem, cand: Candidate, fig: StageFigures, tau: float) -> float:
+    p, m = cand.mesh.pp, cand.micro_batches
+    s = cand.schedule
+    if s in ("gpipe", "1f1b") or p == 1:
+        return (m + p - 1) * tau
+    if s == "interleaved-1f1b":
+        return (stages_per_worker(s, problem.virtual_stages) * m + p - 1) * tau
+    f, b, w = sum(fig.fwd_s), sum(fig.bwd_s), sum(fig.weight_s)
+    rho = max(0.0, f + b - 2 * w) / (f + b) if f + b > 0 else 0.0
+    return ((2 if s == "zb-v" else 1) * m + (p - 1) * rho) * tau
+
+
+def _screen_sync(problem: MeshProblem, cand: Candidate, fig: StageFigures) -> tuple[float, float]:
+    return dp_sync_s(problem, cand.mesh, sum(fig.param_bytes) / cand.mesh.pp)
+
+
+def _stage_memory(problem: MeshProblem, cand: Candidate, fig: StageFigures, j: int, k: int, a: int, i: int) -> float:
+    held = stage_inflight(cand.schedule, j, k, cand.micro_batches)
+    act = sum(fig.act_bytes[a:i])
+    kept = fig.cut_bytes[a - 1] * held + act if cand.recompute and a > 0 else (act if cand.recompute else act * held)
+    return sum(fig.state_bytes[a:i]) + kept
+
+
+def evaluate_cuts(problem: MeshProblem, cand: Candidate, cuts: list[int],
+                  fig: StageFigures | None = None) -> MeshChoice | None:
+    """``cand`` with stages ``cuts`` under the screening model; ``None`` when a stage does not fit its memory."""
+    samples = problem.batch // (cand.mesh.dp * cand.micro_batches)
+    fig = fig or stage_figures(problem, cand.mesh, samples, cand.recompute)
+    k, room = budget(problem, cand.schedule, cand.mesh.pp)
+    L = len(problem.pieces)
+    stage_s, memory = [], []
+    for j, (a, i) in enumerate(zip(cuts, cuts[1:])):
+        comm = 2 * ((fig.cut_s[a - 1] if a > 0 else 0.0) + (fig.cut_s[i - 1] if i < L else 0.0))
+        stage_s.append(sum(fig.fwd_s[a:i]) + sum(fig.bwd_s[a:i]) + comm)
+        memory.append(_stage_memory(problem, cand, fig, j, k, a, i))
+    if any(mb > room * (1 + 1e-12) for mb in memory):
+        return None
+    sync = _screen_sync(problem, cand, fig)
+    step = _closed_form(problem, cand, fig, max(stage_s)) + sum(sync)
+    peaks = [0.0] * cand.mesh.pp
+    for j, mb in enumerate(memory):
+        peaks[owner(cand.schedule, j, cand.mesh.pp)] += mb
+    return MeshChoice(cand, samples, list(cuts), step, step, stage_s, peaks, sync)
+
+
+def min_max_cuts(fig: StageFigures, k: int, room: float, inflight: list[int], recompute: bool) -> list[int] | None:
+    """Cuts of the pieces into ``k`` contiguous stages minimising the largest stage time, every stage ``j`` within
+    ``room`` bytes holding ``inflight[j]`` micro-batches; ``None`` when no cuts fit. Exact (dynamic program)."""
+    L = len(fig.fwd_s)
+    if k > L:
+        return None
+    zero = np.zeros(1)
+    T = np.concatenate([zero, np.cumsum(np.add(fig.fwd_s, fig.bwd_s))])
+    S = np.concatenate([zero, np.cumsum(fig.state_bytes)])
+    A = np.concatenate([zero, np.cumsum(fig.act_bytes)])
+    cut = np.concatenate([zero, np.asarray(fig.cut_s, dtype=float), zero])     # at position a: a cut before piece a
+    inb = np.concatenate([zero, np.asarray(fig.cut_bytes, dtype=float), zero])
+    a_idx, i_idx = np.arange(L + 1)[:, None], np.arange(L + 1)[None, :]
+    valid = a_idx < i_idx
+    seg_t = np.where(valid, T[None, :] - T[:, None] + 2 * (cut[:, None] + cut[None, :]), np.inf)
+    seg_s = S[None, :] - S[:, None]
+    seg_a = A[None, :] - A[:, None]
+    best = np.full(L + 1, np.inf)
+    best[0] = 0.0
+    choice = []
+    limit = room * (1 + 1e-12)
+    for j in range(k):
+        held = inflight[j]
+        mem = seg_s + (inb[:, None] * held + seg_a if recompute else seg_a * held)
+        cost = np.where(valid & (mem <= limit), seg_t, np.inf)
+        total = np.maximum(best[:, None], cost)
+        arg = np.argmin(total, axis=0)
+        best = total[arg, np.arange(L + 1)]
+        choice.append(arg)
+    if not math.isfinite(best[L]):
+        return None
+    cuts, i = [L], L
+    for j in reversed(range(k)):
+        i = int(choice[j][i])
+        cuts.append(i)
+    return cuts[::-1]
+
+
+def solve_candidate(problem: MeshProblem, cand: Candidate, fig: StageFigures) -> MeshChoice | None:
+    """The screening model's best cuts of ``cand`` and their step; ``None`` when nothing fits."""
+    k, room = budget(problem, cand.schedule, cand.mesh.pp)
+    held = [stage_inflight(cand.schedule, j, k, cand.micro_batches) for j in range(k)]
+    cuts = min_max_cuts(fig, k, room, held, cand.recompute)
+    return None if cuts is None else evaluate_cuts(problem, cand, cuts, fig)
+
+
+def simulate_choice(problem: MeshProblem, choice: MeshChoice) -> MeshChoice:
+    """``choice`` with its step simulated (module docstring)."""
+    cand, cuts = choice.candidate, choice.cuts
+    fig = stage_figures(problem, cand.mesh, choice.samples, cand.recompute)
+    p, k = cand.mesh.pp, len(cuts) - 1
+    fwd = [sum(fig.fwd_s[a:i]) for a, i in zip(cuts, cuts[1:])]
+    bwd = [sum(fig.bwd_s[a:i]) for a, i in zip(cuts, cuts[1:])]
+    share = [min(1.0, sum(fig.weight_s[a:i]) / b) if b > 0 else 0.0 for a, i, b in zip(cuts, cuts[1:], bwd)]
+    sends = {(j, j + 1): fig.cut_s[cuts[j + 1] - 1] for j in range(k - 1)}
+    params = [sum(fig.param_bytes[a:i]) for a, i in zip(cuts, cuts[1:])]
+    after = [dp_sync_s(problem, cand.mesh, b)[1] for b in params]
+    first = sum(b for j, b in enumerate(params) if owner(cand.schedule, j, p) == 0)
+    before = dp_sync_s(problem, cand.mesh, first)[0]
+    schedule = cand.schedule if p > 1 else "1f1b"
+    sim = simulate(fwd, bwd, cand.micro_batches, schedule, sends=sends, allreduce_s=after, workers=p,
+                   weight_share=share if schedule in SPLIT_BACKWARD else 0.5)
+    work = [sum(fwd[j] + bwd[j] for j in range(k) if owner(schedule, j, p) == w) * cand.micro_batches
+            for w in range(p)]
+    pipe = sim.iteration_s
+    compute_end = max((e.end for e in sim.timeline if e.kind in ("F", "B", "W")), default=0.0)
+    bubble = 1.0 - sum(work) / (p * compute_end) if compute_end > 0 else 0.0
+    return MeshChoice(cand, choice.samples, cuts, choice.screened_s, pipe + before, choice.stage_s,
+                      choice.peak_bytes, (before, max(after) if after else 0.0), compute_end, bubble, simulated=True)
+
+
+def search_mesh(problem: MeshProblem) -> MeshSearch:
+    """The best mesh, schedule, micro-batches, recomputation and cuts, and the best of every other shape.
+
+    Raises :class:`solvers.InfeasibleError` when no candidate fits memory on any mesh."""
+    started = time.perf_counter()
+    best_of: dict[Mesh, MeshChoice] = {}
+    why: dict[Mesh, str] = {}
+    figures: dict[tuple[Mesh, int, bool], StageFigures] = {}
+    by_mesh: dict[Mesh, list[Candidate]] = {}
+    for cand in candidates(problem):
+        by_mesh.setdefault(cand.mesh, []).append(cand)
+    for mesh in mesh_shapes(problem):
+        why[mesh] = "no schedule, micro-batch count or recomputation fits memory"
+    tried = 0
+    for mesh, cands in by_mesh.items():
+        # every device of the pipeline holds its stages' parameters, gradients and optimizer state: on average
+        # their sum / pp, and the fullest at least that
+        if sum(stage_figures(problem, mesh, 1, False).state_bytes) / mesh.pp > problem.memory_bytes:
+            why[mesh] = "parameters, gradients and optimizer state alone exceed a device's memory"
+            continue
+        # branch and bound inside the shape: a candidate's step is at least its closed form at the bottleneck's
+        # lower bound (:func:`_least_tau`); candidates are solved from the least bound up, until the bound reaches
+        # the best step found
+        bounded = []
+        for cand in cands:
+            samples = problem.batch // (mesh.dp * cand.micro_batches)
+            for recompute in (False, True):
+                c = Candidate(mesh, cand.schedule, cand.micro_batches, recompute)
+                key = (mesh, samples, recompute)
+                if key not in figures:
+                    figures[key] = stage_figures(problem, mesh, samples, recompute)
+                fig = figures[key]
+                bound = _closed_form(problem, c, fig, _least_tau(problem, c, fig)) + sum(_screen_sync(problem, c, fig))
+                bounded.append((bound, c.micro_batches, recompute, c, fig))
+        bounded.sort(key=lambda b: b[:3])
+        best: MeshChoice | None = None
+        for bound, _, _, c, fig in bounded:
+            if best is not None and bound >= best.screened_s:
+                break
+            tried += 1
+            found = solve_candidate(problem, c, fig)
+            if found is not None and (best is None or _rank(found) < _rank(best)):
+                best = found
+        if best is not None:
+            best_of[mesh] = best
+    if not best_of:
+        least = min((sum(stage_figures(problem, m, 1, True).state_bytes) / m.pp for m in why), default=math.nan)
+        raise InfeasibleError(
+            f"no mesh of {problem.world} devices fits memory with any schedule, micro-batch count or recomputation "
+            f"({len(why)} shapes tried): parameters, gradients and optimizer state alone need "
+            f"{least / 2**30:.1f} GiB a device on the best shape, before activations, of "
+            f"{problem.memory_bytes / 2**30:.1f} GiB; add devices or memory, use an optimizer that keeps less, or "
+            "train a smaller batch or shorter sequences", min_peak_bytes=least)
+    screened = sorted(best_of.values(), key=lambda c: (c.screened_s, *_simpler(c)[1:]))
+    shapes, fastest = [], math.inf
+    for c in screened:   # simulated while within SIMULATE_MARGIN of the fastest simulated step, at most SIMULATE_MOST
+        simulate_it = len(shapes) < SIMULATE_MOST and c.screened_s <= fastest * (1 + SIMULATE_MARGIN)
+        shapes.append(simulate_choice(problem, c) if simulate_it else _estimated(c))
+        if simulate_it:
+            fastest = min(fastest, shapes[-1].iteration_s)
+    shapes.sort(key=lambda c: (not c.simulated, *_simpler(c)))
+    for mesh in best_of:
+        why.pop(mesh, None)
+    return MeshSearch(shapes[0], shapes, why, tried, time.perf_counter() - started)
+
+
+def _estimated(c: MeshChoice) -> MeshChoice:
+    """A shape left unsimulated: its closed form's step and bubble (the idle share of the closed form's
+    pipeline)."""
+    p, m = c.mesh.pp, c.candidate.micro_batches
+    pipe = c.screened_s - sum(c.sync_s)
+    work = sum(c.stage_s) * m / p
+    return MeshChoice(c.candidate, c.samples, c.cuts, c.screened_s, c.screened_s, c.stage_s, c.peak_bytes, c.sync_s,
+                      pipe, max(0.0, 1.0 - work / pipe) if pipe > 0 else 0.0, simulated=False)
+
+
+def _simpler(c: MeshChoice) -> tuple[float, int, int, bool, bool]:
+    """Faster first; ties to fewer stages, less tensor parallelism, replicas, pp outermost."""
+    m = c.mesh
+    return (c.iteration_s, m.pp, m.tp, m.dp_mode == "shard", m.order != "pp-dp-tp")
+
+
+def _least_tau(problem: MeshProblem, cand: Candidate, fig: StageFigures) -> float:
+    """A lower bound on the bottleneck stage time of any cuts of ``cand``: the slowest piece, the average stage."""
+    k, _ = budget(problem, cand.schedule, cand.mesh.pp)
+    work = [f + b for f, b in zip(fig.fwd_s, fig.bwd_s)]
+    return max(max(work), sum(work) / k)
+
+
+def _rank(c: MeshChoice) -> tuple[float, int, bool]:
+    """Faster first; ties to fewer micro-batches, then no recomputation."""
+    return (c.screened_s, c.candidate.micro_batches, c.candidate.recompute)

@@ -1,0 +1,129 @@
+"""fxpipe.plan(mesh=...): a Hugging Face model on meta planned as a pp x dp x tp mesh, the plan records it, and
+plans of the format before the mesh still load."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import transformers
+
+import fxpipe
+import fxpipe.analytic as analytic
+from fxpipe.cost.devices import PRESETS, Devices
+
+
+@pytest.fixture(scope="module")
+def costed():
+    config = transformers.AutoConfig.for_model(
+        "llama", num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    ids = torch.zeros(16, 256, dtype=torch.long, device="meta")
+    devices = Devices.preset("h100", "0:0-3,1:0-3")
+    return model, ids, devices, analytic.cost_model(model, (ids,), devices.specs[0], workers=8)
+
+
+def test_auto_mesh_plan_records_the_mesh_and_every_shape(costed, tmp_path):
+    model, ids, devices, c = costed
+    plan = fxpipe.plan(model, devices, (ids,), mesh="auto")
+    mesh = plan.mesh
+    assert mesh["pp"] * mesh["dp"] * mesh["tp"] == 8 and mesh["tp"] <= 4   # tp inside a node's NVLink island
+    rows = plan.solver["mesh_search"]
+    chosen = [r for r in rows if r["chosen"]]
+    assert len(chosen) == 1 and (chosen[0]["pp"], chosen[0]["dp"], chosen[0]["tp"]) == (mesh["pp"], mesh["dp"], mesh["tp"])
+    assert len({(r["pp"], r["dp"], r["tp"]) for r in rows}) >= 8   # the shapes of 8 = pp x dp x tp with tp <= 4
+    assert plan.workers == mesh["pp"] and plan.devices[0] == "cuda:0"
+    assert sorted(n for s in plan.stages for n in s.nodes) == sorted(n.name for n in c.captured.graph.graph.nodes
+                                                                    if n.op != "output")
+    text = plan.summary()
+    assert text.startswith(f"mesh pp={mesh['pp']}") and "mesh search (" in text and "* pp=" in text
+    path = tmp_path / "mesh.plan.json"
+    plan.save(path)
+    again = fxpipe.load_plan(path)
+    assert again.mesh == plan.mesh and again.to_dict() == plan.to_dict()
+
+
+def test_fixed_mesh_divides_parameters_by_tp_and_shards_the_optimizer(costed):
+    _, _, devices, c = costed
+    params = sum(x.param_bytes for x in c.costs.values())
+    tp = analytic.plan_costed_mesh(c, devices, "pp=2,dp=1,tp=4", schedule="1f1b")
+    assert (tp.mesh["pp"], tp.mesh["dp"], tp.mesh["tp"], tp.schedule, len(tp.stages)) == (2, 1, 4, "1f1b", 2)
+    assert sum(s.param_bytes for s in tp.stages) == pytest.approx(params / 4, rel=1e-3)
+    assert tp.mesh["links"] == {"tp": "NV18", "dp": None, "pp": "NET"}
+    one = analytic.plan_costed_mesh(c, devices, "pp=2,dp=4,tp=1,dp_mode=replicate", schedule="1f1b", chunks=2)
+    fsdp = analytic.plan_costed_mesh(c, devices, "pp=2,dp=4,tp=1,dp_mode=shard", schedule="1f1b", chunks=2)
+    assert one.mesh["dp_mode"] == "replicate" and fsdp.mesh["dp_mode"] == "shard"
+    # Adam in mixed precision: 2 + 2 bytes a parameter kept whole, 12 of optimizer state sharded by dp = 4
+    assert fsdp.problem["optimizer_state_factor"] == pytest.approx(1 + 6 / 4)
+    assert one.problem["optimizer_state_factor"] == pytest.approx(7)
+    # tensor parallelism pays its collectives: a tp=4 stage's compute is more than a quarter of tp=1's
+    base = analytic.plan_costed_mesh(c, devices, "pp=2,dp=4,tp=1,dp_mode=replicate", schedule="1f1b", chunks=4)
+    four = analytic.plan_costed_mesh(c, devices, "pp=2,dp=1,tp=4", schedule="1f1b", chunks=16)
+    assert sum(s.fwd_s for s in four.stages) > sum(s.fwd_s for s in base.stages) / 4
+
+
+def test_default_plan_has_no_mesh_and_older_plans_load(costed, tmp_path):
+    model, ids, devices, _ = costed
+    plan = fxpipe.plan(model, Devices.preset("h100", 2), (ids,), schedule="1f1b", chunks=4)
+    assert plan.mesh is None
+    doc = plan.to_dict()
+    doc["format"] = "fxpipe-plan/1"
+    doc.pop("mesh")
+    path = tmp_path / "old.plan.json"
+    path.write_text(json.dumps(doc))
+    old = fxpipe.load_plan(path)
+    assert old.mesh is None and [s.nodes for s in old.stages] == [s.nodes for s in plan.stages]
+
+
+def test_bad_meshes_are_refused_with_the_fix(costed):
+    model, ids, devices, c = costed
+    with pytest.raises(ValueError, match="pp x dp x tp must be 8"):
+        analytic.plan_costed_mesh(c, devices, "pp=3,dp=1,tp=1")
+    with pytest.raises(ValueError, match="does not split evenly over dp=8"):
+        analytic.plan_costed_mesh(dataclasses.replace(c, batch=12), devices, "pp=1,dp=8,tp=1")
+    with pytest.raises(ValueError, match="unknown key"):
+        analytic.plan_costed_mesh(c, devices, {"pp": 8, "cp": 1})
+    with pytest.raises(ValueError, match="leave stages and virtual_stages unset"):
+        fxpipe.plan(model, devices, (ids,), mesh="auto", stages=4)
+    mixed = Devices([PRESETS["h100"][0], PRESETS["a100"][0]], [["X", "NV12"], ["NV12", "X"]])
+    with pytest.raises(ValueError, match="identical devices"):
+        analytic.plan_costed_mesh(c, mixed, "auto")
+    with pytest.raises(fxpipe.InfeasiblePlanError, match="optimizer state alone need"):
+        analytic.plan_costed_mesh(c, Devices.preset("h100", "0:0-1"), "auto",
+                                  options=fxpipe.CompileOptions(memory_bytes=[1e6, 1e6]))
+
+
+def test_link_levels_from_the_topology():
+    """tp's islands are the fastest class's blocks; each slower class inside a node, then the network, a level."""
+    from pathlib import Path
+
+    from fxpipe.planning.mesh_chain import levels_of
+    from fxpipe.planning.topology import parse_nvidia_smi_topo
+
+    classes = parse_nvidia_smi_topo((Path(__file__).parent / "data" / "titan-v-8gpu-2socket.txt").read_text())
+    box = dataclasses.replace(Devices.preset("v100", 8), link_classes=classes)
+    assert [(lv.size, lv.name) for lv in levels_of(box)] == [(2, "PIX"), (2, "PHB"), (2, "SYS")]
+    two = Devices.preset("h100", "0:0-7,1:0-7", bandwidth_Bps={"NET": 50e9})
+    assert [(lv.size, lv.name, lv.bandwidth_Bps) for lv in levels_of(two)] == [(8, "NV18", 450e9), (2, "NET", 50e9)]
+    classes[0][1] = classes[1][0] = "SYS"   # GPU 1 no longer in GPU 0's PIX pair
+    with pytest.raises(ValueError, match="ordered island by island"):
+        levels_of(dataclasses.replace(box, link_classes=classes))
+
+
+def test_cli_plans_a_mesh_for_a_preset_and_refuses_one_for_local_devices(tmp_path, capsys):
+    from fxpipe.__main__ import main
+
+    out = tmp_path / "mesh.plan.json"
+    code = main(["plan", "hf:llama", "--config", "num_hidden_layers=2,hidden_size=64,intermediate_size=128,"
+                 "num_attention_heads=4,num_key_value_heads=2,vocab_size=256", "--seq-len", "64", "--batch", "8",
+                 "--devices", "h100@0:0-1,1:0-1", "--mesh", "pp=2,dp=1,tp=2", "--schedule", "1f1b", "-o", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0 and text.startswith("mesh pp=2 dp=1 tp=2 on 4 devices")
+    assert fxpipe.load_plan(out).mesh["links"] == {"tp": "NV18", "dp": None, "pp": "NET"}
+    code = main(["plan", "resnet18", "--mesh", "auto", "--devices", "cpu,cpu", "--batch", "4", "--image-size", "32"])
+    err = capsys.readouterr().err
+    assert code != 0 and err.startswith("error: --mesh plans a preset's devices")

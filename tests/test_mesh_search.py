@@ -1,0 +1,86 @@
+"""The mesh search (solvers.mesh_search) against brute force over every mesh shape, candidate and cut."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from solvers import InfeasibleError
+from solvers.brute import brute_force_mesh
+from solvers.mesh import Level, Mesh, MeshProblem, Piece, mesh_shapes, stage_figures
+from solvers.mesh_search import search_mesh
+
+
+def chain(rng: random.Random, pieces: int, levels: list[Level], memory: float, batch: int,
+          act: float = 1.0) -> MeshProblem:
+    """A random chain: pieces of uneven compute, parameters and activations, some with TP collectives."""
+    out = []
+    for i in range(pieces):
+        f = rng.uniform(0.5, 3.0) * 1e-3
+        out.append(Piece(f"p{i}", f, f * rng.uniform(1.5, 2.5), rng.uniform(1, 8) * 2**20, rng.uniform(1, 6) * act * 2**20,
+                         fixed_s=1e-5, tp_collectives=rng.choice([0, 1, 2]), tp_bytes=rng.uniform(0.5, 2) * 2**20,
+                         replicated_act_bytes=rng.uniform(0, 1) * 2**20))
+    cuts = [rng.uniform(0.2, 2) * 2**20 for _ in range(pieces - 1)]
+    return MeshProblem(out, cuts, levels, memory, batch, grad_factor=1.0, optimizer_factor=6.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_search_matches_brute_force_on_every_shape(seed: int) -> None:
+    rng = random.Random(seed)
+    levels = [Level(2, 100e9, 2e-6, "NV4"), Level(2, 10e9, 5e-6, "NET")] if seed % 2 else \
+        [Level(4, 200e9, 2e-6, "NV8"), Level(2, 12e9, 5e-6, "NET")]
+    problem = chain(rng, 6, levels, memory=rng.choice([90, 150, 300]) * 2**20, batch=8, act=rng.choice([1, 8]))
+    brute = brute_force_mesh(problem)
+    try:
+        found = search_mesh(problem)
+    except InfeasibleError:
+        assert not brute
+        return
+    mine = {c.mesh: c for c in found.shapes}
+    assert set(mine) == set(brute)
+    for mesh, best in brute.items():
+        assert mine[mesh].screened_s == pytest.approx(best.screened_s, rel=1e-9), mesh
+    # the choice is the fastest simulated shape; every shape's simulated step is at least its pipeline's work
+    assert found.best.iteration_s == min(c.iteration_s for c in found.shapes)
+    assert set(found.infeasible).isdisjoint(mine)
+    assert set(found.infeasible) | set(mine) == set(mesh_shapes(problem))
+
+
+def test_recomputation_and_memory_bounds() -> None:
+    """Tight memory: some shapes need recomputation, none of the chosen devices is over its memory."""
+    rng = random.Random(11)
+    problem = chain(rng, 6, [Level(2, 100e9), Level(2, 10e9)], memory=150 * 2**20, batch=8, act=8)
+    brute = brute_force_mesh(problem)
+    found = search_mesh(problem)
+    assert {c.mesh for c in found.shapes} == set(brute)
+    assert any(c.candidate.recompute for c in found.shapes)
+    assert any(not c.candidate.recompute for c in found.shapes)
+    for c in found.shapes:
+        assert c.screened_s == pytest.approx(brute[c.mesh].screened_s, rel=1e-9)
+    assert all(max(c.peak_bytes) <= problem.memory_bytes * (1 + 1e-9) for c in found.shapes)
+
+
+def test_costs_charged_where_the_dimensions_run() -> None:
+    """TP collectives at the island's link, FSDP shards the optimizer by dp, the pipeline's cut by tp."""
+    piece = Piece("block", 1e-3, 2e-3, param_bytes=8e6, act_bytes=4e6, tp_collectives=2, tp_bytes=1e6)
+    problem = MeshProblem([piece, piece], [1e6], [Level(2, 100e9), Level(2, 10e9)], 1e12, batch=4)
+    one = stage_figures(problem, Mesh(1, 4, 1), 1, False)
+    tp = stage_figures(problem, Mesh(2, 1, 2), 1, False)
+    # tp=2 inside the island: compute halves, 2 all-reduces of 1 MB each way at 100 GB/s (2 (t-1)/t = 1)
+    assert tp.fwd_s[0] == pytest.approx(0.5e-3 + 2 * 1e6 / 100e9)
+    assert tp.cut_bytes == [0.5e6] and tp.cut_s == [pytest.approx(0.5e6 / 10e9)]   # pp=2 crosses the network
+    assert one.state_bytes[0] == pytest.approx(8e6 * (1 + 1 + 6))
+    shard = stage_figures(problem, Mesh(1, 4, 1, "shard"), 1, False)
+    assert shard.state_bytes[0] == pytest.approx(8e6 * (1 + 1 + 6 / 4))
+    assert problem.links(Mesh(1, 4, 1))["dp"].bandwidth_Bps == 10e9       # dp=4 spans both nodes
+    assert problem.links(Mesh(2, 2, 1))["dp"].bandwidth_Bps == 100e9      # dp inside the island, pp outside
+    assert problem.links(Mesh(2, 2, 1, order="dp-pp-tp"))["pp"].bandwidth_Bps == 100e9
+    assert all(m.tp <= 2 for m in mesh_shapes(problem))                    # tp never leaves the island
+
+
+def test_nothing_fits_says_so() -> None:
+    problem = chain(random.Random(3), 4, [Level(2, 100e9)], memory=1e6, batch=4)
+    with pytest.raises(InfeasibleError, match="no mesh of 2 devices fits"):
+        search_mesh(problem)
