@@ -41,8 +41,8 @@ EPILOG = """example (two processes on this machine; the plan made by fxpipe.comp
       --model mypkg.models:make_gpt --data mypkg.data:batches --steps 100 --optimizer adamw --lr 3e-4 \\
       --weights gpt.safetensors --checkpoint ckpt/ [--resume]
 restarted when a rank dies, resuming from the last complete checkpoint (saved every 50 steps):
-  torchrun --standalone --nproc-per-node 2 --max-restarts 3 -m fxpipe.launch --plan gpt.plan.json \
-      --model mypkg.models:make_gpt --data mypkg.data:batches --total-steps 1000 --checkpoint ckpt/ \
+  torchrun --standalone --nproc-per-node 2 --max-restarts 3 -m fxpipe.launch --plan gpt.plan.json \\
+      --model mypkg.models:make_gpt --data mypkg.data:batches --total-steps 1000 --checkpoint ckpt/ \\
       --checkpoint-every 50 --resume
 two hosts (run on each; --plan-node pins the host to the plan's node, else the rendezvous order decides):
   torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
@@ -176,9 +176,9 @@ def _train(args: argparse.Namespace, rank: int) -> None:
 
 def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
     """The default group. Under torchrun, whose rendezvous store the workers share with its agent and keep across
-    a restart (torch >= 2.5: pytorch/pytorch#135712), the keys of a restarted group's processes would meet the dead
-    group's (gloo then connects to the old addresses and fails): each attempt's group gets a prefix of its own,
-    the agent's restart count, as torch's own env:// rendezvous did before 2.5. Every agent counts a restart
+    a restart (pytorch/pytorch#135712; seen here with torch 2.15: the restarted group's gloo connected to the dead
+    group's addresses and failed), each attempt's group gets a key prefix of its own, the agent's restart count,
+    as torch's own env:// rendezvous once did. Every agent counts a restart
     its workers failed in; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun where a node may restart
     healthy workers (a new member) and so count differently."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")

@@ -22,6 +22,7 @@ from distributed_run import run_ranks
 from forced_cuts import compile_with_cuts
 
 VOCAB, WIDTH, DEPTH, LR = 50, 32, 4, 0.01
+DEADLINE = 400.0   # per group of processes: bounded, with room for a machine other jobs share
 CUTS = {2: ["blocks_2_0"], 4: ["blocks_1_0", "blocks_2_0", "blocks_3_0"]}
 
 
@@ -73,9 +74,11 @@ def _reference() -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     return losses, params
 
 
-def _ranks(rank: int, world: int, plan_json: str, dp: int, load: str | None, save: str, first: int) -> dict:
+def _ranks(rank: int, world: int, plan_json: str, dp: int, load: str | None, save: str, first: int,
+           tp: int = 1) -> dict:
     """Train batches ``first, first + 1`` on a pipeline of ``world // dp`` stages, each stage's module
-    ``fully_shard``-ed over ``dp`` ranks when ``dp > 1``; load ``load`` first, save to ``save`` after."""
+    ``fully_shard``-ed over ``dp`` ranks when ``dp > 1``, a block and the head tensor-parallel over ``tp`` ranks
+    when ``tp > 1``; load ``load`` first, save to ``save`` after."""
     import fxpipe
     from fxpipe.distributed import PipelineRank, checkpoint
     from torch.distributed.tensor import DTensor
@@ -86,10 +89,24 @@ def _ranks(rank: int, world: int, plan_json: str, dp: int, load: str | None, sav
         from torch.distributed.fsdp import fully_shard
         mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp"))
         group = mesh.get_group("pp")
+    if tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("pp", "tp"))
+        group = mesh.get_group("pp")
     stage = PipelineRank(plan, make_model, _loss, group=group, timeout_s=60)
-    if mesh is not None:
-        for k in stage.own:
-            fully_shard(stage.specs[k].module, mesh=mesh["dp"])
+    for k in stage.own:
+        module = stage.specs[k].module
+        if dp > 1:
+            fully_shard(module, mesh=mesh["dp"])
+        if tp > 1:   # a block's output columns (Shard(0)) and the head's input columns (Shard(1)) split over tp,
+            # their outputs gathered or all-reduced. (Not the embedding: RowwiseParallel on an nn.Embedding gives
+            # a wrong output shape on gloo CPU ranks here, without fxpipe too: (2, 10, C) for (2, 5) tokens.)
+            styles = {"blocks.0.0": ColwiseParallel(output_layouts=Replicate()),
+                      "head": RowwiseParallel(input_layouts=Replicate())}
+            names = {n for n, _ in module.named_modules()}
+            parallelize_module(module, mesh["tp"], {n: st for n, st in styles.items() if n in names})
     opt = torch.optim.Adam(stage.parameters(), lr=LR)
     if load is not None:
         checkpoint.load(stage, opt, load)
@@ -125,7 +142,7 @@ def _check(results: list[dict], want_losses: list[float], want_params: dict[str,
     assert seen == set(want_params), sorted(set(want_params) - seen)
 
 
-@pytest.mark.slow   # ~90 s on the shared machine: four run_ranks groups (4, 4, 2 and 4 processes)
+@pytest.mark.slow   # 45-140 s on the shared machine: four run_ranks groups (4, 4, 2 and 4 processes)
 def test_a_checkpoint_of_fsdp_sharded_stages_loads_under_other_meshes_and_trains_as_one_process(tmp_path):
     want_losses, want_params = _reference()
     x = batches()[0][0]
@@ -133,14 +150,30 @@ def test_a_checkpoint_of_fsdp_sharded_stages_loads_under_other_meshes_and_trains
              for pp in (2, 4)}
     sharded, plain4, plain2, back = (str(tmp_path / n) for n in ("sharded", "plain4", "plain2", "back"))
     # pp=2 x dp=2, FSDP2: steps 0-1, saved as DTensor shards
-    results = run_ranks(4, _ranks, plans[2], 2, None, sharded, 0)
+    results = run_ranks(4, _ranks, plans[2], 2, None, sharded, 0, deadline_s=DEADLINE)
     _check(results, want_losses[0:2], want_params[0])
     for r in results:
         assert r["ok"]["sharded"] == sorted(r["ok"]["params"]) and r["ok"]["sharded"], r["ok"]["sharded"]
         assert r["ok"]["moments"] == 2 * len(r["ok"]["sharded"])   # exp_avg and exp_avg_sq, both DTensors
     # pp=4, plain parameters: steps 2-3 from the sharded checkpoint
-    _check(run_ranks(4, _ranks, plans[4], 1, sharded, plain4, 2), want_losses[2:4], want_params[1])
+    _check(run_ranks(4, _ranks, plans[4], 1, sharded, plain4, 2, deadline_s=DEADLINE), want_losses[2:4],
+           want_params[1])
     # pp=2, plain: the same steps from the same sharded checkpoint
-    _check(run_ranks(2, _ranks, plans[2], 1, sharded, plain2, 2), want_losses[2:4], want_params[1])
+    _check(run_ranks(2, _ranks, plans[2], 1, sharded, plain2, 2, deadline_s=DEADLINE), want_losses[2:4],
+           want_params[1])
     # and back: pp=2 x dp=2 FSDP2 loads the plain pp=4 checkpoint into its shards, steps 4-5
-    _check(run_ranks(4, _ranks, plans[2], 2, plain4, back, 4), want_losses[4:6], want_params[2])
+    _check(run_ranks(4, _ranks, plans[2], 2, plain4, back, 4, deadline_s=DEADLINE), want_losses[4:6],
+           want_params[2])
+
+
+@pytest.mark.slow   # ~130 s on the loaded shared machine: two run_ranks groups of 4 processes
+def test_a_checkpoint_of_fsdp_sharded_stages_loads_into_tensor_parallel_stages(tmp_path):
+    want_losses, want_params = _reference()
+    plan = copy.deepcopy(compile_with_cuts(make_model(), (batches()[0][0],), CUTS[2], chunks=3).plan).to_json()
+    sharded, tp = str(tmp_path / "sharded"), str(tmp_path / "tp")
+    _check(run_ranks(4, _ranks, plan, 2, None, sharded, 0, deadline_s=DEADLINE), want_losses[0:2], want_params[0])
+    # pp=2 x tp=2: FSDP2's Shard(0) over dp read as Shard(0) and Shard(1) over tp
+    results = run_ranks(4, _ranks, plan, 1, sharded, tp, 2, 2, deadline_s=DEADLINE)
+    _check(results, want_losses[2:4], want_params[1])
+    assert sorted(n for r in results for n in r["ok"]["sharded"]) == sorted(
+        2 * ["blocks.0.0.weight", "blocks.0.0.bias", "head.weight", "head.bias"])
