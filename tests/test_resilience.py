@@ -48,6 +48,7 @@ def _launch(world: int, args: list[str], kill: dict[str, str] | None = None) -> 
 
 def _final(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
     latest = __import__("json").loads((ckpt / "latest").read_text())
+    assert latest["step"] == 6, latest
     dcp_to_torch_save(str(ckpt / latest["path"]), str(out))
     return torch.load(out, weights_only=False)
 
