@@ -53,7 +53,7 @@ def _final(ckpt: Path, out: Path) -> dict[str, torch.Tensor]:
     return torch.load(out, weights_only=False)
 
 
-@pytest.mark.slow   # 2 processes ~60 s, 4 processes ~100 s on the shared 2-core machine: three torchrun groups each
+@pytest.mark.slow   # measured 38-87 s (2 processes), 63-172 s (4) on the shared 2-core machine: 3 torchrun groups
 @pytest.mark.parametrize("world, victim", [(2, 1), (4, 2)])
 def test_a_rank_killed_mid_step_is_named_and_torchrun_resumes_to_an_uninterrupted_runs_parameters(tmp_path, world,
                                                                                                  victim):
@@ -114,7 +114,7 @@ def _train_until_killed(rank: int, world: int, plan_json: str, victim: int, out:
     return {"text": None, "at": time.time()}
 
 
-@pytest.mark.slow   # ~15 s (2 processes), ~25 s (4)
+@pytest.mark.slow   # measured 15-25 s (2 processes), 25-47 s (4)
 @pytest.mark.parametrize("world, victim", [(2, 0), (4, 1)])
 def test_every_survivor_names_the_killed_rank_well_within_the_deadline(tmp_path, world, victim):
     plan = copy.deepcopy(compile_with_cuts(make_model(), (batches()[0][0],), CUTS[world], chunks=3).plan)
