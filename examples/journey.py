@@ -55,8 +55,10 @@ def check(checkpoint: str, log: str) -> None:
         losses.append(loss.item())
     with open(log) as f:
         launched = [float(v) for v in re.findall(r"^step \d+: loss ([0-9.]+)$", f.read(), re.M)]
-    dcp_to_torch_save(checkpoint, checkpoint + ".pt")
-    saved = torch.load(checkpoint + ".pt")
+    from fxpipe.distributed import snapshots
+    latest = snapshots.latest(checkpoint)[0]   # the last checkpoint fxpipe.launch published there
+    dcp_to_torch_save(latest, latest + ".pt")
+    saved = torch.load(latest + ".pt")
     worst = max((saved[f"model.{n}"] - p.detach()).abs().max().item() for n, p in reference.named_parameters())
     print(f"one process: losses {' '.join(f'{x:.6f}' for x in losses)}")
     print(f"launched:    losses {' '.join(f'{x:.6f}' for x in launched)}")

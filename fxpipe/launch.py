@@ -4,9 +4,15 @@ Every process loads the plan, imports the model factory (``pkg.module:function``
 (:class:`fxpipe.distributed.PipelineRank`; with ``--weights`` on the ``meta`` device, loading just its tensors),
 prints where it runs, then trains ``--steps`` batches of ``--data`` with its own optimizer over its own
 parameters; the last stage's process prints the losses. ``--checkpoint DIR`` saves every rank's parameters
-and optimizer state there at the end (``fxd.checkpoint``), ``--resume`` first loads them and skips the
-batches already trained. Bad arguments (a factory that cannot be imported, a plan for another number of
-processes) end every process with one line on stderr, ``error: ...``, and a non-zero exit, before training.
+and optimizer state there at the end, and every ``--checkpoint-every`` steps (``fxd.checkpoint``), each one
+published atomically (:mod:`fxpipe.distributed.snapshots`: written aside, renamed, then ``DIR/latest`` pointed
+at it); ``--resume`` first loads the latest complete one and skips the batches already trained, and starts
+from the first batch where none was published yet. So under ``torchrun --max-restarts N`` the same command,
+with ``--total-steps``, finishes the run however often a rank dies: the survivors end with an error naming the
+dead rank (:mod:`fxpipe.distributed.waiting`), torchrun restarts the group, and it resumes from the last
+complete checkpoint, never from one a kill interrupted. Bad arguments (a factory that cannot be imported, a
+plan for another number of processes) end every process with one line on stderr, ``error: ...``, and a
+non-zero exit, before training.
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
-import json
 import os
+import signal
 import sys
+import threading
 from itertools import islice
 from typing import Any, Callable
 
@@ -33,6 +40,10 @@ EPILOG = """example (two processes on this machine; the plan made by fxpipe.comp
   torchrun --standalone --nproc-per-node 2 -m fxpipe.launch --plan gpt.plan.json \\
       --model mypkg.models:make_gpt --data mypkg.data:batches --steps 100 --optimizer adamw --lr 3e-4 \\
       --weights gpt.safetensors --checkpoint ckpt/ [--resume]
+restarted when a rank dies, resuming from the last complete checkpoint (saved every 50 steps):
+  torchrun --standalone --nproc-per-node 2 --max-restarts 3 -m fxpipe.launch --plan gpt.plan.json \\
+      --model mypkg.models:make_gpt --data mypkg.data:batches --total-steps 1000 --checkpoint ckpt/ \\
+      --checkpoint-every 50 --resume
 two hosts (run on each; --plan-node pins the host to the plan's node, else the rendezvous order decides):
   torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
       -m fxpipe.launch --plan gpt.plan.json --model mypkg.models:make_gpt --data mypkg.data:batches --plan-node 0
@@ -80,7 +91,11 @@ def parser() -> argparse.ArgumentParser:
                         "on the model's own loss); every process is given the same batches")
     p.add_argument("--weights", help="a state dict (torch.save), .safetensors file or torch.distributed.checkpoint "
                                      "directory: build on meta and load only this process's stages")
-    p.add_argument("--steps", type=int, default=10, help="batches to train (default 10)")
+    p.add_argument("--steps", type=int, default=10, help="batches to train (default 10; with --resume, after the "
+                                                            "checkpoint's)")
+    p.add_argument("--total-steps", type=int, help="train until this many batches in all were trained, counting a "
+                                                   "resumed checkpoint's (instead of --steps): the same command then "
+                                                   "ends the same run however often torchrun restarts it")
     p.add_argument("--loss", default="auto",
                    help="auto (default: the loss the model computes itself where it returns one, as a Hugging Face "
                         "model given labels, else cross_entropy), model, cross_entropy, mse or pkg.module:fn(out, y)")
@@ -88,7 +103,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--schedule", help="another schedule than the plan's (gpipe, 1f1b, zb-h1, ...)")
     p.add_argument("--checkpoint", help="directory: save parameters and optimizer state there after training")
-    p.add_argument("--resume", action="store_true", help="load --checkpoint first and skip its trained batches")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="also save a checkpoint every N steps (default: only at the end)")
+    p.add_argument("--resume", action="store_true", help="load the latest complete checkpoint in --checkpoint first "
+                                                         "and skip its trained batches (none yet: start at the first)")
     p.add_argument("--plan-node", dest="node", type=int,
                    help="this host's node in the plan (default: torchrun's GROUP_RANK)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any wait for another process may take")
@@ -98,11 +116,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace, rank: int) -> None:
-    from fxpipe.distributed import PipelineRank, checkpoint
+    from fxpipe.distributed import PipelineRank, checkpoint, snapshots
     model_fn, data_fn = _import(args.model, "--model"), _import(args.data, "--data")
     loss_fn = None if args.loss in ("auto", "model") else LOSSES.get(args.loss) or _import(args.loss, "--loss")
     if args.resume and not args.checkpoint:
         raise UsageError("--resume needs --checkpoint DIR")
+    if args.checkpoint_every and not args.checkpoint:
+        raise UsageError("--checkpoint-every needs --checkpoint DIR")
+    if args.checkpoint_every < 0 or (args.total_steps is not None and args.total_steps < 0):
+        raise UsageError("--checkpoint-every and --total-steps must be 0 or more")
     stage = PipelineRank(args.plan, model_fn, loss_fn, weights=args.weights, timeout_s=args.timeout,
                          compression=args.compression)
     if args.loss == "model" and not stage.pipe.has_model_loss:
@@ -120,14 +142,23 @@ def _train(args: argparse.Namespace, rank: int) -> None:
     params = list(stage.parameters())
     opt = OPTIMIZERS[args.optimizer](params, lr=args.lr) if params else None
     done = 0
-    state = os.path.join(args.checkpoint or "", "fxpipe-launch.json")
     if args.resume:
-        checkpoint.load(stage, opt, args.checkpoint)
-        with open(state) as f:
-            done = json.load(f)["steps"]
-    batches = islice(iter(data_fn()), done, done + args.steps)
+        found = snapshots.latest(args.checkpoint)
+        if found is not None:
+            checkpoint.load(stage, opt, found[0])
+            done = found[1]["step"]
+        if rank == 0:
+            sys.stdout.write(f"resumed from {found[0]} after step {done}\n" if found is not None else
+                             f"no complete checkpoint in {args.checkpoint} yet: starting at the first batch\n")
+            sys.stdout.flush()
+    end = args.total_steps if args.total_steps is not None else done + args.steps
+    saved = done if args.resume else -1
+
+    def save(steps: int) -> None:
+        snapshots.publish(args.checkpoint, steps, lambda path: checkpoint.save(stage, opt, path))
+
     options = {"schedule": args.schedule} if args.schedule else {}
-    for step, batch in enumerate(batches, start=done):
+    for step, batch in enumerate(islice(iter(data_fn()), done, max(done, end)), start=done):
         if isinstance(batch, dict):   # the model's keyword inputs, labels among them
             loss = stage.step((), **options, kwargs=batch)
         else:
@@ -139,11 +170,43 @@ def _train(args: argparse.Namespace, rank: int) -> None:
         if loss is not None:
             print(f"step {step}: loss {loss.item():.6f}", flush=True)
         done = step + 1
-    if args.checkpoint:
-        checkpoint.save(stage, opt, args.checkpoint)
-        if rank == 0:
-            with open(state, "w") as f:
-                json.dump({"steps": done}, f)
+        if args.checkpoint and args.checkpoint_every and done % args.checkpoint_every == 0:
+            save(done)
+            saved = done
+    if args.checkpoint and saved != done:
+        save(done)
+
+
+def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:
+    """The default group. Under torchrun, whose rendezvous store the workers share with its agent and keep across
+    a restart (pytorch/pytorch#135712; seen here with torch 2.15: the restarted group's gloo connected to the dead
+    group's addresses and failed), each attempt's group gets a key prefix of its own, the agent's restart count,
+    as torch's own env:// rendezvous once did. Every agent counts a restart
+    its workers failed in; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun where a node may restart
+    healthy workers (a new member) and so count differently."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt is None:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"fxpipe/attempt_{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+
+
+def _let_the_step_say_why(grace_s: float) -> None:
+    """On SIGTERM (torchrun stopping the group because another rank failed or died) let this rank's step end for
+    up to ``grace_s`` seconds with its own error, which names that rank, before exiting: without it the agent's
+    SIGTERM, within its 0.1 s monitor interval, ends most survivors before they can say what happened."""
+    armed: list[threading.Timer] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if not armed:
+            armed.append(threading.Timer(grace_s, lambda: os._exit(128 + signal.SIGTERM)))
+            armed[0].daemon = True
+            armed[0].start()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     elif "FXPIPE_NODE" not in os.environ:
         os.environ["FXPIPE_NODE"] = os.environ.get("GROUP_RANK", "0")
     rank = int(os.environ.get("RANK", 0))
+    _let_the_step_say_why(min(5.0, args.timeout))
     try:
         if "RANK" not in os.environ:
             raise UsageError("fxpipe.launch runs under torchrun: torchrun --nproc-per-node N -m fxpipe.launch ...")
@@ -161,12 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         if not dist.is_initialized():
             on_gpu = any(st.device.startswith("cuda") for st in load_plan(args.plan).stages)
             backend = "nccl" if on_gpu and torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+            _init_process_group(backend, datetime.timedelta(seconds=args.timeout))
         _train(args, rank)
     except UsageError as exc:
         print(f"error: rank {rank}: {exc}", file=sys.stderr, flush=True)
         return 2
-    except (FxpipeError, ValueError, KeyError, OSError, ImportError) as exc:
+    except (FxpipeError, ValueError, KeyError, OSError, ImportError, RuntimeError) as exc:
         print(f"error: rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
               file=sys.stderr, flush=True)
         return 1

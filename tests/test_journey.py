@@ -60,6 +60,8 @@ def _reference(family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 def _checkpointed_parameters(path: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from fxpipe.distributed import snapshots
+    path = Path(snapshots.latest(str(path))[0])   # the last checkpoint fxpipe.launch published
     dcp_to_torch_save(str(path), str(path) + ".pt")
     return {k.removeprefix("model."): v for k, v in torch.load(str(path) + ".pt").items() if k.startswith("model.")}
 

@@ -5,16 +5,17 @@
 on the process the plan places them on (:mod:`~fxpipe.distributed.placement`); ``stage.step(x, y)`` trains one
 batch (:mod:`fxpipe.distributed.rank`). ``python -m fxpipe.launch`` runs it under torchrun. Values cross ranks point-to-point (:mod:`fxpipe.distributed.transport`,
 message format in :mod:`fxpipe.distributed.wire`); :mod:`fxpipe.distributed.checkpoint` saves and resumes it with
-``torch.distributed.checkpoint``; :func:`clip_grad_norm_` clips by the norm over all ranks;
+``torch.distributed.checkpoint``, :mod:`fxpipe.distributed.snapshots` publishes checkpoints atomically (a
+rank killed mid-save never leaves a half-written one to resume from); :func:`clip_grad_norm_` clips by the norm over all ranks;
 :mod:`fxpipe.distributed.torch_pipelining` hands a plan's stages to torch.distributed.pipelining;
 :class:`MeshPipelineRank` runs pp × dp on a ``DeviceMesh`` (:mod:`fxpipe.distributed.mesh`).
 """
 
-from fxpipe.distributed import checkpoint, torch_pipelining
+from fxpipe.distributed import checkpoint, snapshots, torch_pipelining
 from fxpipe.distributed.clip import clip_grad_norm_
 from fxpipe.distributed.mesh import MeshPipelineRank
 from fxpipe.distributed.rank import PipelineRank
 from fxpipe.distributed.transport import P2P
 from fxpipe.distributed.waiting import PeerFailed
 
-__all__ = ["MeshPipelineRank", "P2P", "PeerFailed", "PipelineRank", "checkpoint", "clip_grad_norm_", "torch_pipelining"]
+__all__ = ["MeshPipelineRank", "P2P", "PeerFailed", "PipelineRank", "checkpoint", "clip_grad_norm_", "snapshots", "torch_pipelining"]

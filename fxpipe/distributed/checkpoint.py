@@ -9,6 +9,13 @@ was constructed with. Because nothing in a key names a rank or a stage, a checkp
 another plan of the same model (resharding: 4 stages written, 2 read, or another ``dp``): each rank reads the
 entries of the tensors it now holds, wherever they were written from. Replicas of a ``dp`` group write the same
 keys; ``torch.distributed.checkpoint`` keeps one copy.
+
+Sharded states: a parameter that FSDP2 (``fully_shard`` over a ``dp`` mesh) or tensor parallelism made a
+``DTensor`` is saved as that ``DTensor``, and so is its optimizer state (Adam's moments are ``DTensor`` s shaped
+like it): ``torch.distributed.checkpoint`` writes each rank's shard with the tensor's global shape, and a
+loading rank reads the part it holds now: a plain tensor (another plan, no sharding) or its shard of another
+mesh, from a checkpoint written sharded or plain. The names come from ``stage.named_parameters()``, which
+names a parameter by its module slot, so a ``DTensor`` that replaced it keeps the model's name.
 """
 
 from __future__ import annotations
@@ -17,16 +24,25 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 __all__ = ["save", "load"]
 
 
 def _tensors(stage: Any) -> dict[str, torch.Tensor]:
-    """This rank's parameters and buffers by their names in the model."""
-    own = {id(t) for k in stage.own for t in [*stage.specs[k].module.parameters(), *stage.specs[k].module.buffers()]}
-    named = [*stage.model.named_parameters(), *stage.model.named_buffers()]
-    return {name: t for name, t in named if id(t) in own}
+    """This rank's parameters (``DTensor`` s where sharded) and buffers by their names in the model."""
+    ranked = getattr(stage, "ranked", stage)   # a MeshPipelineRank's own PipelineRank
+    own = {id(t) for k in ranked.own for t in ranked.specs[k].module.buffers()}
+    buffers = {name: t for name, t in ranked.model.named_buffers() if id(t) in own}
+    return {**dict(stage.named_parameters()), **buffers}
+
+
+def _like(param: torch.Tensor, meta: TensorStorageMetadata) -> torch.Tensor:
+    """Room for a stored optimizer entry of ``param``: shaped like the parameter (a moment) it is laid out as the
+    parameter is now (a ``DTensor`` 's shard where sharded); anything else (a step count) plain."""
+    if tuple(meta.size) == tuple(param.shape):   # a DTensor's shape is its global one
+        return torch.empty_like(param.detach(), dtype=meta.properties.dtype)
+    return torch.empty(meta.size, dtype=meta.properties.dtype)
 
 
 def _optimizer_names(stage: Any, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -56,6 +72,7 @@ def load(stage: Any, optimizer: torch.optim.Optimizer | None, path: str) -> None
     state: dict[str, Any] = {f"model.{name}": t.detach() for name, t in _tensors(stage).items()}
     names = _optimizer_names(stage, optimizer) if optimizer is not None else []
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    params = [p for group in optimizer.param_groups for p in group["params"]] if optimizer is not None else []
     prefixes = {f"optim.{name}.": i for i, name in enumerate(names)}
     wanted: dict[str, tuple[int, str]] = {}
     for key, meta in stored.items():
@@ -64,8 +81,7 @@ def load(stage: Any, optimizer: torch.optim.Optimizer | None, path: str) -> None
             continue
         prefix, index = name_index
         wanted[key] = (index, key[len(prefix):])
-        state[key] = (torch.empty(meta.size, dtype=meta.properties.dtype) if isinstance(meta, TensorStorageMetadata)
-                      else None if isinstance(meta, BytesStorageMetadata) else None)
+        state[key] = _like(params[index], meta) if isinstance(meta, TensorStorageMetadata) else None
     missing = [k for k in state if k.startswith("model.") and k not in stored]
     if missing:
         raise KeyError(f"the checkpoint at {path} has no {missing[:3]} ({len(missing)} of this rank's tensors): "

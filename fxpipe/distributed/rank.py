@@ -149,6 +149,13 @@ class PipelineRank:
         self.pipe.transport.when_local_done = self.ties.when_local_done
         self.plan, self.loss_fn, self.reduction, self.broadcast_loss = plan, loss_fn, reduction, broadcast_loss
         self.last = self.rank == stage_rank[-1]
+        # (stage, name in its module) -> name in the model: named_parameters then still names a parameter that
+        # FSDP2's fully_shard or tensor parallelism replaced in its module slot (by a DTensor)
+        model_name = {id(param): name for name, param in self.model.named_parameters()}
+        mine = {id(param) for param in self.parameters()}
+        self.slots: dict[tuple[int, str], str] = {
+            (k, local): model_name[id(param)] for k in self.own
+            for local, param in self.specs[k].module.named_parameters() if id(param) in mine and id(param) in model_name}
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters (each once): what its optimizer updates. A tied parameter that this rank's stages
@@ -161,11 +168,14 @@ class PipelineRank:
                     yield param
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters by their names in the model (``model_fn()``'s ``named_parameters``)."""
-        mine = {id(param) for param in self.parameters()}
-        for name, param in self.model.named_parameters():
-            if id(param) in mine:
-                yield name, param
+        """This rank's parameters by their names in the model (``model_fn()``'s ``named_parameters``): the ones its
+        stage modules hold now (a ``DTensor`` where ``fully_shard`` or tensor parallelism replaced one)."""
+        seen: set[int] = set()
+        for k in self.own:
+            for local, param in self.specs[k].module.named_parameters():
+                if (k, local) in self.slots and id(param) not in seen:
+                    seen.add(id(param))
+                    yield self.slots[(k, local)], param
 
     def step(self, inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor | None:
         """One training step of the batch ``inputs`` (the model's input; a tuple for several) against

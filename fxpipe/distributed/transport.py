@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-from fxpipe.distributed.waiting import PeerFailed, Receiver, Statuses
+from fxpipe.distributed.waiting import PeerFailed, Receiver, Statuses, lost
 from fxpipe.distributed.wire import (MAX_TENSORS, STATUS_BYTES, STATUS_TAG, Header, decode_header, encode_header,
                                      encode_status, header_of, signature, tag, nccl_order_hazard)
 from fxpipe.errors import FxpipeError
@@ -140,7 +140,17 @@ class P2P(Transport):
 
     def _send(self, t: torch.Tensor, to: int, message: int, group: Any) -> None:
         t = self._wire(t)
-        self.sending.append((dist.isend(t, self._global(to), group, tag=message), t))
+        try:
+            work = dist.isend(t, self._global(to), group, tag=message)
+        except RuntimeError as exc:   # gloo: the connection to ``to`` closed (the process is gone)
+            raise self._lost(to, exc) from exc
+        self.sending.append((work, t))
+
+    def _lost(self, peer: int, exc: BaseException) -> PeerFailed:
+        """The error naming ``peer``, whose connection failed under a send or receive; heard as its status too."""
+        status = lost(self._global(peer), exc)
+        self.statuses.hear(peer, status)
+        return PeerFailed(status)
 
     def _receive(self, like: tuple[tuple[int, ...], torch.dtype], device: torch.device, src: int,
                  message: int, group: Any) -> tuple[Any, torch.Tensor]:
@@ -188,7 +198,7 @@ class P2P(Transport):
                                             tag(channel, backward, i, self._part(part)), self.lanes[channel]))
                 part += 1
             wanted.append((spec, shape, dtype, [name for name, _, _ in layout]))
-        got = iter(self._wait(posted, what) if posted else [])
+        got = iter(self._wait(posted, what, src) if posted else [])
         out = []
         for spec, shape, dtype, names in wanted:
             pieces = {name: next(got) for name in names}
@@ -227,9 +237,9 @@ class P2P(Transport):
         if key not in self.headers:   # sent with the first micro-batch of this signature
             j = self.first[self.signatures[i]]
             length = self._wait([self._receive(((1,), torch.int64), device, src, tag(channel, False, j, 0),
-                                               self.lanes[channel])], what)
+                                               self.lanes[channel])], what, src)
             data = self._wait([self._receive(((int(length[0].item()),), torch.uint8), device, src,
-                                             tag(channel, False, j, 1), self.lanes[channel])], what)
+                                             tag(channel, False, j, 1), self.lanes[channel])], what, src)
             self.headers[key] = decode_header(data[0].cpu())
         header = self.headers[key]
         got = self._receive_parts([(m.shape, getattr(torch, m.dtype), m.requires_grad) for _, m in header.tensors()],
@@ -267,10 +277,15 @@ class P2P(Transport):
         return got
 
     # ------------------------------------------------------------------ waiting, the end of a step
-    def _wait(self, posted: list[tuple[Any, torch.Tensor]], what: str) -> list[torch.Tensor]:
-        """The buffers of ``posted`` receives once all have landed; a peer's failure or the deadline raises."""
-        self.receiver.wait([work for work, _ in posted], f"{what} (rank {self._global(self.rank)})", self.timeout_s,
-                           self.statuses.failure)
+    def _wait(self, posted: list[tuple[Any, torch.Tensor]], what: str, src: int) -> list[torch.Tensor]:
+        """The buffers of ``posted`` receives (from ``src``) once all have landed; a peer's failure, ``src``'s
+        connection closing (its process gone: :func:`fxpipe.distributed.waiting.lost` names it) or the deadline
+        raises."""
+        try:
+            self.receiver.wait([work for work, _ in posted], f"{what} (rank {self._global(self.rank)})",
+                               self.timeout_s, self.statuses.failure)
+        except RuntimeError as exc:   # gloo's receive failed: the connection to src reset or closed
+            raise self._lost(src, exc) from exc
         return [buf for _, buf in posted]
 
     def end(self, failure: Any, result: Callable[[], Any]) -> tuple[Any, Any]:
@@ -282,8 +297,11 @@ class P2P(Transport):
                     "remote": isinstance(failure.exc, PeerFailed)}
         out = result() if failure is None else None
         for peer in self.peers:
-            self._send(encode_status({"rank": self._global(self.rank), "failure": mine, "result": out}), peer, STATUS_TAG,
-                       self.control)
+            try:
+                self._send(encode_status({"rank": self._global(self.rank), "failure": mine, "result": out}), peer,
+                           STATUS_TAG, self.control)
+            except PeerFailed:   # that peer is gone: heard as its status, the root of the failure
+                pass
         if self.when_local_done is not None:
             self.when_local_done(failure is not None)
         got, silent = self.statuses.collect(self.timeout_s)

@@ -20,17 +20,31 @@ import torch
 
 from fxpipe.distributed.wire import decode_status
 
-__all__ = ["Receiver", "Statuses", "PeerFailed"]
+__all__ = ["Receiver", "Statuses", "PeerFailed", "lost"]
 
 
 class PeerFailed(Exception):
-    """Another rank's step failed: its status, which names the rank, stage, micro-batch and pass."""
+    """Another rank's step failed: its status, which names the rank, stage, micro-batch and pass (or, for a rank
+    that is gone, :func:`lost`'s status)."""
 
     def __init__(self, status: dict[str, Any]) -> None:
         f = status["failure"]
-        super().__init__(f"rank {status['rank']} failed: stage {f['stage']} {f['kind']} of micro-batch "
-                         f"{f['micro_batch']}: {f['error']}")
+        if f["kind"] == "lost":
+            message = (f"rank {status['rank']} is gone: its connection closed during the step (the process was "
+                       f"killed or crashed; its own log says why, if it could write one): {f['error']}")
+        else:
+            message = (f"rank {status['rank']} failed: stage {f['stage']} {f['kind']} of micro-batch "
+                       f"{f['micro_batch']}: {f['error']}")
+        super().__init__(message)
         self.status = status
+
+
+def lost(rank: int, exc: BaseException) -> dict[str, Any]:
+    """The status of a peer whose connection failed (a process killed with SIGKILL, a crashed host): it sent none,
+    so this rank writes one for it, naming it; it is a root failure (``remote`` false), not a relayed one."""
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return {"rank": rank, "result": None,
+            "failure": {"stage": -1, "micro_batch": -1, "kind": "lost", "error": first, "remote": False}}
 
 
 class Receiver:
@@ -86,10 +100,13 @@ class Statuses:
             work.wait()
             status = decode_status(buf)
         except BaseException as exc:   # the peer is gone: its connection closed
-            status = {"rank": self.name(peer), "result": None, "failure": {"stage": -1, "micro_batch": -1, "kind": "step",
-                                                                "error": f"lost: {exc}", "remote": False}}
+            status = lost(self.name(peer), exc)
+        self.hear(peer, status)
+
+    def hear(self, peer: int, status: dict[str, Any]) -> None:
+        """Record ``peer``'s status (a lost peer's too, found by a failed send or receive), unless one came."""
         with self.lock:
-            self.got[peer] = status
+            self.got.setdefault(peer, status)
 
     def failure(self) -> PeerFailed | None:
         """The first failure a peer reported (lowest rank), if any."""

@@ -34,6 +34,8 @@ def failing_node(exc: BaseException) -> str | None:
 
 def forward_error(stage: int, micro_batch: int, device: torch.device, exc: BaseException) -> StageError:
     """A stage that failed in ``pipe(x)``."""
+    if k < 0:   # the whole step, not one stage's operation: another rank failed or is gone, a wait timed out
+        return StageError(f"{type(exc).__name__}: {exc}", stage=k, micro_batch=i, node=None)
     node = failing_node(exc)
     return StageError(f"stage {stage} (device {device}) failed on micro-batch {micro_batch} at node {node!r}: "
                       f"{type(exc).__name__}: {exc}", stage=stage, micro_batch=micro_batch, node=node)
@@ -49,6 +51,8 @@ def step_error(failure: Any, devices: list[torch.device]) -> StageError:
             f"loss_fn failed on micro-batch {i} (computed on the last stage, {k}, device {devices[k]}, from that "
             f"micro-batch's output and target): {type(exc).__name__}: {exc}; the stages ran; fix loss_fn or the "
             "target (the original exception is chained)", stage=k, micro_batch=i, node=None)
+    if k < 0:   # the whole step, not one stage's operation: another rank failed or is gone, a wait timed out
+        return StageError(f"{type(exc).__name__}: {exc}", stage=k, micro_batch=i, node=None)
     node = failing_node(exc)
     where = f"at node {node!r}" if node is not None else (
         "(autograd does not say which node; torch.autograd.set_detect_anomaly(True) shows the "
