@@ -82,8 +82,8 @@ def main() -> None:
     args = parser.parse_args()
     model = build(args.width, args.layers)
     ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
-    plan = fxpipe.compile(copy.deepcopy(model), ["cpu"] * args.pp, (ids,), chunks=2,
-                          profile=fxpipe.ProfileOptions(mode="estimate")).plan
+    plan = fxpipe.compile(copy.deepcopy(model), ["cpu"] * args.pp, (ids,), chunks=2, stages=args.pp,
+                          schedule="1f1b", profile=fxpipe.ProfileOptions(mode="estimate")).plan
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     print(f"Llama width {args.width}, {args.layers} layers, vocab {VOCAB}: {total / 2**20:.2f} MiB of fp32 "
           f"parameters; pp={args.pp}; bytes of the largest rank (local shards), after one step with AdamW")
