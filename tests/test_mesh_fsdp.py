@@ -3,7 +3,8 @@ AdamW state are sharded over its dp group (``fully_shard``), gradients reduce-sc
 steps of Llama (untied and tied embeddings) and GPT-2 give the losses and every parameter of one process
 training the whole batch (1e-5 relative), for GPipe, 1F1B and ZB-H1, with a last batch the replicas share
 unevenly. One ``run_ranks`` call trains every model and schedule, to start the processes (and import torch and
-transformers) once."""
+transformers) once (about 190 s on the shared 2-core machine). HSDP (pp=1 × dp_replicate=2 × dp_shard=2) trains a
+small model as one process too."""
 
 from __future__ import annotations
 
@@ -130,3 +131,42 @@ def test_pp2_fsdp2_trains_llama_and_gpt2_as_one_process_on_the_whole_batch():
 
 # the overlap of the reduce-scatter with the first stage's drain, and a failing replica: tests/test_mesh.py's
 # tests, parametrized by the data-parallel dim (dp_shard: FSDP2)
+
+
+def _hsdp_ranks(rank: int, world: int, plan_json: str) -> dict:
+    from test_mesh import _batches as small_batches, _loss as small_loss, _make as make_small
+    from fxpipe.distributed.mesh import MeshPipelineRank
+    from fxpipe.distributed.parallel import ParallelDims
+    mesh = ParallelDims(pp=1, dp_replicate=2, dp_shard=2).build_mesh("cpu")
+    stage = MeshPipelineRank(fxpipe.Plan.from_dict(json.loads(plan_json)), make_small, small_loss, mesh=mesh,
+                             timeout_s=60)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    losses = []
+    for x, y in small_batches(8):
+        losses.append(stage.step(x, y, schedule="1f1b").item())
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "params": {n: _full(p) for n, p in stage.named_parameters()}}
+
+
+@pytest.mark.slow
+def test_hsdp_two_replicas_of_two_shards_train_as_one_process():
+    """pp=1 × dp_replicate=2 × dp_shard=2: reduce-scatter within a replica, all-reduce across them (72 s on the loaded 2-core machine)."""
+    from test_mesh import _batches as small_batches, _loss as small_loss, _make as make_small
+    x = small_batches(8)[0][0]
+    plan = copy.deepcopy(fxpipe.compile(make_small(), ["cpu"], (x,), chunks=2, profile=EST).plan)
+    results = run_ranks(4, _hsdp_ranks, plan.to_json(), deadline_s=300)
+    errors = [r["text"] for r in results if "ok" not in r]
+    assert not errors, errors
+    model = make_small()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    want = []
+    for x, y in small_batches(8):
+        loss = small_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    for r in results:
+        assert r["ok"]["losses"] == pytest.approx(want, rel=1e-5)
+        assert max(max_relative_error(r["ok"]["params"][n], p.detach()) for n, p in model.named_parameters()) <= 1e-5
