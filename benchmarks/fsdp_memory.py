@@ -6,6 +6,11 @@ Each configuration starts ``pp * dp_shard`` gloo processes on this machine (file
 its bytes, the table shows the largest rank's and the ratio to ``dp_shard=1`` at the same ``pp``.
 
     flock /tmp/fxpipe-bench.lock python benchmarks/fsdp_memory.py [--pp 2] [--dp 1,2] [--width 128] [--layers 4]
+
+Measured (2-core CPU, gloo; Llama width 128, 4 layers, vocab 512: 2.75 MiB of fp32 parameters), MiB of the largest
+rank: ``--pp 2 --dp 1,2``: 5.510 (1.377 params + 1.377 grads + 2.755 AdamW) -> 2.755 (ratio 0.500);
+``--pp 1 --dp 1,2,4``: 11.018 -> 5.509 (0.500) -> 2.755 (0.250). Parameters, gradients and optimizer state all
+drop by the dp_shard degree (between steps; a step's unsharded parameters and gradients are not counted here).
 """
 
 from __future__ import annotations
