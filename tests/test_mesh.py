@@ -1,7 +1,8 @@
 """pp × dp on a DeviceMesh (4 processes, gloo: pp=2 × dp=2): each pipeline replica trains its share of the batch,
 DistributedDataParallel all-reduces a stage's gradients inside its dp group, and three steps give the losses and
 every parameter of the single-process model on the whole batch (1e-5 relative), for GPipe, 1F1B and ZB-H1 and
-for a batch the replicas share unevenly."""
+for a batch the replicas share unevenly. The overlap and failure tests also run with the dp dim named
+``dp_shard`` (FSDP2, :mod:`fxpipe.distributed.parallel.fsdp`): the reduce-scatter overlaps the drain the same way."""
 
 from __future__ import annotations
 
@@ -144,7 +145,7 @@ def _slow_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)) for _ in range(2)]
 
 
-def _overlap_ranks(rank: int, world: int, plan_json: str, fail_rank: int) -> dict:
+def _overlap_ranks(rank: int, world: int, plan_json: str, fail_rank: int, dp_dim: str = "dp") -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from fxpipe.distributed.mesh import MeshPipelineRank
 
@@ -153,7 +154,7 @@ def _overlap_ranks(rank: int, world: int, plan_json: str, fail_rank: int) -> dic
             raise RuntimeError("injected loss failure")
         return F.mse_loss(out, target)
     plan = fxpipe.Plan.from_dict(json.loads(plan_json))
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", dp_dim))   # "dp_shard": FSDP2
     stage = MeshPipelineRank(plan, _make_slow, loss, mesh=mesh, timeout_s=60, leaf_modules=[SlowBackward])
     opt = torch.optim.SGD(stage.parameters(), lr=0.1)
     spans = []
@@ -162,7 +163,8 @@ def _overlap_ranks(rank: int, world: int, plan_json: str, fail_rank: int) -> dic
         spans.append(stage.all_reduce_s)
         opt.step()
         opt.zero_grad()
-    return {"spans": spans, "params": {n: p.detach().clone() for n, p in stage.named_parameters()}}
+    full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in stage.named_parameters()}
+    return {"spans": spans, "params": {n: p.detach().clone() for n, p in full.items()}}
 
 
 def _slow_plan() -> str:
@@ -171,8 +173,9 @@ def _slow_plan() -> str:
                                            leaf_modules=[SlowBackward]).plan).to_json()
 
 
-def test_a_late_stage_all_reduces_its_gradients_while_the_first_stage_still_drains():
-    results = run_ranks(4, _overlap_ranks, _slow_plan(), -1)
+@pytest.mark.parametrize("dp_dim", ["dp", pytest.param("dp_shard", marks=pytest.mark.slow)])
+def test_a_late_stage_all_reduces_its_gradients_while_the_first_stage_still_drains(dp_dim):
+    results = run_ranks(4, _overlap_ranks, _slow_plan(), -1, dp_dim)
     errors = [r["trace"] for r in results if "ok" not in r]
     assert not errors, errors[0]
     got = [r["ok"] for r in results]
@@ -195,8 +198,9 @@ def test_a_late_stage_all_reduces_its_gradients_while_the_first_stage_still_drai
         assert max(max_relative_error(params[n], want[n].detach()) for n in want) <= 1e-5
 
 
-def test_a_replica_whose_step_fails_ends_every_rank_of_both_replicas_with_an_error():
-    results = run_ranks(4, _overlap_ranks, _slow_plan(), 3, deadline_s=120)
+@pytest.mark.parametrize("dp_dim", ["dp", pytest.param("dp_shard", marks=pytest.mark.slow)])
+def test_a_replica_whose_step_fails_ends_every_rank_of_both_replicas_with_an_error(dp_dim):
+    results = run_ranks(4, _overlap_ranks, _slow_plan(), 3, dp_dim, deadline_s=240)
     assert all("error" in r for r in results), results
     assert "injected loss failure" in results[3]["text"], results[3]["text"]
     assert "rank 3" in results[1]["text"], results[1]["text"]   # its pipeline's first stage names the rank

@@ -8,14 +8,17 @@ message format in :mod:`fxpipe.distributed.wire`); :mod:`fxpipe.distributed.chec
 ``torch.distributed.checkpoint``, :mod:`fxpipe.distributed.snapshots` publishes checkpoints atomically (a
 rank killed mid-save never leaves a half-written one to resume from); :func:`clip_grad_norm_` clips by the norm over all ranks;
 :mod:`fxpipe.distributed.torch_pipelining` hands a plan's stages to torch.distributed.pipelining;
-:class:`MeshPipelineRank` runs pp × dp on a ``DeviceMesh`` (:mod:`fxpipe.distributed.mesh`).
+:class:`MeshPipelineRank` runs pp × dp on a ``DeviceMesh`` (:mod:`fxpipe.distributed.mesh`), dp replicated (DDP),
+sharded (FSDP2) or both (HSDP), composed in :mod:`fxpipe.distributed.parallel` (:class:`ParallelDims` builds the mesh).
 """
 
 from fxpipe.distributed import checkpoint, snapshots, torch_pipelining
 from fxpipe.distributed.clip import clip_grad_norm_
 from fxpipe.distributed.mesh import MeshPipelineRank
+from fxpipe.distributed.parallel import ParallelDims
 from fxpipe.distributed.rank import PipelineRank
 from fxpipe.distributed.transport import P2P
 from fxpipe.distributed.waiting import PeerFailed
 
-__all__ = ["MeshPipelineRank", "P2P", "PeerFailed", "PipelineRank", "checkpoint", "clip_grad_norm_", "snapshots", "torch_pipelining"]
+__all__ = ["MeshPipelineRank", "P2P", "ParallelDims", "PeerFailed", "PipelineRank", "checkpoint", "clip_grad_norm_",
+           "snapshots", "torch_pipelining"]

@@ -1,27 +1,34 @@
-"""pp × dp: a plan's pipeline on the ``pp`` dimension of a ``DeviceMesh``, every stage replicated along ``dp``.
+"""pp × dp: a plan's pipeline on the ``pp`` dimension of a ``DeviceMesh``, every stage replicated (DDP) or sharded
+(FSDP2, HSDP) along the data-parallel dims.
 
 ``MeshPipelineRank(plan, model_fn, loss_fn, mesh=init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp")))``
-runs the plan's ``pp`` workers as :class:`fxpipe.distributed.PipelineRank` over this rank's ``pp`` sub-group (so
-the same schedule interpreter and transport as without dp), and each of the ``dp`` replicas of that pipeline trains
-its share of the batch (``torch.tensor_split`` along the plan's batch dimensions: shares differ by at most one
-sample). A stage's gradients are all-reduced inside its ``dp`` group by ``DistributedDataParallel`` wrapped round
-this rank's stage modules: the pipeline accumulates every micro-batch's gradients locally (DDP's hooks stay idle,
-as under ``no_sync``), then DDP's reducer all-reduces the accumulated gradients once, in its buckets. The step
-weighs its micro-batches over the whole batch (:class:`fxpipe.runtime.losses.Replicas`): a micro-batch of ``n``
-samples counts ``dp * n / N`` of a mean, and a token loss's count (``reduction="token"``, or ``"auto"`` finding an
-``F.cross_entropy`` mean) is summed over the replicas before any rank divides by it, so the gradients and the
-returned loss are the whole batch's, as one process would compute them, even when the shares differ. Under
-``"auto"`` the last stages' replicas also check their reference samples against each other
-(:meth:`fxpipe.runtime.sample_mean_check.SampleMeanCheck.tie`) before they end the step, so a loss whose samples
-weigh differently is refused on every rank even where each replica's own samples weigh alike.
+(or ``mesh=ParallelDims(pp=..., dp_shard=...).build_mesh()``, :mod:`fxpipe.distributed.parallel.dims`) runs the
+plan's ``pp`` workers as :class:`fxpipe.distributed.PipelineRank` over this rank's ``pp`` sub-group (so the same
+schedule interpreter and transport as without dp), and each of the ``dp`` replicas of that pipeline trains its share
+of the batch (``torch.tensor_split`` along the plan's batch dimensions: shares differ by at most one sample). The
+mesh's dim names choose the data parallelism: ``"dp"`` replicates each stage with ``DistributedDataParallel``
+(:mod:`fxpipe.distributed.parallel.ddp`: gradients accumulated locally, all-reduced once per step); ``"dp_shard"``
+shards its parameters, gradients and optimizer state with FSDP2 ``fully_shard``
+(:mod:`fxpipe.distributed.parallel.fsdp`: all-gathered once by the step's first forward, gradients accumulated
+unsharded over every micro-batch and split weight pass, reduce-scattered once per step), and ``"dp_replicate"`` with
+``"dp_shard"`` is HSDP. Both average over every data-parallel rank. The step weighs its micro-batches over the whole
+batch (:class:`fxpipe.runtime.losses.Replicas`): a micro-batch of ``n`` samples counts ``dp * n / N`` of a mean, and
+a token loss's count (``reduction="token"``, or ``"auto"`` finding an ``F.cross_entropy`` mean) is summed over the
+replicas before any rank divides by it, so the gradients and the returned loss are the whole batch's, as one process
+would compute them, even when the shares differ. Under ``"auto"`` the last stages' replicas also check their
+reference samples against each other (:meth:`fxpipe.runtime.sample_mean_check.SampleMeanCheck.tie`) before they end
+the step, so a loss whose samples weigh differently is refused on every rank even where each replica's own samples
+weigh alike.
 
-The all-reduce overlaps the pipeline's drain: it starts the moment this rank's own operations of the step are
-over (the transport's ``when_local_done``), not when the whole pipeline's are, so a late stage's gradients are
-reduced while the earlier stages still run their last backwards; only the first stage's all-reduce, which ends
-the step, is not hidden. Before the gradients, the replicas all-reduce one flag saying whether any of their
-steps failed, so no replica waits in the gradients' all-reduce for one that will never join it, and every
-replica of a failed step raises. The ``dp`` group is made here with ``timeout_s`` as its timeout: a replica that
-died ends the others' all-reduce with an error, not a hang.
+The reduction (all-reduce, or reduce-scatter) overlaps the pipeline's drain: it starts the moment this rank's own
+operations of the step are over (the transport's ``when_local_done``), not when the whole pipeline's are, so a late
+stage's gradients are reduced while the earlier stages still run their last backwards; only the first stage's
+all-reduce, which ends the step, is not hidden. Before the gradients, the replicas all-reduce one flag saying
+whether any of their steps failed, so no replica waits in the gradients' all-reduce for one that will never join it,
+and every replica of a failed step raises. The ``dp`` group is made here with ``timeout_s`` as its timeout: a
+replica that died ends the others' all-reduce with an error, not a hang (FSDP2's groups too:
+:func:`fxpipe.distributed.parallel.fsdp.dp_mesh`). A tied weight's gradient is summed over the pp ranks that hold it
+after the dp reduction (:mod:`fxpipe.distributed.tied`).
 """
 
 from __future__ import annotations
@@ -33,8 +40,10 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
+from fxpipe.distributed.parallel.ddp import ReplicatedStages
+from fxpipe.distributed.parallel.dims import ParallelDims
+from fxpipe.distributed.parallel.fsdp import ShardedStages
 from fxpipe.distributed.rank import PipelineRank
 from fxpipe.errors import FxpipeError, LossReductionError, PlanMismatchError
 from fxpipe.planning.plan import Plan
@@ -46,43 +55,52 @@ __all__ = ["MeshPipelineRank"]
 
 class MeshPipelineRank:
     """This rank's stages of ``plan`` in one of ``dp`` pipeline replicas; :meth:`step` trains its share of a batch
-    and leaves the whole batch's gradients in ``.grad`` (all-reduced over ``dp``). ``mesh`` is a 2-D
-    ``DeviceMesh`` named ``("pp", "dp")`` whose ``pp`` size is the plan's number of workers. ``reduction`` is
-    :meth:`fxpipe.Pipeline.step`'s (default ``"auto"``); other keywords go to :class:`PipelineRank`."""
+    and leaves the whole batch's gradients in ``.grad`` (averaged over ``dp``; under FSDP2 this rank's shard of
+    them, in ``DTensor`` parameters). ``mesh`` is a ``DeviceMesh`` whose ``pp`` size is the plan's number of
+    workers, with dims named ``("pp", "dp")`` (DDP), ``("pp", "dp_shard")`` (FSDP2) or ``("pp", "dp_replicate",
+    "dp_shard")`` (HSDP), as :class:`fxpipe.distributed.parallel.ParallelDims` builds them. ``reduction`` is
+    :meth:`fxpipe.Pipeline.step`'s (default ``"auto"``); other keywords go to :class:`PipelineRank`. The optimizer
+    steps :meth:`parameters` (FSDP2: the local shards, so its state is sharded too)."""
 
     def __init__(self, plan: Plan, model_fn: Callable[[], nn.Module], loss_fn: Callable[[Any, Any], torch.Tensor] | None,
                  *, mesh: Any, reduction: str = "auto", **rank_kwargs: Any) -> None:
-        names = tuple(mesh.mesh_dim_names or ())
-        if mesh.ndim != 2 or set(names) != {"pp", "dp"}:
-            raise ValueError(f"mesh must be a 2-D DeviceMesh with mesh_dim_names ('pp', 'dp'), got {mesh.ndim} "
-                             f"dimensions named {names}: use init_device_mesh(device, (pp, dp), "
-                             "mesh_dim_names=('pp', 'dp'))")
-        if mesh["pp"].size() != plan.workers:
+        dims = ParallelDims.from_mesh(mesh)   # names that say pp and a data parallelism, or the fix
+        if dims.tp > 1:   # TODO(issue 38 part 2): allow it once fxpipe.distributed.parallel.tp lands (see below)
+            raise ValueError(f"mesh has a 'tp' dimension of size {dims.tp}: tensor parallelism is not available in "
+                             "this build; drop the 'tp' dimension (its ranks can be data parallel: dp_shard)")
+        if dims.pp != plan.workers:
             world, w = mesh.size(), plan.workers
             fix = (f"make the mesh ({w}, {world // w})" if world % w == 0 else
                    f"start a multiple of {w} processes (pp={w} times dp)")
             raise PlanMismatchError(f"the plan runs on {w} workers but the mesh's pp dimension has "
-                                    f"{mesh['pp'].size()} ranks: {fix}, or plan for {mesh['pp'].size()} devices")
+                                    f"{dims.pp} ranks: {fix}, or plan for {dims.pp} devices")
         if loss_fn is None:
             raise ValueError("MeshPipelineRank needs a loss_fn: training on the loss the model computes itself "
                              "(loss_fn=None) needs the token count over every dp replica, which only PipelineRank "
                              "(pp alone) combines today; pass loss_fn(output, target)")
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        self.dp, self.dp_rank = mesh["dp"].size(), mesh.get_local_rank("dp")
+        self.dims = dims
+        grid = ParallelDims.dp_ranks(mesh)   # this rank's dp ranks: rows are replicas, columns shards
+        flat = [r for row in grid for r in row]
+        self.dp, self.dp_rank = dims.dp, flat.index(dist.get_rank())
         timeout_s = float(rank_kwargs.get("timeout_s", 300.0))
-        self.dp_group = dist.new_group(dist.get_process_group_ranks(mesh.get_group("dp")),
-                                       timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=True)
+        self.dp_group = dist.new_group(flat, timeout=datetime.timedelta(seconds=timeout_s),
+                                       use_local_synchronization=True)
         self.timeout_s = timeout_s
         self.reduction = reduction
         self.loss_fn = loss_fn
         self.ranked = PipelineRank(plan, model_fn, loss_fn, group=mesh.get_group("pp"),
                                    reduction=reduction, **rank_kwargs)
         self.layout = BatchLayout.of(plan.batch_dims)
-        own = nn.ModuleList(self.ranked.specs[k].module for k in self.ranked.own)
-        # DDP broadcasts replica 0's parameters and buffers: every replica starts from the same weights
-        self.ddp = DistributedDataParallel(own, process_group=self.dp_group)
-        # after the rank's own (a tied weight's all-reduce over the pp ranks that hold it: fxpipe.distributed.tied)
+        own = [self.ranked.specs[k].module for k in self.ranked.own]
+        # (tensor parallelism, issue 38 part 2, goes here: apply_tp(own, mesh["tp"]) before data parallelism)
+        # FSDP2's shards replace the parameters: put them where the model and the traced graph name them too
+        holders = [self.ranked.model, self.ranked.pipe._graph[0]]
+        self.data = (ShardedStages(own, grid, self.dp_group, mesh.device_type, timeout_s, holders) if dims.sharded
+                     else ReplicatedStages(own, self.dp_group))
+        # after the dp reduction: a tied weight's all-reduce over the pp ranks that hold it (fxpipe.distributed.tied),
+        # which sums the dp-averaged gradients (FSDP2: this rank's shard of them; the owners hold the same shard)
         self._rank_done = self.ranked.pipe.transport.when_local_done
         self.ranked.pipe.transport.when_local_done = self._reduce_when_done
         self._reduced: BaseException | str | None = None
@@ -93,6 +111,7 @@ class MeshPipelineRank:
         return self.ranked.parameters()
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters by their names in the model: under FSDP2, its shards (``DTensor`` s)."""
         return self.ranked.named_parameters()
 
     @property
@@ -109,18 +128,8 @@ class MeshPipelineRank:
         mine = shares[self.dp_rank]
         return tuple(mine[:-1]), mine[-1], sizes[self.dp_rank], sum(sizes)
 
-    def _all_reduce_gradients(self) -> None:
-        """DDP's reducer all-reduces (and averages over ``dp``) the gradients the pipeline accumulated: armed by
-        ``prepare_for_backward``, its hooks fire on a backward that adds zero to every parameter's gradient."""
-        params = [p for p in self.ddp.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:   # a parameter no micro-batch reached still takes part in the all-reduce
-                p.grad = torch.zeros_like(p)
-        self.ddp.reducer.prepare_for_backward([])
-        torch.autograd.backward([(p * 0).sum() for p in params])
-
     def _wire_device(self) -> torch.device:
-        device = next(iter(self.ddp.parameters()), torch.empty(0)).device
+        device = next(iter(self.data.parameters()), torch.empty(0)).device
         return device if dist.get_backend(self.dp_group) == "nccl" else torch.device("cpu")
 
     def _sum_counts(self, count: Any) -> Any:
@@ -158,32 +167,32 @@ class MeshPipelineRank:
     def _raise_if_not_reduced(self) -> None:
         if self._reduced == "failed":
             raise FxpipeError(f"rank {dist.get_rank()}: another dp replica of this rank's stages failed its step, "
-                              "so the gradients were not all-reduced; that replica's processes report the error")
+                              "so the gradients were not reduced; that replica's processes report the error")
         if isinstance(self._reduced, BaseException):
-            raise FxpipeError(f"rank {dist.get_rank()}: the all-reduce of this rank's gradients over its dp group "
+            raise FxpipeError(f"rank {dist.get_rank()}: the reduction of this rank's gradients over its dp group "
                               f"failed ({type(self._reduced).__name__}: {self._reduced}); a replica that died or "
                               f"took longer than timeout_s={self.timeout_s:g} s ends it") from self._reduced
         if self._reduced is not None:
-            raise FxpipeError(f"rank {dist.get_rank()}: the step ended without this rank's dp all-reduce "
+            raise FxpipeError(f"rank {dist.get_rank()}: the step ended without this rank's dp reduction "
                               f"({self._reduced})")
 
     def _reduce_when_done(self, failed: bool) -> None:
-        """The transport's call once this rank's operations are over: all-reduce the gradients over ``dp``
+        """The transport's call once this rank's operations are over: reduce the gradients over ``dp``
         unless a replica's step failed. Never raises (the transport is ending its step); :meth:`step` does."""
-        if self._rank_done is not None:
-            self._rank_done(failed)
         try:
             flag = torch.tensor([1.0 if failed else 0.0], device=self._wire_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.dp_group)
             if flag.item() > 0:
                 self._reduced = "failed"
-                return
-            started = time.time()
-            self._all_reduce_gradients()
-            self.all_reduce_s = (started, time.time())
-            self._reduced = None
+            else:
+                started = time.time()
+                self.data.reduce()
+                self.all_reduce_s = (started, time.time())
+                self._reduced = None
         except BaseException as exc:   # raised by step, after the transport has heard the other ranks
             self._reduced = exc
+        if self._rank_done is not None:   # every owner of a tie calls it, failed or not (it never raises)
+            self._rank_done(failed or self._reduced is not None)
 
     def step(self, inputs: Any, target: Any, **kwargs: Any) -> torch.Tensor | None:
         """One training step of the whole batch (the same ``inputs`` and ``target`` on every rank). Returns the
@@ -192,6 +201,7 @@ class MeshPipelineRank:
         transport = self.ranked.pipe.transport
         transport.replicas = Replicas(self.dp, total, self._sum_counts, self._tie if self.ranked.last else None)
         self._reduced, self.all_reduce_s = "not run", None
+        self.data.begin()
         loss = self.ranked.step(inputs, target, **kwargs)   # its transport all-reduces when this rank is done
         self._raise_if_not_reduced()
         if loss is None:
@@ -199,3 +209,4 @@ class MeshPipelineRank:
         whole = loss.detach() / self.dp   # this share's part of the batch's loss
         dist.all_reduce(whole, group=self.dp_group)
         return whole
+

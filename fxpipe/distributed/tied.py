@@ -8,8 +8,9 @@ so that ``named_parameters``, weights and checkpoints find it by them); :meth:`P
 once, so every owning rank's optimizer steps it. A rank with two reading stages (``zb-v`` puts the first and the
 last on one worker) sums its other copy into it first. Then:
 
-- when this rank's own operations of a step are over (the transport's ``when_local_done``, as the ``dp``
-  all-reduce of :mod:`fxpipe.distributed.mesh`), the owners all-reduce (sum) that step's gradient of it in a
+- when this rank's own operations of a step are over (the transport's ``when_local_done``; under
+  :mod:`fxpipe.distributed.mesh` after the ``dp`` reduction, summing the dp-averaged gradients, under FSDP2 each
+  owner's shard of them: the owners at one dp coordinate hold the same shard), the owners all-reduce (sum) that step's gradient of it in a
   process group of their own, made identically on every rank at construction; it ends once the last owner's
   backward is done. Before it, the owners all-reduce whether any of their steps failed, so none waits for a
   failed one. Gradients accumulated by earlier steps (``.grad`` not cleared) are set aside and added back after,
@@ -159,7 +160,8 @@ class RankTies:
                     continue
                 if rep.grad is None:   # no micro-batch reached it here: the others' gradient is still its own
                     rep.grad = torch.zeros_like(rep)
-                dist.all_reduce(rep.grad, op=dist.ReduceOp.SUM, group=group)
+                grad = rep.grad.to_local() if hasattr(rep.grad, "to_local") else rep.grad   # FSDP2: this shard
+                dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
         except BaseException as exc:   # raised by end(), after the transport has heard the other ranks
             self.failure = exc
 

@@ -150,7 +150,9 @@ def install_copies(module: fx.GraphModule, stage: int, gm: fx.GraphModule,
 
 
 def checksum(t: torch.Tensor) -> tuple[float, float]:
-    """Sum and Euclidean norm in float64, computed where ``t`` lives (no copy of it is made)."""
+    """Sum and Euclidean norm in float64, computed where ``t`` lives (no copy of it is made); of this process's
+    shard for a ``DTensor`` (FSDP2: owners on other stages hold the same shard of their copy)."""
+    t = t.to_local() if hasattr(t, "to_local") else t
     with torch.no_grad():
         both = torch.stack([torch.sum(t, dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64)])
     a, b = both.tolist()

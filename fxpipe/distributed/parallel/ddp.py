@@ -1,0 +1,40 @@
+"""Replicated data parallelism per pipeline stage: ``DistributedDataParallel`` round this rank's stage modules.
+
+The pipeline accumulates every micro-batch's gradients locally (DDP's hooks stay idle, as under ``no_sync``);
+:meth:`ReplicatedStages.reduce` then has DDP's reducer all-reduce (and average over ``dp``) the accumulated
+gradients once, in its buckets. DDP broadcasts replica 0's parameters and buffers at construction, so every
+replica starts from the same weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["ReplicatedStages"]
+
+
+class ReplicatedStages:
+    """This rank's stage modules replicated over ``group`` (every data-parallel rank)."""
+
+    def __init__(self, modules: list[nn.Module], group: Any) -> None:
+        self.ddp = DistributedDataParallel(nn.ModuleList(modules), process_group=group)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.ddp.parameters()
+
+    def begin(self) -> None:
+        """Nothing to set: DDP's hooks are armed only by :meth:`reduce`."""
+
+    def reduce(self) -> None:
+        """DDP's reducer all-reduces (and averages over ``dp``) the gradients the pipeline accumulated: armed by
+        ``prepare_for_backward``, its hooks fire on a backward that adds zero to every parameter's gradient."""
+        params = [p for p in self.ddp.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:   # a parameter no micro-batch reached still takes part in the all-reduce
+                p.grad = torch.zeros_like(p)
+        self.ddp.reducer.prepare_for_backward([])
+        torch.autograd.backward([(p * 0).sum() for p in params])

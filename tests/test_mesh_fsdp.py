@@ -1,0 +1,172 @@
+"""pp × FSDP2 on a DeviceMesh (4 gloo processes: pp=2 × dp_shard=2): each stage's parameters, gradients and
+AdamW state are sharded over its dp group (``fully_shard``), gradients reduce-scattered once per step; three
+steps of Llama (untied and tied embeddings) and GPT-2 give the losses and every parameter of one process
+training the whole batch (1e-5 relative), for GPipe, 1F1B and ZB-H1, with a last batch the replicas share
+unevenly. One ``run_ranks`` call trains every model and schedule, to start the processes (and import torch and
+transformers) once (about 190 s on the shared 2-core machine). HSDP (pp=1 × dp_replicate=2 × dp_shard=2) trains a
+small model as one process too."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxpipe
+from distributed_run import run_ranks
+from equivalence import max_relative_error
+
+transformers = pytest.importorskip("transformers")
+from hf_models import build, padded_batch  # noqa: E402
+
+FAMILIES = ("llama", "llama-tied", "gpt2")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+SIZES = (8, 8, 9)   # the last shared unevenly: 5 and 4 samples, micro-batches of 3 + 2 and 2 + 2
+EST = fxpipe.ProfileOptions(mode="estimate")
+
+
+def _loss(out, labels: torch.Tensor) -> torch.Tensor:
+    logits = out.logits if hasattr(out, "logits") else out["logits"]
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+
+
+def _batches(family: str) -> list[dict[str, torch.Tensor]]:
+    return [padded_batch(family, n, seed=i + 1) for i, n in enumerate(SIZES)]
+
+
+def _optimizer(params) -> torch.optim.Optimizer:
+    # Adam divides by sqrt(v) + eps: a weight's update is ~lr whatever its gradient's size, so float noise in a
+    # gradient (another summation order over micro-batches and shards, ~1e-9 absolute) moves it by
+    # ~lr * noise / max(|g|, eps). With eps 1e-8 an exactly-zero gradient (GPT-2's key bias) moved 8e-4 relative,
+    # with eps 1e-6 a tiny one 1.5e-5; eps 1e-4 bounds that by lr * 1e-5, far under the test's 1e-5, while a real
+    # error (a gradient off by any factor) still moves every weight whose |g| is near or above eps.
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-4, weight_decay=0.1)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[str, ...]) -> dict:
+    """Per model: one MeshPipelineRank and AdamW, three steps with each schedule in turn (the sharded state carries
+    over); the losses and the gathered parameters after each schedule's steps."""
+    from fxpipe.distributed.mesh import MeshPipelineRank
+    from fxpipe.distributed.parallel import ParallelDims
+    from torch.distributed.tensor import DTensor
+    mesh = ParallelDims(pp=2, dp_shard=world // 2).build_mesh("cpu")
+    out = {}
+    for family, plan_json in plans.items():
+        plan = fxpipe.Plan.from_dict(json.loads(plan_json))
+        stage = MeshPipelineRank(plan, functools.partial(build, family), _loss, mesh=mesh, timeout_s=120)
+        sharded = all(isinstance(p, DTensor) for p in stage.parameters())
+        opt = _optimizer(stage.parameters())
+        for schedule in schedules:
+            losses = []
+            for b in _batches(family):
+                loss = stage.step(b["input_ids"], b["labels"], schedule=schedule)
+                losses.append(None if loss is None else loss.item())
+                opt.step()
+                opt.zero_grad()
+            local = sum(p.to_local().numel() for p in stage.parameters())
+            out[(family, schedule)] = {"losses": losses, "sharded": sharded, "local": local,
+                                       "params": {n: _full(p) for n, p in stage.named_parameters()}}
+    return out
+
+
+def _reference(family: str, schedules: tuple[str, ...] = SCHEDULES) -> dict[str, tuple[list[float], dict]]:
+    """One process, the whole batch: the losses and parameters after each block of steps (one per schedule)."""
+    model = build(family)
+    opt = _optimizer(model.parameters())
+    out = {}
+    for schedule in schedules:
+        losses = []
+        for b in _batches(family):
+            loss = _loss(model(b["input_ids"]), b["labels"])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[schedule] = (losses, {n: p.detach().clone() for n, p in model.named_parameters()})
+    return out
+
+
+def _plan(family: str) -> str:
+    b = padded_batch(family)
+    return json.dumps(fxpipe.compile(build(family), ["cpu"] * 2, (b["input_ids"],), chunks=2, profile=EST)
+                      .plan.to_dict())
+
+
+@pytest.mark.slow
+def test_pp2_fsdp2_trains_llama_and_gpt2_as_one_process_on_the_whole_batch():
+    plans = {family: _plan(family) for family in FAMILIES}
+    results = run_ranks(4, _train_all, plans, SCHEDULES, deadline_s=900)
+    errors = [r["trace"] for r in results if "ok" not in r]
+    assert not errors, errors[0]
+    got = [r["ok"] for r in results]
+    for family in FAMILIES:
+        reference = _reference(family)
+        for schedule in SCHEDULES:
+            want_losses, want_params = reference[schedule]
+            case = [g[(family, schedule)] for g in got]
+            assert all(c["sharded"] for c in case), (family, schedule)   # every parameter a DTensor shard
+            # mesh (pp=2, dp_shard=2): ranks 0, 1 hold stage 0, ranks 2, 3 stage 1, whose rank returns the loss
+            for r in (2, 3):
+                for a, b in zip(case[r]["losses"], want_losses):
+                    assert abs(a - b) <= 1e-5 * abs(b), (family, schedule, case[r]["losses"], want_losses)
+            for replica in (0, 1):   # each dp rank gathered its stage's full parameters
+                params = {**case[replica]["params"], **case[2 + replica]["params"]}
+                assert set(params) == set(want_params), (family, set(want_params) ^ set(params))
+                worst = max((max_relative_error(params[n], want_params[n]), n) for n in want_params)
+                assert worst[0] <= 1e-5, (family, schedule, replica, worst)
+            # each shard holds half (rounded up per parameter) of its stage's parameters
+            for r in (0, 2):
+                whole = sum(p.numel() for p in case[r]["params"].values())
+                assert case[r]["local"] + case[r + 1]["local"] >= whole and case[r]["local"] <= whole // 2 + 64
+
+
+# the overlap of the reduce-scatter with the first stage's drain, and a failing replica: tests/test_mesh.py's
+# tests, parametrized by the data-parallel dim (dp_shard: FSDP2)
+
+
+def _hsdp_ranks(rank: int, world: int, plan_json: str) -> dict:
+    from test_mesh import _batches as small_batches, _loss as small_loss, _make as make_small
+    from fxpipe.distributed.mesh import MeshPipelineRank
+    from fxpipe.distributed.parallel import ParallelDims
+    mesh = ParallelDims(pp=1, dp_replicate=2, dp_shard=2).build_mesh("cpu")
+    stage = MeshPipelineRank(fxpipe.Plan.from_dict(json.loads(plan_json)), make_small, small_loss, mesh=mesh,
+                             timeout_s=60)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    losses = []
+    for x, y in small_batches(8):
+        losses.append(stage.step(x, y, schedule="1f1b").item())
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "params": {n: _full(p) for n, p in stage.named_parameters()}}
+
+
+@pytest.mark.slow
+def test_hsdp_two_replicas_of_two_shards_train_as_one_process():
+    """pp=1 × dp_replicate=2 × dp_shard=2: reduce-scatter within a replica, all-reduce across them (72 s on the loaded 2-core machine)."""
+    from test_mesh import _batches as small_batches, _loss as small_loss, _make as make_small
+    x = small_batches(8)[0][0]
+    plan = copy.deepcopy(fxpipe.compile(make_small(), ["cpu"], (x,), chunks=2, profile=EST).plan)
+    results = run_ranks(4, _hsdp_ranks, plan.to_json(), deadline_s=300)
+    errors = [r["text"] for r in results if "ok" not in r]
+    assert not errors, errors
+    model = make_small()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    want = []
+    for x, y in small_batches(8):
+        loss = small_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    for r in results:
+        assert r["ok"]["losses"] == pytest.approx(want, rel=1e-5)
+        assert max(max_relative_error(r["ok"]["params"][n], p.detach()) for n, p in model.named_parameters()) <= 1e-5

@@ -1,0 +1,56 @@
+"""ParallelDims: the degrees of pp × dp (replicate, shard) × tp, the mesh dims they make, the data parallelism a
+mesh's names say, and degrees that do not fit the world or the plan refused with the fix (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+import fxpipe
+from fxpipe.distributed.parallel import ParallelDims
+
+
+class _Mesh:
+    """What ParallelDims.from_mesh reads of a DeviceMesh: its dim names and sizes."""
+
+    def __init__(self, **dims: int) -> None:
+        self.mesh_dim_names, self.shape = tuple(dims), tuple(dims.values())
+        self.ndim = len(dims)
+
+    def size(self, dim: int) -> int:
+        return self.shape[dim]
+
+
+def test_mesh_dims_keep_pp_and_dp_shard_and_drop_the_other_dims_of_size_one():
+    assert ParallelDims(pp=2, dp_shard=2).dims() == (("pp", 2), ("dp_shard", 2))
+    assert ParallelDims(pp=2).dims() == (("pp", 2), ("dp_shard", 1))
+    assert ParallelDims(pp=2, dp_replicate=2, dp_shard=2, tp=2).dims() == (
+        ("pp", 2), ("dp_replicate", 2), ("dp_shard", 2), ("tp", 2))
+    assert ParallelDims(pp=2, dp_replicate=3, sharded=False).dims() == (("pp", 2), ("dp", 3))
+    assert [ParallelDims(pp=2, dp_shard=2).data_parallel, ParallelDims(dp_replicate=2, dp_shard=2).data_parallel,
+            ParallelDims(dp_replicate=2, sharded=False).data_parallel] == ["shard", "hsdp", "replicate"]
+    assert ParallelDims(pp=2, dp_replicate=2, dp_shard=3, tp=2).world_size == 24
+
+
+@pytest.mark.parametrize("dims", [dict(pp=2, dp_shard=2), dict(pp=2, dp_replicate=2, dp_shard=2),
+                                  dict(pp=2, dp_replicate=2, sharded=False), dict(pp=4, dp_shard=1)])
+def test_a_mesh_built_from_the_dims_reads_back_as_them(dims):
+    want = ParallelDims(**dims)
+    assert ParallelDims.from_mesh(_Mesh(**dict(want.dims()))) == want
+
+
+def test_degrees_that_do_not_fit_the_world_or_the_plan_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"need 8 processes but the world has 4.*torchrun --nproc-per-node 8"):
+        ParallelDims(pp=2, dp_shard=4).validate(4)
+    with pytest.raises(fxpipe.PlanMismatchError, match=r"plan runs on 4 workers but pp=2: use pp=4, dp=2"):
+        ParallelDims(pp=2, dp_shard=4).validate(8, workers=4)
+    with pytest.raises(ValueError, match="must be a positive int"):
+        ParallelDims(pp=0)
+    with pytest.raises(ValueError, match="replicas .DDP. do not shard"):
+        ParallelDims(dp_shard=2, sharded=False)
+
+
+@pytest.mark.parametrize("names", [dict(dp=2), dict(pp=2, tp=2), dict(pp=2, dp=2, dp_shard=2),
+                                   dict(pp=2, data=2)])
+def test_a_mesh_whose_names_say_no_pipeline_or_no_data_parallelism_is_refused(names):
+    with pytest.raises(ValueError, match=r"mesh_dim_names=\('pp', 'dp'\).*ParallelDims"):
+        ParallelDims.from_mesh(_Mesh(**names))
