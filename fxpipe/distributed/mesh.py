@@ -26,6 +26,7 @@ died ends the others' all-reduce with an error, not a hang.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from typing import Any, Callable, Iterator
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from fxpipe.distributed.parallel.tp import apply_tp, tp_region
 from fxpipe.distributed.rank import PipelineRank
 from fxpipe.errors import FxpipeError, LossReductionError, PlanMismatchError
 from fxpipe.planning.plan import Plan
@@ -51,15 +53,19 @@ class MeshPipelineRank:
     :meth:`fxpipe.Pipeline.step`'s (default ``"auto"``); other keywords go to :class:`PipelineRank`."""
 
     def __init__(self, plan: Plan, model_fn: Callable[[], nn.Module], loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-                 *, mesh: Any, reduction: str = "auto", **rank_kwargs: Any) -> None:
+                 *, mesh: Any, reduction: str = "auto", tp_plan: dict[str, Any] | None = None,
+                 **rank_kwargs: Any) -> None:
         names = tuple(mesh.mesh_dim_names or ())
-        if mesh.ndim != 2 or set(names) != {"pp", "dp"}:
-            raise ValueError(f"mesh must be a 2-D DeviceMesh with mesh_dim_names ('pp', 'dp'), got {mesh.ndim} "
-                             f"dimensions named {names}: use init_device_mesh(device, (pp, dp), "
-                             "mesh_dim_names=('pp', 'dp'))")
+        if mesh.ndim != len(names) or set(names) not in ({"pp", "dp"}, {"pp", "tp"}, {"pp", "dp", "tp"}):
+            raise ValueError(f"mesh must be a DeviceMesh with mesh_dim_names ('pp', 'dp'), ('pp', 'tp') or ('pp', "
+                             f"'dp', 'tp'), got {mesh.ndim} dimensions named {names}: use init_device_mesh(device, "
+                             "(pp, dp), mesh_dim_names=('pp', 'dp'))")
+        if "tp" in names and "dp" in names and mesh["dp"].size() > 1:
+            raise ValueError("dp > 1 with tp needs data parallelism over DTensor parameters (FSDP2), which this "
+                             "MeshPipelineRank does not do: use a ('pp', 'tp') mesh")
         if mesh["pp"].size() != plan.workers:
             world, w = mesh.size(), plan.workers
-            fix = (f"make the mesh ({w}, {world // w})" if world % w == 0 else
+            fix = (f"make the mesh's pp dimension {w} ({world // w} ranks on the others)" if world % w == 0 else
                    f"start a multiple of {w} processes (pp={w} times dp)")
             raise PlanMismatchError(f"the plan runs on {w} workers but the mesh's pp dimension has "
                                     f"{mesh['pp'].size()} ranks: {fix}, or plan for {mesh['pp'].size()} devices")
@@ -69,10 +75,12 @@ class MeshPipelineRank:
                              "(pp alone) combines today; pass loss_fn(output, target)")
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        self.dp, self.dp_rank = mesh["dp"].size(), mesh.get_local_rank("dp")
+        has_dp = "dp" in names
+        self.dp, self.dp_rank = (mesh["dp"].size(), mesh.get_local_rank("dp")) if has_dp else (1, 0)
         timeout_s = float(rank_kwargs.get("timeout_s", 300.0))
-        self.dp_group = dist.new_group(dist.get_process_group_ranks(mesh.get_group("dp")),
-                                       timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=True)
+        self.dp_group = dist.new_group(dist.get_process_group_ranks(mesh.get_group("dp")) if has_dp else
+                                       [dist.get_rank()], timeout=datetime.timedelta(seconds=timeout_s),
+                                       use_local_synchronization=True)
         self.timeout_s = timeout_s
         self.reduction = reduction
         self.loss_fn = loss_fn
@@ -80,8 +88,11 @@ class MeshPipelineRank:
                                    reduction=reduction, **rank_kwargs)
         self.layout = BatchLayout.of(plan.batch_dims)
         own = nn.ModuleList(self.ranked.specs[k].module for k in self.ranked.own)
+        # tensor parallelism over "tp" (fxpipe.distributed.parallel.tp), before data parallelism wraps the stages
+        self.tp_plan = (apply_tp(list(own), mesh["tp"], tp_plan, model=self.ranked.model)
+                        if "tp" in names else None)
         # DDP broadcasts replica 0's parameters and buffers: every replica starts from the same weights
-        self.ddp = DistributedDataParallel(own, process_group=self.dp_group)
+        self.ddp = DistributedDataParallel(own, process_group=self.dp_group) if self.dp > 1 else None
         # after the rank's own (a tied weight's all-reduce over the pp ranks that hold it: fxpipe.distributed.tied)
         self._rank_done = self.ranked.pipe.transport.when_local_done
         self.ranked.pipe.transport.when_local_done = self._reduce_when_done
@@ -112,6 +123,8 @@ class MeshPipelineRank:
     def _all_reduce_gradients(self) -> None:
         """DDP's reducer all-reduces (and averages over ``dp``) the gradients the pipeline accumulated: armed by
         ``prepare_for_backward``, its hooks fire on a backward that adds zero to every parameter's gradient."""
+        if self.ddp is None:   # one replica: nothing to all-reduce
+            return
         params = [p for p in self.ddp.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:   # a parameter no micro-batch reached still takes part in the all-reduce
@@ -120,7 +133,7 @@ class MeshPipelineRank:
         torch.autograd.backward([(p * 0).sum() for p in params])
 
     def _wire_device(self) -> torch.device:
-        device = next(iter(self.ddp.parameters()), torch.empty(0)).device
+        device = next(iter(self.ranked.parameters()), torch.empty(0)).device
         return device if dist.get_backend(self.dp_group) == "nccl" else torch.device("cpu")
 
     def _sum_counts(self, count: Any) -> Any:
@@ -192,7 +205,8 @@ class MeshPipelineRank:
         transport = self.ranked.pipe.transport
         transport.replicas = Replicas(self.dp, total, self._sum_counts, self._tie if self.ranked.last else None)
         self._reduced, self.all_reduce_s = "not run", None
-        loss = self.ranked.step(inputs, target, **kwargs)   # its transport all-reduces when this rank is done
+        with tp_region() if self.tp_plan is not None else contextlib.nullcontext():
+            loss = self.ranked.step(inputs, target, **kwargs)   # its transport all-reduces when this rank is done
         self._raise_if_not_reduced()
         if loss is None:
             return None
