@@ -65,9 +65,10 @@ class MeshPipelineRank:
     def __init__(self, plan: Plan, model_fn: Callable[[], nn.Module], loss_fn: Callable[[Any, Any], torch.Tensor] | None,
                  *, mesh: Any, reduction: str = "auto", **rank_kwargs: Any) -> None:
         dims = ParallelDims.from_mesh(mesh)   # names that say pp and a data parallelism, or the fix
-        if dims.tp > 1:   # TODO(issue 38 part 2): allow it once fxpipe.distributed.parallel.tp lands (see below)
-            raise ValueError(f"mesh has a 'tp' dimension of size {dims.tp}: tensor parallelism is not available in "
-                             "this build; drop the 'tp' dimension (its ranks can be data parallel: dp_shard)")
+        if dims.tp > 1:   # fxpipe.distributed.parallel.tp exists, but its training on ranks is not yet verified
+            raise ValueError(f"mesh has a 'tp' dimension of size {dims.tp}: MeshPipelineRank does not run tensor "
+                             "parallelism yet (its training on ranks is not verified); drop the 'tp' dimension "
+                             "(its ranks can be data parallel: dp_shard)")
         if dims.pp != plan.workers:
             world, w = mesh.size(), plan.workers
             fix = (f"make the mesh ({w}, {world // w})" if world % w == 0 else

@@ -5,8 +5,11 @@
 :mod:`~fxpipe.distributed.parallel.fsdp` shards each of this rank's stage modules with FSDP2 (``fully_shard``)
 over the data-parallel dims and reduce-scatters their gradients once per step;
 :mod:`~fxpipe.distributed.parallel.ddp` replicates them with ``DistributedDataParallel`` and all-reduces once
-per step. :class:`fxpipe.distributed.mesh.MeshPipelineRank` composes them: tensor parallelism first (where a
-``tp`` dim exists), then data parallelism, as torchtitan does.
+per step; :mod:`~fxpipe.distributed.parallel.tp` (with :mod:`~fxpipe.distributed.parallel.tp_plans` and
+:mod:`~fxpipe.distributed.parallel.module_calls`) derives and applies a tensor-parallel plan to a rank's stage
+modules. :class:`fxpipe.distributed.mesh.MeshPipelineRank` composes data parallelism with the pipeline; tensor
+parallelism is not yet wired into it (a ``tp`` dim is refused): its multi-process training has not been seen to
+finish (see ``tp.py``).
 """
 
 from fxpipe.distributed.parallel.dims import DATA_PARALLEL, MESH_DIMS, ParallelDims

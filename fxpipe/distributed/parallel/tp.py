@@ -1,0 +1,129 @@
+"""Tensor parallelism inside a pipeline stage: this rank's stage modules sharded over the ``tp`` dimension of the
+mesh with torch's ``parallelize_module`` (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``).
+
+:func:`apply_tp` takes a plan (module path patterns → torch's styles) or derives the default one
+(:mod:`fxpipe.distributed.parallel.tp_plans`: attention q/k/v column-wise and its output row-wise, MLP up/gate
+column-wise and down row-wise, for Llama, Mistral, Qwen2, GPT-2 and BERT blocks), and applies it to the layers this
+rank's stages call, after the pipeline's split and before data parallelism wraps the stages.
+
+How it stays exact under both front ends
+----------------------------------------
+torch's styles act through the layer's forward hooks: the input becomes a ``DTensor``, the layer runs on sharded
+``DTensor`` weights, the output is converted back. Two things break that in a traced stage:
+
+1. **The layer must be called as a module.** torch.fx keeps ``call_module`` nodes, so a plan by path applies as is.
+   ``torch.export`` (the Hugging Face path) records ``aten.linear(x, weight, bias)`` on the weights directly: no
+   hook would run. Of the three ways considered — DTensor parameters through the exported ATen ops alone (plain
+   activations meet ``DTensor`` weights: torch refuses the mix, and nothing would all-reduce a row-wise layer's
+   partial sums), applying TP to the model before capture (the captured graph, its fingerprint and the plan's
+   partition would then depend on ``tp`` and on collectives traced into it), and calling the layers as modules
+   again — fxpipe does the last: :func:`fxpipe.distributed.parallel.module_calls.restore_module_calls` replaces
+   each planned layer's ``aten.linear`` (``aten.addmm`` for GPT-2's ``Conv1D``) by a ``call_module`` of the
+   model's own layer. The plan, its partition and the fingerprint are the single-device ones, unchanged.
+2. **The head counts a trace recorded.** A traced graph holds the model's shapes as constants: Llama's exported
+   graph expands its key/value heads with ``expand(b, 2, 2, s, 8)`` and reshapes to ``(b, 4, s, 8)``, the full
+   head counts. torchtitan changes ``n_heads`` per rank before it runs eager code; a recorded graph cannot be
+   changed that way. So column-wise layers here keep their output a ``DTensor`` (``use_local_output=False``):
+   the attention between them runs on ``DTensor`` s whose shapes are the full ones, sharded on the heads, so every
+   recorded constant is right and torch's sharding rules do the per-rank arithmetic; the row-wise layer
+   all-reduces its partial sums and returns a plain tensor. Plain tensors that meet those ``DTensor`` s (rotary
+   cos/sin, the attention mask) are replicated over ``tp`` (every tp rank computes them from the same batch and
+   replicated weights), which :func:`tp_region` declares to torch (``implicit_replication``) for the step.
+
+What crosses a stage boundary stays a plain, replicated tensor: the default plan's column-wise and row-wise
+layers of one block form a group that must lie in one stage (refused otherwise, with the fix), and replicated
+layers (embeddings, norms, LM head) give plain tensors. The wire therefore carries the same full tensors as
+without ``tp``. Gradients of replicated parameters are the same on every tp rank (the row-wise all-reduce and
+the column-wise input's backward all-reduce make every activation gradient whole), so no extra reduction is
+needed; the sharded parameters' gradients are ``DTensor`` s sharded as the parameters.
+
+Status: pp=2 × tp=2 training of an exported Llama has not yet been seen to end its first step on a loaded 2-core
+CPU machine (over 480 s): the stack shows DTensor propagating the CPU attention op
+(``_scaled_dot_product_flash_attention_for_cpu``) through its decomposition with fake tensors. Whether that is
+only slow or repeats per call is not established; a fix to try is running the attention core on local tensors
+(``torch.distributed.tensor.experimental.local_map`` around the ``scaled_dot_product_attention`` node, heads
+sharded in and out).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import torch.fx as fx
+from torch import nn
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from fxpipe.distributed.parallel.module_calls import called_modules, restore_module_calls
+from fxpipe.distributed.parallel.tp_plans import TPPlan, TPPlanError, default_tp_plan, given_tp_plan
+
+__all__ = ["apply_tp", "locate_tp_layers", "tp_region", "TPPlanError"]
+
+
+def _reads(gm: nn.Module, path: str) -> bool:
+    """Whether ``gm`` holds parameters of the layer at ``path`` (called as a module or read directly)."""
+    try:
+        sub = gm.get_submodule(path)
+    except AttributeError:
+        return False
+    return any(True for _ in sub.parameters())
+
+
+def apply_tp(stage_modules: Sequence[nn.Module], tp_mesh: Any, tp_plan: dict[str, ParallelStyle] | None = None,
+             *, model: nn.Module) -> TPPlan:
+    """Shard the layers that ``stage_modules`` (this rank's stage graph modules) call over the 1-D ``tp_mesh``.
+
+    ``tp_plan`` maps ``model.named_modules()`` path patterns to torch's styles; ``None`` derives the default
+    (module doc). ``model`` is the model the stages were split from (its layers are the ones called again as
+    modules in an exported graph; their parameters become the ``DTensor`` s). Everything is checked before any
+    parameter changes: a layer a stage reads without calling it, a block cut by a stage boundary, head counts
+    ``tp`` does not divide raise :class:`TPPlanError` naming the fix. Returns the plan applied."""
+    tp = tp_mesh.size()
+    plan = default_tp_plan(model, tp) if tp_plan is None else given_tp_plan(model, tp_plan)
+    located = locate_tp_layers(stage_modules, plan, model)
+    for k, gm in enumerate(stage_modules):
+        mine = {p: s for p, s in plan.styles.items() if located.get(p) == k}
+        if mine:
+            parallelize_module(gm, tp_mesh, mine)
+    return plan
+
+
+def locate_tp_layers(stage_modules: Sequence[nn.Module], plan: TPPlan, model: nn.Module) -> dict[str, int]:
+    """Which of ``stage_modules`` calls each layer of ``plan`` (an exported stage's layers called as modules again
+    first); :class:`TPPlanError` where a stage reads a planned layer's parameters without calling it or a stage
+    boundary cuts one of the plan's groups. Changes no parameter."""
+    located: dict[str, int] = {}
+    for k, gm in enumerate(stage_modules):
+        if isinstance(gm, fx.GraphModule):
+            restore_module_calls(gm, model, plan.styles)
+            calls = called_modules(gm)
+        else:
+            calls = {p for p, _ in gm.named_modules()}
+        for path in plan.styles:
+            if path in calls:
+                located[path] = k
+            elif _reads(gm, path):
+                raise TPPlanError(
+                    f"stage module {k} reads the parameters of {path} without calling it as a module (a layer "
+                    "tensor parallelism can shard is an nn.Linear, or a Hugging Face Conv1D, called as such): leave "
+                    "it out of tp_plan")
+    for group in plan.groups:
+        stages = {located.get(p) for p in group}
+        if len(stages) > 1 and stages != {None}:
+            where = ", ".join(f"{p} in {'another rank' if located.get(p) is None else f'stage {located[p]}'}"
+                              for p in group)
+            raise TPPlanError(
+                f"a stage boundary cuts the tensor-parallel block {group[0].rpartition('.')[0]} ({where}): the wire "
+                "would carry a sharded value; plan with its layers in one stage (cuts between blocks, e.g. "
+                "leaf_modules=[TheBlockClass]) or pass tp_plan=... without this block")
+    return located
+
+
+@contextlib.contextmanager
+def tp_region() -> Iterator[None]:
+    """Around a step of tensor-parallel stages: plain tensors that meet ``DTensor`` s count as replicated over
+    ``tp`` (true here: module doc). Forward and backward both run inside it."""
+    with implicit_replication():
+        yield

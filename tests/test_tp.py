@@ -1,0 +1,134 @@
+"""Tensor parallelism per pipeline stage (fxpipe.distributed.parallel.tp), in one process: the default plan's
+derivation for Llama, Qwen2, GPT-2 and BERT blocks, its refusals, and the exported graph's linear layers called as
+modules again with the same outputs. (Training on pp x tp ranks is not yet wired into MeshPipelineRank.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxpipe
+
+transformers = pytest.importorskip("transformers")
+from hf_models import build, padded_batch  # noqa: E402
+
+
+def _kinds(plan) -> dict[str, str]:
+    return {path: type(style).__name__ for path, style in plan.styles.items()}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_default_plan_shards_attention_and_mlp_of_llama_style_blocks(family):
+    from torch.distributed.tensor import Shard
+    from fxpipe.distributed.parallel.tp_plans import default_tp_plan
+    plan = default_tp_plan(build(family), 2)
+    kinds = _kinds(plan)
+    for i in range(4):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        for name in ("q_proj", "k_proj", "v_proj"):
+            assert kinds.pop(f"{attn}.{name}") == "ColwiseParallel"
+            assert plan.styles[f"{attn}.{name}"].use_local_output is False   # DTensor between the pair
+        assert kinds.pop(f"{attn}.o_proj") == "RowwiseParallel"
+        assert plan.styles[f"{attn}.o_proj"].input_layouts == (Shard(-1),)
+        assert plan.styles[f"{attn}.o_proj"].use_local_output is True     # a plain tensor leaves the block
+        assert kinds.pop(f"{mlp}.gate_proj") == kinds.pop(f"{mlp}.up_proj") == "ColwiseParallel"
+        assert kinds.pop(f"{mlp}.down_proj") == "RowwiseParallel"
+    assert not kinds, kinds   # embeddings, norms and the LM head stay replicated
+    assert [f"model.layers.0.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")] in plan.groups
+    assert len(plan.groups) == 8
+
+
+def test_gpt2s_mlp_is_sharded_with_conv1d_styles_and_its_fused_attention_stays_replicated():
+    from fxpipe.distributed.parallel.tp_plans import default_tp_plan
+    plan = default_tp_plan(build("gpt2"), 2)
+    assert _kinds(plan) == {**{f"transformer.h.{i}.mlp.c_fc": "Conv1DColwise" for i in range(4)},
+                            **{f"transformer.h.{i}.mlp.c_proj": "Conv1DRowwise" for i in range(4)}}
+    assert len(plan.notes) == 4 and "transformer.h.0.attn: replicated" in plan.notes[0]
+
+
+def test_berts_attention_and_feed_forward_are_sharded():
+    from fxpipe.distributed.parallel.tp_plans import default_tp_plan
+    kinds = _kinds(default_tp_plan(build("bert-mlm"), 2))
+    layer = "bert.encoder.layer.1"
+    assert kinds[f"{layer}.attention.self.query"] == kinds[f"{layer}.attention.self.value"] == "ColwiseParallel"
+    assert kinds[f"{layer}.attention.output.dense"] == "RowwiseParallel"
+    assert kinds[f"{layer}.intermediate.dense"] == "ColwiseParallel"
+    assert kinds[f"{layer}.output.dense"] == "RowwiseParallel"
+    assert len(kinds) == 4 * 6
+
+
+def test_heads_that_tp_does_not_divide_are_refused_with_the_fix():
+    from fxpipe.distributed.parallel.tp_plans import TPPlanError, default_tp_plan
+    with pytest.raises(TPPlanError, match=r"model.layers.0.self_attn has 4 attention heads, which tp=3 does not "
+                                          r"divide.*use a tp that divides 4, or pass tp_plan="):
+        default_tp_plan(build("llama"), 3)
+    # 4 query heads but 2 key/value heads (grouped-query attention): tp=4 cannot split the key/value heads
+    with pytest.raises(TPPlanError, match="has 2 key/value heads, which tp=4 does not divide"):
+        default_tp_plan(build("llama"), 4)
+
+
+def test_a_model_without_a_known_block_is_refused_naming_tp_plan():
+    from fxpipe.distributed.parallel.tp_plans import TPPlanError, default_tp_plan
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    with pytest.raises(TPPlanError, match=r"recognises no transformer block in Sequential.*pass tp_plan="):
+        default_tp_plan(model, 2)
+
+
+def test_a_given_plan_is_matched_by_pattern_and_one_that_matches_nothing_is_refused():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from fxpipe.distributed.parallel.tp_plans import TPPlanError, given_tp_plan
+    model = build("llama")
+    plan = given_tp_plan(model, {"model.layers.*.mlp.up_proj": ColwiseParallel(),
+                                 "model.layers.*.mlp.down_proj": RowwiseParallel()})
+    assert sorted(plan.styles) == sorted([f"model.layers.{i}.mlp.{n}" for i in range(4) for n in ("up_proj", "down_proj")])
+    with pytest.raises(TPPlanError, match=r"'layers.\*.mlp' matches no module of LlamaForCausalLM"):
+        given_tp_plan(model, {"layers.*.mlp": ColwiseParallel()})
+    with pytest.raises(TPPlanError, match="tp_plan must be a dict of module path patterns"):
+        given_tp_plan(model, {"model.layers.0.mlp.up_proj": "colwise"})
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_an_exported_graph_calls_its_linear_layers_as_modules_again_and_computes_the_same(family):
+    from fxpipe.distributed.parallel.module_calls import called_modules, restore_module_calls
+    from fxpipe.distributed.parallel.tp_plans import default_tp_plan
+    from fxpipe.frontend.capture import capture
+    model, ids = build(family), padded_batch(family)["input_ids"]
+    gm = capture(model, frontend="export", args=(ids,), other_mode=False).graph
+    want = gm(ids)[0]
+    paths = list(default_tp_plan(model, 2).styles)
+    assert not set(paths) & called_modules(gm)
+    assert sorted(restore_module_calls(gm, model, paths)) == sorted(paths)
+    assert set(paths) <= called_modules(gm)
+    for path in paths:   # the model's own layer, so its parameters are the model's
+        assert gm.get_submodule(path) is model.get_submodule(path)
+    torch.testing.assert_close(gm(ids)[0], want, rtol=0, atol=0)
+
+
+def _stages(family: str, cut_module: str):
+    """The exported graph split in two before the first node of ``cut_module``."""
+    from fxpipe.frontend.capture import capture
+    from fxpipe.runtime.codegen import split_graph
+    model, ids = build(family), padded_batch(family)["input_ids"]
+    gm = capture(model, frontend="export", args=(ids,), other_mode=False).graph
+    stage, stage_of = 0, {}
+    for node in gm.graph.nodes:
+        if any(p == cut_module for p, _ in node.meta.get("nn_module_stack", {}).values()):
+            stage = 1
+        if node.op not in ("placeholder", "output"):
+            stage_of[node.name] = stage
+    return model, [s.module for s in split_graph(gm, stage_of, 2, copies=True)]
+
+
+def test_a_stage_boundary_inside_a_block_is_refused_before_any_parameter_is_sharded():
+    from fxpipe.distributed.parallel.tp import TPPlanError, locate_tp_layers
+    from fxpipe.distributed.parallel.tp_plans import default_tp_plan
+    model, stages = _stages("llama", "model.layers.1.self_attn.o_proj")
+    plan = default_tp_plan(model, 2)
+    with pytest.raises(TPPlanError, match=r"a stage boundary cuts the tensor-parallel block model.layers.1.self_attn "
+                                          r"\(.*q_proj in stage 0.*o_proj in stage 1\).*layers in one stage"):
+        locate_tp_layers(stages, plan, model)
+    with pytest.raises(TPPlanError, match=r"another rank"):   # this rank holds only stage 1
+        locate_tp_layers(stages[1:], plan, model)
+    model, stages = _stages("llama", "model.layers.2")   # a cut between blocks: every layer found in one stage
+    located = locate_tp_layers(stages, default_tp_plan(model, 2), model)
+    assert located["model.layers.1.self_attn.o_proj"] == 0 and located["model.layers.2.self_attn.q_proj"] == 1
