@@ -206,3 +206,64 @@ def test_a_replica_whose_step_fails_ends_every_rank_of_both_replicas_with_an_err
     assert "rank 3" in results[1]["text"], results[1]["text"]   # its pipeline's first stage names the rank
     for rank in (0, 2):   # the healthy replica's ranks: their dp partner failed
         assert "another dp replica" in results[rank]["text"], results[rank]["text"]
+
+
+class _ParameterlessFirst(torch.nn.Module):
+    """A model whose first stage (the cut below) computes from the inputs alone: it holds no parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _make()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(torch.remainder(ids + 3, 11))
+
+
+def _parameterless_ranks(rank: int, world: int, plan_json: str, dp_dim: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from fxpipe.distributed.mesh import MeshPipelineRank
+    plan = fxpipe.Plan.from_dict(json.loads(plan_json))
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", dp_dim))
+    stage = MeshPipelineRank(plan, _ParameterlessFirst, _loss, mesh=mesh, timeout_s=60)
+    params = list(stage.parameters())
+    opt = torch.optim.SGD(params, lr=0.1) if params else None
+    losses = []
+    for x, y in _batches(8):
+        loss = stage.step(x, y)
+        losses.append(None if loss is None else loss.item())
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
+    whole = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+             for n, p in stage.named_parameters()}   # FSDP2's shards gathered
+    return {"losses": losses, "params": whole}
+
+
+@pytest.mark.slow   # 4 processes each: ~25 s idle, ~60 s loaded
+@pytest.mark.parametrize("dp_dim", ["dp", "dp_shard"])
+def test_a_rank_whose_stages_hold_no_parameter_trains_with_its_replicas(dp_dim):
+    """DDP refuses a module without parameters: the replicas of a parameterless stage are left unwrapped, and the
+    other stage's replicas still train as one process."""
+    x = _batches(8)[0][0]
+    graph = fxpipe.trace(_ParameterlessFirst())
+    names = [n.name for n in graph.graph.nodes]
+    cut = names[names.index("remainder") + 1]
+    plan = copy.deepcopy(compile_with_cuts(_ParameterlessFirst(), (x,), [cut], chunks=2).plan)
+    results = run_ranks(4, _parameterless_ranks, plan.to_json(), dp_dim)
+    errors = [r["trace"] for r in results if "ok" not in r]
+    assert not errors, errors[0]
+    got = [r["ok"] for r in results]
+    assert got[0]["params"] == {} and got[1]["params"] == {}
+    reference = _ParameterlessFirst()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    want = []
+    for xb, yb in _batches(8):
+        loss = _loss(reference(xb), yb)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    for r in got[2:]:
+        assert r["losses"] == pytest.approx(want, rel=1e-5)
+        for n, p in reference.named_parameters():
+            assert max_relative_error(r["params"][n], p.detach()) <= 1e-5, n

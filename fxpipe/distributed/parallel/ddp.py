@@ -21,10 +21,15 @@ class ReplicatedStages:
     """This rank's stage modules replicated over ``group`` (every data-parallel rank)."""
 
     def __init__(self, modules: list[nn.Module], group: Any) -> None:
-        self.ddp = DistributedDataParallel(nn.ModuleList(modules), process_group=group)
+        together = nn.ModuleList(modules)
+        # a rank whose stages hold no trained parameter (a first stage of masks and positions) has nothing to
+        # reduce, and DDP refuses such a module: its replicas are left as they are
+        trained = any(p.requires_grad for p in together.parameters())
+        self.ddp = DistributedDataParallel(together, process_group=group) if trained else None
+        self.modules = together
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        return self.ddp.parameters()
+        return self.modules.parameters()
 
     def begin(self) -> None:
         """Nothing to set: DDP's hooks are armed only by :meth:`reduce`."""
@@ -32,6 +37,8 @@ class ReplicatedStages:
     def reduce(self) -> None:
         """DDP's reducer all-reduces (and averages over ``dp``) the gradients the pipeline accumulated: armed by
         ``prepare_for_backward``, its hooks fire on a backward that adds zero to every parameter's gradient."""
+        if self.ddp is None:
+            return
         params = [p for p in self.ddp.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:   # a parameter no micro-batch reached still takes part in the all-reduce
