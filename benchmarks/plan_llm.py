@@ -31,6 +31,17 @@ SHAPES = {
 }
 
 
+def timed(phases: dict[str, float], name: str, function):
+    """``function``, its time added to ``phases[name]`` at every call."""
+    def call(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return function(*a, **k)
+        finally:
+            phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+    return call
+
+
 def main(argv: list[str] | None = None) -> int:
     import transformers
 
@@ -49,19 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     built = time.perf_counter() - started
     ids = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
     devices = fxpipe.Devices.preset("h100", gpus)
-    phases: dict[str, float] = {}
-
-    def timed(name: str, function):   # the phases of fxpipe.plan, timed where analytic.py calls them
-        def call(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return function(*a, **k)
-            finally:
-                phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
-        return call
-    analytic.capture = timed("capture (torch.export)", analytic.capture)
-    analytic.profile_graph = timed("costs (FakeTensor roofline)", analytic.profile_graph)
-    analytic.plan_auto = timed("search (schedules x micro-batches)", analytic.plan_auto)
+    phases: dict[str, float] = {}   # the phases of fxpipe.plan, timed where analytic.py calls them
+    analytic.capture = timed(phases, "capture (torch.export)", analytic.capture)
+    analytic.profile_graph = timed(phases, "costs (FakeTensor roofline)", analytic.profile_graph)
+    analytic.plan_auto = timed(phases, "search (schedules x micro-batches)", analytic.plan_auto)
     started = time.perf_counter()
     try:
         plan = fxpipe.plan(model, devices, (ids,), optimizer=args.optimizer)

@@ -41,6 +41,7 @@ from fxpipe.cli.hf import parse_config
 from fxpipe.cli.models import load_model
 from fxpipe.cost.devices import ACHIEVABLE, PRESETS
 from fxpipe.planning.memory_model import predict_worker_memory
+from plan_llm import timed   # benchmarks/ is the script's own folder
 
 SHAPES = {   # Llama 3 / 3.1 (Meta's model cards): layers, width, MLP width, heads, key-value heads
     "8b": "num_hidden_layers=32,hidden_size=4096,intermediate_size=14336,num_attention_heads=32",
@@ -51,16 +52,6 @@ COMMON = "num_key_value_heads=8,vocab_size=128256,max_position_embeddings=8192"
 LEFT_OUT = ("left out: matmul efficiency lost to narrower shards under tp, overlap of tp collectives with compute, "
             "contention of several dimensions on one link, the optimizer step, runtime overhead per micro-batch, "
             "stragglers, allocator fragmentation")
-
-
-def _timed(phases: dict[str, float], name: str, function):
-    def call(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return function(*a, **k)
-        finally:
-            phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
-    return call
 
 
 def model_flops(model: torch.nn.Module, batch: int, seq: int) -> float:
@@ -115,10 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     peak = PRESETS[args.preset][0].flops["bfloat16"] / ACHIEVABLE["flops"]
     flops = model_flops(model, args.batch, args.seq_len)
     phases: dict[str, float] = {}
-    analytic.capture = _timed(phases, "capture (torch.export)", analytic.capture)
-    analytic.profile_graph = _timed(phases, "costs (FakeTensor roofline)", analytic.profile_graph)
-    analytic.search_mesh = _timed(phases, "mesh search (solvers.mesh_search)", analytic.search_mesh)
-    analytic.plan_for_choice = _timed(phases, "node-level costing of the choice", analytic.plan_for_choice)
+    analytic.capture = timed(phases, "capture (torch.export)", analytic.capture)
+    analytic.profile_graph = timed(phases, "costs (FakeTensor roofline)", analytic.profile_graph)
+    analytic.search_mesh = timed(phases, "mesh search (solvers.mesh_search)", analytic.search_mesh)
+    analytic.plan_for_choice = timed(phases, "node-level costing of the choice", analytic.plan_for_choice)
     params = sum(p.numel() for p in model.parameters())
     print(f"{args.model} ({params / 1e9:.1f}B parameters, bf16, built on meta in {built:.1f} s); batch {args.batch} x "
           f"{args.seq_len} tokens; {world} x {devices.specs[0].name} on {args.nodes} node(s) "

@@ -45,23 +45,30 @@ class TPPlanError(FxpipeError, ValueError):
     """A tensor-parallel plan that cannot be applied exactly (the message names the module and the fix)."""
 
 
+def _distribute_conv1d(style: ColwiseParallel | RowwiseParallel, module: nn.Module, device_mesh,
+                       placements: dict[str, Shard | Replicate]):
+    """``style`` applied to a ``Conv1D`` with its parameters placed as ``placements`` says (by name), and the
+    style's own input and output conversions."""
+    def partition(name, mod, mesh):
+        for pname, placement in placements.items():
+            param = getattr(mod, pname, None)
+            if param is not None:
+                mod.register_parameter(pname, nn.Parameter(
+                    distribute_tensor(param, mesh, [placement], src_data_rank=style.src_data_rank),
+                    requires_grad=param.requires_grad))
+    return distribute_module(module, device_mesh, partition,
+                             lambda mod, inputs, mesh: style._prepare_input_fn(
+                                 style.input_layouts, style.desired_input_layouts, mod, inputs, mesh),
+                             lambda mod, outputs, mesh: style._prepare_output_fn(
+                                 style.output_layouts, style.use_local_output, mod, outputs, mesh))
+
+
 class Conv1DColwise(ColwiseParallel):
     """``ColwiseParallel`` for a Hugging Face ``Conv1D`` (``y = x @ W + b``, ``W`` of shape ``(in, out)``): the
     output features are ``W``'s dimension 1 and the bias's dimension 0."""
 
     def _apply(self, module: nn.Module, device_mesh):
-        def partition(name, mod, mesh):
-            for pname, dim in (("weight", 1), ("bias", 0)):
-                param = getattr(mod, pname, None)
-                if param is not None:
-                    mod.register_parameter(pname, nn.Parameter(
-                        distribute_tensor(param, mesh, [Shard(dim)], src_data_rank=self.src_data_rank),
-                        requires_grad=param.requires_grad))
-        return distribute_module(module, device_mesh, partition,
-                                 lambda mod, inputs, mesh: self._prepare_input_fn(
-                                     self.input_layouts, self.desired_input_layouts, mod, inputs, mesh),
-                                 lambda mod, outputs, mesh: self._prepare_output_fn(
-                                     self.output_layouts, self.use_local_output, mod, outputs, mesh))
+        return _distribute_conv1d(self, module, device_mesh, {"weight": Shard(1), "bias": Shard(0)})
 
 
 class Conv1DRowwise(RowwiseParallel):
@@ -70,19 +77,7 @@ class Conv1DRowwise(RowwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh):
         self.desired_input_layouts = (Shard(-1),)
-
-        def partition(name, mod, mesh):
-            for pname, placement in (("weight", Shard(0)), ("bias", Replicate())):
-                param = getattr(mod, pname, None)
-                if param is not None:
-                    mod.register_parameter(pname, nn.Parameter(
-                        distribute_tensor(param, mesh, [placement], src_data_rank=self.src_data_rank),
-                        requires_grad=param.requires_grad))
-        return distribute_module(module, device_mesh, partition,
-                                 lambda mod, inputs, mesh: self._prepare_input_fn(
-                                     self.input_layouts, self.desired_input_layouts, mod, inputs, mesh),
-                                 lambda mod, outputs, mesh: self._prepare_output_fn(
-                                     self.output_layouts, self.use_local_output, mod, outputs, mesh))
+        return _distribute_conv1d(self, module, device_mesh, {"weight": Shard(0), "bias": Replicate()})
 
 
 @dataclass
