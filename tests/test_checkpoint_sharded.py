@@ -4,10 +4,9 @@ shards) loads under another mesh, pp=4 with plain parameters and pp=2 with plain
 sharded ranks from a plain checkpoint; training continues with the one-process model's losses and parameters
 (``torch.distributed.checkpoint`` reshards; :mod:`fxpipe.distributed.checkpoint` keeps ``DTensor`` s ``DTensor`` s).
 
-The sharding is done here by hand, on a :class:`~fxpipe.distributed.PipelineRank`'s own stage modules, over the
-``dp`` sub-mesh, every dp replica given the whole batch (so FSDP2's averaged gradient is the whole batch's);
-once ``MeshPipelineRank`` shards by itself (branch ``fsdp``), ``_ranks`` becomes one call of it with a
-``("pp", "dp_shard")`` mesh and its own batch split.
+The FSDP2 ranks are :class:`~fxpipe.distributed.MeshPipelineRank` s on a ``("pp", "dp_shard")`` mesh (each
+replica trains its share of the batch, ZB-H1's split weight passes included); the tensor-parallel ranks, which
+``MeshPipelineRank`` does not run yet, shard a block and the head of a ``PipelineRank``'s stage modules by hand.
 """
 
 from __future__ import annotations
@@ -82,24 +81,22 @@ def _ranks(rank: int, world: int, plan_json: str, dp: int, load: str | None, sav
     import fxpipe
     from fxpipe.distributed import PipelineRank, checkpoint
     from torch.distributed.tensor import DTensor
+    from fxpipe.distributed import MeshPipelineRank, ParallelDims
     plan = fxpipe.Plan.from_dict(__import__("json").loads(plan_json))
     group, mesh = None, None
-    if dp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cpu", (world // dp, dp), mesh_dim_names=("pp", "dp"))
-        group = mesh.get_group("pp")
     if tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
         mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("pp", "tp"))
         group = mesh.get_group("pp")
-    stage = PipelineRank(plan, make_model, _loss, group=group, timeout_s=60)
-    for k in stage.own:
+    if dp > 1:   # FSDP2 over dp_shard, as MeshPipelineRank applies it
+        stage = MeshPipelineRank(plan, make_model, _loss, timeout_s=60,
+                                 mesh=ParallelDims(pp=world // dp, dp_shard=dp).build_mesh("cpu"))
+    else:
+        stage = PipelineRank(plan, make_model, _loss, group=group, timeout_s=60)
+    for k in ([] if dp > 1 else stage.own):
         module = stage.specs[k].module
-        if dp > 1:
-            fully_shard(module, mesh=mesh["dp"])
         if tp > 1:   # a block's output columns (Shard(0)) and the head's input columns (Shard(1)) split over tp,
             # their outputs gathered or all-reduced. (Not the embedding: RowwiseParallel on an nn.Embedding gives
             # a wrong output shape on gloo CPU ranks here, without fxpipe too: (2, 10, C) for (2, 5) tokens.)
@@ -112,9 +109,8 @@ def _ranks(rank: int, world: int, plan_json: str, dp: int, load: str | None, sav
         checkpoint.load(stage, opt, load)
     losses = []
     for x, y in batches()[first:first + 2]:
-        # 1F1B: FSDP2's own hooks (all-gather before a forward, reduce-scatter after a backward, gradients
-        # accumulated in the shards) see whole backwards; a split weight pass (ZB-H1) needs branch fsdp's driver
-        loss = stage.step(x, y, schedule="1f1b")
+        # ZB-H1's split weight passes under FSDP2 (MeshPipelineRank reduce-scatters once, after them); 1F1B else
+        loss = stage.step(x, y, schedule="zb-h1" if dp > 1 else "1f1b")
         opt.step()
         opt.zero_grad()
         if loss is not None:
