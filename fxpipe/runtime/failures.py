@@ -34,8 +34,6 @@ def failing_node(exc: BaseException) -> str | None:
 
 def forward_error(stage: int, micro_batch: int, device: torch.device, exc: BaseException) -> StageError:
     """A stage that failed in ``pipe(x)``."""
-    if k < 0:   # the whole step, not one stage's operation: another rank failed or is gone, a wait timed out
-        return StageError(f"{type(exc).__name__}: {exc}", stage=k, micro_batch=i, node=None)
     node = failing_node(exc)
     return StageError(f"stage {stage} (device {device}) failed on micro-batch {micro_batch} at node {node!r}: "
                       f"{type(exc).__name__}: {exc}", stage=stage, micro_batch=micro_batch, node=node)
