@@ -110,6 +110,23 @@ def _lm_loss(out, target):
     return F.cross_entropy(out.flatten(0, 1), target.flatten())
 
 
+def _train_beside(pipe, model, twin, ids, target, loss_fn, lr, steps=3, **step_kwargs):
+    """``steps`` AdamW steps of ``pipe`` (over ``model``'s parameters) and of ``twin`` unpartitioned; each step's
+    pair (pipeline loss, twin's loss)."""
+    mine, theirs = (torch.optim.AdamW(m.parameters(), lr=lr) for m in (model, twin))
+    losses = []
+    for _ in range(steps):
+        loss = pipe.step(ids, target, loss_fn, **step_kwargs)
+        mine.step()
+        mine.zero_grad()
+        want = loss_fn(twin(ids), target)
+        want.backward()
+        theirs.step()
+        theirs.zero_grad()
+        losses.append((loss, want))
+    return losses
+
+
 def _cut(model, inputs, schedule="gpipe", stages=4, chunks=4, **kwargs) -> fxpipe.Pipeline:
     """``stages`` stages of near-equal node counts (the first holds the embedding, the last the head), on the
     schedule's workers: a plan is made, its nodes dealt out again, and the model compiled on it."""
@@ -180,15 +197,7 @@ def test_tied_weights_train_like_the_model_for_three_adamw_steps(schedule, form)
     ids, target = torch.randint(0, 16, (8, 5)), torch.randint(0, 16, (8, 5))
     pipe = _cut(model, (ids,), schedule, **kwargs)
     assert [t.stages for t in pipe.tied] == [[0, 3]]
-    mine, theirs = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, twin))
-    for step in range(3):
-        loss = pipe.step(ids, target, _lm_loss)
-        mine.step()
-        mine.zero_grad()
-        want = _lm_loss(twin(ids), target)
-        want.backward()
-        theirs.step()
-        theirs.zero_grad()
+    for step, (loss, want) in enumerate(_train_beside(pipe, model, twin, ids, target, _lm_loss, 1e-2)):
         assert abs(loss.item() - want.item()) <= 1e-5 * abs(want.item()), step
     for (n, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.allclose(p, q, rtol=0, atol=1e-5), n
@@ -203,14 +212,7 @@ def test_two_stages_share_a_tie_and_train_like_the_model():
     ids, target = torch.randint(0, 16, (8, 5)), torch.randint(0, 16, (8, 5))
     pipe = _cut(model, (ids,), stages=2)
     assert [t.stages for t in pipe.tied] == [[0, 1]]
-    mine, theirs = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, twin))
-    for _ in range(3):
-        pipe.step(ids, target, _lm_loss)
-        mine.step()
-        mine.zero_grad()
-        _lm_loss(twin(ids), target).backward()
-        theirs.step()
-        theirs.zero_grad()
+    _train_beside(pipe, model, twin, ids, target, _lm_loss, 1e-2)
     for (n, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.allclose(p, q, rtol=0, atol=1e-5), n
 
@@ -356,14 +358,7 @@ def test_hugging_face_tied_embeddings_train_like_the_model_on_2_and_4_stages(nam
         for schedule in schedules:
             for m in (model, twin):   # the same start for every schedule (the copies follow the model's load)
                 m.load_state_dict(initial)
-            mine, theirs = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, twin))
-            for _ in range(3):
-                pipe.step(ids, target, _logits_loss, schedule=schedule)
-                mine.step()
-                mine.zero_grad()
-                _logits_loss(twin(ids), target).backward()
-                theirs.step()
-                theirs.zero_grad()
+            _train_beside(pipe, model, twin, ids, target, _logits_loss, 1e-3, schedule=schedule)
             for (n, p), q in zip(model.named_parameters(), twin.parameters()):
                 assert torch.allclose(p, q, rtol=0, atol=1e-5), (stages, schedule, n, (p - q).abs().max().item())
 
@@ -470,14 +465,7 @@ def test_each_stage_computes_with_the_tied_weight_on_its_own_device(devices):
     _in_one_stage_module_each(pipe)
     assert all(p.device == pipe.devices[k] for k, s in enumerate(pipe.specs) for p in s.module.parameters())
     assert [t.stages for t in pipe.tied] == [[0, len(devices) - 1]]
-    mine, theirs = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, twin))
-    for _ in range(3):
-        pipe.step(ids, target, _lm_loss)
-        mine.step()
-        mine.zero_grad()
-        _lm_loss(twin(ids), target).backward()
-        theirs.step()
-        theirs.zero_grad()
+    _train_beside(pipe, model, twin, ids, target, _lm_loss, 1e-2)
     for (n, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.allclose(p.cpu(), q, rtol=0, atol=1e-4), n
     with torch.no_grad():
