@@ -22,7 +22,8 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.errors import TraceError
-from fxpipe.frontend.export import export_graph, flat_program
+from fxpipe.frontend.export import PREDICTED, export_graph, flat_program
+from fxpipe.frontend.export import export_graph as _export_graph
 from fxpipe.frontend.fingerprint import graph_fingerprint
 from fxpipe.frontend.generation_cache import CACHE_OFF_REASON, generation_cache_off
 from fxpipe.frontend.kept_whole import KEEP_WHOLE, module_groups
@@ -62,8 +63,11 @@ def _traced(model: nn.Module, name: str, leaf_modules: list[Any], concrete_args:
 
 
 def _choose(model: nn.Module, frontend: str, leaf_modules: list[Any], concrete_args: Any, args: tuple | None,
-            kwargs: dict[str, Any], batch_dim: Any) -> tuple[fx.GraphModule, str, str]:
-    """The graph, the front end that made it and why that one."""
+            kwargs: dict[str, Any], batch_dim: Any, predict: bool = False) -> tuple[fx.GraphModule, str, str]:
+    """The graph, the front end that made it and why that one (``predict``: export_graph's ``predict_repeats``)."""
+    def export_graph(*a: Any) -> fx.GraphModule:
+        return _export_graph(*a, predict_repeats=predict)
+
     if frontend not in FRONTENDS:
         raise ValueError(f"frontend must be one of {', '.join(FRONTENDS)}, got {frontend!r}")
     if frontend != "fx" and args is None:
@@ -133,8 +137,10 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
     (with "compile again in the mode you want") rather than failing this compile.
 
     ``other_mode=False`` skips that second trace, for a caller that never runs the graph (:func:`fxpipe.plan`:
-    exporting a 32-layer Hugging Face model takes tens of seconds): ``mode_dependent`` is then False and
-    ``eval_graph`` None, and a pipeline built from the plan captures the model again."""
+    exporting a 32-layer Hugging Face model takes seconds): ``mode_dependent`` is then False and
+    ``eval_graph`` None, and a pipeline built from the plan captures the model again. Such a caller also takes
+    a deep stack of alike layers predicted from a few of them (:mod:`fxpipe.frontend.repeats`), which the
+    front end's reason then says."""
     kwargs = dict(kwargs or {})
     if isinstance(model, torch.export.ExportedProgram):
         gm = flat_program(model)
@@ -153,7 +159,10 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
         raise ValueError(f"leaf_modules names {unknown}, which are not submodules of the model; name them by "
                          "their path in model.named_modules() (as 'transformer.h.0') or pass their class")
     with generation_cache_off(model, kwargs) as cache_off:   # a Hugging Face KV cache: not a training output
-        gm, name, reason = _choose(model, frontend, leaves, concrete_args, args, kwargs, batch_dim)
+        gm, name, reason = _choose(model, frontend, leaves, concrete_args, args, kwargs, batch_dim,
+                                   predict=not other_mode)
+        if PREDICTED in gm.meta:
+            reason += "; " + gm.meta[PREDICTED]
         if cache_off:
             reason += "; " + CACHE_OFF_REASON
         tag = name

@@ -17,8 +17,9 @@ so one graph runs every micro-batch size; a model whose code fixes the batch siz
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
@@ -31,10 +32,11 @@ from fxpipe.errors import TraceError
 from fxpipe.frontend.batch_dims import LEAF_DIMS, leaf_batch_dims
 from fxpipe.frontend.grad_regions import TENSOR_HOOK, refusing_grad_regions
 from fxpipe.frontend.model_loss import split_model_loss
+from fxpipe.frontend.repeats import predicted_export
 from fxpipe.frontend.failures import AS_WRITTEN, eager_failure, inputs_rejected
 from fxpipe.frontend.trace import dropped_region, frame_outside
 
-__all__ = ["export_graph", "flat_program"]
+__all__ = ["PREDICTED", "export_graph", "flat_program"]
 
 
 def _dynamic_batch(args: tuple, kwargs: dict, dims: list[int]) -> ShapesCollection:
@@ -184,15 +186,41 @@ def _check_batch_symbolic(gm: fx.GraphModule, args: tuple, kwargs: dict, dims: l
                     "and do not loop over the batch dimension", module=None, operation=node.name)
 
 
+PREDICTED = "fxpipe_predicted_repeats"
+"""``gm.meta`` key: how a predicted graph was made (:mod:`fxpipe.frontend.repeats`)."""
+
+
+@contextlib.contextmanager
+def _without_stack_traces() -> Iterator[None]:
+    """torch.export without each node's Python stack trace (``node.meta["stack_trace"]``): nothing in fxpipe
+    reads it, and recording it is an eighth of the export of a 32-layer Hugging Face model (1 s of 8)."""
+    before = fx.config.do_not_emit_stack_traces
+    fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        fx.config.do_not_emit_stack_traces = before
+
+
 def export_graph(model: nn.Module, args: tuple, kwargs: dict[str, Any] | None = None,
-                 batch_dim: Any = 0) -> fx.GraphModule:
+                 batch_dim: Any = 0, *, predict_repeats: bool = False) -> fx.GraphModule:
     """``model`` exported on ``(args, kwargs)`` as a flat GraphModule over its own parameters (module doc).
 
-    Raises :class:`fxpipe.TraceError` when torch.export cannot trace it or fixes its batch size."""
+    ``predict_repeats``: a deep stack of alike layers is not traced layer by layer but predicted from the
+    graphs of a few (:mod:`fxpipe.frontend.repeats`; ``gm.meta[PREDICTED]`` then says so), for callers that
+    never run the graph. Raises :class:`fxpipe.TraceError` when torch.export cannot trace it or fixes its
+    batch size."""
+    if predict_repeats:
+        found = predicted_export(model, lambda: export_graph(model, args, kwargs, batch_dim))
+        if found is not None:
+            gm, note = found
+            _check_own_tensors(model, gm)
+            gm.meta[PREDICTED] = note
+            return gm
     kwargs = dict(kwargs or {})
     dims = leaf_batch_dims(model, tuple(args), kwargs, batch_dim)   # by input (CompileOptions.batch_dim)
     try:
-        with refusing_grad_regions(only=(torch.inference_mode, torch.Tensor)):
+        with refusing_grad_regions(only=(torch.inference_mode, torch.Tensor)), _without_stack_traces():
             program = torch.export.export(model, tuple(args), kwargs, strict=False,
                                           dynamic_shapes=_dynamic_batch(tuple(args), kwargs, dims)
                                           .dynamic_shapes(model, tuple(args), kwargs))

@@ -7,8 +7,9 @@ partition solved for that schedule's memory model, its checkpointing chosen
 (:func:`fxpipe.cost.rescale.scaled_costs`) — and reports its simulated iteration
 time (the schedule's own timeline, :func:`solvers.simulate.simulate_solution`) and
 its predicted peak memory (:mod:`fxpipe.planning.memory_model`). The choice is
-:func:`solvers.schedule_search.search`'s; the table of what was tried goes into
-``plan.solver["search"]`` and :meth:`fxpipe.Plan.summary`.
+:func:`solvers.schedule_search.search`'s, which skips a candidate whose lower bound
+(:func:`solvers.schedule_search.lower_bound`, from the summed node costs at its micro-batch size) is above the
+best plan found; the table of what was tried goes into ``plan.solver["search"]`` and :meth:`fxpipe.Plan.summary`.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from typing import Any, Sequence
 import solvers
 from fxpipe.cost.rescale import NODE_OVERHEAD_S, scaled_costs
 from fxpipe.errors import InfeasiblePlanError
+from fxpipe.planning.lowering import solver_order
 from fxpipe.planning.memory_model import predict_worker_memory
 from fxpipe.planning.plan import Plan
 from fxpipe.planning.planner import Planner
-from solvers.schedule_search import Candidate, Trial, candidates, search
+from solvers.schedule_search import Candidate, Trial, candidates, lower_bound, search
 from solvers.schedules import SCHEDULES, stages_per_worker
 from solvers.simulate import simulate_solution
 
@@ -49,12 +51,25 @@ def plan_auto(base: Planner, costs: dict[str, Any], profiled_chunks: int, counts
     workers = len(base.devices)
     made: dict[Candidate, tuple[Planner, dict[str, Any]]] = {}
     solved: dict[tuple[str, int, bool], Any] = {}   # shared by the candidates' planners
+    scaled_at: dict[int, dict[str, Any]] = {}       # the costs at each micro-batch count
+    in_problem = [n.name for n in solver_order(base.gm)]
+    speeds = list(base.speeds) if base.speeds is not None else [1.0] * workers
+
+    def at(chunks: int) -> dict[str, Any]:
+        if chunks not in scaled_at:
+            scaled_at[chunks] = scaled_costs(costs, profiled_chunks, chunks, overhead_s)
+        return scaled_at[chunks]
+
+    def bound(cand: Candidate) -> float:
+        scaled = at(cand.micro_batches)
+        return lower_bound(cand.schedule, cand.micro_batches, sum(scaled[n].fwd_s for n in in_problem),
+                           sum(scaled[n].bwd_s for n in in_problem), speeds)
 
     def evaluate(cand: Candidate) -> Trial:
         v = stages_per_worker(cand.schedule, virtual_stages)
         planner = dataclasses.replace(base, schedule=cand.schedule, chunks=cand.micro_batches, virtual_stages=v,
                                       solved=solved)
-        scaled = scaled_costs(costs, profiled_chunks, cand.micro_batches, overhead_s)
+        scaled = at(cand.micro_batches)
         try:
             plan = planner.plan(scaled)
         except InfeasiblePlanError as exc:
@@ -83,7 +98,8 @@ def plan_auto(base: Planner, costs: dict[str, Any], profiled_chunks: int, counts
         return Trial(cand, simulated.iteration_s, peak, ",".join(modes), True, result=plan)
 
     try:
-        best, trials = search(candidates(workers, counts, schedules, virtual_stages, stages=base.stages), evaluate)
+        best, trials = search(candidates(workers, counts, schedules, virtual_stages, stages=base.stages), evaluate,
+                              bound)
     except solvers.InfeasibleError as exc:
         raise InfeasiblePlanError(str(exc), exc.min_peak_bytes) from exc
     planner, scaled = made[best.candidate]
@@ -95,5 +111,6 @@ def search_rows(trials: Sequence[Trial], best: Trial | None = None) -> list[dict
     """The trials as plan data (``plan.solver["search"]``), for the summary and the saved plan."""
     return [{"schedule": t.candidate.schedule, "chunks": t.candidate.micro_batches, "checkpoint": t.checkpoint,
              "iteration_s": t.iteration_s if t.feasible else None, "peak_bytes": t.peak_bytes if t.feasible else None,
-             "feasible": t.feasible, "chosen": t is best, **({} if t.feasible else {"why": t.note})}
+             "feasible": None if t.skipped else t.feasible, "chosen": t is best, "lower_bound_s": t.lower_bound_s,
+             **({} if t.feasible else {"why": t.note})}
             for t in trials]

@@ -166,12 +166,14 @@ class Plan:
             from fxpipe.planning.mesh_view import mesh_table
             out += mesh_table(self, aligned_table)
         if self.solver.get("search"):   # schedule="auto" / chunks="auto": every candidate, the chosen one marked *
+            # (feasible None: not solved, its lower bound above the chosen plan's time)
             out.append("schedule search (simulated iteration; * chosen):")
             out += aligned_table(["schedule", "chunks", "checkpoint", "iteration ms", "peak MiB", "feasible"], [
                 [("* " if t["chosen"] else "  ") + t["schedule"], str(t["chunks"]), t["checkpoint"] or "-",
                  f"{t['iteration_s'] * 1e3:.3f}" if t["feasible"] else "-",
                  f"{t['peak_bytes'] / 2**20:.1f}" if t["feasible"] else "-",
-                 "yes" if t["feasible"] else "no: " + t.get("why", "")[:60]] for t in self.solver["search"]])
+                 "yes" if t["feasible"] else (t.get("why", "") if t["feasible"] is None else
+                                               "no: " + t.get("why", ""))[:60]] for t in self.solver["search"]])
         return "\n".join(out)
 
     def memory_table(self) -> str:

@@ -59,9 +59,11 @@ def fits(problem: Problem, order: list[str], p: int, cap: float) -> bool:
     return bool(_reach(_prefixes(problem, _node_bytes(problem, order), p), cap)[-1][len(order)])
 
 
-def plan_within(problem: Problem, order: list[str], p: int, cap: float) -> list[int] | None:
-    """Cut positions of a ``p``-stage split of ``order`` whose every stage peaks within ``cap``, or None."""
-    prefixes = _prefixes(problem, _node_bytes(problem, order), p)
+def plan_within(problem: Problem, order: list[str], p: int, cap: float,
+                prefixes: list[np.ndarray] | None = None) -> list[int] | None:
+    """Cut positions of a ``p``-stage split of ``order`` whose every stage peaks within ``cap``, or None
+    (``prefixes``: :func:`_prefixes` of that split, when the caller has them)."""
+    prefixes = _prefixes(problem, _node_bytes(problem, order), p) if prefixes is None else prefixes
     reach = _reach(prefixes, cap)
     n = len(order)
     if not reach[-1][n]:
@@ -76,25 +78,44 @@ def plan_within(problem: Problem, order: list[str], p: int, cap: float) -> list[
     return cuts[::-1]
 
 
+def _peak_of(prefixes: list[np.ndarray], cuts: list[int], n: int) -> float:
+    """The largest stage peak of the split of ``[0, n)`` at ``cuts``."""
+    bounds = [0, *cuts, n]
+    return max(float(q[b] - q[a]) for q, a, b in zip(prefixes, bounds, bounds[1:]))
+
+
 def least_peak(problem: Problem, order: list[str], counts: list[int]) -> float:
-    """The smallest largest stage peak over splits of ``order`` into any of ``counts`` stages (relative 1e-12)."""
+    """The smallest largest stage peak over splits of ``order`` into any of ``counts`` stages (relative 1e-12).
+
+    Per stage count: bisection on the cap to a relative 1e-3, then the cap snaps to the largest stage peak of a
+    plan within it (a peak some plan has) and bisection goes on only if a cap just below that one still
+    fits: the least cap is one plan's peak, so this usually ends after a dozen tests, not forty."""
     best = math.inf
     node_bytes = _node_bytes(problem, order)
+    n = len(order)
     for p in counts:
-        if p > len(order):
+        if p > n:
             continue
         prefixes = _prefixes(problem, node_bytes, p)
         hi = max(float(q[-1]) for q in prefixes)            # one stage holding everything: every split fits
         lo = 0.0
         if best < hi:
             hi = best
-            if not _reach(prefixes, hi)[-1][len(order)]:
+            if not _reach(prefixes, hi)[-1][n]:
                 continue
         for _ in range(200):
             if hi - lo <= 1e-12 * hi:
                 break
+            if hi - lo <= 1e-3 * hi:   # close: a plan within hi peaks at some hi' <= hi; is anything below it?
+                cuts = plan_within(problem, order, p, hi, prefixes)
+                hi = min(hi, _peak_of(prefixes, cuts, n)) if cuts is not None else hi
+                below = hi * (1 - 4e-12)
+                if below <= lo or not _reach(prefixes, below)[-1][n]:
+                    break
+                hi = below
+                continue
             mid = 0.5 * (lo + hi)
-            if _reach(prefixes, mid)[-1][len(order)]:
+            if _reach(prefixes, mid)[-1][n]:
                 hi = mid
             else:
                 lo = mid

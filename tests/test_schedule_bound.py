@@ -1,0 +1,67 @@
+"""The schedule search's lower bound (solvers.schedule_search.lower_bound) against the simulator it bounds: on random
+stage times, speeds, transfers and weight shares, no simulated iteration of any schedule is faster than the bound,
+and the bound is tight where the reference formula is exact (GPipe's and 1F1B's equal stages, no transfers)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from solvers.schedule_search import Candidate, Trial, lower_bound, search
+from solvers.schedules import SCHEDULES, check_schedule, stage_worker, stages_per_worker
+from solvers.simulate import simulate
+
+times = st.floats(0.0, 5.0, allow_nan=False)
+
+
+@settings(max_examples=150, deadline=None)
+@given(schedule=st.sampled_from(SCHEDULES), workers=st.integers(1, 4), micro_batches=st.integers(1, 8),
+       data=st.data())
+def test_no_simulated_iteration_is_faster_than_the_bound(schedule, workers, micro_batches, data):
+    stages = stages_per_worker(schedule) * workers
+    try:
+        check_schedule(schedule, stages, workers, micro_batches)
+    except ValueError:
+        return
+    work_f = data.draw(st.lists(times, min_size=stages, max_size=stages))
+    work_b = data.draw(st.lists(times, min_size=stages, max_size=stages))
+    speeds = data.draw(st.lists(st.floats(0.25, 4.0), min_size=workers, max_size=workers))
+    share = data.draw(st.floats(0.0, 0.5))
+    owner = [stage_worker(schedule, s, workers) for s in range(stages)]
+    fwd = [f / speeds[owner[s]] for s, f in enumerate(work_f)]
+    bwd = [b / speeds[owner[s]] for s, b in enumerate(work_b)]
+    sends = {(s, s + 1): data.draw(st.floats(0.0, 1.0)) for s in range(stages - 1)}
+    simulated = simulate(fwd, bwd, micro_batches, schedule, sends, workers=workers, weight_share=share).iteration_s
+    bound = lower_bound(schedule, micro_batches, sum(work_f), sum(work_b), speeds)
+    assert bound <= simulated * (1 + 1e-9) + 1e-12
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_bound_is_the_reference_formula_for_equal_stages(schedule):
+    stages, m = 4, 6
+    simulated = simulate([1.0] * stages, [2.0] * stages, m, schedule).iteration_s
+    assert simulated == pytest.approx((m - 1) * 3.0 + stages * 3.0)
+    assert lower_bound(schedule, m, 4.0, 8.0, [1.0] * stages) == pytest.approx(simulated)
+
+
+def test_a_candidate_whose_bound_is_above_the_best_found_is_not_solved():
+    cands = [Candidate("gpipe", 1), Candidate("1f1b", 4), Candidate("zb-h1", 4)]
+    bounds = {cands[0]: 5.0, cands[1]: 1.0, cands[2]: 1.5}
+    solved = []
+
+    def evaluate(c):
+        solved.append(c)
+        return Trial(c, {"1f1b": 2.0, "zb-h1": 2.6}[c.schedule], 1.0, "never", True)
+    best, trials = search(cands, evaluate, bounds.__getitem__)
+    assert solved == [cands[1], cands[2]]                       # by bound, the last one skipped
+    assert best.candidate == cands[1] and [t.candidate for t in trials] == cands   # rows in the given order
+    assert trials[0].skipped and not trials[0].feasible and "not solved" in trials[0].note
+    assert trials[0].lower_bound_s == 5.0 and not trials[2].skipped
+
+
+def test_bad_bound_arguments_are_refused():
+    with pytest.raises(ValueError, match="positive speeds"):
+        lower_bound("1f1b", 4, 1.0, 2.0, [])
+    with pytest.raises(ValueError, match="micro_batches >= 1"):
+        lower_bound("1f1b", 0, 1.0, 2.0, [1.0])
