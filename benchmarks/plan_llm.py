@@ -6,7 +6,10 @@ FakeTensorMode at the H100's bfloat16 roofline, every schedule and micro-batch c
 chosen to fit memory. Prints the time of each phase (capture, costs, search), the plan, and the predicted step
 against the step's FLOPs at the GPUs' peak (6 x parameters x tokens for the matmuls, plus attention).
 
-    flock /tmp/fxpipe-bench.lock python benchmarks/plan_llm.py [--model 8b|70b] [--batch 8] [--seq 4096]
+    flock /tmp/fxpipe-bench.lock python benchmarks/plan_llm.py [--model 8b|70b] [--batch 8] [--seq 4096] [--mesh auto]
+
+``--mesh auto`` plans the devices as a pp x dp x tp mesh (``fxpipe.plan(mesh="auto")``), where FSDP and tensor
+parallelism share out what one pipeline cannot hold (the 70B-shaped model on 16 H100s).
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--optimizer", default="adam", help="fxpipe.plan's optimizer (default adam: 16 bytes a "
                                                               "parameter in mixed precision)")
+    parser.add_argument("--mesh", default=None, help="fxpipe.plan's mesh= (default: one pipeline; 'auto' searches "
+                                                      "pp x dp x tp)")
     args = parser.parse_args(argv)
     shape, gpus = SHAPES[args.model]
     config = transformers.AutoConfig.for_model("llama", **shape)
@@ -64,9 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     analytic.capture = timed(phases, "capture (torch.export)", analytic.capture)
     analytic.profile_graph = timed(phases, "costs (FakeTensor roofline)", analytic.profile_graph)
     analytic.plan_auto = timed(phases, "search (schedules x micro-batches)", analytic.plan_auto)
+    analytic.plan_costed_mesh = timed(phases, "search (meshes x schedules x ...)", analytic.plan_costed_mesh)
     started = time.perf_counter()
     try:
-        plan = fxpipe.plan(model, devices, (ids,), optimizer=args.optimizer)
+        plan = fxpipe.plan(model, devices, (ids,), optimizer=args.optimizer, mesh=args.mesh)
     except fxpipe.InfeasiblePlanError as exc:
         plan, failure = None, exc
     total = time.perf_counter() - started

@@ -200,15 +200,20 @@ def plan(
     planner = planner_for(costed, devices, schedule="gpipe" if schedule == "auto" else schedule, stages=stages,
                           virtual_stages=v, optimizer=optimizer, checkpoint=checkpoint, options=options,
                           time_limit_s=time_limit_s)
-    if schedule == "auto" or auto_chunks:                                                # 3. plan
-        counts = chunk_choices(costed.most, workers) if auto_chunks else [chunks]
-        search = plan_auto(planner, costed.costs, costed.profiled, counts,
-                           SCHEDULES if schedule == "auto" else (schedule,), virtual_stages=v if v > 1 else 2,
-                           overhead_s=costed.spec.launch_s)
-        result = search.plan
-        result.solver["search"] = search_rows(search.trials, search.best)
-        return result
-    return planner.plan(costed.costs)
+    try:
+        if schedule == "auto" or auto_chunks:                                                # 3. plan
+            counts = chunk_choices(costed.most, workers) if auto_chunks else [chunks]
+            search = plan_auto(planner, costed.costs, costed.profiled, counts,
+                               SCHEDULES if schedule == "auto" else (schedule,), virtual_stages=v if v > 1 else 2,
+                               overhead_s=costed.spec.launch_s)
+            result = search.plan
+            result.solver["search"] = search_rows(search.trials, search.best)
+            return result
+        return planner.plan(costed.costs)
+    except InfeasiblePlanError as exc:   # a pipeline alone keeps every parameter's state on one device
+        raise InfeasiblePlanError(f"{exc}; or plan with mesh='auto', which also shards the parameters, gradients "
+                                  "and optimizer states over data-parallel devices (FSDP) or splits the layers "
+                                  "(tensor parallel)", exc.min_peak_bytes) from exc
 
 
 

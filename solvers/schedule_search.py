@@ -132,8 +132,8 @@ def search(cands: Sequence[Candidate], evaluate: Callable[[Candidate], Trial],
     best_s = math.inf
     for cand in sorted(cands, key=lambda c: bounds[c]):   # stable: ties keep the looser schedule first
         if bounds[cand] > best_s * (1 + 1e-9):
-            done[cand] = Trial(cand, math.inf, 0.0, "", False, f"not solved: no plan is faster than "
-                               f"{bounds[cand] * 1e3:.4g} ms, the best found takes {best_s * 1e3:.4g} ms",
+            done[cand] = Trial(cand, math.inf, 0.0, "", False, f"not solved: at least {bounds[cand] * 1e3:.4g} "
+                               f"ms, above the best, {best_s * 1e3:.4g} ms",
                                lower_bound_s=bounds[cand], skipped=True)
             continue
         started = time.perf_counter()

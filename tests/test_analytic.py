@@ -86,8 +86,9 @@ def test_checkpointed_modes_plan_under_the_memory_their_recomputation_needs():
         model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(4096, 4096), nn.ReLU())])
     x = torch.empty(1572864, 4096, device="meta")
     devices = fxpipe.Devices.preset("h100", 2)
-    with pytest.raises(fxpipe.InfeasiblePlanError, match="fits in memory"):
+    with pytest.raises(fxpipe.InfeasiblePlanError, match="fits in memory") as info:
         fxpipe.plan(model, devices, (x,), chunks=8, checkpoint="never", schedule="gpipe")
+    assert "or plan with mesh='auto', which also shards the parameters" in str(info.value)   # the other fix
     for checkpoint in ("always", "except_last"):
         plan = fxpipe.plan(model, devices, (x,), chunks=8, checkpoint=checkpoint, schedule="gpipe")
         assert plan.problem["recompute"] is True
