@@ -27,7 +27,7 @@ def test_the_default_plan_shards_attention_and_mlp_of_llama_style_blocks(family)
         attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
         for name in ("q_proj", "k_proj", "v_proj"):
             assert kinds.pop(f"{attn}.{name}") == "ColwiseParallel"
-            assert plan.styles[f"{attn}.{name}"].use_local_output is False   # DTensor between the pair
+            assert plan.styles[f"{attn}.{name}"].use_local_output is True   # plain local heads between the pair
         assert kinds.pop(f"{attn}.o_proj") == "RowwiseParallel"
         assert plan.styles[f"{attn}.o_proj"].input_layouts == (Shard(-1),)
         assert plan.styles[f"{attn}.o_proj"].use_local_output is True     # a plain tensor leaves the block

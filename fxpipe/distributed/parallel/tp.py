@@ -47,19 +47,18 @@ sharded in and out).
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch.fx as fx
 from torch import nn
-from torch.distributed.tensor.experimental import implicit_replication
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from fxpipe.distributed.parallel.local_shapes import local_sizes, localise_shapes
 from fxpipe.distributed.parallel.module_calls import called_modules, restore_module_calls
 from fxpipe.distributed.parallel.tp_plans import TPPlan, TPPlanError, default_tp_plan, given_tp_plan
 
-__all__ = ["apply_tp", "locate_tp_layers", "tp_region", "TPPlanError"]
+__all__ = ["apply_tp", "locate_tp_layers", "TPPlanError"]
 
 
 def _reads(gm: nn.Module, path: str) -> bool:
@@ -82,12 +81,36 @@ def apply_tp(stage_modules: Sequence[nn.Module], tp_mesh: Any, tp_plan: dict[str
     ``tp`` does not divide raise :class:`TPPlanError` naming the fix. Returns the plan applied."""
     tp = tp_mesh.size()
     plan = default_tp_plan(model, tp) if tp_plan is None else given_tp_plan(model, tp_plan)
+    colwise, rowwise = _kinds(plan)
     located = locate_tp_layers(stage_modules, plan, model)
+    # every graph checked (and refused) before any parameter changes
+    edits = [local_sizes(gm, colwise, rowwise, tp) if isinstance(gm, fx.GraphModule) else {} for gm in stage_modules]
     for k, gm in enumerate(stage_modules):
         mine = {p: s for p, s in plan.styles.items() if located.get(p) == k}
         if mine:
             parallelize_module(gm, tp_mesh, mine)
+        if edits[k]:
+            localise_shapes(gm, edits[k])
     return plan
+
+
+def _kinds(plan: TPPlan) -> tuple[set[str], set[str]]:
+    """The plan's column-wise and row-wise layer paths; :class:`TPPlanError` for a style whose output between them
+    would not be a plain local tensor (the module doc says why)."""
+    colwise, rowwise = set(), set()
+    for path, style in plan.styles.items():
+        if isinstance(style, ColwiseParallel):
+            if not style.use_local_output:
+                raise TPPlanError(f"tp_plan's {path}: ColwiseParallel(use_local_output=False) keeps a DTensor between "
+                                  "the layers, which a traced stage runs too slowly (tp.py's doc); use "
+                                  "ColwiseParallel() (plain local outputs: fxpipe makes the graph's sizes local)")
+            colwise.add(path)
+        elif isinstance(style, RowwiseParallel):
+            rowwise.add(path)
+        else:
+            raise TPPlanError(f"tp_plan's {path}: {type(style).__name__} is not supported on pipeline stages; use "
+                              "ColwiseParallel() and RowwiseParallel() (sequence parallelism is not offered)")
+    return colwise, rowwise
 
 
 def locate_tp_layers(stage_modules: Sequence[nn.Module], plan: TPPlan, model: nn.Module) -> dict[str, int]:
@@ -119,11 +142,3 @@ def locate_tp_layers(stage_modules: Sequence[nn.Module], plan: TPPlan, model: nn
                 "would carry a sharded value; plan with its layers in one stage (cuts between blocks, e.g. "
                 "leaf_modules=[TheBlockClass]) or pass tp_plan=... without this block")
     return located
-
-
-@contextlib.contextmanager
-def tp_region() -> Iterator[None]:
-    """Around a step of tensor-parallel stages: plain tensors that meet ``DTensor`` s count as replicated over
-    ``tp`` (true here: module doc). Forward and backward both run inside it."""
-    with implicit_replication():
-        yield
