@@ -47,18 +47,23 @@ sharded in and out).
 
 from __future__ import annotations
 
+import datetime
 from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
 
 import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from fxpipe.distributed.parallel.fsdp import repoint
 from fxpipe.distributed.parallel.local_shapes import local_sizes, localise_shapes
 from fxpipe.distributed.parallel.module_calls import called_modules, restore_module_calls
 from fxpipe.distributed.parallel.tp_plans import TPPlan, TPPlanError, default_tp_plan, given_tp_plan
 
-__all__ = ["apply_tp", "locate_tp_layers", "TPPlanError"]
+__all__ = ["apply_tp", "locate_tp_layers", "shard_stages", "tp_mesh_of", "TPPlanError"]
 
 
 def _reads(gm: nn.Module, path: str) -> bool:
@@ -91,6 +96,38 @@ def apply_tp(stage_modules: Sequence[nn.Module], tp_mesh: Any, tp_plan: dict[str
             parallelize_module(gm, tp_mesh, mine)
         if edits[k]:
             localise_shapes(gm, edits[k])
+    return plan
+
+
+def tp_mesh_of(mesh: Any, timeout_s: float, *, from_root: bool) -> Any:
+    """This rank's 1-D ``("tp",)`` mesh of ``mesh`` (dims named as :class:`ParallelDims` names them). With
+    ``from_root`` the slice ``mesh["tp"]`` (FSDP2 composes with TP only over slices of one root mesh; its waits
+    end after the default process group's timeout); otherwise a group whose waits end after ``timeout_s``."""
+    if from_root:
+        return mesh["tp"]
+    from torch.distributed.device_mesh import DeviceMesh
+    names, coordinate = tuple(mesh.mesh_dim_names), mesh.get_coordinate()
+    ranks = mesh.mesh[tuple(slice(None) if n == "tp" else coordinate[i] for i, n in enumerate(names))]
+    group = dist.new_group([int(r) for r in ranks], timeout=datetime.timedelta(seconds=timeout_s),
+                           use_local_synchronization=True)
+    return DeviceMesh.from_group(group, mesh.device_type, mesh_dim_names=("tp",))
+
+
+def shard_stages(stage_modules: Sequence[nn.Module], tp_mesh: Any, tp_plan: dict[str, ParallelStyle] | None, *,
+                 model: nn.Module, holders: Sequence[nn.Module] = ()) -> TPPlan:
+    """:func:`apply_tp` on a pipeline rank: every parameter and buffer of ``stage_modules`` first broadcast from
+    tp rank 0 (the replicated ones must be equal on every tp rank), then the ``DTensor`` parameters put wherever
+    ``holders`` (the model, the traced graph) held the ones they replace."""
+    group, root = tp_mesh.get_group(), dist.get_global_rank(tp_mesh.get_group(), 0)
+    with torch.no_grad():
+        for module in stage_modules:
+            for t in [*module.parameters(), *module.buffers()]:
+                if t.device.type != "meta":
+                    dist.broadcast(t.data, src=root, group=group)
+    before = [dict(m.named_parameters()) for m in stage_modules]
+    plan = apply_tp(stage_modules, tp_mesh, tp_plan, model=model)
+    repoint(holders, {id(old[name]): new for old, m in zip(before, stage_modules)
+                      for name, new in m.named_parameters() if new is not old.get(name)})
     return plan
 
 

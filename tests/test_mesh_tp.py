@@ -1,0 +1,114 @@
+"""pp × tp on a DeviceMesh (4 gloo processes: pp=2 × tp=2): each stage's attention and MLP layers sharded over its tp
+pair by MeshPipelineRank (torch's ColwiseParallel/RowwiseParallel, the traced graph's head counts made local once at
+setup); three AdamW steps of Llama (untied and tied embeddings) and GPT-2 give the losses and every parameter (the
+DTensor shards gathered) of one process training the whole batch (1e-5 relative), for GPipe, 1F1B and ZB-H1, the last
+batch split into uneven micro-batches. One ``run_ranks`` call trains every model and schedule, to start the processes
+(and import torch and transformers) once. A rank whose step fails ends every rank's step with an error naming it."""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+
+import pytest
+import torch
+
+import fxpipe
+from distributed_run import run_ranks
+from equivalence import max_relative_error
+from test_mesh_fsdp import EST, SIZES, _batches, _full, _loss, _optimizer
+
+transformers = pytest.importorskip("transformers")
+from hf_models import build, padded_batch  # noqa: E402
+
+FAMILIES = ("llama", "llama-tied", "gpt2")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+
+
+def _mesh(world: int, named_tp_only: bool):
+    """("pp", "tp") as a user makes it, or ParallelDims' ("pp", "dp_shard", "tp") with dp_shard=1."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from fxpipe.distributed.parallel import ParallelDims
+    if named_tp_only:
+        return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "tp"))
+    return ParallelDims(pp=2, tp=world // 2).build_mesh("cpu")
+
+
+def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[str, ...]) -> dict:
+    """Per model: one MeshPipelineRank and AdamW, three steps with each schedule in turn; the losses, the gathered
+    parameters after each schedule's steps, the seconds of each step, and which parameters are tp shards."""
+    from torch.distributed.tensor import DTensor
+    from fxpipe.distributed.mesh import MeshPipelineRank
+    out = {}
+    for i, (family, plan_json) in enumerate(plans.items()):
+        plan = fxpipe.Plan.from_dict(json.loads(plan_json))
+        stage = MeshPipelineRank(plan, functools.partial(build, family), _loss, mesh=_mesh(world, i % 2 == 1),
+                                 timeout_s=120)
+        shards = sorted(n for n, p in stage.named_parameters() if isinstance(p, DTensor))
+        opt = _optimizer(stage.parameters())
+        for schedule in schedules:
+            losses, seconds = [], []
+            for b in _batches(family):
+                started = time.perf_counter()
+                loss = stage.step(b["input_ids"], b["labels"], schedule=schedule)
+                seconds.append(time.perf_counter() - started)
+                losses.append(None if loss is None else loss.item())
+                opt.step()
+                opt.zero_grad()
+            out[(family, schedule)] = {"losses": losses, "shards": shards, "seconds": seconds,
+                                       "params": {n: _full(p) for n, p in stage.named_parameters()}}
+    return out
+
+
+def _reference(family: str, schedules: tuple[str, ...]) -> dict[str, tuple[list[float], dict]]:
+    """One process, the whole batch: the losses and parameters after each block of steps (one per schedule)."""
+    model = build(family)
+    opt = _optimizer(model.parameters())
+    out = {}
+    for schedule in schedules:
+        losses = []
+        for b in _batches(family):
+            loss = _loss(model(b["input_ids"]), b["labels"])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[schedule] = (losses, {n: p.detach().clone() for n, p in model.named_parameters()})
+    return out
+
+
+def _plan(family: str) -> str:
+    b = padded_batch(family)
+    return json.dumps(fxpipe.compile(build(family), ["cpu"] * 2, (b["input_ids"],), chunks=2, profile=EST)
+                      .plan.to_dict())
+
+
+@pytest.mark.slow
+def test_pp2_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_batch():
+    plans = {family: _plan(family) for family in FAMILIES}
+    results = run_ranks(4, _train_all, plans, SCHEDULES, deadline_s=900)
+    errors = [r["trace"] for r in results if "ok" not in r]
+    assert not errors, errors[0]
+    got = [r["ok"] for r in results]
+    for family in FAMILIES:
+        reference = _reference(family, SCHEDULES)
+        for schedule in SCHEDULES:
+            want_losses, want_params = reference[schedule]
+            case = [g[(family, schedule)] for g in got]
+            # mesh (pp=2, tp=2): ranks 0, 1 hold stage 0, ranks 2, 3 stage 1; both of stage 1's return the loss
+            for r in (2, 3):
+                for a, b in zip(case[r]["losses"], want_losses):
+                    assert abs(a - b) <= 1e-5 * abs(b), (family, schedule, case[r]["losses"], want_losses)
+            for tp_rank in (0, 1):   # each tp rank gathered its stage's full parameters
+                params = {**case[tp_rank]["params"], **case[2 + tp_rank]["params"]}
+                assert set(params) == set(want_params), (family, set(want_params) ^ set(params))
+                worst = max((max_relative_error(params[n], want_params[n]), n) for n in want_params)
+                assert worst[0] <= 1e-5, (family, schedule, tp_rank, worst)
+            # the default plan sharded every block's MLP (and Llama's attention) on both stages
+            shards = case[0]["shards"] + case[2]["shards"]
+            blocks = [n for n in want_params if n.endswith(("mlp.down_proj.weight", "mlp.c_proj.weight"))]
+            assert len(blocks) == 4 and set(blocks) <= set(shards), (family, shards)
+            if family.startswith("llama"):
+                assert sum(n.endswith("self_attn.q_proj.weight") for n in shards) == 4, shards
+            print(family, schedule, "step seconds (rank 0)", [round(s, 3) for s in case[0]["seconds"]])
