@@ -35,9 +35,33 @@ def _mesh(world: int, named_tp_only: bool):
     return ParallelDims(pp=2, tp=world // 2).build_mesh("cpu")
 
 
-def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[str, ...]) -> dict:
+def _failing_step(world: int, family: str, plan_json: str, fail_rank: int, timeout_s: float) -> str | None:
+    """One step whose loss raises on ``fail_rank``: what this rank's step raised (``None`` if it returned)."""
+    from fxpipe.distributed.mesh import MeshPipelineRank
+
+    def loss(out, labels):
+        if torch.distributed.get_rank() == fail_rank:
+            raise RuntimeError("injected loss failure")
+        return _loss(out, labels)
+    stage = MeshPipelineRank(fxpipe.Plan.from_dict(json.loads(plan_json)), functools.partial(build, family), loss,
+                             mesh=_mesh(world, False), timeout_s=timeout_s)
+    b = _batches(family)[0]
+    started = time.perf_counter()
+    try:
+        stage.step(b["input_ids"], b["labels"], schedule="1f1b")
+    except Exception as exc:   # every rank's step must end with an error
+        if torch.distributed.get_rank() == fail_rank:   # alive, not joining: its partners' waits must time out
+            time.sleep(timeout_s + 5)
+        return f"{type(exc).__name__}: {exc} [after {time.perf_counter() - started:.1f} s]"
+    return None
+
+
+def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[str, ...], fail_rank: int = -1,
+               timeout_s: float = 20.0) -> dict:
     """Per model: one MeshPipelineRank and AdamW, three steps with each schedule in turn; the losses, the gathered
-    parameters after each schedule's steps, the seconds of each step, and which parameters are tp shards."""
+    parameters after each schedule's steps, the seconds of each step, and which parameters are tp shards. Then,
+    with ``fail_rank``, one step of the first model whose loss raises there (its process groups are left broken,
+    so it comes last)."""
     from torch.distributed.tensor import DTensor
     from fxpipe.distributed.mesh import MeshPipelineRank
     out = {}
@@ -58,6 +82,9 @@ def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[st
                 opt.zero_grad()
             out[(family, schedule)] = {"losses": losses, "shards": shards, "seconds": seconds,
                                        "params": {n: _full(p) for n, p in stage.named_parameters()}}
+    if fail_rank >= 0:
+        family, plan_json = next(iter(plans.items()))
+        out["failed"] = _failing_step(world, family, plan_json, fail_rank, timeout_s)
     return out
 
 
@@ -87,7 +114,7 @@ def _plan(family: str) -> str:
 @pytest.mark.slow
 def test_pp2_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_batch():
     plans = {family: _plan(family) for family in FAMILIES}
-    results = run_ranks(4, _train_all, plans, SCHEDULES, deadline_s=900)
+    results = run_ranks(4, _train_all, plans, SCHEDULES, 3, 10.0, deadline_s=900)
     errors = [r["trace"] for r in results if "ok" not in r]
     assert not errors, errors[0]
     got = [r["ok"] for r in results]
@@ -112,3 +139,12 @@ def test_pp2_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_batch():
             if family.startswith("llama"):
                 assert sum(n.endswith("self_attn.q_proj.weight") for n in shards) == 4, shards
             print(family, schedule, "step seconds (rank 0)", [round(s, 3) for s in case[0]["seconds"]])
+    # then a step whose loss raises on rank 3 (stage 1, tp rank 1): every rank's step ends with an error, the
+    # failing rank's own and the others' naming a rank, within the waits' timeout (10 s each)
+    failed = [g["failed"] for g in got]
+    assert all(f is not None for f in failed), failed
+    assert "injected loss failure" in failed[3], failed[3]
+    for r in (0, 1, 2):
+        assert f"rank {r}: its step failed" in failed[r], (r, failed[r])
+    assert "rank 3" in failed[1], failed[1]   # its pipeline's first stage names the rank that failed
+    print("failed step:", failed)

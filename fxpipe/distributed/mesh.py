@@ -101,9 +101,11 @@ class MeshPipelineRank:
         # torchtitan); their shards replace the parameters: put them where the model and the traced graph name them
         holders = [self.ranked.model, self.ranked.pipe._graph[0]]
         both = dims.tp > 1 and dims.dp > 1   # FSDP2 over TP: both meshes sliced from this one (one root)
+        self.tp_ranks: list[int] = []
         if dims.tp > 1:
-            self.tp_plan = shard_stages(own, tp_mesh_of(mesh, timeout_s, from_root=both), tp_plan,
-                                        model=self.ranked.model, holders=holders)
+            tp_mesh = tp_mesh_of(mesh, timeout_s, from_root=both)
+            self.tp_ranks = [int(r) for r in tp_mesh.mesh.flatten()]
+            self.tp_plan = shard_stages(own, tp_mesh, tp_plan, model=self.ranked.model, holders=holders)
         elif tp_plan is not None:
             raise ValueError("tp_plan was given but the mesh has no 'tp' dimension: add one "
                              "(ParallelDims(pp=..., tp=...).build_mesh()) or drop tp_plan")
@@ -217,7 +219,14 @@ class MeshPipelineRank:
         transport.replicas = Replicas(self.dp, total, self._sum_counts, self._tie if self.ranked.last else None)
         self._reduced, self.all_reduce_s = "not run", None
         self.data.begin()
-        loss = self.ranked.step(inputs, target, **kwargs)   # its transport all-reduces when this rank is done
+        try:
+            loss = self.ranked.step(inputs, target, **kwargs)   # its transport all-reduces when this rank is done
+        except Exception as exc:
+            if not self.tp_ranks:
+                raise
+            raise FxpipeError(f"rank {dist.get_rank()}: its step failed ({type(exc).__name__}: {exc}); its stages "
+                              f"are tensor-parallel with ranks {self.tp_ranks}, and one of them that failed or died "
+                              "ends this rank's tp collectives: that rank's own error says why") from exc
         self._raise_if_not_reduced()
         if loss is None:
             return None
