@@ -27,12 +27,13 @@ SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 
 
 def _mesh(world: int, named_tp_only: bool):
-    """("pp", "tp") as a user makes it, or ParallelDims' ("pp", "dp_shard", "tp") with dp_shard=1."""
+    """("pp", "tp") as a user makes it (pp=2 x tp=2), or ParallelDims' ("pp", "dp_shard", "tp") with
+    dp_shard = world / 4 (1: no data parallelism; 2: FSDP2 over the tensor-parallel stages)."""
     from torch.distributed.device_mesh import init_device_mesh
     from fxpipe.distributed.parallel import ParallelDims
     if named_tp_only:
-        return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "tp"))
-    return ParallelDims(pp=2, tp=world // 2).build_mesh("cpu")
+        return init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    return ParallelDims(pp=2, dp_shard=world // 4, tp=2).build_mesh("cpu")
 
 
 def _failing_step(world: int, family: str, plan_json: str, fail_rank: int, timeout_s: float) -> str | None:
@@ -148,3 +149,26 @@ def test_pp2_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_batch():
         assert f"rank {r}: its step failed" in failed[r], (r, failed[r])
     assert "rank 3" in failed[1], failed[1]   # its pipeline's first stage names the rank that failed
     print("failed step:", failed)
+
+
+@pytest.mark.slow
+def test_pp2_fsdp2_over_tp2_trains_llama_as_one_process_on_the_whole_batch():
+    """pp=2 × dp_shard=2 × tp=2 (8 processes): FSDP2 shards the tensor-parallel stages' DTensor parameters over dp
+    (both meshes sliced from one), each replica its share of the batch (the last shared unevenly)."""
+    plans = {"llama": _plan("llama")}
+    results = run_ranks(8, _train_all, plans, ("1f1b",), deadline_s=600)
+    errors = [r["trace"] for r in results if "ok" not in r]
+    assert not errors, errors[0]
+    case = [r["ok"][("llama", "1f1b")] for r in results]
+    want_losses, want_params = _reference("llama", ("1f1b",))["1f1b"]
+    # mesh (pp=2, dp_shard=2, tp=2): ranks 0-3 hold stage 0, ranks 4-7 stage 1, each of which returns the loss
+    for r in range(4, 8):
+        assert case[r]["losses"] == pytest.approx(want_losses, rel=1e-5), (case[r]["losses"], want_losses)
+    for r in range(4):
+        params = {**case[r]["params"], **case[4 + r]["params"]}
+        assert set(params) == set(want_params), set(want_params) ^ set(params)
+        worst = max((max_relative_error(params[n], want_params[n]), n) for n in want_params)
+        assert worst[0] <= 1e-5, (r, worst)
+    # every parameter a DTensor (FSDP2's dp shard, and tp's for the blocks' layers)
+    assert all(len(case[r]["shards"]) == len(case[r]["params"]) for r in range(8))
+    print("step seconds (rank 0)", [round(s, 3) for s in case[0]["seconds"]])
