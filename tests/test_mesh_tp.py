@@ -64,8 +64,20 @@ def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[st
     with ``fail_rank``, one step of the first model whose loss raises there (its process groups are left broken,
     so it comes last)."""
     from torch.distributed.tensor import DTensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel
     from fxpipe.distributed.mesh import MeshPipelineRank
-    out = {}
+    out = {"refused": []}
+    first = fxpipe.Plan.from_dict(json.loads(next(iter(plans.values()))))
+    for names, shape, extra in ((("pp", "dp", "tp"), (2, world // 4, 2), {}),
+                                (("pp", "dp_shard"), (2, world // 2), {"tp_plan": {"*.up_proj": ColwiseParallel()}})):
+        if world // 4 == 1 and "tp" in names:
+            continue   # DDP replicas of tp stages need dp > 1: the 8-process test asks
+        try:
+            MeshPipelineRank(first, functools.partial(build, "llama"), _loss,
+                             mesh=init_device_mesh("cpu", shape, mesh_dim_names=names), **extra)
+        except ValueError as exc:
+            out["refused"].append(str(exc))
     for i, (family, plan_json) in enumerate(plans.items()):
         plan = fxpipe.Plan.from_dict(json.loads(plan_json))
         stage = MeshPipelineRank(plan, functools.partial(build, family), _loss, mesh=_mesh(world, i % 2 == 1),
@@ -142,6 +154,8 @@ def test_pp2_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_batch():
             print(family, schedule, "step seconds (rank 0)", [round(s, 3) for s in case[0]["seconds"]])
     # then a step whose loss raises on rank 3 (stage 1, tp rank 1): every rank's step ends with an error, the
     # failing rank's own and the others' naming a rank, within the waits' timeout (10 s each)
+    for g in got:   # a tp_plan without a tp dim
+        assert len(g["refused"]) == 1 and "tp_plan was given but the mesh has no 'tp' dimension" in g["refused"][0]
     failed = [g["failed"] for g in got]
     assert all(f is not None for f in failed), failed
     assert "injected loss failure" in failed[3], failed[3]
@@ -160,6 +174,9 @@ def test_pp2_fsdp2_over_tp2_trains_llama_as_one_process_on_the_whole_batch():
     errors = [r["trace"] for r in results if "ok" not in r]
     assert not errors, errors[0]
     case = [r["ok"][("llama", "1f1b")] for r in results]
+    for r in results:   # DDP ("dp") over tensor-parallel stages, and a tp_plan without a tp dim: refused
+        assert "replicates tensor-parallel stages with DistributedDataParallel" in r["ok"]["refused"][0]
+        assert "shard them with FSDP2" in r["ok"]["refused"][0] and len(r["ok"]["refused"]) == 2
     want_losses, want_params = _reference("llama", ("1f1b",))["1f1b"]
     # mesh (pp=2, dp_shard=2, tp=2): ranks 0-3 hold stage 0, ranks 4-7 stage 1, each of which returns the loss
     for r in range(4, 8):

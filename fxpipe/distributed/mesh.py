@@ -29,6 +29,11 @@ and every replica of a failed step raises. The ``dp`` group is made here with ``
 replica that died ends the others' all-reduce with an error, not a hang (FSDP2's groups too:
 :func:`fxpipe.distributed.parallel.fsdp.dp_mesh`). A tied weight's gradient is summed over the pp ranks that hold it
 after the dp reduction (:mod:`fxpipe.distributed.tied`).
+
+A ``tp`` dim (``("pp", "tp")``, ``("pp", "dp_shard", "tp")``) shards this rank's stages with tensor parallelism
+first (:func:`fxpipe.distributed.parallel.tp.shard_stages`, ``tp_plan=`` or the default plan), then FSDP2 shards
+their ``DTensor`` parameters along ``dp_shard``; a step that fails on a tensor-parallel rank raises there with the
+rank and its tp group named.
 """
 
 from __future__ import annotations
@@ -61,7 +66,9 @@ class MeshPipelineRank:
     workers, with dims named ``("pp", "dp")`` (DDP), ``("pp", "dp_shard")`` (FSDP2) or ``("pp", "dp_replicate",
     "dp_shard")`` (HSDP), as :class:`fxpipe.distributed.parallel.ParallelDims` builds them. ``reduction`` is
     :meth:`fxpipe.Pipeline.step`'s (default ``"auto"``); other keywords go to :class:`PipelineRank`. The optimizer
-    steps :meth:`parameters` (FSDP2: the local shards, so its state is sharded too)."""
+    steps :meth:`parameters` (FSDP2: the local shards, so its state is sharded too). A ``tp`` dim last (``("pp",
+    "tp")``, ``("pp", "dp_shard", "tp")``, ...) shards the stages' blocks over it (module doc); ``tp_plan`` (module
+    path patterns → torch's ``ColwiseParallel``/``RowwiseParallel``) replaces the default plan."""
 
     def __init__(self, plan: Plan, model_fn: Callable[[], nn.Module], loss_fn: Callable[[Any, Any], torch.Tensor] | None,
                  *, mesh: Any, reduction: str = "auto", tp_plan: dict[str, Any] | None = None,
@@ -71,6 +78,9 @@ class MeshPipelineRank:
             raise ValueError(f"mesh {mesh.mesh_dim_names} replicates tensor-parallel stages with "
                              "DistributedDataParallel, which fxpipe does not offer: shard them with FSDP2 instead "
                              "(ParallelDims(pp=..., dp_shard=..., tp=...).build_mesh())")
+        if tp_plan is not None and dims.tp == 1:
+            raise ValueError("tp_plan was given but the mesh has no 'tp' dimension: add one "
+                             "(ParallelDims(pp=..., tp=...).build_mesh()) or drop tp_plan")
         if dims.pp != plan.workers:
             world, w = mesh.size(), plan.workers
             fix = (f"make the mesh ({w}, {world // w})" if world % w == 0 else
@@ -106,9 +116,6 @@ class MeshPipelineRank:
             tp_mesh = tp_mesh_of(mesh, timeout_s, from_root=both)
             self.tp_ranks = [int(r) for r in tp_mesh.mesh.flatten()]
             self.tp_plan = shard_stages(own, tp_mesh, tp_plan, model=self.ranked.model, holders=holders)
-        elif tp_plan is not None:
-            raise ValueError("tp_plan was given but the mesh has no 'tp' dimension: add one "
-                             "(ParallelDims(pp=..., tp=...).build_mesh()) or drop tp_plan")
         if dims.tp > 1 and dims.dp == 1:
             self.data = SoloStages(own)   # no data parallelism: nothing to reduce
         elif dims.sharded:

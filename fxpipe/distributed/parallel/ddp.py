@@ -3,7 +3,8 @@
 The pipeline accumulates every micro-batch's gradients locally (DDP's hooks stay idle, as under ``no_sync``);
 :meth:`ReplicatedStages.reduce` then has DDP's reducer all-reduce (and average over ``dp``) the accumulated
 gradients once, in its buckets. DDP broadcasts replica 0's parameters and buffers at construction, so every
-replica starts from the same weights.
+replica starts from the same weights. :class:`SoloStages` stands in where the mesh has no data parallelism
+(``("pp", "tp")``): nothing to reduce.
 """
 
 from __future__ import annotations

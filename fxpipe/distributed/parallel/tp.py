@@ -1,5 +1,5 @@
 """Tensor parallelism inside a pipeline stage: this rank's stage modules sharded over the ``tp`` dimension of the
-mesh with torch's ``parallelize_module`` (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``).
+mesh with torch's ``parallelize_module`` (``ColwiseParallel``, ``RowwiseParallel``).
 
 :func:`apply_tp` takes a plan (module path patterns → torch's styles) or derives the default one
 (:mod:`fxpipe.distributed.parallel.tp_plans`: attention q/k/v column-wise and its output row-wise, MLP up/gate
@@ -23,26 +23,41 @@ torch's styles act through the layer's forward hooks: the input becomes a ``DTen
 2. **The head counts a trace recorded.** A traced graph holds the model's shapes as constants: Llama's exported
    graph expands its key/value heads with ``expand(b, 2, 2, s, 8)`` and reshapes to ``(b, 4, s, 8)``, the full
    head counts. torchtitan changes ``n_heads`` per rank before it runs eager code; a recorded graph cannot be
-   changed that way. So column-wise layers here keep their output a ``DTensor`` (``use_local_output=False``):
-   the attention between them runs on ``DTensor`` s whose shapes are the full ones, sharded on the heads, so every
-   recorded constant is right and torch's sharding rules do the per-rank arithmetic; the row-wise layer
-   all-reduces its partial sums and returns a plain tensor. Plain tensors that meet those ``DTensor`` s (rotary
-   cos/sin, the attention mask) are replicated over ``tp`` (every tp rank computes them from the same batch and
-   replicated weights), which :func:`tp_region` declares to torch (``implicit_replication``) for the step.
+   changed that way. Three ways were weighed:
+
+   a. ``DTensor`` activations between the column-wise and row-wise layers (``use_local_output=False``), so that
+      the full shapes stay right and torch's sharding rules do the per-rank arithmetic. Exact, but unusable: on
+      this 2-core CPU machine a tiny Llama's first forward at tp=2 had not ended after 2 minutes, both ranks
+      inside DTensor's sharding propagation of the exported CPU attention op
+      (``_scaled_dot_product_flash_attention_for_cpu``), which it propagates through its decomposition, whose ops
+      are decomposed and propagated again (seen with ``faulthandler.dump_traceback_later``); rank 0 then died
+      (SIGSEGV) in it.
+   b. ``local_map`` around the attention core: fixes the attention op only; every other op between the layers
+      would still pay DTensor dispatch per call, and the ``expand``/``view`` constants would still need DTensor.
+   c. **Plain local activations (chosen):** column-wise layers give this rank's heads as a plain tensor
+      (``use_local_output=True``, as torchtitan's plans do), row-wise layers take it as ``Shard(-1)``, and
+      :mod:`fxpipe.distributed.parallel.local_shapes` rewrites, once at setup, every ``view``/``reshape``/
+      ``expand`` size between them at the sharded dimension (followed node by node with DTensor's own view rules)
+      to the local one; an operation it cannot follow exactly is refused before any parameter changes. A step
+      then runs the unsharded model's operations on ``1/tp`` of the heads plus torch's TP collectives (the
+      row-wise all-reduce, the column-wise input's backward all-reduce): a pp=2 × tp=2 step of the tiny Llama of
+      the tests takes 0.5–0.8 s here, the same as the unsharded model's ops, exact to float rounding.
 
 What crosses a stage boundary stays a plain, replicated tensor: the default plan's column-wise and row-wise
 layers of one block form a group that must lie in one stage (refused otherwise, with the fix), and replicated
 layers (embeddings, norms, LM head) give plain tensors. The wire therefore carries the same full tensors as
 without ``tp``. Gradients of replicated parameters are the same on every tp rank (the row-wise all-reduce and
-the column-wise input's backward all-reduce make every activation gradient whole), so no extra reduction is
+the column-wise input's backward all-reduce make every activation gradient whole, and :func:`shard_stages`
+broadcasts every tensor from tp rank 0 before sharding, so the replicas start equal), so no extra reduction is
 needed; the sharded parameters' gradients are ``DTensor`` s sharded as the parameters.
 
-Status: pp=2 × tp=2 training of an exported Llama has not yet been seen to end its first step on a loaded 2-core
-CPU machine (over 480 s): the stack shows DTensor propagating the CPU attention op
-(``_scaled_dot_product_flash_attention_for_cpu``) through its decomposition with fake tensors. Whether that is
-only slow or repeats per call is not established; a fix to try is running the attention core on local tensors
-(``torch.distributed.tensor.experimental.local_map`` around the ``scaled_dot_product_attention`` node, heads
-sharded in and out).
+Status: :class:`fxpipe.distributed.mesh.MeshPipelineRank` runs it on a mesh with a ``tp`` dim (``("pp", "tp")``,
+``("pp", "dp_shard", "tp")``: FSDP2 over the tensor-parallel stages, both meshes sliced from one root as FSDP2
+requires). ``tests/test_mesh_tp.py``: Llama (tied, untied) and GPT-2 at pp=2 × tp=2 under GPipe, 1F1B and ZB-H1,
+and Llama at pp=2 × dp_shard=2 × tp=2, train as one process within 1e-5; Qwen2 and BERT were checked at tp=2 in a
+scratch run (forward and gradients as one process), not in a test. The tp group's waits end after ``timeout_s``
+(under FSDP2, after the default process group's timeout: the root mesh's groups). Not offered: DDP replicas of
+tensor-parallel stages, sequence parallelism, torch.fx-traced graphs whose nodes carry no recorded shapes.
 """
 
 from __future__ import annotations
