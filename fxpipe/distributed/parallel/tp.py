@@ -41,7 +41,7 @@ torch's styles act through the layer's forward hooks: the input becomes a ``DTen
       to the local one; an operation it cannot follow exactly is refused before any parameter changes. A step
       then runs the unsharded model's operations on ``1/tp`` of the heads plus torch's TP collectives (the
       row-wise all-reduce, the column-wise input's backward all-reduce): a pp=2 × tp=2 step of the tiny Llama of
-      the tests takes 0.5–0.8 s here, the same as the unsharded model's ops, exact to float rounding.
+      the tests takes 0.5–1.1 s on the shared 2-core machine, exact to float rounding.
 
 What crosses a stage boundary stays a plain, replicated tensor: the default plan's column-wise and row-wise
 layers of one block form a group that must lie in one stage (refused otherwise, with the fix), and replicated
