@@ -26,12 +26,12 @@ torch's styles act through the layer's forward hooks: the input becomes a ``DTen
    changed that way. Three ways were weighed:
 
    a. ``DTensor`` activations between the column-wise and row-wise layers (``use_local_output=False``), so that
-      the full shapes stay right and torch's sharding rules do the per-rank arithmetic. Exact, but unusable: on
-      this 2-core CPU machine a tiny Llama's first forward at tp=2 had not ended after 2 minutes, both ranks
-      inside DTensor's sharding propagation of the exported CPU attention op
-      (``_scaled_dot_product_flash_attention_for_cpu``), which it propagates through its decomposition, whose ops
-      are decomposed and propagated again (seen with ``faulthandler.dump_traceback_later``); rank 0 then died
-      (SIGSEGV) in it.
+      the full shapes stay right and torch's sharding rules do the per-rank arithmetic. Unusable: on this
+      2-core CPU machine (torch 2.15) the tiny Llama of the tests, whole on 2 tp ranks, had not ended its first
+      forward after 420 s; at 60 s and at 300 s both ranks were busy on the same graph line, the first attention
+      op (``_scaled_dot_product_flash_attention_for_cpu``), inside DTensor's sharding propagation, which has no
+      rule for it and propagates it through its decomposition, whose ops are decomposed and propagated again
+      (``faulthandler.dump_traceback_later``; py-spy was not at hand). Slow beyond use or looping: not told apart.
    b. ``local_map`` around the attention core: fixes the attention op only; every other op between the layers
       would still pay DTensor dispatch per call, and the ``expand``/``view`` constants would still need DTensor.
    c. **Plain local activations (chosen):** column-wise layers give this rank's heads as a plain tensor
