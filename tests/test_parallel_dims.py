@@ -49,8 +49,13 @@ def test_degrees_that_do_not_fit_the_world_or_the_plan_are_refused_with_the_fix(
         ParallelDims(dp_shard=2, sharded=False)
 
 
-@pytest.mark.parametrize("names", [dict(dp=2), dict(pp=2, tp=2), dict(pp=2, dp=2, dp_shard=2),
+@pytest.mark.parametrize("names", [dict(dp=2), dict(tp=2), dict(pp=2, dp=2, dp_shard=2),
                                    dict(pp=2, data=2)])
 def test_a_mesh_whose_names_say_no_pipeline_or_no_data_parallelism_is_refused(names):
     with pytest.raises(ValueError, match=r"mesh_dim_names=\('pp', 'dp'\).*ParallelDims"):
         ParallelDims.from_mesh(_Mesh(**names))
+
+
+def test_a_pp_by_tp_mesh_is_read_as_tensor_parallelism_without_data_parallelism():
+    dims = ParallelDims.from_mesh(_Mesh(pp=2, tp=2))
+    assert (dims.pp, dims.tp, dims.dp, dims.world_size) == (2, 2, 1, 4)

@@ -1,6 +1,6 @@
 """Tensor parallelism per pipeline stage (fxpipe.distributed.parallel.tp), in one process: the default plan's
 derivation for Llama, Qwen2, GPT-2 and BERT blocks, its refusals, and the exported graph's linear layers called as
-modules again with the same outputs. (Training on pp x tp ranks is not yet wired into MeshPipelineRank.)"""
+modules again with the same outputs. Training on pp x tp ranks: tests/test_mesh_tp.py."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_the_default_plan_shards_attention_and_mlp_of_llama_style_blocks(family)
         attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
         for name in ("q_proj", "k_proj", "v_proj"):
             assert kinds.pop(f"{attn}.{name}") == "ColwiseParallel"
-            assert plan.styles[f"{attn}.{name}"].use_local_output is False   # DTensor between the pair
+            assert plan.styles[f"{attn}.{name}"].use_local_output is True   # plain local heads between the pair
         assert kinds.pop(f"{attn}.o_proj") == "RowwiseParallel"
         assert plan.styles[f"{attn}.o_proj"].input_layouts == (Shard(-1),)
         assert plan.styles[f"{attn}.o_proj"].use_local_output is True     # a plain tensor leaves the block
@@ -132,3 +132,41 @@ def test_a_stage_boundary_inside_a_block_is_refused_before_any_parameter_is_shar
     model, stages = _stages("llama", "model.layers.2")   # a cut between blocks: every layer found in one stage
     located = locate_tp_layers(stages, default_tp_plan(model, 2), model)
     assert located["model.layers.1.self_attn.o_proj"] == 0 and located["model.layers.2.self_attn.q_proj"] == 1
+
+
+def test_a_plan_whose_output_between_the_layers_would_be_a_dtensor_or_sequence_parallel_is_refused():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    from fxpipe.distributed.parallel.tp import TPPlanError, _kinds
+    from fxpipe.distributed.parallel.tp_plans import TPPlan
+    assert _kinds(TPPlan({"a": ColwiseParallel(), "b": RowwiseParallel()})) == ({"a"}, {"b"})
+    with pytest.raises(TPPlanError, match=r"tp_plan's a: ColwiseParallel\(use_local_output=False\).*use "
+                                          r"ColwiseParallel\(\)"):
+        _kinds(TPPlan({"a": ColwiseParallel(use_local_output=False)}))
+    with pytest.raises(TPPlanError, match="SequenceParallel is not supported on pipeline stages"):
+        _kinds(TPPlan({"n": SequenceParallel()}))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_the_sizes_between_a_blocks_layers_become_one_tp_ranks_and_nothing_else_changes(family):
+    from fxpipe.distributed.parallel.local_shapes import local_sizes
+    from fxpipe.distributed.parallel.module_calls import restore_module_calls
+    from fxpipe.distributed.parallel.tp import _kinds
+    from fxpipe.distributed.parallel.tp_plans import default_tp_plan
+    from fxpipe.frontend.capture import capture
+    model, ids = build(family), padded_batch(family)["input_ids"]
+    gm = capture(model, frontend="export", args=(ids,), other_mode=False).graph
+    plan = default_tp_plan(model, 2)
+    restore_module_calls(gm, model, plan.styles)
+    edits = local_sizes(gm, *_kinds(plan), 2)
+    changed = {}
+    for node, args in edits.items():
+        old, new = node.args[1], args[1]
+        changed[node.name] = [(o, n) for o, n in zip(old, new) if o != n]
+    if family == "gpt2":   # Conv1D's views around its addmm: c_fc's output back to (b, s, 128) and c_proj's input
+        # to (b * s, 128), 2 per layer, the 128 features halved
+        assert len(changed) == 2 * 4 and all(c == [(128, 64)] for c in changed.values()), changed
+        return
+    # Llama (4 heads, 2 key/value heads, 4 layers): each layer's key and value expand (b, 2, 2, s, 8) -> (b, 1, 2,
+    # s, 8) and reshape (b, 4, s, 8) -> (b, 2, s, 8); exactly one size changes in each, halved
+    assert len(changed) == 4 * 4, sorted(changed)
+    assert sorted({c for cs in changed.values() for c in cs}) == [(2, 1), (4, 2)], changed

@@ -29,6 +29,11 @@ and every replica of a failed step raises. The ``dp`` group is made here with ``
 replica that died ends the others' all-reduce with an error, not a hang (FSDP2's groups too:
 :func:`fxpipe.distributed.parallel.fsdp.dp_mesh`). A tied weight's gradient is summed over the pp ranks that hold it
 after the dp reduction (:mod:`fxpipe.distributed.tied`).
+
+A ``tp`` dim (``("pp", "tp")``, ``("pp", "dp_shard", "tp")``) shards this rank's stages with tensor parallelism
+first (:func:`fxpipe.distributed.parallel.tp.shard_stages`, ``tp_plan=`` or the default plan), then FSDP2 shards
+their ``DTensor`` parameters along ``dp_shard``; a step that fails on a tensor-parallel rank raises there with the
+rank and its tp group named.
 """
 
 from __future__ import annotations
@@ -41,9 +46,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxpipe.distributed.parallel.ddp import ReplicatedStages
+from fxpipe.distributed.parallel.ddp import ReplicatedStages, SoloStages
 from fxpipe.distributed.parallel.dims import ParallelDims
 from fxpipe.distributed.parallel.fsdp import ShardedStages
+from fxpipe.distributed.parallel.tp import shard_stages, tp_mesh_of
 from fxpipe.distributed.rank import PipelineRank
 from fxpipe.errors import FxpipeError, LossReductionError, PlanMismatchError
 from fxpipe.planning.plan import Plan
@@ -60,15 +66,21 @@ class MeshPipelineRank:
     workers, with dims named ``("pp", "dp")`` (DDP), ``("pp", "dp_shard")`` (FSDP2) or ``("pp", "dp_replicate",
     "dp_shard")`` (HSDP), as :class:`fxpipe.distributed.parallel.ParallelDims` builds them. ``reduction`` is
     :meth:`fxpipe.Pipeline.step`'s (default ``"auto"``); other keywords go to :class:`PipelineRank`. The optimizer
-    steps :meth:`parameters` (FSDP2: the local shards, so its state is sharded too)."""
+    steps :meth:`parameters` (FSDP2: the local shards, so its state is sharded too). A ``tp`` dim last (``("pp",
+    "tp")``, ``("pp", "dp_shard", "tp")``, ...) shards the stages' blocks over it (module doc); ``tp_plan`` (module
+    path patterns → torch's ``ColwiseParallel``/``RowwiseParallel``) replaces the default plan."""
 
     def __init__(self, plan: Plan, model_fn: Callable[[], nn.Module], loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-                 *, mesh: Any, reduction: str = "auto", **rank_kwargs: Any) -> None:
-        dims = ParallelDims.from_mesh(mesh)   # names that say pp and a data parallelism, or the fix
-        if dims.tp > 1:   # fxpipe.distributed.parallel.tp exists, but its training on ranks is not yet verified
-            raise ValueError(f"mesh has a 'tp' dimension of size {dims.tp}: MeshPipelineRank does not run tensor "
-                             "parallelism yet (its training on ranks is not verified); drop the 'tp' dimension "
-                             "(its ranks can be data parallel: dp_shard)")
+                 *, mesh: Any, reduction: str = "auto", tp_plan: dict[str, Any] | None = None,
+                 **rank_kwargs: Any) -> None:
+        dims = ParallelDims.from_mesh(mesh)   # names that say pp and a data parallelism (or tp), or the fix
+        if dims.tp > 1 and dims.dp > 1 and not dims.sharded:
+            raise ValueError(f"mesh {mesh.mesh_dim_names} replicates tensor-parallel stages with "
+                             "DistributedDataParallel, which fxpipe does not offer: shard them with FSDP2 instead "
+                             "(ParallelDims(pp=..., dp_shard=..., tp=...).build_mesh())")
+        if tp_plan is not None and dims.tp == 1:
+            raise ValueError("tp_plan was given but the mesh has no 'tp' dimension: add one "
+                             "(ParallelDims(pp=..., tp=...).build_mesh()) or drop tp_plan")
         if dims.pp != plan.workers:
             world, w = mesh.size(), plan.workers
             fix = (f"make the mesh ({w}, {world // w})" if world % w == 0 else
@@ -95,11 +107,26 @@ class MeshPipelineRank:
                                    reduction=reduction, **rank_kwargs)
         self.layout = BatchLayout.of(plan.batch_dims)
         own = [self.ranked.specs[k].module for k in self.ranked.own]
-        # (tensor parallelism, issue 38 part 2, goes here: apply_tp(own, mesh["tp"]) before data parallelism)
-        # FSDP2's shards replace the parameters: put them where the model and the traced graph name them too
+        # tensor parallelism, then data parallelism over it (FSDP2 shards the DTensor parameters along dp, as in
+        # torchtitan); their shards replace the parameters: put them where the model and the traced graph name them
         holders = [self.ranked.model, self.ranked.pipe._graph[0]]
-        self.data = (ShardedStages(own, grid, self.dp_group, mesh.device_type, timeout_s, holders) if dims.sharded
-                     else ReplicatedStages(own, self.dp_group))
+        both = dims.tp > 1 and dims.dp > 1   # FSDP2 over TP: both meshes sliced from this one (one root)
+        self.tp_ranks: list[int] = []
+        if dims.tp > 1 and self.ranked.pipe.compiled is not None:
+            raise ValueError("tensor parallelism on compiled stages (the plan's or compile_stages=...) is not "
+                             "verified: pass compile_stages=False (CompileOptions(compile_stages=False)) with a 'tp' "
+                             "mesh dim, or drop the 'tp' dim")
+        if dims.tp > 1:
+            tp_mesh = tp_mesh_of(mesh, timeout_s, from_root=both)
+            self.tp_ranks = [int(r) for r in tp_mesh.mesh.flatten()]
+            self.tp_plan = shard_stages(own, tp_mesh, tp_plan, model=self.ranked.model, holders=holders)
+        if dims.tp > 1 and dims.dp == 1:
+            self.data = SoloStages(own)   # no data parallelism: nothing to reduce
+        elif dims.sharded:
+            dp_sub = mesh[ParallelDims.dp_names(mesh)] if both else None
+            self.data = ShardedStages(own, grid, self.dp_group, mesh.device_type, timeout_s, holders, dp_sub)
+        else:
+            self.data = ReplicatedStages(own, self.dp_group)
         # after the dp reduction: a tied weight's all-reduce over the pp ranks that hold it (fxpipe.distributed.tied),
         # which sums the dp-averaged gradients (FSDP2: this rank's shard of them; the owners hold the same shard)
         self._rank_done = self.ranked.pipe.transport.when_local_done
@@ -203,7 +230,14 @@ class MeshPipelineRank:
         transport.replicas = Replicas(self.dp, total, self._sum_counts, self._tie if self.ranked.last else None)
         self._reduced, self.all_reduce_s = "not run", None
         self.data.begin()
-        loss = self.ranked.step(inputs, target, **kwargs)   # its transport all-reduces when this rank is done
+        try:
+            loss = self.ranked.step(inputs, target, **kwargs)   # its transport all-reduces when this rank is done
+        except Exception as exc:
+            if not self.tp_ranks:
+                raise
+            raise FxpipeError(f"rank {dist.get_rank()}: its step failed ({type(exc).__name__}: {exc}); its stages "
+                              f"are tensor-parallel with ranks {self.tp_ranks}, and one of them that failed or died "
+                              "ends this rank's tp collectives: that rank's own error says why") from exc
         self._raise_if_not_reduced()
         if loss is None:
             return None

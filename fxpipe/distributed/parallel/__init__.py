@@ -7,9 +7,8 @@ over the data-parallel dims and reduce-scatters their gradients once per step;
 :mod:`~fxpipe.distributed.parallel.ddp` replicates them with ``DistributedDataParallel`` and all-reduces once
 per step; :mod:`~fxpipe.distributed.parallel.tp` (with :mod:`~fxpipe.distributed.parallel.tp_plans` and
 :mod:`~fxpipe.distributed.parallel.module_calls`) derives and applies a tensor-parallel plan to a rank's stage
-modules. :class:`fxpipe.distributed.mesh.MeshPipelineRank` composes data parallelism with the pipeline; tensor
-parallelism is not yet wired into it (a ``tp`` dim is refused): its multi-process training has not been seen to
-finish (see ``tp.py``).
+modules (:mod:`~fxpipe.distributed.parallel.local_shapes` makes a traced stage's recorded head counts local).
+:class:`fxpipe.distributed.mesh.MeshPipelineRank` composes data and tensor parallelism with the pipeline.
 """
 
 from fxpipe.distributed.parallel.dims import DATA_PARALLEL, MESH_DIMS, ParallelDims

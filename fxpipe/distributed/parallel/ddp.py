@@ -3,7 +3,8 @@
 The pipeline accumulates every micro-batch's gradients locally (DDP's hooks stay idle, as under ``no_sync``);
 :meth:`ReplicatedStages.reduce` then has DDP's reducer all-reduce (and average over ``dp``) the accumulated
 gradients once, in its buckets. DDP broadcasts replica 0's parameters and buffers at construction, so every
-replica starts from the same weights.
+replica starts from the same weights. :class:`SoloStages` stands in where the mesh has no data parallelism
+(``("pp", "tp")``): nothing to reduce.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["ReplicatedStages"]
+__all__ = ["ReplicatedStages", "SoloStages"]
 
 
 class ReplicatedStages:
@@ -45,3 +46,20 @@ class ReplicatedStages:
                 p.grad = torch.zeros_like(p)
         self.ddp.reducer.prepare_for_backward([])
         torch.autograd.backward([(p * 0).sum() for p in params])
+
+
+class SoloStages:
+    """This rank's stage modules where the mesh has no data parallelism (``("pp", "tp")``): nothing to reduce."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.modules = nn.ModuleList(modules)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.modules.parameters()
+
+    def begin(self) -> None:
+        """Nothing to set."""
+
+    def reduce(self) -> None:
+        """Nothing to reduce: the step's gradients are whole on this rank (tensor parallelism's own
+        collectives made them so)."""

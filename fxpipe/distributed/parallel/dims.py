@@ -11,7 +11,8 @@ for a sharded mesh, ``dp_shard`` (so a mesh of ``dp_shard=1`` still says "FSDP2"
 every degree), and drops ``dp_replicate`` and ``tp`` where they are 1. The older replicated form, a dim named
 ``"dp"`` (``DistributedDataParallel``), is ``ParallelDims(..., sharded=False)``: its mesh is ``("pp", "dp")``.
 Data parallelism is read from the names: ``dp`` or ``dp_replicate`` alone: replicate (DDP); ``dp_shard``:
-FSDP2; ``dp_replicate`` and ``dp_shard``: HSDP (``fully_shard`` over the 2-D sub-mesh).
+FSDP2; ``dp_replicate`` and ``dp_shard``: HSDP (``fully_shard`` over the 2-D sub-mesh). A mesh ``("pp", "tp")``
+has no data parallelism (``dp == 1``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ __all__ = ["DATA_PARALLEL", "MESH_DIMS", "ParallelDims"]
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 DATA_PARALLEL = ("replicate", "shard", "hsdp")
 _FORMS = ("('pp', 'dp') (DistributedDataParallel), ('pp', 'dp_shard') (FSDP2), ('pp', 'dp_replicate', "
-          "'dp_shard') (HSDP), each optionally with 'tp' last")
+          "'dp_shard') (HSDP), each optionally with 'tp' last, or ('pp', 'tp')")
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,8 @@ class ParallelDims:
         names = tuple(mesh.mesh_dim_names or ())
         known = {"pp", "dp", *MESH_DIMS}
         dp_names = [n for n in names if n in ("dp", "dp_replicate", "dp_shard")]
-        if (len(set(names)) != len(names) or not set(names) <= known or "pp" not in names or not dp_names
-                or ("dp" in names and len(dp_names) > 1)):
+        if (len(set(names)) != len(names) or not set(names) <= known or "pp" not in names
+                or not (dp_names or "tp" in names) or ("dp" in names and len(dp_names) > 1)):
             raise ValueError(f"mesh must be a DeviceMesh with mesh_dim_names ('pp', 'dp') or another of {_FORMS}, "
                              f"got {mesh.ndim} dimensions named {names}: use init_device_mesh(device, (pp, dp), "
                              "mesh_dim_names=('pp', 'dp')) or ParallelDims(pp=..., dp_shard=...).build_mesh()")

@@ -85,14 +85,17 @@ class ShardedStages:
     its last backward is over. ``group`` (every data-parallel rank, replica-major) broadcasts dp rank 0's weights."""
 
     def __init__(self, modules: list[nn.Module], grid: list[list[int]], group: Any, device_type: str,
-                 timeout_s: float, holders: Iterable[nn.Module] = ()) -> None:
+                 timeout_s: float, holders: Iterable[nn.Module] = (), mesh: Any = None) -> None:
+        from torch.distributed.tensor import DTensor
         root = grid[0][0]
         with torch.no_grad():   # every replica starts from the same weights, as DistributedDataParallel's do
             for module in modules:
                 for t in [*module.parameters(), *module.buffers()]:
-                    if t.device.type != "meta":
-                        dist.broadcast(t.data, src=root, group=group)
-        self.mesh = dp_mesh(grid, device_type, timeout_s)
+                    if t.device.type != "meta":   # a tensor-parallel shard: the same shard on every dp rank
+                        dist.broadcast(t.to_local() if isinstance(t, DTensor) else t.data, src=root, group=group)
+        # ``mesh``: the dp dims sliced from the mesh that tensor parallelism's ``tp`` is sliced from (FSDP2 needs one
+        # root for both); else groups of their own with ``timeout_s``
+        self.mesh = mesh if mesh is not None else dp_mesh(grid, device_type, timeout_s)
         before = [dict(m.named_parameters()) for m in modules]
         self.modules = apply_fsdp(modules, self.mesh)
         repoint(holders, {id(old[name]): new for old, m in zip(before, self.modules)

@@ -1,5 +1,5 @@
 """Tensor parallelism inside a pipeline stage: this rank's stage modules sharded over the ``tp`` dimension of the
-mesh with torch's ``parallelize_module`` (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``).
+mesh with torch's ``parallelize_module`` (``ColwiseParallel``, ``RowwiseParallel``).
 
 :func:`apply_tp` takes a plan (module path patterns → torch's styles) or derives the default one
 (:mod:`fxpipe.distributed.parallel.tp_plans`: attention q/k/v column-wise and its output row-wise, MLP up/gate
@@ -23,43 +23,62 @@ torch's styles act through the layer's forward hooks: the input becomes a ``DTen
 2. **The head counts a trace recorded.** A traced graph holds the model's shapes as constants: Llama's exported
    graph expands its key/value heads with ``expand(b, 2, 2, s, 8)`` and reshapes to ``(b, 4, s, 8)``, the full
    head counts. torchtitan changes ``n_heads`` per rank before it runs eager code; a recorded graph cannot be
-   changed that way. So column-wise layers here keep their output a ``DTensor`` (``use_local_output=False``):
-   the attention between them runs on ``DTensor`` s whose shapes are the full ones, sharded on the heads, so every
-   recorded constant is right and torch's sharding rules do the per-rank arithmetic; the row-wise layer
-   all-reduces its partial sums and returns a plain tensor. Plain tensors that meet those ``DTensor`` s (rotary
-   cos/sin, the attention mask) are replicated over ``tp`` (every tp rank computes them from the same batch and
-   replicated weights), which :func:`tp_region` declares to torch (``implicit_replication``) for the step.
+   changed that way. Three ways were weighed:
+
+   a. ``DTensor`` activations between the column-wise and row-wise layers (``use_local_output=False``), so that
+      the full shapes stay right and torch's sharding rules do the per-rank arithmetic. Unusable: on this
+      2-core CPU machine (torch 2.15) the tiny Llama of the tests, whole on 2 tp ranks, had not ended its first
+      forward after 420 s; at 60 s and at 300 s both ranks were busy on the same graph line, the first attention
+      op (``_scaled_dot_product_flash_attention_for_cpu``), inside DTensor's sharding propagation, which has no
+      rule for it and propagates it through its decomposition, whose ops are decomposed and propagated again
+      (``faulthandler.dump_traceback_later``; py-spy was not at hand). Slow beyond use or looping: not told apart.
+   b. ``local_map`` around the attention core: fixes the attention op only; every other op between the layers
+      would still pay DTensor dispatch per call, and the ``expand``/``view`` constants would still need DTensor.
+   c. **Plain local activations (chosen):** column-wise layers give this rank's heads as a plain tensor
+      (``use_local_output=True``, as torchtitan's plans do), row-wise layers take it as ``Shard(-1)``, and
+      :mod:`fxpipe.distributed.parallel.local_shapes` rewrites, once at setup, every ``view``/``reshape``/
+      ``expand`` size between them at the sharded dimension (followed node by node with DTensor's own view rules)
+      to the local one; an operation it cannot follow exactly is refused before any parameter changes. A step
+      then runs the unsharded model's operations on ``1/tp`` of the heads plus torch's TP collectives (the
+      row-wise all-reduce, the column-wise input's backward all-reduce): a pp=2 × tp=2 step of the tiny Llama of
+      the tests takes 0.5–1.1 s on the shared 2-core machine, exact to float rounding.
 
 What crosses a stage boundary stays a plain, replicated tensor: the default plan's column-wise and row-wise
 layers of one block form a group that must lie in one stage (refused otherwise, with the fix), and replicated
 layers (embeddings, norms, LM head) give plain tensors. The wire therefore carries the same full tensors as
 without ``tp``. Gradients of replicated parameters are the same on every tp rank (the row-wise all-reduce and
-the column-wise input's backward all-reduce make every activation gradient whole), so no extra reduction is
+the column-wise input's backward all-reduce make every activation gradient whole, and :func:`shard_stages`
+broadcasts every tensor from tp rank 0 before sharding, so the replicas start equal), so no extra reduction is
 needed; the sharded parameters' gradients are ``DTensor`` s sharded as the parameters.
 
-Status: pp=2 × tp=2 training of an exported Llama has not yet been seen to end its first step on a loaded 2-core
-CPU machine (over 480 s): the stack shows DTensor propagating the CPU attention op
-(``_scaled_dot_product_flash_attention_for_cpu``) through its decomposition with fake tensors. Whether that is
-only slow or repeats per call is not established; a fix to try is running the attention core on local tensors
-(``torch.distributed.tensor.experimental.local_map`` around the ``scaled_dot_product_attention`` node, heads
-sharded in and out).
+Status: :class:`fxpipe.distributed.mesh.MeshPipelineRank` runs it on a mesh with a ``tp`` dim (``("pp", "tp")``,
+``("pp", "dp_shard", "tp")``: FSDP2 over the tensor-parallel stages, both meshes sliced from one root as FSDP2
+requires). ``tests/test_mesh_tp.py``: Llama (tied, untied) and GPT-2 at pp=2 × tp=2 under GPipe, 1F1B and ZB-H1,
+and Llama at pp=2 × dp_shard=2 × tp=2, train as one process within 1e-5; Qwen2 and BERT were checked at tp=2 in a
+scratch run (forward and gradients as one process), not in a test. The tp group's waits end after ``timeout_s``
+(under FSDP2, after the default process group's timeout: the root mesh's groups). Not offered: DDP replicas of
+tensor-parallel stages, sequence parallelism, torch.fx-traced graphs whose nodes carry no recorded shapes.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Sequence
+import datetime
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
 
 import torch.fx as fx
 from torch import nn
-from torch.distributed.tensor.experimental import implicit_replication
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from fxpipe.distributed.parallel.fsdp import repoint
+from fxpipe.distributed.parallel.local_shapes import local_sizes, localise_shapes
 from fxpipe.distributed.parallel.module_calls import called_modules, restore_module_calls
 from fxpipe.distributed.parallel.tp_plans import TPPlan, TPPlanError, default_tp_plan, given_tp_plan
 
-__all__ = ["apply_tp", "locate_tp_layers", "tp_region", "TPPlanError"]
+__all__ = ["apply_tp", "locate_tp_layers", "shard_stages", "tp_mesh_of", "TPPlanError"]
 
 
 def _reads(gm: nn.Module, path: str) -> bool:
@@ -82,12 +101,68 @@ def apply_tp(stage_modules: Sequence[nn.Module], tp_mesh: Any, tp_plan: dict[str
     ``tp`` does not divide raise :class:`TPPlanError` naming the fix. Returns the plan applied."""
     tp = tp_mesh.size()
     plan = default_tp_plan(model, tp) if tp_plan is None else given_tp_plan(model, tp_plan)
+    colwise, rowwise = _kinds(plan)
     located = locate_tp_layers(stage_modules, plan, model)
+    # every graph checked (and refused) before any parameter changes
+    edits = [local_sizes(gm, colwise, rowwise, tp) if isinstance(gm, fx.GraphModule) else {} for gm in stage_modules]
     for k, gm in enumerate(stage_modules):
         mine = {p: s for p, s in plan.styles.items() if located.get(p) == k}
         if mine:
             parallelize_module(gm, tp_mesh, mine)
+        if edits[k]:
+            localise_shapes(gm, edits[k])
     return plan
+
+
+def tp_mesh_of(mesh: Any, timeout_s: float, *, from_root: bool) -> Any:
+    """This rank's 1-D ``("tp",)`` mesh of ``mesh`` (dims named as :class:`ParallelDims` names them). With
+    ``from_root`` the slice ``mesh["tp"]`` (FSDP2 composes with TP only over slices of one root mesh; its waits
+    end after the default process group's timeout); otherwise a group whose waits end after ``timeout_s``."""
+    if from_root:
+        return mesh["tp"]
+    from torch.distributed.device_mesh import DeviceMesh
+    names, coordinate = tuple(mesh.mesh_dim_names), mesh.get_coordinate()
+    ranks = mesh.mesh[tuple(slice(None) if n == "tp" else coordinate[i] for i, n in enumerate(names))]
+    group = dist.new_group([int(r) for r in ranks], timeout=datetime.timedelta(seconds=timeout_s),
+                           use_local_synchronization=True)
+    return DeviceMesh.from_group(group, mesh.device_type, mesh_dim_names=("tp",))
+
+
+def shard_stages(stage_modules: Sequence[nn.Module], tp_mesh: Any, tp_plan: dict[str, ParallelStyle] | None, *,
+                 model: nn.Module, holders: Sequence[nn.Module] = ()) -> TPPlan:
+    """:func:`apply_tp` on a pipeline rank: every parameter and buffer of ``stage_modules`` first broadcast from
+    tp rank 0 (the replicated ones must be equal on every tp rank), then the ``DTensor`` parameters put wherever
+    ``holders`` (the model, the traced graph) held the ones they replace."""
+    group, root = tp_mesh.get_group(), dist.get_global_rank(tp_mesh.get_group(), 0)
+    with torch.no_grad():
+        for module in stage_modules:
+            for t in [*module.parameters(), *module.buffers()]:
+                if t.device.type != "meta":
+                    dist.broadcast(t.data, src=root, group=group)
+    before = [dict(m.named_parameters()) for m in stage_modules]
+    plan = apply_tp(stage_modules, tp_mesh, tp_plan, model=model)
+    repoint(holders, {id(old[name]): new for old, m in zip(before, stage_modules)
+                      for name, new in m.named_parameters() if new is not old.get(name)})
+    return plan
+
+
+def _kinds(plan: TPPlan) -> tuple[set[str], set[str]]:
+    """The plan's column-wise and row-wise layer paths; :class:`TPPlanError` for a style whose output between them
+    would not be a plain local tensor (the module doc says why)."""
+    colwise, rowwise = set(), set()
+    for path, style in plan.styles.items():
+        if isinstance(style, ColwiseParallel):
+            if not style.use_local_output:
+                raise TPPlanError(f"tp_plan's {path}: ColwiseParallel(use_local_output=False) keeps a DTensor between "
+                                  "the layers, which a traced stage runs too slowly (tp.py's doc); use "
+                                  "ColwiseParallel() (plain local outputs: fxpipe makes the graph's sizes local)")
+            colwise.add(path)
+        elif isinstance(style, RowwiseParallel):
+            rowwise.add(path)
+        else:
+            raise TPPlanError(f"tp_plan's {path}: {type(style).__name__} is not supported on pipeline stages; use "
+                              "ColwiseParallel() and RowwiseParallel() (sequence parallelism is not offered)")
+    return colwise, rowwise
 
 
 def locate_tp_layers(stage_modules: Sequence[nn.Module], plan: TPPlan, model: nn.Module) -> dict[str, int]:
@@ -119,11 +194,3 @@ def locate_tp_layers(stage_modules: Sequence[nn.Module], plan: TPPlan, model: nn
                 "would carry a sharded value; plan with its layers in one stage (cuts between blocks, e.g. "
                 "leaf_modules=[TheBlockClass]) or pass tp_plan=... without this block")
     return located
-
-
-@contextlib.contextmanager
-def tp_region() -> Iterator[None]:
-    """Around a step of tensor-parallel stages: plain tensors that meet ``DTensor`` s count as replicated over
-    ``tp`` (true here: module doc). Forward and backward both run inside it."""
-    with implicit_replication():
-        yield

@@ -17,12 +17,13 @@ replicated: its ``c_attn`` computes q, k and v in one layer and the model splits
 rules would all-gather it at that split (exact, but no tensor parallelism there). Embeddings, norms and the LM head
 stay replicated. Everything else is refused with the fix: ``tp_plan={path pattern: style}``.
 
-Column-wise layers keep their output a ``DTensor`` (``use_local_output=False``) and row-wise ones take it sharded on
-the last dimension and give back a plain, replicated tensor: between them the model's code runs on ``DTensor`` s
-whose shapes are the full ones, so the constants a trace recorded (``view(b, s, 4, 8)``, ``expand`` to the number
-of key/value heads: :mod:`fxpipe.distributed.parallel.tp` says why that matters) stay right. A block's column-wise
-and row-wise layers form a group that must lie in one stage: what crosses a stage boundary is then always a plain
-replicated tensor.
+Column-wise layers give their output as a plain tensor of this rank's heads or features (``use_local_output=True``,
+as torchtitan's plans do) and row-wise ones take it sharded on the last dimension and give back a plain, replicated
+tensor: between them the model's code runs on plain local tensors, whose recorded shape constants
+(``view(b, s, 4, 8)``, ``expand`` to the number of key/value heads) :mod:`fxpipe.distributed.parallel.local_shapes`
+makes local once at setup (:mod:`fxpipe.distributed.parallel.tp` says why). A block's column-wise and row-wise
+layers form a group that must lie in one stage: what crosses a stage boundary is then always a plain replicated
+tensor.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class TPPlan:
 
 
 def _colwise(module: nn.Module) -> ParallelStyle:
-    return (Conv1DColwise if is_conv1d(module) else ColwiseParallel)(use_local_output=False)
+    return (Conv1DColwise if is_conv1d(module) else ColwiseParallel)(use_local_output=True)
 
 
 def _rowwise(module: nn.Module) -> ParallelStyle:
@@ -166,7 +167,7 @@ def default_tp_plan(model: nn.Module, tp: int) -> TPPlan:
         found = f" (attention-like modules: {', '.join(seen_attention_like[:3])})" if seen_attention_like else ""
         raise TPPlanError(f"fxpipe recognises no transformer block in {type(model).__name__}{found}: its default "
                           "tensor-parallel plan covers Llama, Mistral, Qwen2, GPT-2 and BERT blocks; pass "
-                          "tp_plan={'path.pattern.*.up': ColwiseParallel(use_local_output=False), ...}")
+                          "tp_plan={'path.pattern.*.up': ColwiseParallel(), ...}")
     return plan
 
 

@@ -1,0 +1,191 @@
+"""pp × tp on a DeviceMesh (4 gloo processes: pp=2 × tp=2): each stage's attention and MLP layers sharded over its tp
+pair by MeshPipelineRank (torch's ColwiseParallel/RowwiseParallel, the traced graph's head counts made local once at
+setup); three AdamW steps of Llama (untied and tied embeddings) and GPT-2 give the losses and every parameter (the
+DTensor shards gathered) of one process training the whole batch (1e-5 relative), for GPipe, 1F1B and ZB-H1, the last
+batch split into uneven micro-batches. One ``run_ranks`` call trains every model and schedule, to start the processes
+(and import torch and transformers) once. A rank whose step fails ends every rank's step with an error naming it."""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+
+import pytest
+import torch
+
+import fxpipe
+from distributed_run import run_ranks
+from equivalence import max_relative_error
+from test_mesh_fsdp import EST, SIZES, _batches, _full, _loss, _optimizer
+
+transformers = pytest.importorskip("transformers")
+from hf_models import build, padded_batch  # noqa: E402
+
+FAMILIES = ("llama", "llama-tied", "gpt2")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+
+
+def _mesh(world: int, named_tp_only: bool):
+    """("pp", "tp") as a user makes it (pp=2 x tp=2), or ParallelDims' ("pp", "dp_shard", "tp") with
+    dp_shard = world / 4 (1: no data parallelism; 2: FSDP2 over the tensor-parallel stages)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from fxpipe.distributed.parallel import ParallelDims
+    if named_tp_only:
+        return init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    return ParallelDims(pp=2, dp_shard=world // 4, tp=2).build_mesh("cpu")
+
+
+def _failing_step(world: int, family: str, plan_json: str, fail_rank: int, timeout_s: float) -> str | None:
+    """One step whose loss raises on ``fail_rank``: what this rank's step raised (``None`` if it returned)."""
+    from fxpipe.distributed.mesh import MeshPipelineRank
+
+    def loss(out, labels):
+        if torch.distributed.get_rank() == fail_rank:
+            raise RuntimeError("injected loss failure")
+        return _loss(out, labels)
+    stage = MeshPipelineRank(fxpipe.Plan.from_dict(json.loads(plan_json)), functools.partial(build, family), loss,
+                             mesh=_mesh(world, False), timeout_s=timeout_s)
+    b = _batches(family)[0]
+    started = time.perf_counter()
+    try:
+        stage.step(b["input_ids"], b["labels"], schedule="1f1b")
+    except Exception as exc:   # every rank's step must end with an error
+        if torch.distributed.get_rank() == fail_rank:   # alive, not joining: its partners' waits must time out
+            time.sleep(timeout_s + 5)
+        return f"{type(exc).__name__}: {exc} [after {time.perf_counter() - started:.1f} s]"
+    return None
+
+
+def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[str, ...], fail_rank: int = -1,
+               timeout_s: float = 20.0) -> dict:
+    """Per model: one MeshPipelineRank and AdamW, three steps with each schedule in turn; the losses, the gathered
+    parameters after each schedule's steps, the seconds of each step, and which parameters are tp shards. Then,
+    with ``fail_rank``, one step of the first model whose loss raises there (its process groups are left broken,
+    so it comes last)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    from fxpipe.distributed.mesh import MeshPipelineRank
+    out = {"refused": []}
+    first = fxpipe.Plan.from_dict(json.loads(next(iter(plans.values()))))
+    for names, shape, extra in ((("pp", "dp", "tp"), (2, world // 4, 2), {}),
+                                (("pp", "dp_shard"), (2, world // 2), {"tp_plan": {"*.up_proj": ColwiseParallel()}})):
+        if world // 4 == 1 and "tp" in names:
+            continue   # DDP replicas of tp stages need dp > 1: the 8-process test asks
+        try:
+            MeshPipelineRank(first, functools.partial(build, "llama"), _loss,
+                             mesh=init_device_mesh("cpu", shape, mesh_dim_names=names), **extra)
+        except ValueError as exc:
+            out["refused"].append(str(exc))
+    for i, (family, plan_json) in enumerate(plans.items()):
+        plan = fxpipe.Plan.from_dict(json.loads(plan_json))
+        stage = MeshPipelineRank(plan, functools.partial(build, family), _loss, mesh=_mesh(world, i % 2 == 1),
+                                 timeout_s=120)
+        shards = sorted(n for n, p in stage.named_parameters() if isinstance(p, DTensor))
+        opt = _optimizer(stage.parameters())
+        for schedule in schedules:
+            losses, seconds = [], []
+            for b in _batches(family):
+                started = time.perf_counter()
+                loss = stage.step(b["input_ids"], b["labels"], schedule=schedule)
+                seconds.append(time.perf_counter() - started)
+                losses.append(None if loss is None else loss.item())
+                opt.step()
+                opt.zero_grad()
+            out[(family, schedule)] = {"losses": losses, "shards": shards, "seconds": seconds,
+                                       "params": {n: _full(p) for n, p in stage.named_parameters()}}
+    if fail_rank >= 0:
+        family, plan_json = next(iter(plans.items()))
+        out["failed"] = _failing_step(world, family, plan_json, fail_rank, timeout_s)
+    return out
+
+
+def _reference(family: str, schedules: tuple[str, ...]) -> dict[str, tuple[list[float], dict]]:
+    """One process, the whole batch: the losses and parameters after each block of steps (one per schedule)."""
+    model = build(family)
+    opt = _optimizer(model.parameters())
+    out = {}
+    for schedule in schedules:
+        losses = []
+        for b in _batches(family):
+            loss = _loss(model(b["input_ids"]), b["labels"])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[schedule] = (losses, {n: p.detach().clone() for n, p in model.named_parameters()})
+    return out
+
+
+def _plan(family: str) -> str:
+    b = padded_batch(family)
+    return json.dumps(fxpipe.compile(build(family), ["cpu"] * 2, (b["input_ids"],), chunks=2, profile=EST)
+                      .plan.to_dict())
+
+
+@pytest.mark.slow
+def test_pp2_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_batch():
+    plans = {family: _plan(family) for family in FAMILIES}
+    results = run_ranks(4, _train_all, plans, SCHEDULES, 3, 10.0, deadline_s=900)
+    errors = [r["trace"] for r in results if "ok" not in r]
+    assert not errors, errors[0]
+    got = [r["ok"] for r in results]
+    for family in FAMILIES:
+        reference = _reference(family, SCHEDULES)
+        for schedule in SCHEDULES:
+            want_losses, want_params = reference[schedule]
+            case = [g[(family, schedule)] for g in got]
+            # mesh (pp=2, tp=2): ranks 0, 1 hold stage 0, ranks 2, 3 stage 1; both of stage 1's return the loss
+            for r in (2, 3):
+                for a, b in zip(case[r]["losses"], want_losses):
+                    assert abs(a - b) <= 1e-5 * abs(b), (family, schedule, case[r]["losses"], want_losses)
+            for tp_rank in (0, 1):   # each tp rank gathered its stage's full parameters
+                params = {**case[tp_rank]["params"], **case[2 + tp_rank]["params"]}
+                assert set(params) == set(want_params), (family, set(want_params) ^ set(params))
+                worst = max((max_relative_error(params[n], want_params[n]), n) for n in want_params)
+                assert worst[0] <= 1e-5, (family, schedule, tp_rank, worst)
+            # the default plan sharded every block's MLP (and Llama's attention) on both stages
+            shards = case[0]["shards"] + case[2]["shards"]
+            blocks = [n for n in want_params if n.endswith(("mlp.down_proj.weight", "mlp.c_proj.weight"))]
+            assert len(blocks) == 4 and set(blocks) <= set(shards), (family, shards)
+            if family.startswith("llama"):
+                assert sum(n.endswith("self_attn.q_proj.weight") for n in shards) == 4, shards
+            print(family, schedule, "step seconds (rank 0)", [round(s, 3) for s in case[0]["seconds"]])
+    # then a step whose loss raises on rank 3 (stage 1, tp rank 1): every rank's step ends with an error, the
+    # failing rank's own and the others' naming a rank, within the waits' timeout (10 s each)
+    for g in got:   # a tp_plan without a tp dim
+        assert len(g["refused"]) == 1 and "tp_plan was given but the mesh has no 'tp' dimension" in g["refused"][0]
+    failed = [g["failed"] for g in got]
+    assert all(f is not None for f in failed), failed
+    assert "injected loss failure" in failed[3], failed[3]
+    for r in (0, 1, 2):
+        assert f"rank {r}: its step failed" in failed[r], (r, failed[r])
+    assert "rank 3" in failed[1], failed[1]   # its pipeline's first stage names the rank that failed
+    print("failed step:", failed)
+
+
+@pytest.mark.slow
+def test_pp2_fsdp2_over_tp2_trains_llama_as_one_process_on_the_whole_batch():
+    """pp=2 × dp_shard=2 × tp=2 (8 processes): FSDP2 shards the tensor-parallel stages' DTensor parameters over dp
+    (both meshes sliced from one), each replica its share of the batch (the last shared unevenly)."""
+    plans = {"llama": _plan("llama")}
+    results = run_ranks(8, _train_all, plans, ("1f1b",), deadline_s=600)
+    errors = [r["trace"] for r in results if "ok" not in r]
+    assert not errors, errors[0]
+    case = [r["ok"][("llama", "1f1b")] for r in results]
+    for r in results:   # DDP ("dp") over tensor-parallel stages, and a tp_plan without a tp dim: refused
+        assert "replicates tensor-parallel stages with DistributedDataParallel" in r["ok"]["refused"][0]
+        assert "shard them with FSDP2" in r["ok"]["refused"][0] and len(r["ok"]["refused"]) == 2
+    want_losses, want_params = _reference("llama", ("1f1b",))["1f1b"]
+    # mesh (pp=2, dp_shard=2, tp=2): ranks 0-3 hold stage 0, ranks 4-7 stage 1, each of which returns the loss
+    for r in range(4, 8):
+        assert case[r]["losses"] == pytest.approx(want_losses, rel=1e-5), (case[r]["losses"], want_losses)
+    for r in range(4):
+        params = {**case[r]["params"], **case[4 + r]["params"]}
+        assert set(params) == set(want_params), set(want_params) ^ set(params)
+        worst = max((max_relative_error(params[n], want_params[n]), n) for n in want_params)
+        assert worst[0] <= 1e-5, (r, worst)
+    # every parameter a DTensor (FSDP2's dp shard, and tp's for the blocks' layers)
+    assert all(len(case[r]["shards"]) == len(case[r]["params"]) for r in range(8))
+    print("step seconds (rank 0)", [round(s, 3) for s in case[0]["seconds"]])
