@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 
 import pytest
@@ -57,8 +58,8 @@ def _failing_step(world: int, family: str, plan_json: str, fail_rank: int, timeo
     return None
 
 
-def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[str, ...], fail_rank: int = -1,
-               timeout_s: float = 20.0) -> dict:
+def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[str, ...] | dict[str, tuple[str, ...]],
+               fail_rank: int = -1, timeout_s: float = 20.0) -> dict:
     """Per model: one MeshPipelineRank and AdamW, three steps with each schedule in turn; the losses, the gathered
     parameters after each schedule's steps, the seconds of each step, and which parameters are tp shards. Then,
     with ``fail_rank``, one step of the first model whose loss raises there (its process groups are left broken,
@@ -80,11 +81,11 @@ def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[st
             out["refused"].append(str(exc))
     for i, (family, plan_json) in enumerate(plans.items()):
         plan = fxpipe.Plan.from_dict(json.loads(plan_json))
-        stage = MeshPipelineRank(plan, functools.partial(build, family), _loss, mesh=_mesh(world, i % 2 == 1),
+        stage = MeshPipelineRank(plan, functools.partial(build, family), _loss, mesh=_mesh(world, i % 2 == 1 and world == 4),
                                  timeout_s=120)
         shards = sorted(n for n, p in stage.named_parameters() if isinstance(p, DTensor))
         opt = _optimizer(stage.parameters())
-        for schedule in schedules:
+        for schedule in (schedules[family] if isinstance(schedules, dict) else schedules):   # a tuple: every family's
             losses, seconds = [], []
             for b in _batches(family):
                 started = time.perf_counter()
@@ -165,27 +166,36 @@ def test_pp2_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_batch():
     print("failed step:", failed)
 
 
+# each family once, the schedules in turn (FXPIPE_FULL_MESH=1: every family under every schedule)
+ROTATED = ({family: SCHEDULES for family in FAMILIES} if os.environ.get("FXPIPE_FULL_MESH") == "1" else
+           {family: (schedule,) for family, schedule in zip(FAMILIES, SCHEDULES)})
+
+
 @pytest.mark.slow
-def test_pp2_fsdp2_over_tp2_trains_llama_as_one_process_on_the_whole_batch():
+def test_pp2_fsdp2_over_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_batch():
     """pp=2 × dp_shard=2 × tp=2 (8 processes): FSDP2 shards the tensor-parallel stages' DTensor parameters over dp
-    (both meshes sliced from one), each replica its share of the batch (the last shared unevenly)."""
-    plans = {"llama": _plan("llama")}
-    results = run_ranks(8, _train_all, plans, ("1f1b",), deadline_s=600)
+    (both meshes sliced from one), each replica its share of the batch (the last shared unevenly). Llama untied
+    under GPipe, Llama tied under 1F1B, GPT-2 under ZB-H1 (:data:`ROTATED`)."""
+    plans = {family: _plan(family) for family in ROTATED}
+    results = run_ranks(8, _train_all, plans, ROTATED, deadline_s=900)
     errors = [r["trace"] for r in results if "ok" not in r]
     assert not errors, errors[0]
-    case = [r["ok"][("llama", "1f1b")] for r in results]
     for r in results:   # DDP ("dp") over tensor-parallel stages, and a tp_plan without a tp dim: refused
         assert "replicates tensor-parallel stages with DistributedDataParallel" in r["ok"]["refused"][0]
         assert "shard them with FSDP2" in r["ok"]["refused"][0] and len(r["ok"]["refused"]) == 2
-    want_losses, want_params = _reference("llama", ("1f1b",))["1f1b"]
-    # mesh (pp=2, dp_shard=2, tp=2): ranks 0-3 hold stage 0, ranks 4-7 stage 1, each of which returns the loss
-    for r in range(4, 8):
-        assert case[r]["losses"] == pytest.approx(want_losses, rel=1e-5), (case[r]["losses"], want_losses)
-    for r in range(4):
-        params = {**case[r]["params"], **case[4 + r]["params"]}
-        assert set(params) == set(want_params), set(want_params) ^ set(params)
-        worst = max((max_relative_error(params[n], want_params[n]), n) for n in want_params)
-        assert worst[0] <= 1e-5, (r, worst)
-    # every parameter a DTensor (FSDP2's dp shard, and tp's for the blocks' layers)
-    assert all(len(case[r]["shards"]) == len(case[r]["params"]) for r in range(8))
-    print("step seconds (rank 0)", [round(s, 3) for s in case[0]["seconds"]])
+    for family, schedules in ROTATED.items():
+        reference = _reference(family, schedules)
+        for schedule in schedules:
+            case = [r["ok"][(family, schedule)] for r in results]
+            want_losses, want_params = reference[schedule]
+            # mesh (pp=2, dp_shard=2, tp=2): ranks 0-3 hold stage 0, ranks 4-7 stage 1, each of which returns the loss
+            for r in range(4, 8):
+                assert case[r]["losses"] == pytest.approx(want_losses, rel=1e-5), (family, schedule, case[r]["losses"])
+            for r in range(4):
+                params = {**case[r]["params"], **case[4 + r]["params"]}
+                assert set(params) == set(want_params), set(want_params) ^ set(params)
+                worst = max((max_relative_error(params[n], want_params[n]), n) for n in want_params)
+                assert worst[0] <= 1e-5, (family, schedule, r, worst)
+            # every parameter a DTensor (FSDP2's dp shard, and tp's for the blocks' layers)
+            assert all(len(case[r]["shards"]) == len(case[r]["params"]) for r in range(8))
+            print(family, schedule, "step seconds (rank 0)", [round(s, 3) for s in case[0]["seconds"]])

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -52,7 +53,7 @@ from fxpipe.distributed.parallel.fsdp import ShardedStages
 from fxpipe.distributed.parallel.tp import shard_stages, tp_mesh_of
 from fxpipe.distributed.rank import PipelineRank
 from fxpipe.errors import FxpipeError, LossReductionError, PlanMismatchError
-from fxpipe.planning.plan import Plan
+from fxpipe.planning.plan import Plan, load_plan
 from fxpipe.runtime.losses import REDUCTIONS, Replicas
 from fxpipe.runtime.microbatch import BatchLayout, scatter
 
@@ -70,9 +71,10 @@ class MeshPipelineRank:
     "tp")``, ``("pp", "dp_shard", "tp")``, ...) shards the stages' blocks over it (module doc); ``tp_plan`` (module
     path patterns → torch's ``ColwiseParallel``/``RowwiseParallel``) replaces the default plan."""
 
-    def __init__(self, plan: Plan, model_fn: Callable[[], nn.Module], loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-                 *, mesh: Any, reduction: str = "auto", tp_plan: dict[str, Any] | None = None,
-                 **rank_kwargs: Any) -> None:
+    def __init__(self, plan: Plan | str | Path, model_fn: Callable[[], nn.Module],
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None, *, mesh: Any, reduction: str = "auto",
+                 tp_plan: dict[str, Any] | None = None, **rank_kwargs: Any) -> None:
+        plan = load_plan(plan) if isinstance(plan, (str, Path)) else plan   # a plan or its path, as PipelineRank
         dims = ParallelDims.from_mesh(mesh)   # names that say pp and a data parallelism (or tp), or the fix
         if dims.tp > 1 and dims.dp > 1 and not dims.sharded:
             raise ValueError(f"mesh {mesh.mesh_dim_names} replicates tensor-parallel stages with "

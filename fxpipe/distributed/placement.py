@@ -7,7 +7,8 @@ Each process says where it is — its node (``FXPIPE_NODE``, set by ``fxpipe.lau
 ``GROUP_RANK``: with a c10d rendezvous, the order in which hosts joined) and ``LOCAL_RANK`` — and one
 ``all_gather_object`` tells every rank the others', so stage ``k`` runs on the rank at ``(node_k, local_k)``
 whatever global rank torchrun gave it. Without torchrun's variables a process is on node 0 with its rank as
-local rank (``torch.multiprocessing`` on one machine).
+local rank (``torch.multiprocessing`` on one machine). One pipeline of a mesh (a ``pp`` group of some of the
+processes) runs the plan's devices on its members in order.
 """
 
 from __future__ import annotations
@@ -51,8 +52,18 @@ def where_am_i(rank: int) -> tuple[int, int]:
 
 
 def stage_ranks(plan: Plan, rank: int, world: int, group: Any = None) -> list[int]:
-    """The global rank that runs each stage (collective: every rank calls it once)."""
+    """The rank in ``group`` that runs each stage (collective: every rank calls it once).
+
+    ``group`` a part of the processes (the ``pp`` dimension of a mesh: one of several pipelines, its other ranks
+    data or tensor parallel copies): its members run the plan's devices in their order, the first member the
+    first device (node, then index). Their ``LOCAL_RANK`` s are those of the whole mesh, not the plan's."""
     slots = plan_slots(plan)
+    if group is not None and dist.get_world_size(group) < dist.get_world_size():
+        wanted = sorted(set(slots))
+        if len(wanted) != world:
+            raise PlanMismatchError(f"the plan places its stages on {len(wanted)} devices but the mesh's pp "
+                                    f"dimension has {world} ranks: make the mesh's pp size {len(wanted)}")
+        return [wanted.index(s) for s in slots]
     here: list[Any] = [None] * world
     if dist.get_backend(group) != "gloo":   # NCCL would exchange through whichever GPU is current: use the CPU
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
