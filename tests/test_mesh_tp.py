@@ -18,10 +18,10 @@ import torch
 import fxpipe
 from distributed_run import run_ranks
 from equivalence import max_relative_error
-from test_mesh_fsdp import EST, SIZES, _batches, _full, _loss, _optimizer
+from test_mesh_fsdp import _batches, _full, _loss, _optimizer, _plan, _reference
 
 transformers = pytest.importorskip("transformers")
-from hf_models import build, padded_batch  # noqa: E402
+from hf_models import build  # noqa: E402
 
 FAMILIES = ("llama", "llama-tied", "gpt2")
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
@@ -100,29 +100,6 @@ def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[st
         family, plan_json = next(iter(plans.items()))
         out["failed"] = _failing_step(world, family, plan_json, fail_rank, timeout_s)
     return out
-
-
-def _reference(family: str, schedules: tuple[str, ...]) -> dict[str, tuple[list[float], dict]]:
-    """One process, the whole batch: the losses and parameters after each block of steps (one per schedule)."""
-    model = build(family)
-    opt = _optimizer(model.parameters())
-    out = {}
-    for schedule in schedules:
-        losses = []
-        for b in _batches(family):
-            loss = _loss(model(b["input_ids"]), b["labels"])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        out[schedule] = (losses, {n: p.detach().clone() for n, p in model.named_parameters()})
-    return out
-
-
-def _plan(family: str) -> str:
-    b = padded_batch(family)
-    return json.dumps(fxpipe.compile(build(family), ["cpu"] * 2, (b["input_ids"],), chunks=2, profile=EST)
-                      .plan.to_dict())
 
 
 @pytest.mark.slow
