@@ -68,6 +68,8 @@ def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[st
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel
     from fxpipe.distributed.mesh import MeshPipelineRank
+    # as torchrun --standalone sets them: the mesh's local ranks are not the plan's (fxpipe.distributed.placement)
+    os.environ.update(LOCAL_RANK=str(rank), GROUP_RANK="0", LOCAL_WORLD_SIZE=str(world))
     out = {"refused": []}
     first = fxpipe.Plan.from_dict(json.loads(next(iter(plans.values()))))
     for names, shape, extra in ((("pp", "dp", "tp"), (2, world // 4, 2), {}),

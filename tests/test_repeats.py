@@ -22,8 +22,6 @@ CONFIGS = {
                  attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
     "qwen2": dict(num_hidden_layers=DEPTH, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=96, max_position_embeddings=64),
-    "mistral": dict(num_hidden_layers=DEPTH, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                    num_key_value_heads=2, vocab_size=96, max_position_embeddings=64),
 }
 
 
