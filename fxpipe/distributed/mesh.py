@@ -114,11 +114,11 @@ class MeshPipelineRank:
         holders = [self.ranked.model, self.ranked.pipe._graph[0]]
         both = dims.tp > 1 and dims.dp > 1   # FSDP2 over TP: both meshes sliced from this one (one root)
         self.tp_ranks: list[int] = []
-        if dims.tp > 1 and self.ranked.pipe.compiled is not None:
-            raise ValueError("tensor parallelism on compiled stages (the plan's or compile_stages=...) is not "
-                             "verified: pass compile_stages=False (CompileOptions(compile_stages=False)) with a 'tp' "
-                             "mesh dim, or drop the 'tp' dim")
         if dims.tp > 1:
+            if self.ranked.pipe.compiled is not None:
+                raise ValueError("tensor parallelism on compiled stages (the plan's or compile_stages=...) is not "
+                                 "verified: pass compile_stages=False (CompileOptions(compile_stages=False)) with a "
+                                 "'tp' mesh dim, or drop the 'tp' dim")
             tp_mesh = tp_mesh_of(mesh, timeout_s, from_root=both)
             self.tp_ranks = [int(r) for r in tp_mesh.mesh.flatten()]
             self.tp_plan = shard_stages(own, tp_mesh, tp_plan, model=self.ranked.model, holders=holders)

@@ -13,6 +13,7 @@ is partitioned as given. The choice and its reason go into the plan (``plan.fron
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -23,7 +24,6 @@ from torch import nn
 
 from fxpipe.errors import TraceError
 from fxpipe.frontend.export import PREDICTED, export_graph, flat_program
-from fxpipe.frontend.export import export_graph as _export_graph
 from fxpipe.frontend.fingerprint import graph_fingerprint
 from fxpipe.frontend.generation_cache import CACHE_OFF_REASON, generation_cache_off
 from fxpipe.frontend.kept_whole import KEEP_WHOLE, module_groups
@@ -65,9 +65,7 @@ def _traced(model: nn.Module, name: str, leaf_modules: list[Any], concrete_args:
 def _choose(model: nn.Module, frontend: str, leaf_modules: list[Any], concrete_args: Any, args: tuple | None,
             kwargs: dict[str, Any], batch_dim: Any, predict: bool = False) -> tuple[fx.GraphModule, str, str]:
     """The graph, the front end that made it and why that one (``predict``: export_graph's ``predict_repeats``)."""
-    def export_graph(*a: Any) -> fx.GraphModule:
-        return _export_graph(*a, predict_repeats=predict)
-
+    exported = functools.partial(export_graph, model, args, kwargs, batch_dim, predict_repeats=predict)
     if frontend not in FRONTENDS:
         raise ValueError(f"frontend must be one of {', '.join(FRONTENDS)}, got {frontend!r}")
     if frontend != "fx" and args is None:
@@ -80,15 +78,15 @@ def _choose(model: nn.Module, frontend: str, leaf_modules: list[Any], concrete_a
                              "in example_inputs in the forward's order, or use frontend='export' (or 'auto')")
         return trace(model, leaf_modules, concrete_args), "fx", "frontend='fx' was asked for"
     if frontend == "export":
-        return export_graph(model, args, kwargs, batch_dim), "export", "frontend='export' was asked for"
+        return exported(), "export", "frontend='export' was asked for"
     if kwargs:
-        return (export_graph(model, args, kwargs, batch_dim), "export",
+        return (exported(), "export",
                 "keyword arguments (torch.fx binds inputs by position)")
     try:
         gm = trace(model, leaf_modules, concrete_args)
     except TraceError as fx_failure:
         try:
-            gm = export_graph(model, args, kwargs, batch_dim)
+            gm = exported()
         except TraceError as export_failure:
             also = str(export_failure).replace("\n", "\n    ")
             raise TraceError(f"{fx_failure}\n  torch.export (frontend='export') fails as well: {also}",
@@ -97,7 +95,7 @@ def _choose(model: nn.Module, frontend: str, leaf_modules: list[Any], concrete_a
     stacks = hidden_layer_stacks(gm, leaf_modules)
     if stacks:   # the planner could cut between those layers only in export's graph
         try:
-            return (export_graph(model, args, kwargs, batch_dim), "export",
+            return (exported(), "export",
                     f"torch.fx keeps {stacks[0]} whole (a torch.nn module holding a stack of layers): torch.export "
                     "reaches its layers")
         except TraceError:

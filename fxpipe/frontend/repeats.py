@@ -232,14 +232,11 @@ def predicted_export(model: nn.Module, export: Callable[[], fx.GraphModule]) -> 
         return None
     root: dict[str, Any] = {}
     for node in graph.nodes:
-        if node.op == "get_attr":
+        if node.op == "get_attr":   # the model's own tensors; a constant export lifted is the cut graph's
             try:
-                root[node.target] = model.get_parameter(node.target)
+                root[node.target] = _attribute(model, node.target)
             except AttributeError:
-                try:
-                    root[node.target] = model.get_buffer(node.target)
-                except AttributeError:
-                    root[node.target] = _attribute(three, node.target)
+                root[node.target] = _attribute(three, node.target)
     gm = fx.GraphModule(root, graph, type(three).__name__)
     gm.meta.update(three.meta)
     return gm, (f"its {len(layers)} layers of {path} predicted from the graphs of 2 and 3 of them (checked "

@@ -57,6 +57,7 @@ Llama-3-8B-shaped ZB-V over 16 stages the DP's plan after 0.05 s is the plan aft
 its gap (its bound waits on the rotary tables every layer reads); at the full 2 s each such candidate was a
 third of ``fxpipe.plan``'s search."""
 
+
 @dataclass
 class Planner:
     """Makes plans for one traced model on one set of devices."""

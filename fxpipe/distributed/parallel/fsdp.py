@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ShardedStages", "apply_fsdp", "dp_mesh", "repoint"]
+__all__ = ["ShardedStages", "apply_fsdp", "broadcast_states", "dp_mesh", "repoint"]
 
 
 def dp_mesh(grid: list[list[int]], device_type: str, timeout_s: float) -> Any:
@@ -69,6 +69,17 @@ def apply_fsdp(modules: Iterable[nn.Module], mesh: Any) -> list[Any]:
     return out
 
 
+def broadcast_states(modules: Iterable[nn.Module], src: int, group: Any) -> None:
+    """Every parameter and buffer of ``modules`` made ``src``'s over ``group`` (a tensor-parallel ``DTensor``: its
+    local shard, the same shard on every rank of ``group``); tensors on ``meta`` are left alone."""
+    from torch.distributed.tensor import DTensor
+    with torch.no_grad():
+        for module in modules:
+            for t in [*module.parameters(), *module.buffers()]:
+                if t.device.type != "meta":
+                    dist.broadcast(t.to_local() if isinstance(t, DTensor) else t.data, src=src, group=group)
+
+
 def repoint(holders: Iterable[nn.Module], replaced: dict[int, nn.Parameter]) -> None:
     """Put ``fully_shard``'s sharded parameters wherever ``holders`` (the model, the traced graph) held the ones
     they replace (by identity), so that lookups by name find the shards: ``named_parameters``, a tied weight's
@@ -86,13 +97,7 @@ class ShardedStages:
 
     def __init__(self, modules: list[nn.Module], grid: list[list[int]], group: Any, device_type: str,
                  timeout_s: float, holders: Iterable[nn.Module] = (), mesh: Any = None) -> None:
-        from torch.distributed.tensor import DTensor
-        root = grid[0][0]
-        with torch.no_grad():   # every replica starts from the same weights, as DistributedDataParallel's do
-            for module in modules:
-                for t in [*module.parameters(), *module.buffers()]:
-                    if t.device.type != "meta":   # a tensor-parallel shard: the same shard on every dp rank
-                        dist.broadcast(t.to_local() if isinstance(t, DTensor) else t.data, src=root, group=group)
+        broadcast_states(modules, grid[0][0], group)   # every replica starts from the same weights, as DDP's do
         # ``mesh``: the dp dims sliced from the mesh that tensor parallelism's ``tp`` is sliced from (FSDP2 needs one
         # root for both); else groups of their own with ``timeout_s``
         self.mesh = mesh if mesh is not None else dp_mesh(grid, device_type, timeout_s)

@@ -65,15 +65,13 @@ from __future__ import annotations
 import datetime
 from typing import Any, Sequence
 
-import torch
 import torch.distributed as dist
-
 import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from fxpipe.distributed.parallel.fsdp import repoint
+from fxpipe.distributed.parallel.fsdp import broadcast_states, repoint
 from fxpipe.distributed.parallel.local_shapes import local_sizes, localise_shapes
 from fxpipe.distributed.parallel.module_calls import called_modules, restore_module_calls
 from fxpipe.distributed.parallel.tp_plans import TPPlan, TPPlanError, default_tp_plan, given_tp_plan
@@ -133,12 +131,8 @@ def shard_stages(stage_modules: Sequence[nn.Module], tp_mesh: Any, tp_plan: dict
     """:func:`apply_tp` on a pipeline rank: every parameter and buffer of ``stage_modules`` first broadcast from
     tp rank 0 (the replicated ones must be equal on every tp rank), then the ``DTensor`` parameters put wherever
     ``holders`` (the model, the traced graph) held the ones they replace."""
-    group, root = tp_mesh.get_group(), dist.get_global_rank(tp_mesh.get_group(), 0)
-    with torch.no_grad():
-        for module in stage_modules:
-            for t in [*module.parameters(), *module.buffers()]:
-                if t.device.type != "meta":
-                    dist.broadcast(t.data, src=root, group=group)
+    group = tp_mesh.get_group()
+    broadcast_states(stage_modules, dist.get_global_rank(group, 0), group)
     before = [dict(m.named_parameters()) for m in stage_modules]
     plan = apply_tp(stage_modules, tp_mesh, tp_plan, model=model)
     repoint(holders, {id(old[name]): new for old, m in zip(before, stage_modules)
