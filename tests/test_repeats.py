@@ -83,6 +83,21 @@ def test_a_layer_whose_code_differs_by_the_fourth_fails_the_check_and_is_exporte
     torch.testing.assert_close(gm(x)[0], model(x))
 
 
+class _BranchesWhenCut(_Stack):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = super().forward(x)
+        if len(self.layers) < DEPTH and x.sum() > 0:   # a branch on a value, only in the cut model
+            x = x * 2
+        return x
+
+
+def test_a_cut_model_export_cannot_trace_leaves_the_whole_export():
+    model, x = _BranchesWhenCut(odd_from=DEPTH), torch.randn(4, 8)
+    gm = export_graph(model, (x,), predict_repeats=True)   # was: the cut model's TraceError
+    assert PREDICTED not in gm.meta
+    torch.testing.assert_close(gm(x)[0], model(x))
+
+
 def test_past_the_fourth_the_prediction_differs_and_a_rank_would_refuse_the_plan():
     """The limit the module doc states: a layer past the fourth made different by its code alone is predicted
     like the others. Only fxpipe.plan takes the prediction; a process that trains captures the model whole,

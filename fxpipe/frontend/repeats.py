@@ -32,6 +32,8 @@ from typing import Any, Callable
 import torch.fx as fx
 from torch import nn
 
+from fxpipe.errors import TraceError
+
 __all__ = ["MIN_LAYERS", "layer_stack", "predicted_export"]
 
 MIN_LAYERS = 8
@@ -228,7 +230,7 @@ def predicted_export(model: nn.Module, export: Callable[[], fx.GraphModule]) -> 
         if not _same(_predict(stack, three, 4), four.graph) or repr(three.meta) != repr(four.meta):
             return None
         graph = _predict(stack, three, len(layers))
-    except (ValueError, KeyError, AttributeError):
+    except (TraceError, ValueError, KeyError, AttributeError):   # a cut model export cannot trace: the whole one
         return None
     root: dict[str, Any] = {}
     for node in graph.nodes:
