@@ -12,6 +12,7 @@ import fxpipe
 from fxpipe.frontend.capture import capture
 from fxpipe.frontend.export import PREDICTED, export_graph
 from fxpipe.frontend.fingerprint import graph_fingerprint
+from fxpipe.frontend.model_loss import MODEL_LOSS
 from fxpipe.frontend.repeats import MIN_LAYERS, _same, layer_stack
 
 DEPTH = MIN_LAYERS + 1
@@ -31,17 +32,25 @@ def _model(kind: str, **overrides) -> nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config).train()
 
 
-@pytest.mark.parametrize("kind", sorted(CONFIGS))
-def test_the_predicted_graph_is_torch_exports_own_node_for_node(kind):
+@pytest.mark.parametrize("kind,labels", [(kind, False) for kind in sorted(CONFIGS)] + [("llama", True)])
+def test_the_predicted_graph_is_torch_exports_own_node_for_node(kind, labels):
+    """With ``labels=`` the model computes its own loss, which the graph keeps exact over micro-batches
+    (``gm.meta[MODEL_LOSS]``), as the CLI plans a language model."""
     model, ids = _model(kind), torch.randint(0, 96, (4, 12))
-    exact = export_graph(model, (ids,))
-    predicted = export_graph(model, (ids,), predict_repeats=True)
+    kwargs = {"labels": ids.clone()} if labels else {}
+    exact = export_graph(model, (ids,), kwargs)
+    predicted = export_graph(model, (ids,), kwargs, predict_repeats=True)
     assert PREDICTED not in exact.meta and f"its {DEPTH} layers" in predicted.meta[PREDICTED]
     assert _same(exact.graph, predicted.graph)   # names, operations, targets, arguments, module paths
     assert graph_fingerprint(exact, "export") == graph_fingerprint(predicted, "export")
     own = dict(model.named_parameters())
     assert all(predicted.get_parameter(n) is p for n, p in own.items() if n in dict(predicted.named_parameters()))
-    torch.testing.assert_close(predicted(ids)[0], exact(ids)[0], rtol=0, atol=0)
+    inputs = (ids, ids.clone()) if labels else (ids,)
+    for got, want in zip(predicted(*inputs), exact(*inputs)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if labels:   # its count of the labels the loss takes, read through the predicted graph
+        loss = predicted.meta[MODEL_LOSS]
+        assert loss.owner is predicted and loss.leaf == exact.meta[MODEL_LOSS].leaf
 
 
 def test_layers_that_differ_are_exported_whole():

@@ -26,6 +26,7 @@ graph that differed from the predicted one would differ in its fingerprint, whic
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Callable
 
@@ -33,6 +34,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.errors import TraceError
+from fxpipe.frontend.model_loss import MODEL_LOSS
 
 __all__ = ["MIN_LAYERS", "layer_stack", "predicted_export"]
 
@@ -227,7 +229,7 @@ def predicted_export(model: nn.Module, export: Callable[[], fx.GraphModule]) -> 
     try:
         two, three, four = (_cut(model, path, depth, export) for depth in (2, 3, 4))
         stack = _Stack(path, two, three)
-        if not _same(_predict(stack, three, 4), four.graph) or repr(three.meta) != repr(four.meta):
+        if not _same(_predict(stack, three, 4), four.graph) or _meta(three) != _meta(four):
             return None
         graph = _predict(stack, three, len(layers))
     except (TraceError, ValueError, KeyError, AttributeError):   # a cut model export cannot trace: the whole one
@@ -241,8 +243,19 @@ def predicted_export(model: nn.Module, export: Callable[[], fx.GraphModule]) -> 
                 root[node.target] = _attribute(three, node.target)
     gm = fx.GraphModule(root, graph, type(three).__name__)
     gm.meta.update(three.meta)
+    if MODEL_LOSS in gm.meta:   # the model's own loss reads its class weights, if any, from this graph
+        gm.meta[MODEL_LOSS] = dataclasses.replace(gm.meta[MODEL_LOSS], owner=gm)
     return gm, (f"its {len(layers)} layers of {path} predicted from the graphs of 2 and 3 of them (checked "
                 f"against 4; fxpipe/frontend/repeats.py)")
+
+
+def _meta(gm: fx.GraphModule) -> str:
+    """``gm.meta`` as text to compare across depths: the graph's input and output structure, batch dims, the
+    model's own loss (without the graph that holds it, which is ``gm`` itself)."""
+    meta = dict(gm.meta)
+    if MODEL_LOSS in meta:
+        meta[MODEL_LOSS] = dataclasses.replace(meta[MODEL_LOSS], owner=None)
+    return repr(meta)
 
 
 def _attribute(gm: nn.Module, target: str) -> Any:
