@@ -36,6 +36,12 @@ def _qwen2() -> Any:
         vocab_size=VOCAB, max_position_embeddings=64))
 
 
+def _qwen3() -> Any:   # Qwen2's block with a per-head RMS norm of the queries and keys (q_norm, k_norm)
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        num_hidden_layers=4, hidden_size=WIDTH, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=WIDTH // 4, vocab_size=VOCAB, max_position_embeddings=64))
+
+
 def _bert() -> Any:
     return transformers.BertForMaskedLM(transformers.BertConfig(
         num_hidden_layers=4, hidden_size=WIDTH, intermediate_size=64, num_attention_heads=4, vocab_size=VOCAB,
@@ -52,6 +58,7 @@ FAMILIES: dict[str, Callable[[], Any]] = {
     "llama": lambda: _llama(False), "llama-tied": lambda: _llama(True), "gpt2": _gpt2, "qwen2": _qwen2,
     "bert-mlm": _bert, "t5": _t5,
 }
+OTHERS: dict[str, Callable[[], Any]] = {"qwen3": _qwen3}   # built by name, not part of the journey's families
 
 
 def padded_batch(family: str, batch: int = 8, seed: int = 1) -> dict[str, torch.Tensor]:
@@ -73,4 +80,4 @@ def padded_batch(family: str, batch: int = 8, seed: int = 1) -> dict[str, torch.
 def build(family: str, seed: int = 0) -> Any:
     """The family's tiny model, seeded, in train mode."""
     torch.manual_seed(seed)
-    return FAMILIES[family]().train()
+    return {**FAMILIES, **OTHERS}[family]().train()

@@ -170,3 +170,24 @@ def test_the_sizes_between_a_blocks_layers_become_one_tp_ranks_and_nothing_else_
     # s, 8) and reshape (b, 4, s, 8) -> (b, 2, s, 8); exactly one size changes in each, halved
     assert len(changed) == 4 * 4, sorted(changed)
     assert sorted({c for cs in changed.values() for c in cs}) == [(2, 1), (4, 2)], changed
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_a_per_head_norm_between_a_blocks_layers_is_followed_and_its_weight_summed_over_tp(family):
+    """Qwen3 normalises each head's queries and keys (q_norm, k_norm: a mean over the head's features, then a
+    replicated weight): followed, and that weight's gradient marked to be summed over the tp ranks; Llama reads no
+    parameter between its layers."""
+    from fxpipe.distributed.parallel.local_shapes import local_sizes, partial_parameters
+    from fxpipe.distributed.parallel.module_calls import restore_module_calls
+    from fxpipe.distributed.parallel.tp import _kinds
+    from fxpipe.distributed.parallel.tp_plans import default_tp_plan
+    from fxpipe.frontend.capture import capture
+    model, ids = build(family), padded_batch(family)["input_ids"]
+    gm = capture(model, frontend="export", args=(ids,), other_mode=False).graph
+    plan = default_tp_plan(model, 2)
+    restore_module_calls(gm, model, plan.styles)
+    kinds = _kinds(plan)
+    assert len(local_sizes(gm, *kinds, 2)) == 4 * 4   # each layer's key/value expand and reshape, as Llama's
+    read = {t.rpartition(".")[0].split(".", 3)[-1] for t in partial_parameters(gm, *kinds, 2)}
+    assert read == ({"self_attn.q_norm", "self_attn.k_norm"} if family == "qwen3" else set()), read
+    assert len(partial_parameters(gm, *kinds, 2)) == (8 if family == "qwen3" else 0)

@@ -50,7 +50,7 @@ from torch import nn
 from fxpipe.distributed.parallel.ddp import ReplicatedStages, SoloStages
 from fxpipe.distributed.parallel.dims import ParallelDims
 from fxpipe.distributed.parallel.fsdp import ShardedStages
-from fxpipe.distributed.parallel.tp import shard_stages, tp_mesh_of
+from fxpipe.distributed.parallel.tp import shard_stages, sum_partial_grads, tp_mesh_of
 from fxpipe.distributed.rank import PipelineRank
 from fxpipe.errors import FxpipeError, LossReductionError, PlanMismatchError
 from fxpipe.planning.plan import Plan, load_plan
@@ -122,6 +122,7 @@ class MeshPipelineRank:
             tp_mesh = tp_mesh_of(mesh, timeout_s, from_root=both)
             self.tp_ranks = [int(r) for r in tp_mesh.mesh.flatten()]
             self.tp_plan = shard_stages(own, tp_mesh, tp_plan, model=self.ranked.model, holders=holders)
+            self._tp_group = tp_mesh.get_group()
         if dims.tp > 1 and dims.dp == 1:
             self.data = SoloStages(own)   # no data parallelism: nothing to reduce
         elif dims.sharded:
@@ -217,6 +218,8 @@ class MeshPipelineRank:
             else:
                 started = time.time()
                 self.data.reduce()
+                if self.tp_ranks:   # a per-head norm's weight: each tp rank summed its heads' gradients only
+                    sum_partial_grads(self.tp_plan, dict(self.ranked.named_parameters()), self._tp_group)
                 self.all_reduce_s = (started, time.time())
                 self._reduced = None
         except BaseException as exc:   # raised by step, after the transport has heard the other ranks

@@ -7,8 +7,9 @@ reshapes to ``(b, 4, s, 8)``, the full head counts. :func:`local_sizes` walks th
 column-wise layer's output to the row-wise layers' inputs, and follows which dimension of each value is sharded
 (its ``meta["val"]`` holds the global shape): view-like operations by torch's own DTensor view rules
 (``torch.distributed.tensor._ops._view_ops``: ``view_groups``, ``expand``, ``dim_transpose``, ... with
-``propagate_shape_and_sharding``), point-wise operations by broadcasting, the attention kernels on the head dim
-(1). Where a view or expand records the sharded dimension's global size as an ``int``, it becomes the local one
+``propagate_shape_and_sharding``), point-wise operations by broadcasting, reductions over other dimensions than the
+sharded one (a per-head norm, Qwen3's ``q_norm``/``k_norm``: the mean over each head's features), the attention
+kernels on the head dim (1). Where a view or expand records the sharded dimension's global size as an ``int``, it becomes the local one
 (divided by ``tp``); sizes that are graph values (a symbolic batch) stay as they are. An operation it cannot follow
 exactly (one that reduces, slices or splits the sharded dimension, or one it does not know) is refused naming the
 operation, before any step runs. Nothing is done per step: the rewritten graph runs plain tensors, at the speed of
@@ -27,12 +28,14 @@ from torch.distributed.tensor._ops import _view_ops as views
 
 from fxpipe.distributed.parallel.tp_plans import TPPlanError
 
-__all__ = ["local_sizes", "localise_shapes"]
+__all__ = ["local_sizes", "localise_shapes", "partial_parameters"]
 
 _SAME_SHAPE = {"clone", "contiguous", "_to_copy", "alias", "detach", "dropout", "lift_fresh_copy", "type_as", "to",
                "float", "native_dropout"}
 _VIEWS = {"view", "_unsafe_view", "reshape", "view_copy"}
 _ATTENTION = "scaled_dot_product"
+_REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std", "logsumexp", "var_mean", "prod"}
+_CHECKS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
 
 
 def _name(node: fx.Node) -> str:
@@ -125,6 +128,10 @@ def _follow(node: fx.Node, name: str, sharded: dict[fx.Node, Any], tp: int, edit
             if name in _VIEWS or name in ("expand", "expand_copy"):
                 _local_size(node, out, tp, edits)
             return out
+    if name in _CHECKS:
+        return None   # an assertion: no value
+    if name in _REDUCTIONS and len(ins) == 1 and node.args[0] is ins[0]:
+        return _reduced(node, sharded[ins[0]], len(_shape(ins[0])))
     if name == "cat":
         parts, nd = node.args[0], len(_shape(node))
         dim = (node.args[1] if len(node.args) > 1 else 0) % nd
@@ -152,6 +159,21 @@ def _follow(node: fx.Node, name: str, sharded: dict[fx.Node, Any], tp: int, edit
     raise _refuse(node, f"fxpipe does not know how {name} treats a sharded dimension")
 
 
+def _reduced(node: fx.Node, d: int, nd: int) -> int:
+    """The sharded dim of a reduction's output (a per-head norm's mean over the head's features): refused where it
+    reduces the sharded dimension itself (that would need the other ranks' heads)."""
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims = [dims] if isinstance(dims, int) else dims
+    if not dims:
+        raise _refuse(node, "it reduces over every dimension, the sharded one too")
+    dims = {x % nd for x in dims}
+    if d in dims:
+        raise _refuse(node, f"it reduces the sharded dimension {d}")
+    keep = node.args[2] if len(node.args) > 2 and isinstance(node.args[2], bool) else node.kwargs.get("keepdim", False)
+    out = d if keep else d - sum(1 for x in dims if x < d)
+    return (out, out) if isinstance(_val(node), (tuple, list)) else out
+
+
 def _shape_of(v: Any) -> tuple | None:
     return tuple(v.shape) if hasattr(v, "shape") else None
 
@@ -164,6 +186,22 @@ def local_sizes(gm: fx.GraphModule, colwise: set[str], rowwise: set[str], tp: in
     """The new args of every view/expand of ``gm`` (its column-wise layers at ``colwise`` giving local outputs,
     its row-wise ones at ``rowwise`` taking them) whose recorded sizes must become one tp rank's;
     :class:`TPPlanError` where that cannot be exact (module doc). Changes nothing: :func:`localise_shapes` does."""
+    return _walk(gm, colwise, rowwise, tp)[1]
+
+
+def partial_parameters(gm: fx.GraphModule, colwise: set[str], rowwise: set[str], tp: int) -> set[str]:
+    """The ``get_attr`` targets of ``gm`` that meet one rank's heads between a block's layers (a per-head norm's
+    weight, Qwen3's ``q_norm``): replicated, but each tp rank's backward sums their gradient over its own heads
+    only, so the whole gradient is the sum over the tp ranks (Megatron's finalize all-reduces its q/k layer norms'
+    gradients over tp for the same reason)."""
+    sharded = _walk(gm, colwise, rowwise, tp)[0]
+    return {a.target for node, dim in sharded.items() if dim is not None and node.op == "call_function"
+            for a in node.all_input_nodes if a.op == "get_attr"}
+
+
+def _walk(gm: fx.GraphModule, colwise: set[str], rowwise: set[str],
+          tp: int) -> tuple[dict[fx.Node, Any], dict[fx.Node, tuple]]:
+    """The sharded dim of every value between ``gm``'s column-wise and row-wise layers, and the view/expand edits."""
     sharded: dict[fx.Node, Any] = {}
     edits: dict[fx.Node, tuple] = {}
     for node in gm.graph.nodes:
@@ -185,7 +223,7 @@ def local_sizes(gm: fx.GraphModule, colwise: set[str], rowwise: set[str], tp: in
         if _name(node) == "sym_size":
             continue   # the local size at run time: what the view that reads it needs
         sharded[node] = _follow(node, _name(node), sharded, tp, edits)
-    return edits
+    return sharded, edits
 
 
 def localise_shapes(gm: fx.GraphModule, edits: dict[fx.Node, tuple]) -> None:

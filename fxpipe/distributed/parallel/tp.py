@@ -46,10 +46,13 @@ torch's styles act through the layer's forward hooks: the input becomes a ``DTen
 What crosses a stage boundary stays a plain, replicated tensor: the default plan's column-wise and row-wise
 layers of one block form a group that must lie in one stage (refused otherwise, with the fix), and replicated
 layers (embeddings, norms, LM head) give plain tensors. The wire therefore carries the same full tensors as
-without ``tp``. Gradients of replicated parameters are the same on every tp rank (the row-wise all-reduce and
-the column-wise input's backward all-reduce make every activation gradient whole, and :func:`shard_stages`
-broadcasts every tensor from tp rank 0 before sharding, so the replicas start equal), so no extra reduction is
-needed; the sharded parameters' gradients are ``DTensor`` s sharded as the parameters.
+without ``tp``. Gradients of replicated parameters outside the blocks' sharded part are the same on every tp rank (the row-wise
+all-reduce and the column-wise input's backward all-reduce make every activation gradient whole, and
+:func:`shard_stages` broadcasts every tensor from tp rank 0 before sharding, so the replicas start equal). A
+replicated parameter read *between* a block's column-wise and row-wise layers (a per-head norm's weight: Qwen3's
+``q_norm``/``k_norm``) gets from each rank's backward the sum over its own heads only: :func:`sum_partial_grads`
+sums those over the tp ranks once a step, after the backward passes, as Megatron's finalize does for its q/k layer
+norms. The sharded parameters' gradients are ``DTensor`` s sharded as the parameters.
 
 Status: :class:`fxpipe.distributed.mesh.MeshPipelineRank` runs it on a mesh with a ``tp`` dim (``("pp", "tp")``,
 ``("pp", "dp_shard", "tp")``: FSDP2 over the tensor-parallel stages, both meshes sliced from one root as FSDP2
@@ -72,11 +75,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from fxpipe.distributed.parallel.fsdp import broadcast_states, repoint
-from fxpipe.distributed.parallel.local_shapes import local_sizes, localise_shapes
+from fxpipe.distributed.parallel.local_shapes import local_sizes, localise_shapes, partial_parameters
 from fxpipe.distributed.parallel.module_calls import called_modules, restore_module_calls
 from fxpipe.distributed.parallel.tp_plans import TPPlan, TPPlanError, default_tp_plan, given_tp_plan
 
-__all__ = ["apply_tp", "locate_tp_layers", "shard_stages", "tp_mesh_of", "TPPlanError"]
+__all__ = ["apply_tp", "locate_tp_layers", "shard_stages", "sum_partial_grads", "tp_mesh_of", "TPPlanError"]
 
 
 def _reads(gm: nn.Module, path: str) -> bool:
@@ -103,6 +106,7 @@ def apply_tp(stage_modules: Sequence[nn.Module], tp_mesh: Any, tp_plan: dict[str
     located = locate_tp_layers(stage_modules, plan, model)
     # every graph checked (and refused) before any parameter changes
     edits = [local_sizes(gm, colwise, rowwise, tp) if isinstance(gm, fx.GraphModule) else {} for gm in stage_modules]
+    plan.summed = _summed(stage_modules, colwise, rowwise, tp, model)
     for k, gm in enumerate(stage_modules):
         mine = {p: s for p, s in plan.styles.items() if located.get(p) == k}
         if mine:
@@ -110,6 +114,31 @@ def apply_tp(stage_modules: Sequence[nn.Module], tp_mesh: Any, tp_plan: dict[str
         if edits[k]:
             localise_shapes(gm, edits[k])
     return plan
+
+
+def _summed(stage_modules: Sequence[nn.Module], colwise: set[str], rowwise: set[str], tp: int,
+            model: nn.Module) -> list[str]:
+    """The model's names of the trainable parameters that the stage graphs read between a block's layers."""
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    found = set()
+    for gm in stage_modules:
+        if not isinstance(gm, fx.GraphModule):
+            continue
+        for target in partial_parameters(gm, colwise, rowwise, tp):
+            owner, _, attr = target.rpartition(".")
+            param = gm.get_submodule(owner)._parameters.get(attr) if owner or attr else None
+            if isinstance(param, nn.Parameter) and param.requires_grad and id(param) in names:
+                found.add(names[id(param)])
+    return sorted(found)
+
+
+def sum_partial_grads(plan: TPPlan, named: dict[str, nn.Parameter], group: Any) -> None:
+    """Sum over the tp ranks the gradients of the parameters ``plan.summed`` names (of ``named``, this rank's; a
+    DTensor's local shard under FSDP2, sharded alike on every tp rank): once a step, after the backward passes."""
+    for name in plan.summed:
+        grad = named[name].grad if name in named else None
+        if grad is not None:
+            dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=group)
 
 
 def tp_mesh_of(mesh: Any, timeout_s: float, *, from_root: bool) -> Any:

@@ -88,6 +88,9 @@ class TPPlan:
     styles: dict[str, ParallelStyle]
     groups: list[list[str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: once applied: the replicated parameters (model names) that meet one rank's heads inside a block, whose
+    #: gradients each step sums over the tp ranks (:func:`fxpipe.distributed.parallel.local_shapes.partial_parameters`)
+    summed: list[str] = field(default_factory=list)
 
 
 def _colwise(module: nn.Module) -> ParallelStyle:
