@@ -148,15 +148,16 @@ def test_pp2_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_batch():
 
 
 # each family once, the schedules in turn (FXPIPE_FULL_MESH=1: every family under every schedule)
-ROTATED = ({family: SCHEDULES for family in FAMILIES} if os.environ.get("FXPIPE_FULL_MESH") == "1" else
-           {family: (schedule,) for family, schedule in zip(FAMILIES, SCHEDULES)})
+ROTATED = ({family: SCHEDULES for family in (*FAMILIES, "qwen3")} if os.environ.get("FXPIPE_FULL_MESH") == "1" else
+           {family: (schedule,) for family, schedule in zip((*FAMILIES, "qwen3"), (*SCHEDULES, "gpipe"))})
 
 
 @pytest.mark.slow
 def test_pp2_fsdp2_over_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_batch():
     """pp=2 × dp_shard=2 × tp=2 (8 processes): FSDP2 shards the tensor-parallel stages' DTensor parameters over dp
     (both meshes sliced from one), each replica its share of the batch (the last shared unevenly). Llama untied
-    under GPipe, Llama tied under 1F1B, GPT-2 under ZB-H1 (:data:`ROTATED`)."""
+    under GPipe, Llama tied under 1F1B, GPT-2 under ZB-H1, Qwen3 (its per-head norms' gradients summed over tp)
+    under GPipe (:data:`ROTATED`)."""
     plans = {family: _plan(family) for family in ROTATED}
     results = run_ranks(8, _train_all, plans, ROTATED, deadline_s=900)
     errors = [r["trace"] for r in results if "ok" not in r]
