@@ -22,6 +22,9 @@ from models import SkipTied, SleepInBackward
 STEPS = 3
 
 
+CLIP = 1.0   # gradient clipping's max_norm, under the first steps' norms
+
+
 def _make() -> torch.nn.Module:
     torch.manual_seed(0)
     return SkipTied(vocab=11, width=8, depth=6)
@@ -42,28 +45,34 @@ def _mesh_ranks(rank: int, world: int, plan_json: str, batch: int, schedule: str
     from fxpipe.distributed.mesh import MeshPipelineRank
     plan = fxpipe.Plan.from_dict(json.loads(plan_json))
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+    from fxpipe.distributed import clip_grad_norm_
     stage = MeshPipelineRank(plan, _make, _loss, mesh=mesh, timeout_s=60)
     opt = torch.optim.SGD(stage.parameters(), lr=0.1)
-    losses = []
+    losses, norms = [], []
     for x, y in _batches(batch):
         loss = stage.step(x, y, schedule=schedule)
         losses.append(None if loss is None else loss.item())
+        # the whole model's norm: the dp replicas' equal gradients and the tied weight's copies counted once
+        norms.append((clip_grad_norm_(stage.parameters(), CLIP).item(),
+                      clip_grad_norm_(stage.parameters(), float("inf"), norm_type=2).item()))
         opt.step()
         opt.zero_grad()
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in stage.named_parameters()}}
+    return {"losses": losses, "norms": norms,
+            "params": {n: p.detach().clone() for n, p in stage.named_parameters()}}
 
 
-def _reference(batch: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(batch: int) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
     model = _make()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
+    losses, norms = [], []
     for x, y in _batches(batch):
         loss = _loss(model(x), y)
         loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {n: p.detach() for n, p in model.named_parameters()}
+    return losses, {n: p.detach() for n, p in model.named_parameters()}, norms
 
 
 # each case starts 4 processes: about 25 s on an idle 2-core machine, 60-85 s at load 15
@@ -75,8 +84,12 @@ def test_pp2_dp2_trains_as_one_process_on_the_whole_batch(schedule, batch):
     results = run_ranks(4, _mesh_ranks, plan.to_json(), batch, schedule)
     errors = [r["trace"] for r in results if "ok" not in r]
     assert not errors, errors[0]
-    want_losses, want_params = _reference(batch)
+    want_losses, want_params, want_norms = _reference(batch)
     got = [r["ok"] for r in results]
+    assert max(want_norms) > CLIP   # clipping scales the step (SGD: a wrong norm moves every weight)
+    for r in got:   # each rank's norm is the whole model's; after clipping it is at most CLIP
+        assert [n for n, _ in r["norms"]] == pytest.approx(want_norms, rel=1e-5), (r["norms"], want_norms)
+        assert [after for _, after in r["norms"]] == pytest.approx([min(n, CLIP) for n in want_norms], rel=1e-5)
     # mesh (2, 2): ranks 0, 1 hold stage 0 (replicas 0, 1), ranks 2, 3 stage 1; the loss on the last stage's
     with_loss = [r for r in got if r["losses"][0] is not None]
     assert len(with_loss) == 2 and all(r is got[2] or r is got[3] for r in with_loss)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from hf_models import build, padded_batch  # noqa: E402
 
 FAMILIES = ("llama", "llama-tied", "gpt2")
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+CLIP = 1.0   # fxd.clip_grad_norm_'s max_norm, under the tiny models' first norms (so every step clips)
 SIZES = (8, 8, 9)   # the last shared unevenly: 5 and 4 samples, micro-batches of 3 + 2 and 2 + 2
 EST = fxpipe.ProfileOptions(mode="estimate")
 
@@ -65,11 +67,13 @@ def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[st
         stage = MeshPipelineRank(plan, functools.partial(build, family), _loss, mesh=mesh, timeout_s=120)
         sharded = all(isinstance(p, DTensor) for p in stage.parameters())
         opt = _optimizer(stage.parameters())
+        norms = out[(family, "norms")] = []
         for schedule in schedules:
             losses = []
             for b in _batches(family):
                 loss = stage.step(b["input_ids"], b["labels"], schedule=schedule)
                 losses.append(None if loss is None else loss.item())
+                norms.append(_clip(stage))
                 opt.step()
                 opt.zero_grad()
             local = sum(p.to_local().numel() for p in stage.parameters())
@@ -82,17 +86,32 @@ def _reference(family: str, schedules: tuple[str, ...] = SCHEDULES) -> dict[str,
     """One process, the whole batch: the losses and parameters after each block of steps (one per schedule)."""
     model = build(family)
     opt = _optimizer(model.parameters())
-    out = {}
+    out, norms = {}, []
     for schedule in schedules:
         losses = []
         for b in _batches(family):
             loss = _loss(model(b["input_ids"]), b["labels"])
             loss.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
         out[schedule] = (losses, {n: p.detach().clone() for n, p in model.named_parameters()})
+    out["norms"] = norms   # every step's, in order
     return out
+
+
+def _clip(stage) -> tuple[float, float]:
+    """``fxd.clip_grad_norm_`` of a rank's parameters: the whole model's norm (each shard, tp replica, dp replica
+    and tied copy counted once), and the norm after clipping (at most :data:`CLIP`: the shards were scaled)."""
+    from fxpipe.distributed import clip_grad_norm_
+    return (clip_grad_norm_(stage.parameters(), CLIP).item(),
+            clip_grad_norm_(stage.parameters(), float("inf")).item())
+
+
+def check_norms(got: list[tuple[float, float]], want: list[float], where: Any) -> None:
+    assert [n for n, _ in got] == pytest.approx(want, rel=1e-5), (where, got, want)
+    assert [after for _, after in got] == pytest.approx([min(n, CLIP) for n in want], rel=1e-5), (where, got)
 
 
 def _plan(family: str) -> str:
@@ -110,6 +129,8 @@ def test_pp2_fsdp2_trains_llama_and_gpt2_as_one_process_on_the_whole_batch():
     got = [r["ok"] for r in results]
     for family in FAMILIES:
         reference = _reference(family)
+        for g in got:
+            check_norms(g[(family, "norms")], reference["norms"], family)
         for schedule in SCHEDULES:
             want_losses, want_params = reference[schedule]
             case = [g[(family, schedule)] for g in got]
@@ -141,12 +162,13 @@ def _hsdp_ranks(rank: int, world: int, plan_json: str) -> dict:
     stage = MeshPipelineRank(fxpipe.Plan.from_dict(json.loads(plan_json)), make_small, small_loss, mesh=mesh,
                              timeout_s=60)
     opt = torch.optim.SGD(stage.parameters(), lr=0.1)
-    losses = []
+    losses, norms = [], []
     for x, y in small_batches(8):
         losses.append(stage.step(x, y, schedule="1f1b").item())
+        norms.append(_clip(stage))   # HSDP: each shard held by dp_replicate ranks, counted once
         opt.step()
         opt.zero_grad()
-    return {"losses": losses, "params": {n: _full(p) for n, p in stage.named_parameters()}}
+    return {"losses": losses, "norms": norms, "params": {n: _full(p) for n, p in stage.named_parameters()}}
 
 
 @pytest.mark.slow
@@ -160,13 +182,16 @@ def test_hsdp_two_replicas_of_two_shards_train_as_one_process():
     assert not errors, errors
     model = make_small()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    want = []
+    want, norms = [], []
     for x, y in small_batches(8):
         loss = small_loss(model(x), y)
         loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         opt.step()
         opt.zero_grad()
         want.append(loss.item())
+    assert max(norms) > CLIP   # clipping scales SGD's step: a wrong norm moves every weight
     for r in results:
         assert r["ok"]["losses"] == pytest.approx(want, rel=1e-5)
+        check_norms(r["ok"]["norms"], norms, "hsdp")
         assert max(max_relative_error(r["ok"]["params"][n], p.detach()) for n, p in model.named_parameters()) <= 1e-5

@@ -18,7 +18,7 @@ import torch
 import fxpipe
 from distributed_run import run_ranks
 from equivalence import max_relative_error
-from test_mesh_fsdp import _batches, _full, _loss, _optimizer, _plan, _reference
+from test_mesh_fsdp import _batches, _clip, _full, _loss, _optimizer, _plan, _reference, check_norms
 
 transformers = pytest.importorskip("transformers")
 from hf_models import build  # noqa: E402
@@ -89,6 +89,7 @@ def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[st
                                  timeout_s=120)
         shards = sorted(n for n, p in stage.named_parameters() if isinstance(p, DTensor))
         opt = _optimizer(stage.parameters())
+        norms = out[(family, "norms")] = []
         for schedule in (schedules[family] if isinstance(schedules, dict) else schedules):   # a tuple: every family's
             losses, seconds = [], []
             for b in _batches(family):
@@ -96,6 +97,7 @@ def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[st
                 loss = stage.step(b["input_ids"], b["labels"], schedule=schedule)
                 seconds.append(time.perf_counter() - started)
                 losses.append(None if loss is None else loss.item())
+                norms.append(_clip(stage))
                 opt.step()
                 opt.zero_grad()
             out[(family, schedule)] = {"losses": losses, "shards": shards, "seconds": seconds,
@@ -115,6 +117,8 @@ def test_pp2_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_batch():
     got = [r["ok"] for r in results]
     for family, schedules in TP_CASES.items():
         reference = _reference(family, schedules)
+        for g in got:   # tp shards, tp-replicated tensors and the tied copies each counted once
+            check_norms(g[(family, "norms")], reference["norms"], family)
         for schedule in schedules:
             want_losses, want_params = reference[schedule]
             case = [g[(family, schedule)] for g in got]
@@ -167,6 +171,8 @@ def test_pp2_fsdp2_over_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_ba
         assert "shard them with FSDP2" in r["ok"]["refused"][0] and len(r["ok"]["refused"]) == 2
     for family, schedules in ROTATED.items():
         reference = _reference(family, schedules)
+        for r in results:   # FSDP2's shards of tp shards and of tp-replicated tensors each counted once
+            check_norms(r["ok"][(family, "norms")], reference["norms"], family)
         for schedule in schedules:
             case = [r["ok"][(family, schedule)] for r in results]
             want_losses, want_params = reference[schedule]

@@ -1,5 +1,14 @@
 """Gradient clipping by the norm over every rank's parameters: what ``torch.nn.utils.clip_grad_norm_`` computes on
-the whole model, when each rank holds only its own stages' parameters."""
+the whole model, when each rank holds only its own stages' parameters.
+
+Each value is counted once, however many ranks hold it. A tied weight's copies on other stages' ranks are marked
+``fxpipe_counted_elsewhere`` (:mod:`fxpipe.distributed.tied`). On a mesh, the ranks of one pipeline position (its
+``dp × tp`` ranks) hold their stages' gradients as DDP replicas (whole, ``dp`` copies), FSDP2 shards (one each;
+HSDP: ``dp_replicate`` copies), tensor-parallel shards (one each) or tp-replicated tensors (``tp`` copies):
+:func:`mark_copies` writes on each parameter how many ranks hold its piece (``fxpipe_copies``), and each rank adds
+its pieces' ``|g|^p`` divided by that. torchtitan gets the same norm from DTensor's ``full_tensor`` and a pp
+all-reduce; this sum over ranks needs no per-parameter collective and covers DDP replicas, which are not DTensors.
+"""
 
 from __future__ import annotations
 
@@ -8,25 +17,47 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "mark_copies", "COPIES"]
+
+COPIES = "fxpipe_copies"   # a Parameter attribute: how many ranks hold the same piece of it (default 1)
+
+
+def _distinct(param: torch.Tensor) -> int:
+    """How many different pieces of ``param`` its DTensor mesh holds (1 for a plain tensor)."""
+    from torch.distributed.tensor import DTensor, Shard
+    if not isinstance(param, DTensor):
+        return 1
+    pieces = 1
+    for i, placement in enumerate(param.placements):
+        if isinstance(placement, Shard):
+            pieces *= param.device_mesh.size(i)
+    return pieces
+
+
+def mark_copies(parameters: Iterable[torch.Tensor], ranks_per_stage: int) -> None:
+    """Write on each parameter how many of the ``ranks_per_stage`` ranks that hold its stage hold its piece."""
+    for p in parameters:
+        setattr(p, COPIES, max(1, ranks_per_stage // _distinct(p)))
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                     group: Any = None) -> torch.Tensor:
     """Scale this rank's gradients so that the norm over all ranks' gradients is at most ``max_norm``; return that
     norm (the same on every rank). Collective: every rank of ``group`` calls it, with its own parameters
-    (``stage.parameters()``: each parameter on one rank, or a tied one on each rank whose stages read it, counted
-    by the first of them only: :mod:`fxpipe.distributed.tied`)."""
+    (``stage.parameters()`` of a ``PipelineRank`` or ``MeshPipelineRank``: each value counted once, module doc).
+    ``group``: the ranks whose norm it is (default: every rank)."""
     params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    counted = [p.grad for p in params if not getattr(p, "fxpipe_counted_elsewhere", False)]
+    grads = [_local(p.grad) for p in params]
+    counted = [(_local(p.grad), getattr(p, COPIES, 1)) for p in params
+               if not getattr(p, "fxpipe_counted_elsewhere", False)]
     norm_type = float(norm_type)
     if norm_type == float("inf"):
-        local = torch.stack([g.detach().abs().max().float().cpu() for g in counted]).max() if counted else torch.zeros(())
+        local = torch.stack([g.detach().abs().max().float().cpu() if g.numel() else torch.zeros(())
+                             for g, _ in counted]).max() if counted else torch.zeros(())
         op = dist.ReduceOp.MAX
-    else:   # sum of |g|^p over this rank; the p-th root after the sum over ranks
-        local = sum((torch.linalg.vector_norm(g.detach().float(), norm_type).cpu() ** norm_type for g in counted),
-                    torch.zeros((), dtype=torch.float32))
+    else:   # sum of |g|^p over this rank, each piece divided by its copies; the p-th root after the sum over ranks
+        local = sum((torch.linalg.vector_norm(g.detach().double(), norm_type).cpu() ** norm_type / copies
+                     for g, copies in counted), torch.zeros((), dtype=torch.float64))
         op = dist.ReduceOp.SUM
     total = local.reshape(1).to(torch.float64)
     dist.all_reduce(total, op=op, group=group)
@@ -36,3 +67,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
         for g in grads:
             g.detach().mul_(coef)
     return norm.to(torch.float32)
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_local() if hasattr(grad, "to_local") else grad

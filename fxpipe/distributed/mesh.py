@@ -51,6 +51,8 @@ from fxpipe.distributed.parallel.ddp import ReplicatedStages, SoloStages
 from fxpipe.distributed.parallel.dims import ParallelDims
 from fxpipe.distributed.parallel.fsdp import ShardedStages
 from fxpipe.distributed.parallel.tp import shard_stages, sum_partial_grads, tp_mesh_of
+from fxpipe.distributed.clip import mark_copies
+from fxpipe.distributed.tied import COUNTED_ELSEWHERE
 from fxpipe.distributed.rank import PipelineRank
 from fxpipe.errors import FxpipeError, LossReductionError, PlanMismatchError
 from fxpipe.planning.plan import Plan, load_plan
@@ -112,6 +114,7 @@ class MeshPipelineRank:
         # tensor parallelism, then data parallelism over it (FSDP2 shards the DTensor parameters along dp, as in
         # torchtitan); their shards replace the parameters: put them where the model and the traced graph name them
         holders = [self.ranked.model, self.ranked.pipe._graph[0]]
+        elsewhere = {n for n, p in self.ranked.named_parameters() if getattr(p, COUNTED_ELSEWHERE, False)}
         both = dims.tp > 1 and dims.dp > 1   # FSDP2 over TP: both meshes sliced from this one (one root)
         self.tp_ranks: list[int] = []
         if dims.tp > 1:
@@ -130,6 +133,12 @@ class MeshPipelineRank:
             self.data = ShardedStages(own, grid, self.dp_group, mesh.device_type, timeout_s, holders, dp_sub)
         else:
             self.data = ReplicatedStages(own, self.dp_group)
+        # a global gradient norm (fxd.clip_grad_norm_) counts each piece once: the sharded parameters replaced the
+        # ones a tied weight's marks were on
+        for name, param in self.ranked.named_parameters():
+            if name in elsewhere:
+                setattr(param, COUNTED_ELSEWHERE, True)
+        mark_copies(self.ranked.parameters(), dims.dp * dims.tp)
         # after the dp reduction: a tied weight's all-reduce over the pp ranks that hold it (fxpipe.distributed.tied),
         # which sums the dp-averaged gradients (FSDP2: this rank's shard of them; the owners hold the same shard)
         self._rank_done = self.ranked.pipe.transport.when_local_done
