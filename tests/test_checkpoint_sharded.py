@@ -1,21 +1,26 @@
-"""Checkpoints of sharded states (issue 38 part 5): a checkpoint written by ranks whose stage modules FSDP2 sharded
-(``fully_shard`` over the ``dp`` dimension of a pp=2 x dp=2 mesh: parameters and Adam's moments are ``DTensor``
-shards) loads under another mesh, pp=4 with plain parameters and pp=2 with plain parameters, and back into
-sharded ranks from a plain checkpoint; training continues with the one-process model's losses and parameters
-(``torch.distributed.checkpoint`` reshards; :mod:`fxpipe.distributed.checkpoint` keeps ``DTensor`` s ``DTensor`` s).
+"""Checkpoints of sharded states (issue 38 part 5): a checkpoint written under one mesh loads under another and
+training continues with the one-process model's losses and parameters (``torch.distributed.checkpoint``
+reshards; :mod:`fxpipe.distributed.checkpoint` keeps ``DTensor`` s ``DTensor`` s, Adam's moments included).
 
-The FSDP2 ranks are :class:`~fxpipe.distributed.MeshPipelineRank` s on a ``("pp", "dp_shard")`` mesh (each
-replica trains its share of the batch, ZB-H1's split weight passes included); the tensor-parallel ranks, which
-``MeshPipelineRank`` does not run yet, shard a block and the head of a ``PipelineRank``'s stage modules by hand.
+The first test: a small MLP model written by pp=2 x dp_shard=2 :class:`~fxpipe.distributed.MeshPipelineRank` s
+(FSDP2, ZB-H1) loads into plain pp=4 and pp=2 ranks, and a plain pp=4 checkpoint back into FSDP2 ranks (34 s on
+the shared 2-core machine). The second, one ``run_ranks`` call of 4 processes (67 s): a Hugging Face Llama written
+under FSDP2 (pp=2 x dp_shard=2) loads into MeshPipelineRank's own tensor parallelism (pp=2 x tp=2, the default
+plan: attention and MLP column/row-wise), whose checkpoint loads into plain pp=4 ranks and, with ``weights=``,
+into pp=2 x tp=2 ranks built without memory; HSDP over tp (pp=1 x dp_replicate=2 x dp_shard=1 x tp=2) trains as
+one process too.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 from torch import nn
+
+import fxpipe
 
 from distributed_run import run_ranks
 from forced_cuts import compile_with_cuts
@@ -73,37 +78,18 @@ def _reference() -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     return losses, params
 
 
-def _ranks(rank: int, world: int, plan_json: str, dp: int, load: str | None, save: str, first: int,
-           tp: int = 1) -> dict:
+def _ranks(rank: int, world: int, plan_json: str, dp: int, load: str | None, save: str, first: int) -> dict:
     """Train batches ``first, first + 1`` on a pipeline of ``world // dp`` stages, each stage's module
-    ``fully_shard``-ed over ``dp`` ranks when ``dp > 1``, a block and the head tensor-parallel over ``tp`` ranks
-    when ``tp > 1``; load ``load`` first, save to ``save`` after."""
+    ``fully_shard``-ed over ``dp`` ranks when ``dp > 1``; load ``load`` first, save to ``save`` after."""
     import fxpipe
-    from fxpipe.distributed import PipelineRank, checkpoint
+    from fxpipe.distributed import MeshPipelineRank, ParallelDims, PipelineRank, checkpoint
     from torch.distributed.tensor import DTensor
-    from fxpipe.distributed import MeshPipelineRank, ParallelDims
     plan = fxpipe.Plan.from_dict(__import__("json").loads(plan_json))
-    group, mesh = None, None
-    if tp > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("pp", "tp"))
-        group = mesh.get_group("pp")
     if dp > 1:   # FSDP2 over dp_shard, as MeshPipelineRank applies it
         stage = MeshPipelineRank(plan, make_model, _loss, timeout_s=60,
                                  mesh=ParallelDims(pp=world // dp, dp_shard=dp).build_mesh("cpu"))
     else:
-        stage = PipelineRank(plan, make_model, _loss, group=group, timeout_s=60)
-    for k in ([] if dp > 1 else stage.own):
-        module = stage.specs[k].module
-        if tp > 1:   # a block's output columns (Shard(0)) and the head's input columns (Shard(1)) split over tp,
-            # their outputs gathered or all-reduced. (Not the embedding: RowwiseParallel on an nn.Embedding gives
-            # a wrong output shape on gloo CPU ranks here, without fxpipe too: (2, 10, C) for (2, 5) tokens.)
-            styles = {"blocks.0.0": ColwiseParallel(output_layouts=Replicate()),
-                      "head": RowwiseParallel(input_layouts=Replicate())}
-            names = {n for n, _ in module.named_modules()}
-            parallelize_module(module, mesh["tp"], {n: st for n, st in styles.items() if n in names})
+        stage = PipelineRank(plan, make_model, _loss, timeout_s=60)
     opt = torch.optim.Adam(stage.parameters(), lr=LR)
     if load is not None:
         checkpoint.load(stage, opt, load)
@@ -162,14 +148,128 @@ def test_a_checkpoint_of_fsdp_sharded_stages_loads_under_other_meshes_and_trains
            want_params[2])
 
 
-@pytest.mark.slow   # ~130 s on the loaded shared machine: two run_ranks groups of 4 processes
-def test_a_checkpoint_of_fsdp_sharded_stages_loads_into_tensor_parallel_stages(tmp_path):
-    want_losses, want_params = _reference()
-    plan = copy.deepcopy(compile_with_cuts(make_model(), (batches()[0][0],), CUTS[2], chunks=3).plan).to_json()
-    sharded, tp = str(tmp_path / "sharded"), str(tmp_path / "tp")
-    _check(run_ranks(4, _ranks, plan, 2, None, sharded, 0, deadline_s=DEADLINE), want_losses[0:2], want_params[0])
-    # pp=2 x tp=2: FSDP2's Shard(0) over dp read as Shard(0) and Shard(1) over tp
-    results = run_ranks(4, _ranks, plan, 1, sharded, tp, 2, 2, deadline_s=DEADLINE)
-    _check(results, want_losses[2:4], want_params[1])
-    assert sorted(n for r in results for n in r["ok"]["sharded"]) == sorted(
-        2 * ["blocks.0.0.weight", "blocks.0.0.bias", "head.weight", "head.bias"])
+# Hugging Face Llama under MeshPipelineRank's own tensor parallelism (issue 38 part 5's "or tp=2"): one run_ranks
+# call of 4 processes runs every leg in turn, each leg continuing from the checkpoint the one before it wrote.
+STEPS = 6
+
+
+def _llama_batches() -> list[dict[str, torch.Tensor]]:
+    from hf_models import padded_batch
+    return [padded_batch("llama", 8, seed=i + 1) for i in range(STEPS)]
+
+
+def _llama_reference(start: dict[str, torch.Tensor] | None = None, first: int = 0
+                     ) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """One process, the whole Llama, AdamW from ``first`` on (from ``start``'s parameters and a fresh optimizer where
+    given): each step's loss and the parameters after every second step."""
+    from hf_models import build
+    from test_mesh_fsdp import _loss as llama_loss, _optimizer
+    model = build("llama")
+    if start is not None:
+        model.load_state_dict(start, strict=False)
+    opt = _optimizer(model.parameters())
+    losses, params = [], []
+    for step, b in enumerate(_llama_batches()[first:], start=first):
+        loss = llama_loss(model(b["input_ids"]), b["labels"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if step % 2 == 1:
+            params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return losses, params
+
+
+def _llama_legs(rank: int, world: int, plans: dict[int, str], root: str) -> dict:
+    """A: pp=2 x dp_shard=2 (FSDP2) trains steps 0-1 from the model's own weights and saves; B: pp=2 x tp=2 loads
+    that (parameters and AdamW's moments resharded onto tp's DTensors), trains steps 2-3, saves; C: plain pp=4
+    loads B's checkpoint and trains steps 4-5; D: pp=2 x tp=2 built on meta with ``weights=`` B's checkpoint, a
+    fresh optimizer, steps 4-5; E: pp=1 x dp_replicate=2 x tp=2 (HSDP over tp), steps 0-1."""
+    import functools
+    import json
+    import os
+    import fxpipe
+    from fxpipe.distributed import MeshPipelineRank, ParallelDims, PipelineRank, checkpoint
+    from hf_models import build
+    from test_mesh_fsdp import _full, _loss as llama_loss, _optimizer
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    # as torchrun --standalone sets them: the mesh's local ranks are not the plan's (fxpipe.distributed.placement)
+    os.environ.update(LOCAL_RANK=str(rank), GROUP_RANK="0", LOCAL_WORLD_SIZE=str(world))
+    model_fn = functools.partial(build, "llama")
+    plan = {pp: fxpipe.Plan.from_dict(json.loads(p)) for pp, p in plans.items()}
+    out: dict[str, dict] = {}
+
+    def leg(name: str, stage, first: int, load: str | None = None, save: str | None = None) -> None:
+        params = list(stage.parameters())
+        opt = _optimizer(params) if params else None   # pp=4's first stage computes Llama's rotary tables only
+        if load is not None:
+            checkpoint.load(stage, opt, os.path.join(root, load))
+        losses = []
+        for b in _llama_batches()[first:first + 2]:
+            loss = stage.step(b["input_ids"], b["labels"], schedule="1f1b")
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
+            if loss is not None:
+                losses.append(loss.item())
+        if save is not None:
+            checkpoint.save(stage, opt, os.path.join(root, save))
+        out[name] = {"losses": losses, "params": {n: _full(p) for n, p in stage.named_parameters()},
+                     "sharded": sorted(n for n, p in stage.named_parameters() if isinstance(p, DTensor)),
+                     "moments": 0 if opt is None else
+                     sum(isinstance(v, DTensor) for s in opt.state.values() for v in s.values())}
+
+    leg("A", MeshPipelineRank(plan[2], model_fn, llama_loss, mesh=ParallelDims(pp=2, dp_shard=2).build_mesh("cpu"),
+                              timeout_s=120), 0, save="fsdp")
+    tp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    leg("B", MeshPipelineRank(plan[2], model_fn, llama_loss, mesh=tp_mesh, timeout_s=120), 2, load="fsdp", save="tp")
+    leg("C", PipelineRank(plan[4], model_fn, llama_loss, timeout_s=120), 4, load="tp")
+    leg("D", MeshPipelineRank(plan[2], model_fn, llama_loss, mesh=tp_mesh, timeout_s=120,
+                              weights=os.path.join(root, "tp")), 4)
+    hsdp = ParallelDims(pp=1, dp_replicate=2, tp=2).build_mesh("cpu")   # ("pp", "dp_replicate", "dp_shard", "tp")
+    leg("E", MeshPipelineRank(plan[1], model_fn, llama_loss, mesh=hsdp, timeout_s=120), 0)
+    return out
+
+
+@pytest.mark.slow   # 67 s on the shared 2-core machine: one run_ranks group of 4 processes, five legs
+def test_a_checkpoint_moves_between_fsdp2_tensor_parallel_and_plain_llama_ranks(tmp_path):
+    pytest.importorskip("transformers")
+    from equivalence import max_relative_error
+    from test_mesh_fsdp import EST
+    from hf_models import build, padded_batch
+    ids = padded_batch("llama")["input_ids"]
+    plans = {n: json.dumps(fxpipe.compile(build("llama"), ["cpu"] * n, (ids,), chunks=2, stages=n, profile=EST)
+                           .plan.to_dict()) for n in (1, 2, 4)}
+    results = run_ranks(4, _llama_legs, plans, str(tmp_path), deadline_s=DEADLINE)
+    errors = [r["trace"] for r in results if "ok" not in r]
+    assert not errors, errors[0]
+    got = [r["ok"] for r in results]
+    want_losses, want_params = _llama_reference()
+    weights_losses, weights_params = _llama_reference(want_params[1], first=4)   # D: B's parameters, a fresh AdamW
+
+    def check(leg: str, losses: list[float], params: dict[str, torch.Tensor], groups: list[tuple[int, ...]]) -> None:
+        for g in got:
+            if g[leg]["losses"]:
+                assert g[leg]["losses"] == pytest.approx(losses, rel=1e-5), (leg, g[leg]["losses"], losses)
+        assert sum(bool(g[leg]["losses"]) for g in got) >= 1, leg
+        for group in groups:   # ranks that together hold the whole model, each its parameters gathered
+            mine = {n: t for r in group for n, t in got[r][leg]["params"].items()}
+            assert set(mine) == set(params), (leg, group, set(mine) ^ set(params))
+            worst = max((max_relative_error(mine[n], params[n]), n) for n in params)
+            assert worst[0] <= 1e-5, (leg, group, worst)
+
+    pairs = [(0, 2), (1, 3)]   # (pp, dp_shard) and (pp, tp) meshes of 2 x 2: ranks 0, 1 stage 0; ranks 2, 3 stage 1
+    check("A", want_losses[0:2], want_params[0], pairs)
+    check("B", want_losses[2:4], want_params[1], pairs)
+    check("C", want_losses[4:6], want_params[2], [(0, 1, 2, 3)])
+    check("D", weights_losses, weights_params[0], pairs)
+    for g in got:   # FSDP2: every parameter and both AdamW moments DTensors; tp: the blocks' layers and theirs
+        assert g["A"]["sharded"] == sorted(g["A"]["params"]) and g["A"]["moments"] == 2 * len(g["A"]["sharded"])
+        tp_layers = [n for n in g["B"]["params"] if n.endswith(("q_proj.weight", "o_proj.weight", "down_proj.weight"))]
+        assert len(tp_layers) == 2 * 3 and set(tp_layers) <= set(g["B"]["sharded"]), g["B"]["sharded"]
+        assert g["B"]["moments"] == 2 * len(g["B"]["sharded"]) and g["D"]["sharded"] == g["B"]["sharded"]
+        assert not g["C"]["sharded"]
+    # E: HSDP over tensor parallelism, pp=1 x dp_replicate=2 x dp_shard=1 x tp=2: each rank holds the whole model
+    check("E", want_losses[0:2], want_params[0], [(0,), (1,), (2,), (3,)])
+    assert all(g["E"]["sharded"] == sorted(g["E"]["params"]) and len(g["E"]["losses"]) == 2 for g in got)

@@ -9,6 +9,15 @@ hold because it is not persistent (``register_buffer(..., persistent=False)``: r
 masks) is recomputed by the model's own ``__init__``: ``model_fn()`` once more with every parameter sent to
 ``meta`` as it is registered (as ``accelerate.init_empty_weights``), so its buffers are real and its
 parameters cost at most one parameter's memory at a time.
+
+:func:`empty_model` builds the model without memory for the front end the plan was made with. The ``torch.fx``
+front end traces a model on ``meta`` as it traces it on the CPU. ``torch.export`` does not: it records the
+device of every tensor the forward creates (Hugging Face's ``torch.arange(..., device=embeds.device)`` becomes
+``aten.arange(..., device='meta')``), and code that branches on a device type traces other nodes, so a
+``meta``-built Llama traced to another fingerprint than its plan's and its graph would create ``meta`` tensors.
+For that front end the model is built and traced under a ``FakeTensorMode`` (torch's own tensors with shapes,
+dtypes and a device, but no storage): its tensors say ``cpu`` as in the planning process, the trace is the plan's,
+and :func:`materialise` gives them real storage as it does ``meta`` ones.
 """
 
 from __future__ import annotations
@@ -21,7 +30,27 @@ from torch import nn
 
 from fxpipe.distributed.weights import Weights
 
-__all__ = ["materialise", "parameters_on_meta"]
+__all__ = ["empty_model", "materialise", "parameters_on_meta"]
+
+
+def empty_model(model_fn: Callable[[], nn.Module], frontend: dict | None
+                ) -> tuple[nn.Module, contextlib.AbstractContextManager]:
+    """``model_fn()`` built without memory for the plan's front end ``frontend`` (``plan.frontend``), and the
+    context to capture it in (module doc): on ``meta`` for ``torch.fx``; under a ``FakeTensorMode`` (CPU fake
+    tensors), captured in the same mode, for ``torch.export``."""
+    if isinstance(frontend, dict) and frontend.get("name") == "export":
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        mode = FakeTensorMode()
+        with mode:
+            return model_fn(), mode
+    with torch.device("meta"):
+        return model_fn(), contextlib.nullcontext()
+
+
+def is_empty(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds no storage: a ``meta`` tensor or a fake one (:func:`empty_model`)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return t.device.type == "meta" or isinstance(t, FakeTensor)
 
 
 @contextlib.contextmanager
@@ -83,7 +112,7 @@ def materialise(model: nn.Module, modules: list[nn.Module], tensors: dict[int, t
         if tuple(source.shape) != tuple(t.shape):
             raise ValueError(f"rank {rank}: {name!r} is {tuple(source.shape)} in {weights.source if key in found else 'model_fn()'} "
                              f"but {tuple(t.shape)} in the model: the weights were saved for another configuration")
-        value = torch.empty_like(t, device=device).copy_(source)
+        value = torch.empty(t.shape, dtype=t.dtype, device=device).copy_(source)   # t: meta or fake (no storage)
         real[key] = nn.Parameter(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else value
     seen: set[int] = set()
     for root in [model, *modules]:

@@ -30,9 +30,10 @@ replica that died ends the others' all-reduce with an error, not a hang (FSDP2's
 :func:`fxpipe.distributed.parallel.fsdp.dp_mesh`). A tied weight's gradient is summed over the pp ranks that hold it
 after the dp reduction (:mod:`fxpipe.distributed.tied`).
 
-A ``tp`` dim (``("pp", "tp")``, ``("pp", "dp_shard", "tp")``) shards this rank's stages with tensor parallelism
-first (:func:`fxpipe.distributed.parallel.tp.shard_stages`, ``tp_plan=`` or the default plan), then FSDP2 shards
-their ``DTensor`` parameters along ``dp_shard``; a step that fails on a tensor-parallel rank raises there with the
+A ``tp`` dim (``("pp", "tp")``, ``("pp", "dp_shard", "tp")``, HSDP's ``("pp", "dp_replicate", "dp_shard",
+"tp")``) shards this rank's stages with tensor parallelism first (:func:`fxpipe.distributed.parallel.tp.
+shard_stages`, ``tp_plan=`` or the default plan), then FSDP2 shards their ``DTensor`` parameters along
+``dp_shard`` (HSDP: and replicates them along ``dp_replicate``); a step that fails on a tensor-parallel rank raises there with the
 rank and its tp group named.
 """
 

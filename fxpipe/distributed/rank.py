@@ -3,8 +3,10 @@
 Run one process per device of the plan (``torchrun --nproc-per-node <devices per node>``, or any launcher
 that initialises ``torch.distributed``); the process at the plan's (node, local device) of a stage runs it
 (:mod:`fxpipe.distributed.placement`; one stage per process, several with ``interleaved-1f1b``). With
-``weights=`` every process builds ``model_fn()`` on the ``meta`` device, traces it there (the trace must give
-the plan's fingerprint) and materialises only its own stages' parameters and buffers, read from the weights
+``weights=`` every process builds ``model_fn()`` without memory (on ``meta``; under torch.export, whose trace
+records the device of the tensors a forward creates, as fake CPU tensors:
+:func:`fxpipe.distributed.materialise.empty_model`), traces it there (the trace must give the plan's
+fingerprint) and materialises only its own stages' parameters and buffers, read from the weights
 (:mod:`fxpipe.distributed.materialise`): no process ever holds the whole model. Without, it builds the model
 for real and keeps only its own stages' tensors: the others' become ``meta`` tensors, which hold no memory. The step is
 :meth:`fxpipe.Pipeline.step` itself, the same schedule interpreter as in one process, with values and
@@ -16,6 +18,7 @@ the micro-batches' shapes tell each rank which boundary shapes it has already be
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -24,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fxpipe.compression_spec import check_compression
-from fxpipe.distributed.materialise import materialise
+from fxpipe.distributed.materialise import empty_model, is_empty, materialise
 from fxpipe.distributed.placement import stage_ranks
 from fxpipe.distributed.tied import RankTies, install_representatives
 from fxpipe.distributed.transport import P2P
@@ -48,10 +51,15 @@ def _drop(module: nn.Module, keep: set[int]) -> None:
     for sub in module.modules():
         for name, param in list(sub._parameters.items()):
             if param is not None and id(param) not in keep and param.device.type != "meta":
-                sub._parameters[name] = nn.Parameter(param.detach().to("meta"), param.requires_grad)
+                sub._parameters[name] = nn.Parameter(_meta(param), param.requires_grad)
         for name, buf in list(sub._buffers.items()):
             if buf is not None and id(buf) not in keep and buf.device.type != "meta":
-                sub._buffers[name] = buf.to("meta")
+                sub._buffers[name] = _meta(buf)
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    """A plain ``meta`` tensor shaped as ``t`` (also where ``t`` is a fake one: ``weights=`` under torch.export)."""
+    return torch.empty(t.shape, dtype=t.dtype, device="meta") if is_empty(t) else t.detach().to("meta")
 
 
 class PipelineRank:
@@ -96,12 +104,13 @@ class PipelineRank:
                 f"{world} processes: start one process per worker (torchrun --nproc-per-node {plan.workers} on "
                 f"one node) or plan for {world} devices")
         source = open_weights(weights) if weights is not None else None   # a bad path fails before any build
-        if source is not None:
-            with torch.device("meta"):   # nothing allocated: only this rank's tensors become real, below
-                self.model = model_fn()
+        tracing: Any = contextlib.nullcontext()
+        if source is not None:   # nothing allocated (meta, or fake under torch.export): this rank's become real below
+            self.model, tracing = empty_model(model_fn, plan.frontend)
         else:
             self.model = model_fn()
-        captured = capture_as_planned(self.model, plan.frontend, leaf_modules)
+        with tracing:
+            captured = capture_as_planned(self.model, plan.frontend, leaf_modules)
         if captured.fingerprint != plan.fingerprint:
             raise PlanMismatchError(
                 f"rank {self.rank}: the plan was made for another model ({plan.model}, fingerprint "

@@ -57,7 +57,9 @@ norms. The sharded parameters' gradients are ``DTensor`` s sharded as the parame
 Status: :class:`fxpipe.distributed.mesh.MeshPipelineRank` runs it on a mesh with a ``tp`` dim (``("pp", "tp")``,
 ``("pp", "dp_shard", "tp")``: FSDP2 over the tensor-parallel stages, both meshes sliced from one root as FSDP2
 requires). ``tests/test_mesh_tp.py``: Llama (tied, untied) and GPT-2 at pp=2 × tp=2 under GPipe, 1F1B and ZB-H1,
-and Llama at pp=2 × dp_shard=2 × tp=2, train as one process within 1e-5; Qwen2 and BERT were checked at tp=2 in a
+and Llama at pp=2 × dp_shard=2 × tp=2, train as one process within 1e-5; ``tests/test_checkpoint_sharded.py``:
+HSDP over tp (pp=1 × dp_replicate=2 × dp_shard=1 × tp=2), checkpoints between FSDP2, tp and plain ranks, and
+``weights=`` on a ``("pp", "tp")`` mesh, Llama as one process within 1e-5; Qwen2 and BERT were checked at tp=2 in a
 scratch run (forward and gradients as one process), not in a test. The tp group's waits end after ``timeout_s``
 (under FSDP2, after the default process group's timeout: the root mesh's groups). Not offered: DDP replicas of
 tensor-parallel stages, sequence parallelism, torch.fx-traced graphs whose nodes carry no recorded shapes.
