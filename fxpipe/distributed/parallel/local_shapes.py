@@ -177,7 +177,7 @@ def _split(node: fx.Node, src: fx.Node, d: int, parts: int, tp: int, edits: dict
     side) into its parts at their full width: the sizes made local into ``edits``; the outputs' sharded dims."""
     shape = _shape(src)
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
-    sizes = node.args[1] if len(node.args) > 1 else node.kwargs.get("split_size", node.kwargs.get("split_sizes"))
+    sizes = node.args[1] if len(node.args) > 1 else None   # a size passed by keyword: refused below
     width = shape[d] // parts
     whole = [sizes] * parts if isinstance(sizes, int) else list(sizes) if isinstance(sizes, (list, tuple)) else None
     if node.args[0] is not src or dim % len(shape) != d or whole != [width] * parts or width % tp:
