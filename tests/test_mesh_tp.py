@@ -2,8 +2,9 @@
 pair by MeshPipelineRank (torch's ColwiseParallel/RowwiseParallel, the traced graph's head counts made local once at
 setup; GPT-2's fused q/k/v layer with each rank's heads of q, k and v); three AdamW steps of Llama (untied and
 tied embeddings) and GPT-2 give the losses and every parameter (the DTensor shards gathered) of one process
-training the whole batch (1e-5 relative), for GPipe, 1F1B and ZB-H1, the last batch split into uneven micro-batches. One ``run_ranks`` call trains every model and schedule, to start the processes
-(and import torch and transformers) once. A rank whose step fails ends every rank's step with an error naming it."""
+training the whole batch (1e-5 relative), for GPipe, 1F1B and ZB-H1, the last batch split into uneven
+micro-batches. One ``run_ranks`` call trains every model and schedule, to start the processes (and import torch and
+transformers) once. A rank whose step fails ends every rank's step with an error naming it."""
 
 from __future__ import annotations
 
@@ -87,9 +88,9 @@ def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[st
                                  timeout_s=120)
         shards = sorted(n for n, p in stage.named_parameters() if isinstance(p, DTensor))
         # the parameters sharded over tp (not only FSDP2's dp shards): their tp placement by name
-        tp_shards = {n: repr(p.placements[p.device_mesh.mesh_dim_names.index("tp")]) for n, p in stage.named_parameters()
-                     if isinstance(p, DTensor) and "tp" in p.device_mesh.mesh_dim_names
-                     and not p.placements[p.device_mesh.mesh_dim_names.index("tp")].is_replicate()}
+        on_tp = {n: p.placements[p.device_mesh.mesh_dim_names.index("tp")] for n, p in stage.named_parameters()
+                 if isinstance(p, DTensor) and "tp" in p.device_mesh.mesh_dim_names}
+        tp_shards = {n: repr(placement) for n, placement in on_tp.items() if not placement.is_replicate()}
         opt = _optimizer(stage.parameters())
         for schedule in (schedules[family] if isinstance(schedules, dict) else schedules):   # a tuple: every family's
             losses, seconds = [], []

@@ -217,7 +217,7 @@ def local_sizes(gm: fx.GraphModule, colwise: set[str], rowwise: set[str], tp: in
             if _name(node) in ("split", "split_with_sizes"):
                 sharded[node] = _split(node, src, sharded[src], parts[src], tp, edits)
                 continue
-            kept = node.op == "call_function" and len(ins) == 1 and (_name(node) in _VIEWS or _name(node) in _SAME_SHAPE)
+            kept = node.op == "call_function" and len(ins) == 1 and _name(node) in _VIEWS | _SAME_SHAPE
             d = _follow(node, _name(node), sharded, tp, edits) if kept else None
             if not kept or not isinstance(d, int) or _shape(node)[d] != _shape(src)[sharded[src]]:
                 raise _refuse(node, f"a fused layer's output ({parts[src]} parts side by side) must be split into its "

@@ -38,11 +38,12 @@ torch's styles act through the layer's forward hooks: the input becomes a ``DTen
    c. **Plain local activations (chosen):** column-wise layers give this rank's heads as a plain tensor
       (``use_local_output=True``, as torchtitan's plans do), row-wise layers take it as ``Shard(-1)``, and
       :mod:`fxpipe.distributed.parallel.local_shapes` rewrites, once at setup, every ``view``/``reshape``/
-      ``expand`` size between them at the sharded dimension (and GPT-2's ``split`` of its fused q/k/v output) (followed node by node with DTensor's own view rules)
-      to the local one; an operation it cannot follow exactly is refused before any parameter changes. A step
-      then runs the unsharded model's operations on ``1/tp`` of the heads plus torch's TP collectives (the
-      row-wise all-reduce, the column-wise input's backward all-reduce): a pp=2 × tp=2 step of the tiny Llama of
-      the tests takes 0.5–1.1 s on the shared 2-core machine, exact to float rounding.
+      ``expand`` size between them at the sharded dimension (followed node by node with DTensor's own view rules),
+      and GPT-2's ``split`` of its fused q/k/v output, to the local one; an operation it cannot follow exactly is
+      refused before any parameter changes. A step then runs the unsharded model's operations on ``1/tp`` of the
+      heads plus torch's TP collectives (the row-wise all-reduce, the column-wise input's backward all-reduce): a
+      pp=2 × tp=2 step of the tiny Llama of the tests takes 0.5–1.1 s on the shared 2-core machine, exact to float
+      rounding.
 
 What crosses a stage boundary stays a plain, replicated tensor: the default plan's column-wise and row-wise
 layers of one block form a group that must lie in one stage (refused otherwise, with the fix), and replicated
@@ -55,9 +56,10 @@ needed; the sharded parameters' gradients are ``DTensor`` s sharded as the param
 Status: :class:`fxpipe.distributed.mesh.MeshPipelineRank` runs it on a mesh with a ``tp`` dim (``("pp", "tp")``,
 ``("pp", "dp_shard", "tp")``: FSDP2 over the tensor-parallel stages, both meshes sliced from one root as FSDP2
 requires). ``tests/test_mesh_tp.py``: Llama (tied, untied) and GPT-2 (attention and MLP sharded) at pp=2 × tp=2
-under GPipe, 1F1B and ZB-H1, and the three at pp=2 × dp_shard=2 × tp=2, train as one process within 1e-5;
-``tests/test_tp.py``: GPT-2 at tp=2 (2 processes), its forward, gradients and a checkpoint loaded into a plain
-model as one process. Qwen2 and BERT were checked at tp=2 in a scratch run (forward and gradients as one process), not in a test. The tp group's waits end after ``timeout_s``
+under GPipe, 1F1B and ZB-H1, and at pp=2 × dp_shard=2 × tp=2 (Llama under GPipe, tied Llama under 1F1B, GPT-2
+under ZB-H1), train as one process within 1e-5; ``tests/test_tp.py``: GPT-2 at tp=2 (2 processes), its loss,
+gradients and a checkpoint loaded into a plain model as one process. Qwen2 and BERT were checked at tp=2 in a
+scratch run (forward and gradients as one process), not in a test. The tp group's waits end after ``timeout_s``
 (under FSDP2, after the default process group's timeout: the root mesh's groups). Not offered: DDP replicas of
 tensor-parallel stages, sequence parallelism, torch.fx-traced graphs whose nodes carry no recorded shapes.
 """
