@@ -1,9 +1,10 @@
 """pp × tp on a DeviceMesh (4 gloo processes: pp=2 × tp=2): each stage's attention and MLP layers sharded over its tp
 pair by MeshPipelineRank (torch's ColwiseParallel/RowwiseParallel, the traced graph's head counts made local once at
-setup); three AdamW steps of Llama (untied and tied embeddings) and GPT-2 give the losses and every parameter (the
-DTensor shards gathered) of one process training the whole batch (1e-5 relative), for GPipe, 1F1B and ZB-H1, the last
-batch split into uneven micro-batches. One ``run_ranks`` call trains every model and schedule, to start the processes
-(and import torch and transformers) once. A rank whose step fails ends every rank's step with an error naming it."""
+setup; GPT-2's fused q/k/v layer with each rank's heads of q, k and v); three AdamW steps of Llama (untied and
+tied embeddings) and GPT-2 give the losses and every parameter (the DTensor shards gathered) of one process
+training the whole batch (1e-5 relative), for GPipe, 1F1B and ZB-H1, the last batch split into uneven
+micro-batches. One ``run_ranks`` call trains every model and schedule, to start the processes (and import torch and
+transformers) once. A rank whose step fails ends every rank's step with an error naming it."""
 
 from __future__ import annotations
 
@@ -88,6 +89,10 @@ def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[st
         stage = MeshPipelineRank(plan, functools.partial(build, family), _loss, mesh=_mesh(world, i % 2 == 1 and world == 4),
                                  timeout_s=120)
         shards = sorted(n for n, p in stage.named_parameters() if isinstance(p, DTensor))
+        # the parameters sharded over tp (not only FSDP2's dp shards): their tp placement by name
+        on_tp = {n: p.placements[p.device_mesh.mesh_dim_names.index("tp")] for n, p in stage.named_parameters()
+                 if isinstance(p, DTensor) and "tp" in p.device_mesh.mesh_dim_names}
+        tp_shards = {n: repr(placement) for n, placement in on_tp.items() if not placement.is_replicate()}
         opt = _optimizer(stage.parameters())
         norms = out[(family, "norms")] = []
         for schedule in (schedules[family] if isinstance(schedules, dict) else schedules):   # a tuple: every family's
@@ -100,12 +105,23 @@ def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[st
                 norms.append(_clip(stage))
                 opt.step()
                 opt.zero_grad()
-            out[(family, schedule)] = {"losses": losses, "shards": shards, "seconds": seconds,
+            out[(family, schedule)] = {"losses": losses, "shards": shards, "seconds": seconds, "tp_shards": tp_shards,
                                        "params": {n: _full(p) for n, p in stage.named_parameters()}}
     if fail_rank >= 0:
         family, plan_json = next(iter(plans.items()))
         out["failed"] = _failing_step(world, family, plan_json, fail_rank, timeout_s)
     return out
+
+
+def _assert_gpt2_attention_sharded(family: str, stages: list[dict]) -> None:
+    """GPT-2's fused q/k/v weight of every block is a tp-sharded DTensor (each rank its heads of q, k and v), and
+    its attention output layer too: the default plan did not leave the attention replicated."""
+    if family != "gpt2":
+        return
+    tp_shards = {n: p for stage in stages for n, p in stage["tp_shards"].items()}
+    for i in range(4):
+        assert tp_shards.get(f"transformer.h.{i}.attn.c_attn.weight") == "_StridedShard(dim=1, sf=3)", tp_shards
+        assert tp_shards.get(f"transformer.h.{i}.attn.c_proj.weight") == "Shard(dim=0)", tp_shards
 
 
 @pytest.mark.slow
@@ -131,12 +147,13 @@ def test_pp2_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_batch():
                 assert set(params) == set(want_params), (family, set(want_params) ^ set(params))
                 worst = max((max_relative_error(params[n], want_params[n]), n) for n in want_params)
                 assert worst[0] <= 1e-5, (family, schedule, tp_rank, worst)
-            # the default plan sharded every block's MLP (and Llama's attention) on both stages
+            # the default plan sharded every block's MLP and attention on both stages
             shards = case[0]["shards"] + case[2]["shards"]
             blocks = [n for n in want_params if n.endswith(("mlp.down_proj.weight", "mlp.c_proj.weight"))]
             assert len(blocks) == 4 and set(blocks) <= set(shards), (family, shards)
             if family != "gpt2":
                 assert sum(n.endswith("self_attn.q_proj.weight") for n in shards) == 4, shards
+            _assert_gpt2_attention_sharded(family, [case[0], case[2]])
             print(family, schedule, "step seconds (rank 0)", [round(s, 3) for s in case[0]["seconds"]])
     # then a step whose loss raises on rank 3 (stage 1, tp rank 1): every rank's step ends with an error, the
     # failing rank's own and the others' naming a rank, within the waits' timeout (10 s each)
@@ -186,4 +203,5 @@ def test_pp2_fsdp2_over_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_ba
                 assert worst[0] <= 1e-5, (family, schedule, r, worst)
             # every parameter a DTensor (FSDP2's dp shard, and tp's for the blocks' layers)
             assert all(len(case[r]["shards"]) == len(case[r]["params"]) for r in range(8))
+            _assert_gpt2_attention_sharded(family, [case[0], case[4]])
             print(family, schedule, "step seconds (rank 0)", [round(s, 3) for s in case[0]["seconds"]])

@@ -1,6 +1,7 @@
 """Tensor parallelism per pipeline stage (fxpipe.distributed.parallel.tp), in one process: the default plan's
 derivation for Llama, Qwen2, GPT-2 and BERT blocks, its refusals, and the exported graph's linear layers called as
-modules again with the same outputs. Training on pp x tp ranks: tests/test_mesh_tp.py."""
+modules again with the same outputs. One 2-process case: GPT-2 at tp=2 (its fused q/k/v attention sharded) as one
+process, gradients and a checkpoint included. Training on pp x tp ranks: tests/test_mesh_tp.py."""
 
 from __future__ import annotations
 
@@ -38,12 +39,17 @@ def test_the_default_plan_shards_attention_and_mlp_of_llama_style_blocks(family)
     assert len(plan.groups) == 8
 
 
-def test_gpt2s_mlp_is_sharded_with_conv1d_styles_and_its_fused_attention_stays_replicated():
-    from fxpipe.distributed.parallel.tp_plans import default_tp_plan
+def test_gpt2s_fused_attention_and_mlp_are_sharded_with_conv1d_styles():
+    from fxpipe.distributed.parallel.tp_plans import TPPlanError, default_tp_plan
     plan = default_tp_plan(build("gpt2"), 2)
     assert _kinds(plan) == {**{f"transformer.h.{i}.mlp.c_fc": "Conv1DColwise" for i in range(4)},
-                            **{f"transformer.h.{i}.mlp.c_proj": "Conv1DRowwise" for i in range(4)}}
-    assert len(plan.notes) == 4 and "transformer.h.0.attn: replicated" in plan.notes[0]
+                            **{f"transformer.h.{i}.mlp.c_proj": "Conv1DRowwise" for i in range(4)},
+                            **{f"transformer.h.{i}.attn.c_attn": "Conv1DFusedColwise" for i in range(4)},
+                            **{f"transformer.h.{i}.attn.c_proj": "Conv1DRowwise" for i in range(4)}}
+    assert plan.styles["transformer.h.0.attn.c_attn"].split == 3 and not plan.notes
+    assert ["transformer.h.2.attn.c_attn", "transformer.h.2.attn.c_proj"] in plan.groups and len(plan.groups) == 8
+    with pytest.raises(TPPlanError, match="transformer.h.0.attn has 4 attention heads, which tp=8 does not divide"):
+        default_tp_plan(build("gpt2"), 8)
 
 
 def test_berts_attention_and_feed_forward_are_sharded():
@@ -157,14 +163,21 @@ def test_the_sizes_between_a_blocks_layers_become_one_tp_ranks_and_nothing_else_
     gm = capture(model, frontend="export", args=(ids,), other_mode=False).graph
     plan = default_tp_plan(model, 2)
     restore_module_calls(gm, model, plan.styles)
-    edits = local_sizes(gm, *_kinds(plan), 2)
+    fused = {p: s.split for p, s in plan.styles.items() if type(s).__name__ == "Conv1DFusedColwise"}
+    edits = local_sizes(gm, *_kinds(plan), 2, fused)
     changed = {}
     for node, args in edits.items():
         old, new = node.args[1], args[1]
+        old, new = ([old], [new]) if isinstance(old, int) else (old, new)
         changed[node.name] = [(o, n) for o, n in zip(old, new) if o != n]
     if family == "gpt2":   # Conv1D's views around its addmm: c_fc's output back to (b, s, 128) and c_proj's input
-        # to (b * s, 128), 2 per layer, the 128 features halved
-        assert len(changed) == 2 * 4 and all(c == [(128, 64)] for c in changed.values()), changed
+        # to (b * s, 128), the 128 features halved; c_attn's output back to (b, s, 96), split(32) into q, k, v, and
+        # c_proj's input to (b * s, 32), halved: 5 per layer
+        assert len(changed) == 5 * 4, sorted(changed)
+        assert sorted(c for cs in changed.values() for c in cs) == sorted([(128, 64)] * 8 + [(96, 48), (32, 16),
+                                                                                                  (32, 16)] * 4)
+        splits = [n for n in edits if n.target is torch.ops.aten.split.Tensor]
+        assert len(splits) == 4 and all(edits[n][1:] == (16, 2) for n in splits)
         return
     # Llama (4 heads, 2 key/value heads, 4 layers): each layer's key and value expand (b, 2, 2, s, 8) -> (b, 1, 2,
     # s, 8) and reshape (b, 4, s, 8) -> (b, 2, s, 8); exactly one size changes in each, halved
@@ -191,3 +204,92 @@ def test_a_per_head_norm_between_a_blocks_layers_is_followed_and_its_weight_summ
     read = {t.rpartition(".")[0].split(".", 3)[-1] for t in partial_parameters(gm, *kinds, 2)}
     assert read == ({"self_attn.q_norm", "self_attn.k_norm"} if family == "qwen3" else set()), read
     assert len(partial_parameters(gm, *kinds, 2)) == (8 if family == "qwen3" else 0)
+
+
+def _gpt2_tp2(rank: int, world: int, plan_json: str, path: str) -> dict:
+    """GPT-2 whole on this rank's pp=1 x tp=2 mesh (the default plan: attention and MLP sharded): one step's loss,
+    gradients and a checkpoint (fxpipe.distributed.checkpoint), then that checkpoint read back into the ranks."""
+    import json
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from fxpipe.distributed import checkpoint
+    from fxpipe.distributed.mesh import MeshPipelineRank
+    from test_mesh_fsdp import _full, _loss, _optimizer
+    stage = MeshPipelineRank(fxpipe.Plan.from_dict(json.loads(plan_json)), lambda: build("gpt2"), _loss,
+                             mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "tp")), timeout_s=60)
+    b = padded_batch("gpt2")
+    loss = stage.step(b["input_ids"], b["labels"], schedule="gpipe")
+    params = dict(stage.named_parameters())
+    out = {"loss": loss.item(), "grads": {n: _full(p.grad) for n, p in params.items()},
+           "placements": {n: str(p.placements) for n, p in params.items() if isinstance(p, DTensor)}}
+    opt = _optimizer(stage.parameters())
+    opt.step()
+    opt.zero_grad()
+    out["params"] = {n: _full(p) for n, p in stage.named_parameters()}
+    checkpoint.save(stage, opt, path)
+    for p in stage.parameters():   # a load must bring every value back, the strided shards included
+        with torch.no_grad():
+            (p.to_local() if isinstance(p, DTensor) else p).zero_()
+    checkpoint.load(stage, _optimizer(stage.parameters()), path)
+    out["reloaded"] = {n: _full(p) for n, p in stage.named_parameters()}
+    return out
+
+
+@pytest.mark.slow
+def test_gpt2_at_tp2_shards_its_fused_attention_and_computes_and_checkpoints_as_one_process(tmp_path):
+    """2 processes: the default plan's GPT-2 (c_attn by Conv1DFusedColwise, each rank its heads of q, k and v)
+    gives one process's loss and gradients (every parameter's, gathered), and its checkpoint loads into a plain
+    model exactly and back into the tp ranks."""
+    import json
+    import torch.distributed.checkpoint as dcp
+    from distributed_run import run_ranks
+    from equivalence import max_relative_error
+    from test_mesh_fsdp import EST, _loss, _optimizer
+    b = padded_batch("gpt2")
+    plan = json.dumps(fxpipe.compile(build("gpt2"), ["cpu"], (b["input_ids"],), chunks=2, profile=EST).plan.to_dict())
+    path = str(tmp_path / "ckpt")
+    results = run_ranks(2, _gpt2_tp2, plan, path, deadline_s=240)
+    errors = [r["trace"] for r in results if "ok" not in r]
+    assert not errors, errors[0]
+    model = build("gpt2")
+    want_loss = _loss(model(b["input_ids"]), b["labels"])
+    want_loss.backward()
+    for got in (r["ok"] for r in results):
+        assert got["placements"]["transformer.h.0.attn.c_attn.weight"] == "(_StridedShard(dim=1, sf=3),)"
+        assert got["placements"]["transformer.h.3.attn.c_proj.weight"] == "(Shard(dim=0),)"
+        assert abs(got["loss"] - want_loss.item()) <= 1e-6 * abs(want_loss.item())
+        worst = max((max_relative_error(got["grads"][n], p.grad), n) for n, p in model.named_parameters())
+        assert worst[0] <= 1e-5, worst
+        torch.testing.assert_close(got["grads"]["transformer.h.1.attn.c_attn.weight"],
+                                   model.transformer.h[1].attn.c_attn.weight.grad, rtol=1e-5, atol=1e-7)
+        for n, t in got["params"].items():   # the checkpoint read back into the ranks
+            assert torch.equal(got["reloaded"][n], t), n
+    # the checkpoint into a plain (not tensor-parallel) model: every tensor exactly the gathered one
+    plain = {f"model.{n}": torch.zeros_like(p) for n, p in build("gpt2").named_parameters()}
+    dcp.load(plain, checkpoint_id=path)
+    for n, t in results[0]["ok"]["params"].items():
+        assert torch.equal(plain[f"model.{n}"], t), n
+    opt = _optimizer(model.parameters())   # and one step of the same optimizer on one process lands there
+    opt.step()
+    worst = max((max_relative_error(results[0]["ok"]["params"][n], p.detach()), n) for n, p in model.named_parameters())
+    assert worst[0] <= 1e-5, worst
+
+
+def test_a_fused_qkv_output_is_followed_only_through_its_split_into_full_width_parts():
+    from fxpipe.distributed.parallel.local_shapes import local_sizes
+    from fxpipe.distributed.parallel.module_calls import restore_module_calls
+    from fxpipe.distributed.parallel.tp_plans import TPPlanError
+    from fxpipe.frontend.capture import capture
+    model, ids = build("gpt2"), padded_batch("gpt2")["input_ids"]
+    gm = capture(model, frontend="export", args=(ids,), other_mode=False).graph
+    c_attn, c_proj = "transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj"
+    restore_module_calls(gm, model, [c_attn, c_proj])
+    # a plain column shard of c_attn would give rank 0 all of q and half of k: its split is refused
+    with pytest.raises(TPPlanError, match=r"split of a column-wise layer's output would cut across its heads.*"
+                                          r"Conv1DFusedColwise"):
+        local_sizes(gm, {c_attn}, {c_proj}, 2)
+    assert len(local_sizes(gm, set(), {c_proj}, 2, {c_attn: 3})) == 3   # c_attn's view, the split, c_proj's view
+    split = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.split.Tensor)
+    split.args = (split.args[0], 16, 2)   # not its three parts at their full width (32)
+    with pytest.raises(TPPlanError, match=r"can only be split on that dimension into its 3 parts of 32"):
+        local_sizes(gm, set(), {c_proj}, 2, {c_attn: 3})

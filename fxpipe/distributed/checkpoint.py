@@ -16,6 +16,14 @@ like it): ``torch.distributed.checkpoint`` writes each rank's shard with the ten
 loading rank reads the part it holds now: a plain tensor (another plan, no sharding) or its shard of another
 mesh, from a checkpoint written sharded or plain. The names come from ``stage.named_parameters()``, which
 names a parameter by its module slot, so a ``DTensor`` that replaced it keeps the model's name.
+
+One exception: ``torch.distributed.checkpoint`` (torch 2.15) cannot write a ``DTensor`` placed
+``_StridedShard`` (GPT-2's fused q/k/v weight under tensor parallelism,
+:class:`~fxpipe.distributed.parallel.tp_plans.Conv1DFusedColwise`): it describes each rank's strided columns as
+one contiguous block and refuses the plan ("overlapping chunks"). Such a tensor (and its optimizer moments) is
+written as the same global tensor redistributed to plain ``Shard`` s of the same dimensions (one all-gather of
+that tensor per save), and read that way, then redistributed back: what is stored is the model's global tensor
+under its own name, which a plain model or any other mesh loads as usual.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = ["save", "load"]
 
@@ -45,6 +55,18 @@ def _like(param: torch.Tensor, meta: TensorStorageMetadata) -> torch.Tensor:
     return torch.empty(meta.size, dtype=meta.properties.dtype)
 
 
+def _strided(t: Any) -> bool:
+    return isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements)
+
+
+def _storable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``torch.distributed.checkpoint`` can write and read it: a strided ``DTensor`` redistributed to plain
+    ``Shard`` s of the same dimensions (the same global tensor), anything else as it is (module doc)."""
+    if not _strided(t):
+        return t
+    return t.redistribute(t.device_mesh, [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in t.placements])
+
+
 def _optimizer_names(stage: Any, optimizer: torch.optim.Optimizer) -> list[str]:
     names = {id(p): n for n, p in stage.named_parameters()}
     order = [p for group in optimizer.param_groups for p in group["params"]]
@@ -58,12 +80,12 @@ def _optimizer_names(stage: Any, optimizer: torch.optim.Optimizer) -> list[str]:
 def save(stage: Any, optimizer: torch.optim.Optimizer | None, path: str) -> None:
     """Write this rank's parameters, buffers and optimizer state to the checkpoint directory ``path`` (collective:
     every rank calls it)."""
-    state: dict[str, Any] = {f"model.{name}": t.detach() for name, t in _tensors(stage).items()}
+    state: dict[str, Any] = {f"model.{name}": _storable(t.detach()) for name, t in _tensors(stage).items()}
     if optimizer is not None:
         names = _optimizer_names(stage, optimizer)
         for index, entries in optimizer.state_dict()["state"].items():
             for key, value in entries.items():
-                state[f"optim.{names[index]}.{key}"] = value
+                state[f"optim.{names[index]}.{key}"] = _storable(value)
     dcp.save(state, checkpoint_id=path)
 
 
@@ -86,7 +108,14 @@ def load(stage: Any, optimizer: torch.optim.Optimizer | None, path: str) -> None
     if missing:
         raise KeyError(f"the checkpoint at {path} has no {missing[:3]} ({len(missing)} of this rank's tensors): "
                        "it was saved for another model or plan")
+    strided = {k: t for k, t in state.items() if _strided(t)}   # read as plain Shards, then placed back
+    state.update({k: _storable(t) for k, t in strided.items()})
     dcp.load(state, checkpoint_id=path)
+    for key, target in strided.items():
+        back = state[key].redistribute(target.device_mesh, target.placements)
+        if key.startswith("model."):
+            target.to_local().copy_(back.to_local())
+        state[key] = back
     if optimizer is not None:
         restored = optimizer.state_dict()
         restored["state"] = {}

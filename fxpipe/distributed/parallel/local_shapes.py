@@ -9,10 +9,20 @@ column-wise layer's output to the row-wise layers' inputs, and follows which dim
 (``torch.distributed.tensor._ops._view_ops``: ``view_groups``, ``expand``, ``dim_transpose``, ... with
 ``propagate_shape_and_sharding``), point-wise operations by broadcasting, reductions over other dimensions than the
 sharded one (a per-head norm, Qwen3's ``q_norm``/``k_norm``: the mean over each head's features), the attention
-kernels on the head dim (1). Where a view or expand records the sharded dimension's global size as an ``int``, it becomes the local one
+kernels on the head dim (1), GPT-2's ``split`` of a fused q/k/v output (below). Where a view or expand records the
+sharded dimension's global size as an ``int``, it becomes the local one
 (divided by ``tp``); sizes that are graph values (a symbolic batch) stay as they are. An operation it cannot follow
 exactly (one that reduces, slices or splits the sharded dimension, or one it does not know) is refused naming the
-operation, before any step runs. Nothing is done per step: the rewritten graph runs plain tensors, at the speed of
+operation, before any step runs.
+
+A fused column-wise layer (:class:`~fxpipe.distributed.parallel.tp_plans.Conv1DFusedColwise`, GPT-2's ``c_attn``)
+gives each rank ``[q_r, k_r, v_r]``: its value may pass through views that keep its sharded dimension whole
+(``(b * s, 3 * n) -> (b, s, 3 * n)``) and then only be ``split`` / ``split_with_sizes`` on that dimension into its
+parts at their full width (``split(n, dim=2)``), whose recorded size becomes ``n / tp``; each part is then an
+ordinary local shard. Anything else done to a fused value (a view that splits or merges that dimension, a slice, a
+split at other sizes, a row-wise layer) would read the parts' columns as one contiguous block: refused.
+
+Nothing is done per step: the rewritten graph runs plain tensors, at the speed of
 the unsharded model's operations on ``1/tp`` of the heads.
 """
 
@@ -156,6 +166,9 @@ def _follow(node: fx.Node, name: str, sharded: dict[fx.Node, Any], tp: int, edit
             raise _refuse(node, "its sharded inputs do not line up")
         d = dims.pop()
         return tuple(d for _ in _val(node)) if isinstance(_val(node), (tuple, list)) else d
+    if name in ("split", "split_with_sizes", "chunk", "unbind"):
+        raise _refuse(node, f"{name} of a column-wise layer's output would cut across its heads (a fused q/k/v layer "
+                            "needs Conv1DFusedColwise, which gives each rank its share of every part)")
     raise _refuse(node, f"fxpipe does not know how {name} treats a sharded dimension")
 
 
@@ -182,37 +195,75 @@ def _no(node: fx.Node, why: str) -> Any:
     raise _refuse(node, why)
 
 
-def local_sizes(gm: fx.GraphModule, colwise: set[str], rowwise: set[str], tp: int) -> dict[fx.Node, tuple]:
-    """The new args of every view/expand of ``gm`` (its column-wise layers at ``colwise`` giving local outputs,
-    its row-wise ones at ``rowwise`` taking them) whose recorded sizes must become one tp rank's;
-    :class:`TPPlanError` where that cannot be exact (module doc). Changes nothing: :func:`localise_shapes` does."""
-    return _walk(gm, colwise, rowwise, tp)[1]
+def _split(node: fx.Node, src: fx.Node, d: int, parts: int, tp: int, edits: dict[fx.Node, tuple]) -> tuple:
+    """A ``split``/``split_with_sizes`` of the fused value ``src`` (sharded on ``d``, ``parts`` parts side by
+    side) into its parts at their full width: the sizes made local into ``edits``; the outputs' sharded dims."""
+    shape = _shape(src)
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    sizes = node.args[1] if len(node.args) > 1 else None   # a size passed by keyword: refused below
+    width = shape[d] // parts
+    whole = [sizes] * parts if isinstance(sizes, int) else list(sizes) if isinstance(sizes, (list, tuple)) else None
+    if node.args[0] is not src or dim % len(shape) != d or whole != [width] * parts or width % tp:
+        raise _refuse(node, f"a fused layer's output ({parts} parts of {width} side by side on dimension {d}) can "
+                            f"only be split on that dimension into its {parts} parts of {width} (each of which tp={tp} "
+                            "divides)")
+    local = width // tp if isinstance(sizes, int) else [width // tp] * parts
+    edits[node] = (src, local, *node.args[2:])
+    return tuple(d for _ in range(parts))
 
 
-def partial_parameters(gm: fx.GraphModule, colwise: set[str], rowwise: set[str], tp: int) -> set[str]:
+def local_sizes(gm: fx.GraphModule, colwise: set[str], rowwise: set[str], tp: int,
+                fused: dict[str, int] | None = None) -> dict[fx.Node, tuple]:
+    """The new args of every view/expand/split of ``gm`` (its column-wise layers at ``colwise`` giving local
+    outputs, those at ``fused`` (path -> parts) their fused ``[part_0_r, part_1_r, ...]`` columns, its row-wise ones
+    at ``rowwise`` taking them) whose recorded sizes must become one tp rank's; :class:`TPPlanError` where that
+    cannot be exact (module doc). Changes nothing: :func:`localise_shapes` does."""
+    return _walk(gm, colwise, rowwise, tp, fused)[1]
+
+
+def partial_parameters(gm: fx.GraphModule, colwise: set[str], rowwise: set[str], tp: int,
+                       fused: dict[str, int] | None = None) -> set[str]:
     """The ``get_attr`` targets of ``gm`` that meet one rank's heads between a block's layers (a per-head norm's
     weight, Qwen3's ``q_norm``): replicated, but each tp rank's backward sums their gradient over its own heads
     only, so the whole gradient is the sum over the tp ranks (Megatron's finalize all-reduces its q/k layer norms'
     gradients over tp for the same reason)."""
-    sharded = _walk(gm, colwise, rowwise, tp)[0]
+    sharded = _walk(gm, colwise, rowwise, tp, fused)[0]
     return {a.target for node, dim in sharded.items() if dim is not None and node.op == "call_function"
             for a in node.all_input_nodes if a.op == "get_attr"}
 
 
-def _walk(gm: fx.GraphModule, colwise: set[str], rowwise: set[str],
-          tp: int) -> tuple[dict[fx.Node, Any], dict[fx.Node, tuple]]:
-    """The sharded dim of every value between ``gm``'s column-wise and row-wise layers, and the view/expand edits."""
+def _walk(gm: fx.GraphModule, colwise: set[str], rowwise: set[str], tp: int,
+          fused: dict[str, int] | None) -> tuple[dict[fx.Node, Any], dict[fx.Node, tuple]]:
+    """The sharded dim of every value between ``gm``'s column-wise and row-wise layers, and the size edits."""
+    fused = fused or {}
     sharded: dict[fx.Node, Any] = {}
+    parts: dict[fx.Node, int] = {}   # the fused values: how many parts lie side by side on their sharded dim
     edits: dict[fx.Node, tuple] = {}
     for node in gm.graph.nodes:
-        if node.op == "call_module" and node.target in colwise:
+        if node.op == "call_module" and (node.target in colwise or node.target in fused):
             shape = _shape(node)
             if shape is None:
                 raise _refuse(node, "its output shape was not recorded")
             sharded[node] = len(shape) - 1
+            if node.target in fused:
+                parts[node] = fused[node.target]
             continue
         ins = [a for a in node.all_input_nodes if a in sharded and sharded[a] is not None]
         if not ins:
+            continue
+        fused_in = [a for a in ins if a in parts]
+        if fused_in:
+            src = fused_in[0]
+            if _name(node) in ("split", "split_with_sizes"):
+                sharded[node] = _split(node, src, sharded[src], parts[src], tp, edits)
+                continue
+            kept = node.op == "call_function" and len(ins) == 1 and _name(node) in _VIEWS | _SAME_SHAPE
+            d = _follow(node, _name(node), sharded, tp, edits) if kept else None
+            if not kept or not isinstance(d, int) or _shape(node)[d] != _shape(src)[sharded[src]]:
+                raise _refuse(node, f"a fused layer's output ({parts[src]} parts side by side) must be split into its "
+                                    "parts before anything else uses it (only views that keep its sharded dimension "
+                                    "whole come first)")
+            sharded[node], parts[node] = d, parts[src]
             continue
         if node.op == "call_module" and node.target in rowwise:
             if len(ins) != 1 or sharded[ins[0]] != len(_shape(ins[0])) - 1:

@@ -3,7 +3,8 @@ mesh with torch's ``parallelize_module`` (``ColwiseParallel``, ``RowwiseParallel
 
 :func:`apply_tp` takes a plan (module path patterns → torch's styles) or derives the default one
 (:mod:`fxpipe.distributed.parallel.tp_plans`: attention q/k/v column-wise and its output row-wise, MLP up/gate
-column-wise and down row-wise, for Llama, Mistral, Qwen2, GPT-2 and BERT blocks), and applies it to the layers this
+column-wise and down row-wise, for Llama, Mistral, Qwen2, GPT-2 and BERT blocks; GPT-2's fused q/k/v ``c_attn``
+with each rank's share of q, k and v), and applies it to the layers this
 rank's stages call, after the pipeline's split and before data parallelism wraps the stages.
 
 How it stays exact under both front ends
@@ -37,11 +38,12 @@ torch's styles act through the layer's forward hooks: the input becomes a ``DTen
    c. **Plain local activations (chosen):** column-wise layers give this rank's heads as a plain tensor
       (``use_local_output=True``, as torchtitan's plans do), row-wise layers take it as ``Shard(-1)``, and
       :mod:`fxpipe.distributed.parallel.local_shapes` rewrites, once at setup, every ``view``/``reshape``/
-      ``expand`` size between them at the sharded dimension (followed node by node with DTensor's own view rules)
-      to the local one; an operation it cannot follow exactly is refused before any parameter changes. A step
-      then runs the unsharded model's operations on ``1/tp`` of the heads plus torch's TP collectives (the
-      row-wise all-reduce, the column-wise input's backward all-reduce): a pp=2 × tp=2 step of the tiny Llama of
-      the tests takes 0.5–1.1 s on the shared 2-core machine, exact to float rounding.
+      ``expand`` size between them at the sharded dimension (followed node by node with DTensor's own view rules),
+      and GPT-2's ``split`` of its fused q/k/v output, to the local one; an operation it cannot follow exactly is
+      refused before any parameter changes. A step then runs the unsharded model's operations on ``1/tp`` of the
+      heads plus torch's TP collectives (the row-wise all-reduce, the column-wise input's backward all-reduce): a
+      pp=2 × tp=2 step of the tiny Llama of the tests takes 0.5–1.1 s on the shared 2-core machine, exact to float
+      rounding.
 
 What crosses a stage boundary stays a plain, replicated tensor: the default plan's column-wise and row-wise
 layers of one block form a group that must lie in one stage (refused otherwise, with the fix), and replicated
@@ -56,10 +58,13 @@ norms. The sharded parameters' gradients are ``DTensor`` s sharded as the parame
 
 Status: :class:`fxpipe.distributed.mesh.MeshPipelineRank` runs it on a mesh with a ``tp`` dim (``("pp", "tp")``,
 ``("pp", "dp_shard", "tp")``: FSDP2 over the tensor-parallel stages, both meshes sliced from one root as FSDP2
-requires). ``tests/test_mesh_tp.py``: Llama (tied, untied) and GPT-2 at pp=2 × tp=2 under GPipe, 1F1B and ZB-H1,
-and Llama at pp=2 × dp_shard=2 × tp=2, train as one process within 1e-5; ``tests/test_checkpoint_sharded.py``:
-HSDP over tp (pp=1 × dp_replicate=2 × dp_shard=1 × tp=2), checkpoints between FSDP2, tp and plain ranks, and
-``weights=`` on a ``("pp", "tp")`` mesh, Llama as one process within 1e-5; Qwen2 and BERT were checked at tp=2 in a
+requires). ``tests/test_mesh_tp.py``: Llama (tied, untied) and GPT-2 (attention and MLP sharded) at pp=2 × tp=2
+under GPipe, 1F1B and ZB-H1 and Qwen3 (per-head q/k norms) under 1F1B, and at pp=2 × dp_shard=2 × tp=2 (Llama
+under GPipe, tied Llama under 1F1B, GPT-2 under ZB-H1, Qwen3 under GPipe), train as one process within 1e-5;
+``tests/test_tp.py``: GPT-2 at tp=2 (2 processes), its loss, gradients and a checkpoint loaded into a plain model
+as one process; ``tests/test_checkpoint_sharded.py``: HSDP over tp (pp=1 × dp_replicate=2 × dp_shard=1 × tp=2),
+checkpoints between FSDP2, tp and plain ranks, and ``weights=`` on a ``("pp", "tp")`` mesh, Llama as one process
+within 1e-5. Qwen2 and BERT were checked at tp=2 in a
 scratch run (forward and gradients as one process), not in a test. The tp group's waits end after ``timeout_s``
 (under FSDP2, after the default process group's timeout: the root mesh's groups). Not offered: DDP replicas of
 tensor-parallel stages, sequence parallelism, torch.fx-traced graphs whose nodes carry no recorded shapes.
@@ -79,7 +84,8 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from fxpipe.distributed.parallel.fsdp import broadcast_states, repoint
 from fxpipe.distributed.parallel.local_shapes import local_sizes, localise_shapes, partial_parameters
 from fxpipe.distributed.parallel.module_calls import called_modules, restore_module_calls
-from fxpipe.distributed.parallel.tp_plans import TPPlan, TPPlanError, default_tp_plan, given_tp_plan
+from fxpipe.distributed.parallel.tp_plans import (Conv1DFusedColwise, TPPlan, TPPlanError, default_tp_plan,
+                                                  given_tp_plan)
 
 __all__ = ["apply_tp", "locate_tp_layers", "shard_stages", "sum_partial_grads", "tp_mesh_of", "TPPlanError"]
 
@@ -107,8 +113,10 @@ def apply_tp(stage_modules: Sequence[nn.Module], tp_mesh: Any, tp_plan: dict[str
     colwise, rowwise = _kinds(plan)
     located = locate_tp_layers(stage_modules, plan, model)
     # every graph checked (and refused) before any parameter changes
-    edits = [local_sizes(gm, colwise, rowwise, tp) if isinstance(gm, fx.GraphModule) else {} for gm in stage_modules]
-    plan.summed = _summed(stage_modules, colwise, rowwise, tp, model)
+    fused = {p: s.split for p, s in plan.styles.items() if isinstance(s, Conv1DFusedColwise)}
+    edits = [local_sizes(gm, colwise, rowwise, tp, fused) if isinstance(gm, fx.GraphModule) else {}
+             for gm in stage_modules]
+    plan.summed = _summed(stage_modules, colwise, rowwise, tp, model, fused)
     for k, gm in enumerate(stage_modules):
         mine = {p: s for p, s in plan.styles.items() if located.get(p) == k}
         if mine:
@@ -119,14 +127,14 @@ def apply_tp(stage_modules: Sequence[nn.Module], tp_mesh: Any, tp_plan: dict[str
 
 
 def _summed(stage_modules: Sequence[nn.Module], colwise: set[str], rowwise: set[str], tp: int,
-            model: nn.Module) -> list[str]:
+            model: nn.Module, fused: dict[str, int]) -> list[str]:
     """The model's names of the trainable parameters that the stage graphs read between a block's layers."""
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     found = set()
     for gm in stage_modules:
         if not isinstance(gm, fx.GraphModule):
             continue
-        for target in partial_parameters(gm, colwise, rowwise, tp):
+        for target in partial_parameters(gm, colwise, rowwise, tp, fused):
             owner, _, attr = target.rpartition(".")
             param = gm.get_submodule(owner)._parameters.get(attr) if owner or attr else None
             if isinstance(param, nn.Parameter) and param.requires_grad and id(param) in names:

@@ -10,20 +10,31 @@ A plan maps module paths (``model.named_modules()`` names; a user's may hold ``f
 
 for Llama, Mistral, Qwen2 (``q_proj k_proj v_proj o_proj`` / ``gate_proj up_proj down_proj``), BERT
 (``attention.self.query/key/value``, ``attention.output.dense``, ``intermediate.dense``, ``output.dense``) and
-GPT-2 (``mlp.c_fc`` / ``mlp.c_proj``, Hugging Face ``Conv1D`` layers, whose weight is ``(in, out)``: sharded on
-the transposed dimensions by :class:`Conv1DColwise` / :class:`Conv1DRowwise`). GPT-2's attention stays
-replicated: its ``c_attn`` computes q, k and v in one layer and the model splits the result at the full width
-(``split(n_embd)``), so a column-wise shard would give each rank a slice across q, k and v, and torch's sharding
-rules would all-gather it at that split (exact, but no tensor parallelism there). Embeddings, norms and the LM head
-stay replicated. Everything else is refused with the fix: ``tp_plan={path pattern: style}``.
+GPT-2 (``attn.c_attn`` / ``attn.c_proj``, ``mlp.c_fc`` / ``mlp.c_proj``: Hugging Face ``Conv1D`` layers, whose
+weight is ``(in, out)``, sharded on the transposed dimensions by :class:`Conv1DColwise` / :class:`Conv1DRowwise`).
+
+GPT-2's ``c_attn`` computes q, k and v in one layer (weight ``(n_embd, 3 * n_embd)``) and the model splits its
+output at the full width (``split(n_embd, dim=2)``). A contiguous column shard would give rank 0 all of q and half
+of k: :class:`Conv1DFusedColwise` instead gives rank ``r`` the columns ``[q_r, k_r, v_r]`` (its heads of each), as
+torch's ``_StridedShard(1, split_factor=3)``: the parameter keeps the model's name and global ``(n_embd, 3 *
+n_embd)`` layout (``full_tensor()``, the optimizer, FSDP2 over it), and DTensor's own rules carry that placement
+through ``addmm`` (no communication in the forward; checked with ``CommDebugMode``). The split's recorded size
+becomes ``n_embd / tp`` (:mod:`fxpipe.distributed.parallel.local_shapes`). Its bias stays replicated over ``tp``
+(each rank adds its columns' part; the gradient is gathered, 3 * n_embd numbers): with a strided bias, FSDP2
+(torch 2.15) nests two ``_StridedShard`` s on its one dimension and that DTensor's ``full_tensor()`` is wrong (seen
+at dp_shard=2 x tp=2: its local shards right, the gathered gradient misplaced), so the bias is not strided.
+``torch.distributed.checkpoint`` (torch 2.15) cannot save a ``_StridedShard`` (its chunks "overlap"):
+:mod:`fxpipe.distributed.checkpoint` saves and loads it as the plain ``Shard`` of the same global tensor.
+Embeddings, norms and the LM head stay replicated. Everything else is refused with the fix:
+``tp_plan={path pattern: style}``.
 
 Column-wise layers give their output as a plain tensor of this rank's heads or features (``use_local_output=True``,
 as torchtitan's plans do) and row-wise ones take it sharded on the last dimension and give back a plain, replicated
 tensor: between them the model's code runs on plain local tensors, whose recorded shape constants
-(``view(b, s, 4, 8)``, ``expand`` to the number of key/value heads) :mod:`fxpipe.distributed.parallel.local_shapes`
-makes local once at setup (:mod:`fxpipe.distributed.parallel.tp` says why). A block's column-wise and row-wise
-layers form a group that must lie in one stage: what crosses a stage boundary is then always a plain replicated
-tensor.
+(``view(b, s, 4, 8)``, ``expand`` to the number of key/value heads, GPT-2's ``split``)
+:mod:`fxpipe.distributed.parallel.local_shapes` makes local once at setup (:mod:`fxpipe.distributed.parallel.tp`
+says why). A block's column-wise and row-wise layers form a group that must lie in one stage: what crosses a stage
+boundary is then always a plain replicated tensor.
 """
 
 from __future__ import annotations
@@ -32,14 +43,16 @@ import fnmatch
 from dataclasses import dataclass, field
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from fxpipe.distributed.parallel.module_calls import is_conv1d
 from fxpipe.errors import FxpipeError
 
-__all__ = ["TPPlan", "TPPlanError", "Conv1DColwise", "Conv1DRowwise", "default_tp_plan", "given_tp_plan"]
+__all__ = ["TPPlan", "TPPlanError", "Conv1DColwise", "Conv1DFusedColwise", "Conv1DRowwise", "default_tp_plan",
+           "given_tp_plan"]
 
 
 class TPPlanError(FxpipeError, ValueError):
@@ -47,7 +60,7 @@ class TPPlanError(FxpipeError, ValueError):
 
 
 def _distribute_conv1d(style: ColwiseParallel | RowwiseParallel, module: nn.Module, device_mesh,
-                       placements: dict[str, Shard | Replicate]):
+                       placements: dict[str, Shard | Replicate], output_fn=None):
     """``style`` applied to a ``Conv1D`` with its parameters placed as ``placements`` says (by name), and the
     style's own input and output conversions."""
     def partition(name, mod, mesh):
@@ -60,8 +73,8 @@ def _distribute_conv1d(style: ColwiseParallel | RowwiseParallel, module: nn.Modu
     return distribute_module(module, device_mesh, partition,
                              lambda mod, inputs, mesh: style._prepare_input_fn(
                                  style.input_layouts, style.desired_input_layouts, mod, inputs, mesh),
-                             lambda mod, outputs, mesh: style._prepare_output_fn(
-                                 style.output_layouts, style.use_local_output, mod, outputs, mesh))
+                             output_fn or (lambda mod, outputs, mesh: style._prepare_output_fn(
+                                 style.output_layouts, style.use_local_output, mod, outputs, mesh)))
 
 
 class Conv1DColwise(ColwiseParallel):
@@ -70,6 +83,38 @@ class Conv1DColwise(ColwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh):
         return _distribute_conv1d(self, module, device_mesh, {"weight": Shard(1), "bias": Shard(0)})
+
+
+class Conv1DFusedColwise(ColwiseParallel):
+    """Column-wise for a ``Conv1D`` whose output is ``split`` equal parts side by side (GPT-2's ``c_attn``: q, k,
+    v): rank ``r`` holds the columns ``[part_0_r, part_1_r, ...]``, its share of each part, as the weight's
+    ``_StridedShard(1, split_factor=split)`` (the model's global layout and name kept); the bias replicated (module
+    doc says why). Its output is the plain local ``(..., split * out / (split * tp))`` tensor; anything but that
+    placement coming out of the layer is refused, never redistributed."""
+
+    def __init__(self, split: int = 3, **kwargs) -> None:
+        super().__init__(**kwargs)
+        if not isinstance(split, int) or split < 2:
+            raise TPPlanError(f"Conv1DFusedColwise(split={split!r}): split is the number of parts (>= 2) the "
+                              "layer's output is split into (3 for q, k, v)")
+        self.split = split
+
+    def _apply(self, module: nn.Module, device_mesh):
+        if device_mesh.ndim != 1:
+            raise TPPlanError("Conv1DFusedColwise shards over a 1-D tp mesh")
+        if module.nf % (self.split * device_mesh.size()):
+            raise TPPlanError(f"Conv1DFusedColwise: {module.nf} output features are not {self.split} parts that "
+                              f"tp={device_mesh.size()} divides")
+        placement = _StridedShard(1, split_factor=self.split)
+
+        def output(mod, outputs, mesh):
+            want = _StridedShard(outputs.ndim - 1, split_factor=self.split)
+            if not isinstance(outputs, DTensor) or tuple(outputs.placements) != (want,):
+                raise TPPlanError(f"Conv1DFusedColwise: the layer's output came out as "
+                                  f"{getattr(outputs, 'placements', type(outputs).__name__)}, not {want}: the input "
+                                  "must be the replicated activations of the whole model")
+            return outputs.to_local() if self.use_local_output else outputs
+        return _distribute_conv1d(self, module, device_mesh, {"weight": placement, "bias": Replicate()}, output)
 
 
 class Conv1DRowwise(RowwiseParallel):
@@ -158,8 +203,20 @@ def default_tp_plan(model: nn.Module, tp: int) -> TPPlan:
             continue
         elif type(module).__name__ == "GPT2MLP" and (layers := _linear(module, "c_fc", "c_proj")) is not None:
             names = [f"{prefix}c_fc", f"{prefix}c_proj"]
-        elif (layers := _linear(module, "c_attn", "c_proj")) is not None:
-            plan.notes.append(f"{path}: replicated (c_attn computes q, k and v in one layer, split at the full width)")
+        elif (layers := _linear(module, "c_attn", "c_proj")) is not None and all(map(is_conv1d, layers)):
+            if getattr(module, "is_cross_attention", False) or hasattr(module, "q_attn"):
+                plan.notes.append(f"{path}: replicated (cross-attention: c_attn computes only k and v)")
+                continue
+            _divisible(path, "attention heads", _heads(module, "num_heads", "n_head", "num_attention_heads"), tp)
+            c_attn, c_proj = layers
+            if c_attn.nf != 3 * c_proj.nf or c_attn.nx != c_proj.nf:
+                plan.notes.append(f"{path}: replicated (c_attn's {c_attn.nf} outputs are not q, k, v of width "
+                                  f"{c_proj.nf})")
+                continue
+            _divisible(f"{prefix}c_attn", "output features of each of q, k and v", c_proj.nf, tp)
+            plan.styles[f"{prefix}c_attn"] = Conv1DFusedColwise(3, use_local_output=True)
+            plan.styles[f"{prefix}c_proj"] = _rowwise(c_proj)
+            plan.groups.append([f"{prefix}c_attn", f"{prefix}c_proj"])
             continue
         else:
             if _linear(module, "query", "key", "value") or _linear(module, "q", "k", "v"):
