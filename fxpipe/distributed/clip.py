@@ -25,11 +25,12 @@ COPIES = "fxpipe_copies"   # a Parameter attribute: how many ranks hold the same
 def _distinct(param: torch.Tensor) -> int:
     """How many different pieces of ``param`` its DTensor mesh holds (1 for a plain tensor)."""
     from torch.distributed.tensor import DTensor, Shard
-    if not isinstance(param, DTensor):
+    from torch.distributed.tensor.placement_types import _StridedShard   # FSDP2 over tp's dim-0 shards, GPT-2's
+    if not isinstance(param, DTensor):                                   # c_attn: not a Shard subclass in torch 2.15
         return 1
     pieces = 1
     for i, placement in enumerate(param.placements):
-        if isinstance(placement, Shard):
+        if isinstance(placement, (Shard, _StridedShard)):
             pieces *= param.device_mesh.size(i)
     return pieces
 
