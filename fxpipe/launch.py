@@ -216,7 +216,7 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 def _mesh_dims(args: argparse.Namespace, plan: Any) -> Any:
     """The ``ParallelDims`` of ``--mesh`` (else of ``plan.mesh``), checked against the world and the plan;
-    ``None`` for the pipeline alone (no mesh, or one of ``dp=1`` and ``tp=1``)."""
+    ``None`` for the pipeline alone (no mesh, or one of ``dp=1`` with ``tp=1``)."""
     from fxpipe.distributed.parallel import ParallelDims
     if args.mesh is not None:
         spec: Any = args.mesh
