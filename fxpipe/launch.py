@@ -13,6 +13,16 @@ dead rank (:mod:`fxpipe.distributed.waiting`), torchrun restarts the group, and 
 complete checkpoint, never from one a kill interrupted. Bad arguments (a factory that cannot be imported, a
 plan for another number of processes) end every process with one line on stderr, ``error: ...``, and a
 non-zero exit, before training.
+
+``--mesh dp_shard=2,tp=2`` (``fxpipe plan --mesh``'s spelling: ``dp=2,dp_mode=shard``, or ``dp_replicate``/
+``dp_shard`` as :class:`fxpipe.distributed.parallel.ParallelDims` names them; ``pp`` is the plan's number of
+workers) composes the pipeline with data parallelism (FSDP2, DDP, HSDP) and tensor parallelism: the world must be
+``pp x dp x tp`` processes (else every process ends with the fix before any group is made), the mesh is built over
+them with ``--timeout`` for every group, and each process runs :class:`fxpipe.distributed.MeshPipelineRank`, every
+process given the same batches and training its replica's share; one process prints the losses. A plan that
+carries a mesh (``fxpipe.plan(..., mesh=...)``: ``plan.mesh``) runs on it unless ``--mesh`` says otherwise
+(``--mesh dp=1``: the pipeline alone). Checkpoints hold the sharded states (``DTensor``), and load under any
+other mesh or plan of the model.
 """
 
 from __future__ import annotations
@@ -44,6 +54,9 @@ restarted when a rank dies, resuming from the last complete checkpoint (saved ev
   torchrun --standalone --nproc-per-node 2 --max-restarts 3 -m fxpipe.launch --plan gpt.plan.json \\
       --model mypkg.models:make_gpt --data mypkg.data:batches --total-steps 1000 --checkpoint ckpt/ \\
       --checkpoint-every 50 --resume
+pp=2 x FSDP2 over 2 (dp_shard) x tensor parallel over 2: 8 processes, each stage's blocks sharded 4 ways:
+  torchrun --standalone --nproc-per-node 8 -m fxpipe.launch --plan gpt.plan.json \\
+      --model mypkg.models:make_gpt --data mypkg.data:batches --mesh dp_shard=2,tp=2 --checkpoint ckpt/ --resume
 two hosts (run on each; --plan-node pins the host to the plan's node, else the rendezvous order decides):
   torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
       -m fxpipe.launch --plan gpt.plan.json --model mypkg.models:make_gpt --data mypkg.data:batches --plan-node 0
@@ -110,6 +123,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--plan-node", dest="node", type=int,
                    help="this host's node in the plan (default: torchrun's GROUP_RANK)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any wait for another process may take")
+    p.add_argument("--mesh", help="run each stage data- and tensor-parallel: KEY=VALUE,... of dp_shard (FSDP2), "
+                                  "dp_replicate (DDP; both: HSDP), tp, or fxpipe plan --mesh's dp, dp_mode=shard|"
+                                  "replicate, tp (pp is the plan's workers; the world must be pp x dp x tp), e.g. "
+                                  "dp_shard=2,tp=2 (default: the plan's mesh, if it has one; dp=1: the pipeline alone)")
     p.add_argument("--compression", help="compress what crosses stage boundaries: fp16, bf16, int8, topk:R, or "
                                          "FORWARD/BACKWARD such as int8/topk:0.01 (default: exact)")
     return p
@@ -125,18 +142,29 @@ def _train(args: argparse.Namespace, rank: int) -> None:
         raise UsageError("--checkpoint-every needs --checkpoint DIR")
     if args.checkpoint_every < 0 or (args.total_steps is not None and args.total_steps < 0):
         raise UsageError("--checkpoint-every and --total-steps must be 0 or more")
-    stage = PipelineRank(args.plan, model_fn, loss_fn, weights=args.weights, timeout_s=args.timeout,
-                         compression=args.compression)
-    if args.loss == "model" and not stage.pipe.has_model_loss:
+    plan = load_plan(args.plan)
+    dims = _mesh_dims(args, plan)
+    if dims is None:
+        stage: Any = PipelineRank(plan, model_fn, loss_fn, weights=args.weights, timeout_s=args.timeout,
+                                  compression=args.compression)
+        ranked, prints = stage, True
+    else:
+        stage = _mesh_rank(args, plan, dims, model_fn, loss_fn)
+        ranked = stage.ranked
+        # one of the processes that return the loss prints it: every coordinate but pp's 0
+        prints = all(c == 0 for n, c in zip(stage.mesh.mesh_dim_names, stage.mesh.get_coordinate()) if n != "pp")
+    if args.loss == "model" and not ranked.pipe.has_model_loss:
         raise UsageError("--loss model: the plan's model returns no loss of its own (plan it with the inputs that "
                          "make it compute one, e.g. labels); pass --loss cross_entropy, mse or pkg.module:fn")
-    if args.loss == "auto" and not stage.pipe.has_model_loss:
-        stage.loss_fn = LOSSES["cross_entropy"]
+    if args.loss == "auto" and not ranked.pipe.has_model_loss:
+        stage.loss_fn = ranked.loss_fn = LOSSES["cross_entropy"]
     node, local = int(os.environ.get("FXPIPE_NODE", 0)), int(os.environ.get("LOCAL_RANK", rank))
-    devices = sorted({stage.pipe.devices[k].type for k in stage.own})
+    devices = sorted({ranked.pipe.devices[k].type for k in ranked.own})
+    where = "" if dims is None else " of mesh " + ", ".join(
+        f"{n} {c}" for n, c in zip(stage.mesh.mesh_dim_names, stage.mesh.get_coordinate()))
     # one write per line: the ranks share torchrun's stdout, and print's separate newline could interleave
-    sys.stdout.write(f"rank {rank} (node {node}, local {local}): stages {stage.own} on {','.join(devices)}, "
-                     f"{sum(p.numel() for p in stage.parameters())} parameters\n")
+    sys.stdout.write(f"rank {rank} (node {node}, local {local}{where}): stages {ranked.own} on {','.join(devices)}, "
+                     f"{sum(_local(p).numel() for p in stage.parameters())} parameters\n")
     sys.stdout.flush()
     # a rank whose stages hold no parameter (positions, masks, a head without weights) has nothing to step
     params = list(stage.parameters())
@@ -160,6 +188,10 @@ def _train(args: argparse.Namespace, rank: int) -> None:
     options = {"schedule": args.schedule} if args.schedule else {}
     for step, batch in enumerate(islice(iter(data_fn()), done, max(done, end)), start=done):
         if isinstance(batch, dict):   # the model's keyword inputs, labels among them
+            if dims is not None:
+                raise UsageError("--mesh: the batches are dicts of the model's keyword inputs, which a data- or "
+                                 "tensor-parallel step does not split; yield (inputs, target) and pass --loss, or "
+                                 "run the pipeline alone (--mesh dp=1)")
             loss = stage.step((), **options, kwargs=batch)
         else:
             x, y = batch
@@ -167,7 +199,7 @@ def _train(args: argparse.Namespace, rank: int) -> None:
         if opt is not None:
             opt.step()
             opt.zero_grad()
-        if loss is not None:
+        if loss is not None and prints:
             print(f"step {step}: loss {loss.item():.6f}", flush=True)
         done = step + 1
         if args.checkpoint and args.checkpoint_every and done % args.checkpoint_every == 0:
@@ -175,6 +207,63 @@ def _train(args: argparse.Namespace, rank: int) -> None:
             saved = done
     if args.checkpoint and saved != done:
         save(done)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This process's part of a parameter: a ``DTensor``'s shard (FSDP2, tensor parallelism), else itself."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def _mesh_dims(args: argparse.Namespace, plan: Any) -> Any:
+    """The ``ParallelDims`` of ``--mesh`` (else of ``plan.mesh``), checked against the world and the plan;
+    ``None`` for the pipeline alone (no mesh, or one of ``dp=1`` with ``tp=1``)."""
+    from fxpipe.distributed.parallel import ParallelDims
+    if args.mesh is not None:
+        spec: Any = args.mesh
+        given = f"--mesh {args.mesh}"
+    elif plan.mesh:
+        spec = {k: plan.mesh[k] for k in ("pp", "dp", "tp", "dp_mode", "order") if k in plan.mesh}
+        given = f"the plan's mesh ({', '.join(f'{k}={v}' for k, v in spec.items())}; --mesh overrides it)"
+    else:
+        return None
+    try:
+        dims = ParallelDims.from_spec(spec, plan.workers)
+    except FxpipeError as exc:
+        raise UsageError(f"{given}: {exc}") from exc
+    except ValueError as exc:
+        raise UsageError(str(exc) if args.mesh is not None else f"{given}: {exc}") from exc
+    if dims.dp == 1 and dims.tp == 1:
+        return None
+    world = dist.get_world_size()
+    if dims.world_size != world:
+        raise UsageError(f"{given} is {dims} but torchrun started {world}: start {dims.world_size} "
+                         f"(torchrun --nproc-per-node {dims.world_size}), or pass --mesh with degrees whose product "
+                         f"with pp={dims.pp} is {world}")
+    if args.loss == "model":
+        raise UsageError(f"--loss model with {given}: a data- or tensor-parallel step trains on a loss_fn(output, "
+                         "target); pass --loss cross_entropy, mse or pkg.module:fn, or run the pipeline alone "
+                         "(--mesh dp=1)")
+    return dims
+
+
+def _mesh_rank(args: argparse.Namespace, plan: Any, dims: Any, model_fn: Callable[[], Any],
+               loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> Any:
+    """This process's :class:`fxpipe.distributed.MeshPipelineRank` on the mesh of ``dims`` (every group's waits
+    ``--timeout``). ``--loss auto`` gives it cross-entropy; a plan whose model computes its own loss is refused."""
+    from fxpipe.distributed import MeshPipelineRank
+    on_gpu = any(st.device.startswith("cuda") for st in plan.stages) and torch.cuda.is_available()
+    mesh = dims.build_mesh("cuda" if on_gpu else "cpu", timeout_s=args.timeout)
+    stage = MeshPipelineRank(plan, model_fn, loss_fn or LOSSES["cross_entropy"], mesh=mesh, weights=args.weights,
+                             timeout_s=args.timeout, compression=args.compression)
+    if stage.ranked.pipe.has_model_loss and args.loss == "auto":
+        raise UsageError("--mesh: the plan's model computes its own loss (planned with labels), which a data- or "
+                         "tensor-parallel step cannot yet combine over its replicas: plan it without labels and pass "
+                         "--loss cross_entropy (or another loss_fn), or run the pipeline alone (--mesh dp=1)")
+    if dims.tp > 1 and (plan.mesh or {}).get("sequence_parallel") and dist.get_rank() == 0:
+        sys.stdout.write("note: the plan's mesh assumed sequence parallelism, which is not run: the activations "
+                         "outside the tensor-parallel blocks are whole on every tp rank (same results, more memory "
+                         "than predicted)\n")
+    return stage
 
 
 def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:

@@ -17,6 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fxpipe.planning.plan import load_plan
+
 from forced_cuts import compile_with_cuts
 from launch_target import batches, make_model
 
@@ -42,16 +44,23 @@ def _losses(out: str) -> list[float]:
     return [float(v) for v in re.findall(r"^step \d+: loss ([0-9.]+)$", out, re.M)]
 
 
-def _reference(steps: int) -> list[float]:
+def _trained(steps: int, losses: list[float] | None = None) -> torch.nn.Module:
+    """The model after ``steps`` SGD steps of one process on the whole batches (their losses into ``losses``)."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
     for x, y in batches()[:steps]:
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
+        if losses is not None:
+            losses.append(loss.item())
+    return model
+
+
+def _reference(steps: int) -> list[float]:
+    losses: list[float] = []
+    _trained(steps, losses)
     return losses
 
 
@@ -70,8 +79,22 @@ def _swapped_plan(tmp_path: Path, nodes: tuple[int, int] = (0, 0)) -> tuple[str,
     return str(tmp_path / "p.json"), str(tmp_path / "w.pt")
 
 
-@pytest.mark.slow   # ~55 s on the shared machine: two torchrun runs of two processes
+def _final_parameters(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The parameters of the last checkpoint published in ``checkpoint``, whole (``DTensor`` shards joined)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from fxpipe.distributed import snapshots
+    path, _ = snapshots.latest(str(checkpoint))
+    dcp_to_torch_save(path, checkpoint / "whole.pt")
+    whole = torch.load(checkpoint / "whole.pt")   # fxpipe.distributed.checkpoint's keys: model.NAME, optim.NAME.KEY
+    return {k.removeprefix("model."): v for k, v in whole.items() if k.startswith("model.")}
+
+
+@pytest.mark.slow   # ~30 s on the shared machine: a torchrun run of two processes, then one of four
 def test_launch_places_stages_by_the_plan_loads_weights_and_resumes_as_one_process(tmp_path):
+    """Three steps on 2 processes (pipeline alone), then two more resumed on 4, the plan carrying a mesh of
+    pp=2 x dp=2 (FSDP2, as fxpipe.plan(..., mesh=...) records one): the pipeline's checkpoint loads into the
+    sharded stages, each replica trains half of every batch (7 samples: shares of 4 and 3), and the losses and the
+    final checkpoint's parameters are the one process's."""
     plan, weights = _swapped_plan(tmp_path)
     common = ["--plan", plan, "--model", "launch_target:other_init", "--data", "launch_target:batches",
               "--lr", "0.1", "--checkpoint", str(tmp_path / "ckpt")]
@@ -82,10 +105,22 @@ def test_launch_places_stages_by_the_plan_loads_weights_and_resumes_as_one_proce
     assert re.search(r"^rank 0 \(node 0, local 0\): stages \[1\] on cpu", out, re.M), out
     want = _reference(5)
     assert _close(_losses(out), want[:3]), (_losses(out), want)
-    out, err, rc = _torchrun([*common, "--resume", "--steps", "2"])   # other_init's weights until loaded
+    meshed = load_plan(plan)
+    meshed.mesh = {"pp": 2, "dp": 2, "tp": 1, "dp_mode": "shard", "order": "pp-dp-tp"}
+    meshed.save(plan)
+    out, err, rc = _torchrun([*common, "--resume", "--steps", "2"],   # other_init's weights until loaded
+                             ["--standalone", "--nproc-per-node", "4"])
     assert rc == 0, err[-3000:]
-    assert _close(_losses(out), want[3:]), (_losses(out), want)
+    # pp=2 x dp_shard=2: ranks 0, 1 are stage 1's pp position (the plan's device 0), 2, 3 stage 0's; each holds
+    # its half of the stage's parameters
+    assert re.search(r"^rank 3 \(node 0, local 3 of mesh pp 1, dp_shard 1\): stages \[0\] on cpu", out, re.M), out
+    assert re.search(r"^rank 0 \(node 0, local 0 of mesh pp 0, dp_shard 0\): stages \[1\] on cpu", out, re.M), out
+    assert _close(_losses(out), want[3:]), (_losses(out), want)   # printed once, by dp rank 0 of the last stage
     assert re.findall(r"^step (\d+):", out, re.M) == ["3", "4"]
+    got, model = _final_parameters(tmp_path / "ckpt"), _trained(5)
+    assert set(dict(model.named_parameters())) <= set(got), sorted(got)
+    for name, p in model.named_parameters():
+        assert torch.allclose(got[name], p, rtol=1e-5, atol=1e-6), (name, (got[name] - p).abs().max())
 
 
 def _port() -> int:
@@ -134,3 +169,30 @@ def test_help_shows_a_real_example():
     assert out.returncode == 0
     assert "torchrun --standalone --nproc-per-node 2 -m fxpipe.launch --plan" in out.stdout
     assert "--weights" in out.stdout and "--resume" in out.stdout and "--plan-node" in out.stdout
+    assert "--mesh dp_shard=2,tp=2" in out.stdout and "--nproc-per-node 8" in out.stdout
+
+
+def test_a_mesh_the_world_does_not_fit_ends_the_process_before_anything_is_built(tmp_path, monkeypatch, capsys):
+    """One process (gloo on 127.0.0.1) given --mesh, or a plan carrying a mesh, of 4 processes: one error line
+    naming the processes to start; --mesh dp=1 runs the pipeline alone (refused here for its 2 workers)."""
+    from fxpipe import launch
+    plan, _ = _swapped_plan(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    monkeypatch.syspath_prepend(str(TESTS))
+    args = ["--plan", plan, "--model", "launch_target:make_model", "--data", "launch_target:batches"]
+
+    def run(*extra: str) -> str:
+        monkeypatch.setenv("MASTER_PORT", str(_port()))
+        for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
+            monkeypatch.setenv(key, value)
+        assert launch.main([*args, *extra]) != 0
+        return capsys.readouterr().err
+    assert re.search(r"^error: rank 0: --mesh dp_shard=2 is pp=2 x dp_shard=2 \(shard, 4 processes\) but torchrun "
+                     r"started 1: start 4 \(torchrun --nproc-per-node 4\)", run("--mesh", "dp_shard=2"), re.M)
+    assert "error: rank 0: mesh 'cp=2': unknown key(s) ['cp']" in run("--mesh", "cp=2")
+    meshed = load_plan(plan)
+    meshed.mesh = {"pp": 2, "dp": 2, "tp": 1, "dp_mode": "shard", "order": "pp-dp-tp", "sequence_parallel": True}
+    meshed.save(plan)
+    assert re.search(r"^error: rank 0: the plan's mesh \(pp=2, dp=2, tp=1, dp_mode=shard, order=pp-dp-tp; --mesh "
+                     r"overrides it\) is pp=2 x dp_shard=2 \(shard, 4 processes\) but torchrun started 1", run(), re.M)
+    assert "PlanMismatchError: the plan runs 2 stages on 2 workers but the process group has 1" in run("--mesh", "dp=1")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import time
 
 import pytest
@@ -40,16 +41,21 @@ def _mesh(world: int, named_tp_only: bool):
     return ParallelDims(pp=2, dp_shard=world // 4, tp=2).build_mesh("cpu")
 
 
-def _failing_step(world: int, family: str, plan_json: str, fail_rank: int, timeout_s: float) -> str | None:
-    """One step whose loss raises on ``fail_rank``: what this rank's step raised (``None`` if it returned)."""
+def _failing_step(world: int, family: str, plan_json: str, fail_rank: int,
+                  timeout_s: float) -> tuple[str | None, tuple[float | None, float | None]]:
+    """One step whose loss raises on ``fail_rank``: what this rank's step raised (``None`` if it returned), and how
+    long the given mesh's groups and the stage's mesh's groups wait (seconds)."""
     from fxpipe.distributed.mesh import MeshPipelineRank
+    from fxpipe.distributed.parallel.bounded import mesh_timeout_s
 
     def loss(out, labels):
         if torch.distributed.get_rank() == fail_rank:
             raise RuntimeError("injected loss failure")
         return _loss(out, labels)
+    mesh = _mesh(world, False)
     stage = MeshPipelineRank(fxpipe.Plan.from_dict(json.loads(plan_json)), functools.partial(build, family), loss,
-                             mesh=_mesh(world, False), timeout_s=timeout_s)
+                             mesh=mesh, timeout_s=timeout_s)
+    waits = (mesh_timeout_s(mesh), mesh_timeout_s(stage.mesh))
     b = _batches(family)[0]
     started = time.perf_counter()
     try:
@@ -57,8 +63,8 @@ def _failing_step(world: int, family: str, plan_json: str, fail_rank: int, timeo
     except Exception as exc:   # every rank's step must end with an error
         if torch.distributed.get_rank() == fail_rank:   # alive, not joining: its partners' waits must time out
             time.sleep(timeout_s + 5)
-        return f"{type(exc).__name__}: {exc} [after {time.perf_counter() - started:.1f} s]"
-    return None
+        return f"{type(exc).__name__}: {exc} [after {time.perf_counter() - started:.1f} s]", waits
+    return None, waits
 
 
 def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[str, ...] | dict[str, tuple[str, ...]],
@@ -109,7 +115,7 @@ def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[st
                                        "params": {n: _full(p) for n, p in stage.named_parameters()}}
     if fail_rank >= 0:
         family, plan_json = next(iter(plans.items()))
-        out["failed"] = _failing_step(world, family, plan_json, fail_rank, timeout_s)
+        out["failed"], out["waits"] = _failing_step(world, family, plan_json, fail_rank, timeout_s)
     return out
 
 
@@ -178,9 +184,12 @@ def test_pp2_fsdp2_over_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_ba
     """pp=2 × dp_shard=2 × tp=2 (8 processes): FSDP2 shards the tensor-parallel stages' DTensor parameters over dp
     (both meshes sliced from one), each replica its share of the batch (the last shared unevenly). Llama untied
     under GPipe, Llama tied under 1F1B, GPT-2 under ZB-H1, Qwen3 (its per-head norms' gradients summed over tp)
-    under GPipe (:data:`ROTATED`)."""
+    under GPipe (:data:`ROTATED`). Then a step whose loss raises on rank 7 (stage 1, dp 1, tp 1) on a mesh of
+    ``init_device_mesh``'s groups (30 minutes' waits under gloo): its tp partner waits in a tp all-reduce that never
+    completes, yet every rank's step ends with an error within the waits' ``timeout_s`` of 10 s (MeshPipelineRank
+    made the root mesh again over groups of ``timeout_s``)."""
     plans = {family: _plan(family) for family in ROTATED}
-    results = run_ranks(8, _train_all, plans, ROTATED, deadline_s=900)
+    results = run_ranks(8, _train_all, plans, ROTATED, 7, 10.0, deadline_s=900)
     errors = [r["trace"] for r in results if "ok" not in r]
     assert not errors, errors[0]
     for r in results:   # DDP ("dp") over tensor-parallel stages, and a tp_plan without a tp dim: refused
@@ -205,3 +214,15 @@ def test_pp2_fsdp2_over_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_ba
             assert all(len(case[r]["shards"]) == len(case[r]["params"]) for r in range(8))
             _assert_gpt2_attention_sharded(family, [case[0], case[4]])
             print(family, schedule, "step seconds (rank 0)", [round(s, 3) for s in case[0]["seconds"]])
+    failed = [r["ok"]["failed"] for r in results]
+    print("failed step:", failed)
+    # init_device_mesh's groups wait 30 minutes (gloo's default, not the default group's 60 s); the stage's 10 s
+    assert all(r["ok"]["waits"] == (1800.0, 10.0) for r in results), [r["ok"]["waits"] for r in results]
+    assert all(f is not None for f in failed), failed
+    assert "injected loss failure" in failed[7], failed[7]
+    # rank 6, its tp partner, ends its tp all-reduce after timeout_s; the others hear of a failure from their pipeline
+    # peer or their dp replicas: each error names a rank, and none waited much longer than timeout_s
+    assert "rank 6: its step failed" in failed[6] and "tensor-parallel with ranks [6, 7]" in failed[6], failed[6]
+    for r, f in enumerate(failed):
+        assert re.search(r"rank \d", f), (r, f)
+        assert float(re.search(r"\[after ([0-9.]+) s\]", f).group(1)) < 3 * 10.0, (r, f)

@@ -59,3 +59,31 @@ def test_a_mesh_whose_names_say_no_pipeline_or_no_data_parallelism_is_refused(na
 def test_a_pp_by_tp_mesh_is_read_as_tensor_parallelism_without_data_parallelism():
     dims = ParallelDims.from_mesh(_Mesh(pp=2, tp=2))
     assert (dims.pp, dims.tp, dims.dp, dims.world_size) == (2, 2, 1, 4)
+
+
+@pytest.mark.parametrize("spec, want", [
+    ("dp_shard=2,tp=2", ParallelDims(pp=2, dp_shard=2, tp=2)),
+    ("dp=2", ParallelDims(pp=2, dp_shard=2)),                                # fxpipe plan's spelling: FSDP2 by default
+    ("pp=2,dp=4,tp=1,dp_mode=replicate", ParallelDims(pp=2, dp_replicate=4, sharded=False)),
+    ("dp_replicate=2,dp_shard=2", ParallelDims(pp=2, dp_replicate=2, dp_shard=2)),   # HSDP
+    ("dp_replicate=3", ParallelDims(pp=2, dp_replicate=3, sharded=False)),  # as from_mesh reads it: DDP
+    ({"pp": 2, "dp": 2, "tp": 2, "dp_mode": "shard", "order": "pp-dp-tp"}, ParallelDims(pp=2, dp_shard=2, tp=2)),
+    ("tp=2", ParallelDims(pp=2, tp=2)),
+])
+def test_a_mesh_spec_in_either_spelling_gives_the_degrees_around_the_plans_pipeline(spec, want):
+    assert ParallelDims.from_spec(spec, pp=2) == want
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("dp_shard=2,cp=2", r"unknown key\(s\) \['cp'\]; the keys are pp, dp, tp"),
+    ("dp=2,dp_shard=2", "give dp .with dp_mode. or dp_shard/dp_replicate, not both"),
+    ("dp=2,dp_mode=fsdp", "dp_mode is shard .FSDP2. or replicate"),
+    ("dp=two", "must be integers"),
+    ("dp_shard", "is not KEY=VALUE"),
+    ("dp=2,order=dp-pp-tp", "runs the pipeline outermost .pp-dp-tp"),
+])
+def test_a_bad_mesh_spec_is_refused_naming_the_key_and_the_fix(spec, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelDims.from_spec(spec, pp=2)
+    with pytest.raises(fxpipe.PlanMismatchError, match="pp=4 but the plan runs on 2 workers: leave pp out"):
+        ParallelDims.from_spec("pp=4,dp=2", pp=2)

@@ -33,8 +33,12 @@ after the dp reduction (:mod:`fxpipe.distributed.tied`).
 A ``tp`` dim (``("pp", "tp")``, ``("pp", "dp_shard", "tp")``, HSDP's ``("pp", "dp_replicate", "dp_shard",
 "tp")``) shards this rank's stages with tensor parallelism first (:func:`fxpipe.distributed.parallel.tp.
 shard_stages`, ``tp_plan=`` or the default plan), then FSDP2 shards their ``DTensor`` parameters along
-``dp_shard`` (HSDP: and replicates them along ``dp_replicate``); a step that fails on a tensor-parallel rank raises there with the
-rank and its tp group named.
+``dp_shard`` (HSDP: and replicates them along ``dp_replicate``); a step that fails on a tensor-parallel rank raises
+there with the rank and its tp group named. FSDP2 over TP needs both sub-meshes sliced from one root, so their
+waits are the root mesh's groups': a mesh whose groups would wait longer than ``timeout_s`` (``init_device_mesh``'s
+wait 30 minutes under gloo) is made again over groups of ``timeout_s`` (:mod:`fxpipe.distributed.parallel.bounded`;
+a mesh from ``ParallelDims.build_mesh(timeout_s=...)`` is used as it is), so every wait of every dim ends after
+``timeout_s``.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fxpipe.distributed.parallel.bounded import bounded_mesh, mesh_timeout_s
 from fxpipe.distributed.parallel.ddp import ReplicatedStages, SoloStages
 from fxpipe.distributed.parallel.dims import ParallelDims
 from fxpipe.distributed.parallel.fsdp import ShardedStages
@@ -98,11 +103,14 @@ class MeshPipelineRank:
                              "(pp alone) combines today; pass loss_fn(output, target)")
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        self.dims = dims
+        timeout_s = float(rank_kwargs.get("timeout_s", 300.0))
+        both = dims.tp > 1 and dims.dp > 1   # FSDP2 over TP: both meshes sliced from this one (one root)
+        if both:   # so their waits are the root's groups': made again where they would outlast timeout_s
+            mesh = self._bounded(mesh, timeout_s)
+        self.mesh, self.dims = mesh, dims
         grid = ParallelDims.dp_ranks(mesh)   # this rank's dp ranks: rows are replicas, columns shards
         flat = [r for row in grid for r in row]
         self.dp, self.dp_rank = dims.dp, flat.index(dist.get_rank())
-        timeout_s = float(rank_kwargs.get("timeout_s", 300.0))
         self.dp_group = dist.new_group(flat, timeout=datetime.timedelta(seconds=timeout_s),
                                        use_local_synchronization=True)
         self.timeout_s = timeout_s
@@ -116,7 +124,6 @@ class MeshPipelineRank:
         # torchtitan); their shards replace the parameters: put them where the model and the traced graph name them
         holders = [self.ranked.model, self.ranked.pipe._graph[0]]
         elsewhere = {n for n, p in self.ranked.named_parameters() if getattr(p, COUNTED_ELSEWHERE, False)}
-        both = dims.tp > 1 and dims.dp > 1   # FSDP2 over TP: both meshes sliced from this one (one root)
         self.tp_ranks: list[int] = []
         if dims.tp > 1:
             if self.ranked.pipe.compiled is not None:
@@ -147,6 +154,19 @@ class MeshPipelineRank:
         self._reduced: BaseException | str | None = None
         # (start, end) wall-clock times of the last step's gradient all-reduce, comparable across processes
         self.all_reduce_s: tuple[float, float] | None = None
+
+    @staticmethod
+    def _bounded(mesh: Any, timeout_s: float) -> Any:
+        """``mesh``, or where its groups wait longer than ``timeout_s`` (``init_device_mesh``'s: 30 minutes for
+        gloo), the same mesh over groups of ``timeout_s`` (:mod:`fxpipe.distributed.parallel.bounded`)."""
+        waits = mesh_timeout_s(mesh)
+        if waits is not None and waits <= timeout_s:
+            return mesh
+        if mesh.size() != dist.get_world_size():   # only a mesh over the world can be made again by every rank
+            raise ValueError(f"a ('pp', 'dp_shard', 'tp') mesh of {mesh.size()} of the {dist.get_world_size()} "
+                             f"ranks whose groups wait {waits} s, longer than timeout_s={timeout_s:g}: make it "
+                             "with ParallelDims(...).build_mesh(timeout_s=...) or bounded_mesh, or over every rank")
+        return bounded_mesh(mesh.device_type, mesh.mesh, mesh.mesh_dim_names, timeout_s)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.ranked.parameters()

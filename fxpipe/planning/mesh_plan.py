@@ -24,7 +24,19 @@ from fxpipe.planning.planner import Planner
 from solvers.mesh import DP_MODES, ORDERS, Mesh, MeshProblem, allreduce_s
 from solvers.mesh_search import MeshChoice, MeshSearch
 
-__all__ = ["mesh_costs", "mesh_record", "mesh_rows", "parse_mesh", "plan_for_choice"]
+__all__ = ["mesh_costs", "mesh_fields", "mesh_record", "mesh_rows", "parse_mesh", "plan_for_choice"]
+
+
+def mesh_fields(spec: str) -> dict[str, str]:
+    """``"pp=2,dp=4,tp=1"`` -> ``{"pp": "2", "dp": "4", "tp": "1"}``: the ``KEY=VALUE,...`` spelling of a mesh that
+    ``fxpipe plan --mesh`` and ``fxpipe.launch --mesh`` share (each reads the keys it knows)."""
+    fields = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ValueError(f"mesh {spec!r}: {part!r} is not KEY=VALUE; write e.g. mesh='pp=2,dp=4,tp=1'")
+        fields[key.strip()] = value.strip()
+    return fields
 
 
 def parse_mesh(spec: Any, world: int) -> list[Mesh]:
@@ -33,13 +45,7 @@ def parse_mesh(spec: Any, world: int) -> list[Mesh]:
     if spec == "auto":
         return []
     if isinstance(spec, str):
-        fields = {}
-        for part in filter(None, (p.strip() for p in spec.split(","))):
-            key, sep, value = part.partition("=")
-            if not sep:
-                raise ValueError(f"mesh {spec!r}: {part!r} is not KEY=VALUE; write e.g. mesh='pp=2,dp=4,tp=1'")
-            fields[key.strip()] = value.strip()
-        spec = fields
+        spec = mesh_fields(spec)
     if not isinstance(spec, dict):
         raise TypeError(f"mesh must be 'auto', a string like 'pp=2,dp=4,tp=1' or a dict, got {spec!r}")
     unknown = set(spec) - {"pp", "dp", "tp", "dp_mode", "order"}

@@ -90,13 +90,58 @@ class ParallelDims:
             raise PlanMismatchError(f"the plan runs on {workers} workers but pp={self.pp}: use {fix}, or plan for "
                                     f"{self.pp} devices")
 
-    def build_mesh(self, device_type: str = "cpu") -> Any:
-        """The named ``DeviceMesh`` of these degrees (``torch.distributed`` initialised, world checked)."""
+    def build_mesh(self, device_type: str = "cpu", timeout_s: float | None = None) -> Any:
+        """The named ``DeviceMesh`` of these degrees (``torch.distributed`` initialised, world checked). With
+        ``timeout_s`` every dim's groups wait at most that long (:mod:`fxpipe.distributed.parallel.bounded`);
+        without it, torch's default for the backend (30 minutes for gloo)."""
+        import torch
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         self.validate(dist.get_world_size())
         names, shape = zip(*self.dims())
-        return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+        if timeout_s is None:
+            return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+        from fxpipe.distributed.parallel.bounded import bounded_mesh
+        return bounded_mesh(device_type, torch.arange(math.prod(shape)).view(shape), names, timeout_s)
+
+    @classmethod
+    def from_spec(cls, spec: str | dict[str, Any], pp: int) -> ParallelDims:
+        """The degrees a ``KEY=VALUE,...`` string (or a dict of it, as ``plan.mesh`` holds) names, around a
+        pipeline of ``pp`` workers: ``fxpipe plan --mesh``'s keys (:func:`fxpipe.planning.mesh_plan.mesh_fields`)
+        ``pp`` (optional; the plan's), ``dp``, ``tp``, ``dp_mode`` (``shard``: FSDP2, the default;
+        ``replicate``: DDP) and ``order`` (``pp-dp-tp`` only), or :class:`ParallelDims`' own ``dp_shard`` and
+        ``dp_replicate`` (both: HSDP; ``dp_replicate`` alone: DDP). ``"dp_shard=2,tp=2"`` on a 2-stage plan is
+        ``ParallelDims(pp=2, dp_shard=2, tp=2)``. Raises ``ValueError`` naming the key and the fix."""
+        from fxpipe.planning.mesh_plan import mesh_fields
+        fields = dict(mesh_fields(spec) if isinstance(spec, str) else spec)
+        keys = ("pp", "dp", "tp", "dp_mode", "order", "dp_shard", "dp_replicate")
+        unknown = sorted(set(fields) - set(keys))
+        if unknown:
+            raise ValueError(f"mesh {spec!r}: unknown key(s) {unknown}; the keys are {', '.join(keys)} (e.g. "
+                             "dp_shard=2,tp=2 or dp=2,dp_mode=replicate)")
+        try:
+            size = {k: int(fields[k]) for k in ("pp", "dp", "tp", "dp_shard", "dp_replicate") if k in fields}
+        except (TypeError, ValueError):
+            raise ValueError(f"mesh {spec!r}: pp, dp, tp, dp_shard and dp_replicate must be integers") from None
+        mode, order = str(fields.get("dp_mode", "shard")), str(fields.get("order", "pp-dp-tp"))
+        if "dp" in size and ({"dp_shard", "dp_replicate"} & set(size)):
+            raise ValueError(f"mesh {spec!r}: give dp (with dp_mode) or dp_shard/dp_replicate, not both")
+        if mode not in ("shard", "replicate") or (("dp_shard" in size or "dp_replicate" in size) and "dp_mode" in fields):
+            raise ValueError(f"mesh {spec!r}: dp_mode is shard (FSDP2) or replicate (DDP), and goes with dp only "
+                             "(dp_shard and dp_replicate name their mode)")
+        if order != "pp-dp-tp":
+            raise ValueError(f"mesh {spec!r}: order={order}: fxpipe runs the pipeline outermost (pp-dp-tp: each "
+                             "pipeline's ranks apart, each tp group's ranks adjacent); pass order=pp-dp-tp")
+        if size.get("pp", pp) != pp:
+            raise PlanMismatchError(f"mesh {spec!r}: pp={size['pp']} but the plan runs on {pp} workers: leave pp out "
+                                    f"(it is the plan's) or plan for {size['pp']} devices")
+        dp, tp = size.get("dp", 1), size.get("tp", 1)
+        if "dp" in size:
+            return cls(pp=pp, dp_shard=dp, tp=tp) if mode == "shard" else cls(pp=pp, dp_replicate=dp, tp=tp,
+                                                                                  sharded=False)
+        if "dp_shard" in size or "dp_replicate" not in size:
+            return cls(pp=pp, dp_replicate=size.get("dp_replicate", 1), dp_shard=size.get("dp_shard", 1), tp=tp)
+        return cls(pp=pp, dp_replicate=size["dp_replicate"], tp=tp, sharded=False)
 
     @classmethod
     def from_mesh(cls, mesh: Any) -> ParallelDims:

@@ -66,7 +66,7 @@ as one process; ``tests/test_checkpoint_sharded.py``: HSDP over tp (pp=1 × dp_r
 checkpoints between FSDP2, tp and plain ranks, and ``weights=`` on a ``("pp", "tp")`` mesh, Llama as one process
 within 1e-5. Qwen2 and BERT were checked at tp=2 in a
 scratch run (forward and gradients as one process), not in a test. The tp group's waits end after ``timeout_s``
-(under FSDP2, after the default process group's timeout: the root mesh's groups). Not offered: DDP replicas of
+(under FSDP2 too: the root mesh's groups are made with it, :mod:`fxpipe.distributed.parallel.bounded`). Not offered: DDP replicas of
 tensor-parallel stages, sequence parallelism, torch.fx-traced graphs whose nodes carry no recorded shapes.
 """
 
@@ -154,7 +154,7 @@ def sum_partial_grads(plan: TPPlan, named: dict[str, nn.Parameter], group: Any) 
 def tp_mesh_of(mesh: Any, timeout_s: float, *, from_root: bool) -> Any:
     """This rank's 1-D ``("tp",)`` mesh of ``mesh`` (dims named as :class:`ParallelDims` names them). With
     ``from_root`` the slice ``mesh["tp"]`` (FSDP2 composes with TP only over slices of one root mesh; its waits
-    end after the default process group's timeout); otherwise a group whose waits end after ``timeout_s``."""
+    end after the root's groups' timeout: :class:`fxpipe.distributed.mesh.MeshPipelineRank` makes it ``timeout_s``); otherwise a group whose waits end after ``timeout_s``."""
     if from_root:
         return mesh["tp"]
     from torch.distributed.device_mesh import DeviceMesh
