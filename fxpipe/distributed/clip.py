@@ -5,8 +5,10 @@ Each value is counted once, however many ranks hold it. A tied weight's copies o
 ``fxpipe_counted_elsewhere`` (:mod:`fxpipe.distributed.tied`). On a mesh, the ranks of one pipeline position (its
 ``dp × tp`` ranks) hold their stages' gradients as DDP replicas (whole, ``dp`` copies), FSDP2 shards (one each;
 HSDP: ``dp_replicate`` copies), tensor-parallel shards (one each) or tp-replicated tensors (``tp`` copies):
-:func:`mark_copies` writes on each parameter how many ranks hold its piece (``fxpipe_copies``), and each rank adds
-its pieces' ``|g|^p`` divided by that. torchtitan gets the same norm from DTensor's ``full_tensor`` and a pp
+:func:`mark_copies` writes on each parameter how many ranks hold its stage (``fxpipe_stage_ranks``), and each rank
+adds its gradients' ``|g|^p`` divided by the copies of each: those ranks over the pieces the gradient's own
+placements cut it into (a gradient may be placed otherwise than its parameter: GPT-2's replicated ``c_attn`` bias
+gets a strided-sharded one). torchtitan gets the same norm from DTensor's ``full_tensor`` and a pp
 all-reduce; this sum over ranks needs no per-parameter collective and covers DDP replicas, which are not DTensors.
 """
 
@@ -19,11 +21,11 @@ import torch.distributed as dist
 
 __all__ = ["clip_grad_norm_", "mark_copies", "COPIES"]
 
-COPIES = "fxpipe_copies"   # a Parameter attribute: how many ranks hold the same piece of it (default 1)
+COPIES = "fxpipe_stage_ranks"   # a Parameter attribute: how many ranks hold its stage (default 1)
 
 
 def _distinct(param: torch.Tensor) -> int:
-    """How many different pieces of ``param`` its DTensor mesh holds (1 for a plain tensor)."""
+    """How many different pieces of ``param`` (a gradient) its DTensor mesh holds (1 for a plain tensor)."""
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.placement_types import _StridedShard   # FSDP2 over tp's dim-0 shards, GPT-2's
     if not isinstance(param, DTensor):                                   # c_attn: not a Shard subclass in torch 2.15
@@ -36,9 +38,9 @@ def _distinct(param: torch.Tensor) -> int:
 
 
 def mark_copies(parameters: Iterable[torch.Tensor], ranks_per_stage: int) -> None:
-    """Write on each parameter how many of the ``ranks_per_stage`` ranks that hold its stage hold its piece."""
+    """Write on each parameter how many ranks (``ranks_per_stage``) hold its stage."""
     for p in parameters:
-        setattr(p, COPIES, max(1, ranks_per_stage // _distinct(p)))
+        setattr(p, COPIES, ranks_per_stage)
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
@@ -49,7 +51,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     ``group``: the ranks whose norm it is (default: every rank)."""
     params = [p for p in parameters if p.grad is not None]
     grads = [_local(p.grad) for p in params]
-    counted = [(_local(p.grad), getattr(p, COPIES, 1)) for p in params
+    counted = [(_local(p.grad), max(1, getattr(p, COPIES, 1) // _distinct(p.grad))) for p in params
                if not getattr(p, "fxpipe_counted_elsewhere", False)]
     norm_type = float(norm_type)
     if norm_type == float("inf"):
