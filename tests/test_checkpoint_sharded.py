@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+from typing import Callable
 
 import pytest
 import torch
@@ -65,10 +66,16 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def _reference() -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """One process, the whole model: each step's loss and the parameters after steps 2, 4 and 6."""
     model = make_model()
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    return _train(model, torch.optim.Adam(model.parameters(), lr=LR), batches(), lambda m, b: _loss(m(b[0]), b[1]))
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: list, loss_of: Callable, first: int = 0
+           ) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """One process trains ``model`` on ``steps`` (numbered from ``first``): each step's loss, and the parameters
+    after every odd-numbered step."""
     losses, params = [], []
-    for step, (x, y) in enumerate(batches()):
-        loss = _loss(model(x), y)
+    for step, batch in enumerate(steps, start=first):
+        loss = loss_of(model, batch)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -167,17 +174,8 @@ def _llama_reference(start: dict[str, torch.Tensor] | None = None, first: int = 
     model = build("llama")
     if start is not None:
         model.load_state_dict(start, strict=False)
-    opt = _optimizer(model.parameters())
-    losses, params = [], []
-    for step, b in enumerate(_llama_batches()[first:], start=first):
-        loss = llama_loss(model(b["input_ids"]), b["labels"])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        if step % 2 == 1:
-            params.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return losses, params
+    return _train(model, _optimizer(model.parameters()), _llama_batches()[first:],
+                  lambda m, b: llama_loss(m(b["input_ids"]), b["labels"]), first)
 
 
 def _llama_legs(rank: int, world: int, plans: dict[int, str], root: str) -> dict:
