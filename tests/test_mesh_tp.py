@@ -174,16 +174,18 @@ def test_pp2_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_batch():
     print("failed step:", failed)
 
 
-# every family under every schedule: the 8 processes' start, imports and captures cost most of the run (the
-# twelve cases took 182 s, one schedule per family ~150 s)
-MESH_CASES = {family: SCHEDULES for family in (*FAMILIES, "qwen3")}
+# each family once, the schedules in turn; FXPIPE_FULL_MESH=1: every family under every schedule (182 s alone, but
+# in CI its 8 processes starve the other worker: 261 s there, and the suite went past an hour)
+MESH_CASES = ({family: SCHEDULES for family in (*FAMILIES, "qwen3")} if os.environ.get("FXPIPE_FULL_MESH") == "1"
+              else {family: (schedule,) for family, schedule in zip((*FAMILIES, "qwen3"), (*SCHEDULES, "gpipe"))})
 
 
 @pytest.mark.slow
 def test_pp2_fsdp2_over_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_batch():
     """pp=2 × dp_shard=2 × tp=2 (8 processes): FSDP2 shards the tensor-parallel stages' DTensor parameters over dp
-    (both meshes sliced from one), each replica its share of the batch (the last shared unevenly). Llama untied and
-    tied, GPT-2 and Qwen3 (its per-head norms' gradients summed over tp), each under GPipe, 1F1B and ZB-H1. Then a step whose loss raises on rank 7 (stage 1, dp 1, tp 1) on a mesh of
+    (both meshes sliced from one), each replica its share of the batch (the last shared unevenly). Llama untied under
+    GPipe, Llama tied under 1F1B, GPT-2 under ZB-H1, Qwen3 (its per-head norms' gradients summed over tp) under
+    GPipe (:data:`MESH_CASES`; every pair with ``FXPIPE_FULL_MESH=1``). Then a step whose loss raises on rank 7 (stage 1, dp 1, tp 1) on a mesh of
     ``init_device_mesh``'s groups (30 minutes' waits under gloo): its tp partner waits in a tp all-reduce that never
     completes, yet every rank's step ends with an error within the waits' ``timeout_s`` of 10 s (MeshPipelineRank
     made the root mesh again over groups of ``timeout_s``)."""

@@ -59,8 +59,8 @@ norms. The sharded parameters' gradients are ``DTensor`` s sharded as the parame
 Status: :class:`fxpipe.distributed.mesh.MeshPipelineRank` runs it on a mesh with a ``tp`` dim (``("pp", "tp")``,
 ``("pp", "dp_shard", "tp")``: FSDP2 over the tensor-parallel stages, both meshes sliced from one root as FSDP2
 requires). ``tests/test_mesh_tp.py``: Llama (tied, untied) and GPT-2 (attention and MLP sharded) at pp=2 × tp=2
-under GPipe, 1F1B and ZB-H1 and Qwen3 (per-head q/k norms) under 1F1B, and all four under each schedule at
-pp=2 × dp_shard=2 × tp=2, train as one process within 1e-5;
+under GPipe, 1F1B and ZB-H1 and Qwen3 (per-head q/k norms) under 1F1B, and all four at pp=2 × dp_shard=2 × tp=2
+(the schedules in turn; each under each with ``FXPIPE_FULL_MESH=1``), train as one process within 1e-5;
 ``tests/test_tp.py``: GPT-2 at tp=2 (2 processes), its loss, gradients and a checkpoint loaded into a plain model
 as one process; ``tests/test_checkpoint_sharded.py``: HSDP over tp (pp=1 × dp_replicate=2 × dp_shard=1 × tp=2),
 checkpoints between FSDP2, tp and plain ranks, and ``weights=`` on a ``("pp", "tp")`` mesh, Llama as one process
