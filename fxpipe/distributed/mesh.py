@@ -147,6 +147,9 @@ class MeshPipelineRank:
             if name in elsewhere:
                 setattr(param, COUNTED_ELSEWHERE, True)
         mark_copies(self.ranked.parameters(), dims.dp * dims.tp)
+        # a per-head norm's weight (TPPlan.summed): the parameters FSDP2 left, resolved once
+        summed = set(self.tp_plan.summed) if self.tp_ranks else set()
+        self._summed = [p for n, p in self.ranked.named_parameters() if n in summed]
         # after the dp reduction: a tied weight's all-reduce over the pp ranks that hold it (fxpipe.distributed.tied),
         # which sums the dp-averaged gradients (FSDP2: this rank's shard of them; the owners hold the same shard)
         self._rank_done = self.ranked.pipe.transport.when_local_done
@@ -248,8 +251,8 @@ class MeshPipelineRank:
             else:
                 started = time.time()
                 self.data.reduce()
-                if self.tp_ranks:   # a per-head norm's weight: each tp rank summed its heads' gradients only
-                    sum_partial_grads(self.tp_plan, dict(self.ranked.named_parameters()), self._tp_group)
+                if self._summed:   # a per-head norm's weight: each tp rank summed its heads' gradients only
+                    sum_partial_grads(self._summed, self._tp_group)
                 self.all_reduce_s = (started, time.time())
                 self._reduced = None
         except BaseException as exc:   # raised by step, after the transport has heard the other ranks

@@ -38,7 +38,7 @@ from torch.distributed.tensor._ops import _view_ops as views
 
 from fxpipe.distributed.parallel.tp_plans import TPPlanError
 
-__all__ = ["local_sizes", "localise_shapes", "partial_parameters"]
+__all__ = ["local_sizes", "localisation", "localise_shapes", "partial_parameters"]
 
 _SAME_SHAPE = {"clone", "contiguous", "_to_copy", "alias", "detach", "dropout", "lift_fresh_copy", "type_as", "to",
                "float", "native_dropout"}
@@ -218,7 +218,7 @@ def local_sizes(gm: fx.GraphModule, colwise: set[str], rowwise: set[str], tp: in
     outputs, those at ``fused`` (path -> parts) their fused ``[part_0_r, part_1_r, ...]`` columns, its row-wise ones
     at ``rowwise`` taking them) whose recorded sizes must become one tp rank's; :class:`TPPlanError` where that
     cannot be exact (module doc). Changes nothing: :func:`localise_shapes` does."""
-    return _walk(gm, colwise, rowwise, tp, fused)[1]
+    return localisation(gm, colwise, rowwise, tp, fused)[0]
 
 
 def partial_parameters(gm: fx.GraphModule, colwise: set[str], rowwise: set[str], tp: int,
@@ -227,9 +227,15 @@ def partial_parameters(gm: fx.GraphModule, colwise: set[str], rowwise: set[str],
     weight, Qwen3's ``q_norm``): replicated, but each tp rank's backward sums their gradient over its own heads
     only, so the whole gradient is the sum over the tp ranks (Megatron's finalize all-reduces its q/k layer norms'
     gradients over tp for the same reason)."""
-    sharded = _walk(gm, colwise, rowwise, tp, fused)[0]
-    return {a.target for node, dim in sharded.items() if dim is not None and node.op == "call_function"
-            for a in node.all_input_nodes if a.op == "get_attr"}
+    return localisation(gm, colwise, rowwise, tp, fused)[1]
+
+
+def localisation(gm: fx.GraphModule, colwise: set[str], rowwise: set[str], tp: int,
+                 fused: dict[str, int] | None = None) -> tuple[dict[fx.Node, tuple], set[str]]:
+    """:func:`local_sizes` and :func:`partial_parameters` from one walk of ``gm``."""
+    sharded, edits = _walk(gm, colwise, rowwise, tp, fused)
+    return edits, {a.target for node, dim in sharded.items() if dim is not None and node.op == "call_function"
+                   for a in node.all_input_nodes if a.op == "get_attr"}
 
 
 def _walk(gm: fx.GraphModule, colwise: set[str], rowwise: set[str], tp: int,

@@ -82,7 +82,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from fxpipe.distributed.parallel.fsdp import broadcast_states, repoint
-from fxpipe.distributed.parallel.local_shapes import local_sizes, localise_shapes, partial_parameters
+from fxpipe.distributed.parallel.local_shapes import localisation, localise_shapes
 from fxpipe.distributed.parallel.module_calls import called_modules, restore_module_calls
 from fxpipe.distributed.parallel.tp_plans import (Conv1DFusedColwise, TPPlan, TPPlanError, default_tp_plan,
                                                   given_tp_plan)
@@ -114,9 +114,10 @@ def apply_tp(stage_modules: Sequence[nn.Module], tp_mesh: Any, tp_plan: dict[str
     located = locate_tp_layers(stage_modules, plan, model)
     # every graph checked (and refused) before any parameter changes
     fused = {p: s.split for p, s in plan.styles.items() if isinstance(s, Conv1DFusedColwise)}
-    edits = [local_sizes(gm, colwise, rowwise, tp, fused) if isinstance(gm, fx.GraphModule) else {}
+    walks = [localisation(gm, colwise, rowwise, tp, fused) if isinstance(gm, fx.GraphModule) else ({}, set())
              for gm in stage_modules]
-    plan.summed = _summed(stage_modules, colwise, rowwise, tp, model, fused)
+    edits = [w[0] for w in walks]
+    plan.summed = _summed(stage_modules, [w[1] for w in walks], model)
     for k, gm in enumerate(stage_modules):
         mine = {p: s for p, s in plan.styles.items() if located.get(p) == k}
         if mine:
@@ -126,15 +127,13 @@ def apply_tp(stage_modules: Sequence[nn.Module], tp_mesh: Any, tp_plan: dict[str
     return plan
 
 
-def _summed(stage_modules: Sequence[nn.Module], colwise: set[str], rowwise: set[str], tp: int,
-            model: nn.Module, fused: dict[str, int]) -> list[str]:
-    """The model's names of the trainable parameters that the stage graphs read between a block's layers."""
+def _summed(stage_modules: Sequence[nn.Module], reads: list[set[str]], model: nn.Module) -> list[str]:
+    """The model's names of the trainable parameters that the stage graphs read between a block's layers
+    (``reads``: each stage's targets, :func:`~fxpipe.distributed.parallel.local_shapes.partial_parameters`)."""
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     found = set()
-    for gm in stage_modules:
-        if not isinstance(gm, fx.GraphModule):
-            continue
-        for target in partial_parameters(gm, colwise, rowwise, tp, fused):
+    for gm, targets in zip(stage_modules, reads):
+        for target in targets:
             owner, _, attr = target.rpartition(".")
             param = gm.get_submodule(owner)._parameters.get(attr) if owner or attr else None
             if isinstance(param, nn.Parameter) and param.requires_grad and id(param) in names:
@@ -142,11 +141,11 @@ def _summed(stage_modules: Sequence[nn.Module], colwise: set[str], rowwise: set[
     return sorted(found)
 
 
-def sum_partial_grads(plan: TPPlan, named: dict[str, nn.Parameter], group: Any) -> None:
-    """Sum over the tp ranks the gradients of the parameters ``plan.summed`` names (of ``named``, this rank's; a
+def sum_partial_grads(params: Sequence[nn.Parameter], group: Any) -> None:
+    """Sum over the tp ranks the gradients of ``params`` (this rank's of those ``TPPlan.summed`` names; a
     DTensor's local shard under FSDP2, sharded alike on every tp rank): once a step, after the backward passes."""
-    for name in plan.summed:
-        grad = named[name].grad if name in named else None
+    for param in params:
+        grad = param.grad
         if grad is not None:
             dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=group)
 
