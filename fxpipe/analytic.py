@@ -18,8 +18,9 @@ and plans it for several device counts, or costs a split it chose itself with ``
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -44,6 +45,8 @@ from solvers.mesh import MeshProblem
 from solvers.mesh_search import search_mesh
 from solvers.schedule_search import chunk_choices
 from solvers.schedules import SCHEDULES, stages_per_worker
+
+IF_NEEDED = "if_needed"   # fxpipe.plan's default mesh: one pipeline where it holds the model on one node, else "auto"
 
 __all__ = ["AnalyticModel", "cost_model", "planner_for", "plan", "plan_costed_mesh", "plan_mesh", "OPTIMIZER_STATE"]
 
@@ -141,7 +144,7 @@ def plan(
     frontend: str = "auto",
     options: CompileOptions | None = None,
     time_limit_s: float = 2.0,
-    mesh: str | dict[str, Any] | None = None,
+    mesh: str | dict[str, Any] | None = "if_needed",
     sequence_parallel: bool = True,
 ) -> Plan:
     """Plan ``model`` for ``devices`` (e.g. ``fxpipe.Devices.preset("h100", 8)``) from shapes alone.
@@ -162,7 +165,10 @@ def plan(
             ``concrete_args``, ``keep_blocks_whole``, ``memory_bytes`` per device).
         time_limit_s: the solver's limit per solve (default 2 s; the auto search solves once or twice per
             schedule and micro-batch count, and a search stopped by it says so with its gap in the plan).
-        mesh: ``None`` (default): one pipeline over all the devices, as before. ``"auto"``: the devices as a
+        mesh: ``"if_needed"`` (default): one pipeline over all the devices where the devices are one node's
+            and one pipeline holds the model, else ``"auto"`` (devices on several nodes, or no pipeline that fits;
+            ``plan.solver["mesh_because"]`` and the summary say why). ``None``: one pipeline over all the devices,
+            whatever it costs. ``"auto"``: the devices as a
             pp x dp x tp mesh (tensor parallel inside the fastest islands of links, data parallel replicated
             or FSDP-sharded), the shape searched jointly with the stage cuts, the schedule, the micro-batches
             and recomputation (:mod:`solvers.mesh_search`; :mod:`solvers.mesh` says what each dimension is
@@ -183,6 +189,12 @@ def plan(
                                                     or chunks < 1):
         raise ValueError(f"chunks must be a positive integer or 'auto' (the planner picks), got {chunks!r}")
     auto_chunks = chunks is None or chunks == "auto"
+    if mesh == IF_NEEDED:
+        planning = functools.partial(plan, model, devices, example_inputs, example_kwargs=example_kwargs,
+                                     chunks=chunks, schedule=schedule, optimizer=optimizer, checkpoint=checkpoint,
+                                     leaf_modules=leaf_modules, frontend=frontend, options=options,
+                                     time_limit_s=time_limit_s)
+        return _pipeline_or_mesh(planning, len(set(devices.nodes)), stages, virtual_stages, sequence_parallel)
     if mesh is not None:
         if stages is not None or virtual_stages is not None:
             raise ValueError("with mesh=, the mesh search chooses the stages: leave stages and virtual_stages unset")
@@ -215,6 +227,31 @@ def plan(
                                   "and optimizer states over data-parallel devices (FSDP) or splits the layers "
                                   "(tensor parallel)", exc.min_peak_bytes) from exc
 
+
+
+def _pipeline_or_mesh(planning: Callable[..., Plan], nodes: int, stages: int | None, virtual_stages: int | None,
+                      sequence_parallel: bool) -> Plan:
+    """``fxpipe.plan``'s default mesh (:data:`IF_NEEDED`): one pipeline (``planning(mesh=None)``) where the
+    devices are one node's and it fits, or where the pipeline's shape is fixed (``stages``, ``virtual_stages``);
+    else the mesh search (``mesh="auto"``), ``plan.solver["mesh_because"]`` saying why."""
+    pipeline_error = None
+    fixed = stages is not None or virtual_stages is not None
+    if fixed or nodes == 1:
+        try:
+            return planning(stages=stages, virtual_stages=virtual_stages, mesh=None)
+        except InfeasiblePlanError as exc:
+            if fixed:
+                raise
+            pipeline_error = str(exc).split("; or plan with mesh='auto'")[0]   # that is what is done next
+    because = (f"the devices are on {nodes} nodes" if pipeline_error is None else
+               f"no single pipeline holds the model ({pipeline_error.split(';')[0]})")
+    try:
+        result = planning(mesh="auto", sequence_parallel=sequence_parallel)
+    except InfeasiblePlanError as exc:
+        raise InfeasiblePlanError(f"{pipeline_error or because}; and no mesh of the devices fits either: {exc}",
+                                  exc.min_peak_bytes) from exc
+    result.solver["mesh_because"] = because
+    return result
 
 
 def plan_mesh(model: nn.Module, devices: Devices, example_inputs: tuple, mesh: str | dict[str, Any], *,

@@ -200,7 +200,7 @@ def check_plan(plan: Plan, captured: Captured, model: nn.Module, devices: list[t
                chunks: int | None) -> None:
     """Refuse a loaded plan made for another model, other devices, other chunks or the other mode."""
     if plan.fingerprint != captured.fingerprint:
-        raise PlanMismatchError(
+        raise PlanMismatchError(captured.dtype_mismatch(plan.profile.get("dtype")) or
             f"the plan was made for another model ({plan.model}, fingerprint {plan.fingerprint[:12]}) "
             f"but this {type(model).__name__} traces to fingerprint {captured.fingerprint[:12]}; "
             "compile without plan= to make a new one"

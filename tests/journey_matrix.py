@@ -3,7 +3,8 @@
 ``python -m torch.distributed.run --nproc-per-node N tests/journey_matrix.py CASES.json`` runs, for every case
 of the JSON list (``{"plan", "family", "schedule", "lr", "checkpoint", "out"}``), what a user runs as two commands —
 ``fxpipe.launch`` for 3 steps with a checkpoint, then ``fxpipe.launch --resume`` for the rest — by calling
-:func:`fxpipe.launch.main` with those very arguments, once each, in this process. The process group is joined
+:func:`fxpipe.launch.main` with those very arguments, once each, in this process; a case with ``"argv"`` (and
+``"name"``, ``"plan"``, ``"out"``) runs that one command instead. The process group is joined
 once, here, and kept (``main`` uses the one it finds and is kept from destroying it): a group joined again on
 torchrun's store would read the keys its previous incarnation left there (the old ranks' addresses). Each rank's output of a case goes to ``out/rankR.txt``; a case
 that fails stops this rank with exit status 1 (the others end on their waits' timeout). One torchrun for every
@@ -37,22 +38,30 @@ def main(cases_path: str) -> int:
         destroy()
 
 
+def _commands(case: dict) -> list[list[str]]:
+    """The launch commands of a case: its own (``"argv"``), else a journey's two."""
+    if "argv" in case:
+        return [case["argv"]]
+    name = case["family"].replace("-", "_")
+    common = ["--plan", case["plan"], "--model", f"journey_target:{name}", "--data", f"journey_target:data_{name}",
+              "--lr", str(case["lr"]), "--checkpoint", case["checkpoint"], "--timeout", "120",
+              "--schedule", case["schedule"]]
+    return [[*common, "--steps", "3"], [*common, "--resume", "--steps", str(STEPS - 3)]]
+
+
 def _run(cases: list[dict], rank: int) -> int:
     for case in cases:
-        name = case["family"].replace("-", "_")
-        common = ["--plan", case["plan"], "--model", f"journey_target:{name}", "--data", f"journey_target:data_{name}",
-                  "--lr", str(case["lr"]), "--checkpoint", case["checkpoint"], "--timeout", "120",
-                  "--schedule", case["schedule"]]
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = fxpipe.launch.main([*common, "--steps", "3"])
-            if code == 0:
-                code = fxpipe.launch.main([*common, "--resume", "--steps", str(STEPS - 3)])
+            code = 0
+            for argv in _commands(case):
+                code = code or fxpipe.launch.main(argv)
         os.makedirs(case["out"], exist_ok=True)
         with open(os.path.join(case["out"], f"rank{rank}.txt"), "w") as f:
             f.write(out.getvalue() + err.getvalue())
         if code != 0:
-            print(f"rank {rank}: {case['family']} ({case['plan']}) failed:\n{err.getvalue()}", file=sys.stderr)
+            print(f"rank {rank}: {case.get('family', case.get('name'))} ({case['plan']}) failed:\n{err.getvalue()}",
+                  file=sys.stderr)
             return 1
     return 0
 

@@ -87,10 +87,10 @@ def test_checkpointed_modes_plan_under_the_memory_their_recomputation_needs():
     x = torch.empty(1572864, 4096, device="meta")
     devices = fxpipe.Devices.preset("h100", 2)
     with pytest.raises(fxpipe.InfeasiblePlanError, match="fits in memory") as info:
-        fxpipe.plan(model, devices, (x,), chunks=8, checkpoint="never", schedule="gpipe")
+        fxpipe.plan(model, devices, (x,), chunks=8, checkpoint="never", schedule="gpipe", mesh=None)
     assert "or plan with mesh='auto', which also shards the parameters" in str(info.value)   # the other fix
     for checkpoint in ("always", "except_last"):
-        plan = fxpipe.plan(model, devices, (x,), chunks=8, checkpoint=checkpoint, schedule="gpipe")
+        plan = fxpipe.plan(model, devices, (x,), chunks=8, checkpoint=checkpoint, schedule="gpipe", mesh=None)
         assert plan.problem["recompute"] is True
         assert [st.memory_bytes for st in plan.stages] == [d.memory_bytes for d in devices.specs]
         assert all(0 < w.peak_bytes <= st.memory_bytes for w, st in zip(predict_worker_memory(plan), plan.stages))

@@ -67,7 +67,8 @@ def test_plan_a_module_factory_and_timm(capsys):
 def test_plan_for_gpus_on_two_nodes_puts_the_network_between_them(tmp_path, capsys):
     path = tmp_path / "two.plan.json"
     for devices in (("--devices", "h100@0:0-1,1:0-1"), ("--preset", "h100", "--count", "0:0-1,1:0-1")):
-        code, out, err = fxpipe_cli(capsys, "plan", "resnet18", *devices, *SMALL, "--time-limit", "2", "-o", str(path))
+        code, out, err = fxpipe_cli(capsys, "plan", "resnet18", *devices, *SMALL, "--time-limit", "2", "--mesh", "none",
+                                    "-o", str(path))   # one pipeline over both nodes (by default: a mesh searched)
         assert code == 0, err
         problem = fxpipe.load_plan(path).to_dict()["problem"]
         bandwidth = problem["links"]["bandwidth_Bps"]

@@ -127,3 +127,25 @@ def test_cli_plans_a_mesh_for_a_preset_and_refuses_one_for_local_devices(tmp_pat
     code = main(["plan", "resnet18", "--mesh", "auto", "--devices", "cpu,cpu", "--batch", "4", "--image-size", "32"])
     err = capsys.readouterr().err
     assert code != 0 and err.startswith("error: --mesh plans a preset's devices")
+
+
+def test_meshes_are_searched_by_default_where_one_pipeline_cannot_hold_the_model_or_the_devices_span_nodes():
+    """``fxpipe.plan``'s default (``mesh="if_needed"``): two layers of 64 MiB with Adam are 256 MiB each, so 4
+    devices of 200 MiB hold no pipeline of them (a layer cannot be cut) but hold them split by tensor parallelism;
+    ``mesh=None`` keeps one pipeline and refuses, naming ``mesh='auto'``; a fixed ``stages`` keeps the pipeline's
+    refusal too. Devices on two nodes are searched as a mesh whatever the memory; the summary says why."""
+    with torch.device("meta"):
+        wide = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096))
+    x = torch.zeros(16, 4096, device="meta")
+    small = fxpipe.CompileOptions(memory_bytes=[200 * 2**20] * 4)
+    plan = fxpipe.plan(wide, Devices.preset("h100", 4), (x,), options=small)
+    assert (plan.mesh["pp"], plan.mesh["dp"], plan.mesh["tp"]) == (1, 1, 4), plan.mesh
+    assert plan.solver["mesh_because"].startswith("no single pipeline holds the model")
+    assert plan.summary().splitlines()[0].startswith("meshes searched by default: no single pipeline holds the model")
+    for pipeline_only in ({"mesh": None}, {"stages": 2}):
+        with pytest.raises(fxpipe.InfeasiblePlanError, match="mesh='auto'"):
+            fxpipe.plan(wide, Devices.preset("h100", 4), (x,), options=small, **pipeline_only)
+    two_nodes = fxpipe.plan(wide, Devices.preset("h100", "0:0-1,1:0-1"), (x,))
+    assert two_nodes.mesh is not None and two_nodes.solver["mesh_because"] == "the devices are on 2 nodes"
+    one_node = fxpipe.plan(wide, Devices.preset("h100", 4), (x,))
+    assert one_node.mesh is None and "mesh_because" not in one_node.solver

@@ -91,6 +91,14 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
     parser.add_argument("--count", default="8", help=argparse.SUPPRESS)   # or placements: 0:0-7,1:0-7
 
 
+def _mesh(given: str | None) -> str | None:
+    """``--mesh``: absent is fxpipe.plan's default (a mesh searched where one pipeline cannot hold the model or the
+    devices span nodes), ``none`` one pipeline whatever it costs, else ``auto`` or a shape."""
+    if given is None:
+        return "if_needed"
+    return None if given.strip().lower() == "none" else given
+
+
 def _legacy(preset: str, count: str) -> str:
     """``--preset h100 --count 8`` is ``--devices h100x8``; ``--count 0:0-7,1:0-7`` is ``h100@0:0-7,1:0-7``."""
     return f"{preset}x{count}" if count.strip().isdigit() else f"{preset}@{count}"
@@ -135,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         if analytic:
             plan = fxpipe.plan(model, devices, inputs, example_kwargs=kwargs, chunks=args.chunks,
                                schedule=args.schedule, leaf_modules=leaves, time_limit_s=args.time_limit,
-                               mesh=getattr(args, "mesh", None))
+                               mesh=_mesh(getattr(args, "mesh", None)))
         else:
             profile = dataclasses.replace(fxpipe.ProfileOptions.of(args.profile), progress=not args.quiet)
             plan = fxpipe.compile(model, devices, inputs, example_kwargs=kwargs, chunks=args.chunks,

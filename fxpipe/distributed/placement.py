@@ -9,20 +9,27 @@ Each process says where it is — its node (``FXPIPE_NODE``, set by ``fxpipe.lau
 whatever global rank torchrun gave it. Without torchrun's variables a process is on node 0 with its rank as
 local rank (``torch.multiprocessing`` on one machine). One pipeline of a mesh (a ``pp`` group of some of the
 processes) runs the plan's devices on its members in order.
+
+A plan names the devices it was made for (``cuda:3`` of an H100 preset), which need not be the ones a process
+has: :func:`rank_devices` says where this process runs a stage planned on one of them (the planned device where the
+process has it, its own GPU where the plan's index is past its node's GPUs, the CPU where it has no GPU: a plan
+made for GPUs runs on gloo CPU processes, as a laptop or CI checks it).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from fxpipe.errors import PlanMismatchError
 from fxpipe.planning.plan import Plan
 from solvers.schedules import stage_worker
 
-__all__ = ["plan_slots", "where_am_i", "stage_ranks"]
+__all__ = ["plan_slots", "where_am_i", "stage_ranks", "rank_devices"]
 
 
 def plan_slots(plan: Plan) -> list[tuple[int, int]]:
@@ -79,3 +86,38 @@ def stage_ranks(plan: Plan, rank: int, world: int, group: Any = None) -> list[in
             f"(node, local rank) {sorted(at) if len(at) == world else here}: start "
             f"torchrun --nnodes {len(nodes)} with that many processes on each node (--node-rank = the plan's node)")
     return [at[s] for s in slots]
+
+
+def rank_devices(planned: list[str]) -> list[torch.device]:
+    """Where this process runs each stage the plan put on ``planned`` (module doc), one per stage. An accelerator
+    the process lacks (a CUDA plan on a machine without CUDA) gives the CPU, with one warning that says so: the
+    step computes the same, and the plan's times and memory are those of the devices it was made for. An
+    accelerator index past the process's devices (a plan made for 8 GPUs of a node, run where
+    ``CUDA_VISIBLE_DEVICES`` leaves each process one) gives the process's own ``LOCAL_RANK`` device."""
+    out, missing = [], []
+    for name in planned:
+        device = torch.device(name)
+        backend = getattr(torch, device.type, None) if device.type not in ("cpu", "meta") else None
+        if backend is None:
+            out.append(device)
+        elif not backend.is_available():
+            missing.append(str(device))
+            out.append(torch.device("cpu"))
+        elif device.index is None or device.index < backend.device_count():
+            out.append(device)
+        else:
+            out.append(_own_device(device, backend.device_count()))
+    if missing:
+        warnings.warn(f"the plan puts stages on {', '.join(sorted(set(missing)))}, which this process does not "
+                      "have: they run on the cpu (the plan's times and memory are those of the devices it was "
+                      "made for)", UserWarning, stacklevel=2)
+    return out
+
+
+def _own_device(device: torch.device, count: int) -> torch.device:
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if local >= count:
+        raise PlanMismatchError(f"the plan puts a stage on {device}, but this process (LOCAL_RANK {local}) sees "
+                                f"{count} {device.type} device(s): start one process per device of the plan on each "
+                                f"node, or set CUDA_VISIBLE_DEVICES so that each process sees its own")
+    return torch.device(device.type, local)

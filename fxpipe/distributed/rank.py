@@ -28,7 +28,7 @@ from torch import nn
 
 from fxpipe.compression_spec import check_compression
 from fxpipe.distributed.materialise import empty_model, is_empty, materialise
-from fxpipe.distributed.placement import stage_ranks
+from fxpipe.distributed.placement import rank_devices, stage_ranks
 from fxpipe.distributed.tied import RankTies, install_representatives
 from fxpipe.distributed.transport import P2P
 from fxpipe.distributed.weights import open_weights
@@ -75,7 +75,9 @@ class PipelineRank:
     :meth:`fxpipe.Pipeline.step`'s: the loss runs on the last stage's rank, which sends the token count it found
     (``"auto"``, ``"token"``) to every rank at the step's end, before any rank's gradients are final; a loss that
     ``"auto"`` refuses ends every rank's step with the error, their gradients left as before it. ``device`` puts this rank's stages elsewhere than the plan says (e.g.
-    ``cuda:<LOCAL_RANK>``). ``timeout_s`` bounds every wait for another rank. ``compression`` compresses what
+    ``cuda:<LOCAL_RANK>``); by default they run on the plan's device where this process has it, else on its own
+    (:func:`fxpipe.distributed.placement.rank_devices`: a plan made for H100s from shapes runs on gloo CPU
+    processes too, with a warning). ``timeout_s`` bounds every wait for another rank. ``compression`` compresses what
     crosses stage boundaries (the values of :attr:`fxpipe.CompileOptions.compression`: ``"int8"``,
     ``"topk:0.01"``, ``"fp16/int8"``, or a dict by stage); every rank must be given the same.
     ``compile_stages`` (:attr:`fxpipe.CompileOptions.compile_stages`: ``True``, a dict of ``torch.compile``
@@ -112,10 +114,10 @@ class PipelineRank:
         with tracing:
             captured = capture_as_planned(self.model, plan.frontend, leaf_modules)
         if captured.fingerprint != plan.fingerprint:
-            raise PlanMismatchError(
-                f"rank {self.rank}: the plan was made for another model ({plan.model}, fingerprint "
+            raise PlanMismatchError(f"rank {self.rank}: " + (captured.dtype_mismatch(plan.profile.get("dtype")) or
+                f"the plan was made for another model ({plan.model}, fingerprint "
                 f"{plan.fingerprint[:12]}) but model_fn() traces to {captured.fingerprint[:12]}; plan this model "
-                "(fxpipe.compile or fxpipe.plan, then plan.save) and load that plan on every rank")
+                "(fxpipe.compile or fxpipe.plan, then plan.save) and load that plan on every rank"))
         if deferred_batch_norm:
             convert_deferred_batch_norm(captured.graph)
         p = len(plan.stages)
@@ -133,8 +135,8 @@ class PipelineRank:
         _drop(captured.graph, keep)
         _drop(self.model, keep)   # the model's modules the trace did not keep (a tied head read through get_attr)
         install()   # this rank's copy of a tied parameter whose first reader is another rank's, under its names
-        devices = [torch.device(device if device is not None and k in self.own else st.device)
-                   for k, st in enumerate(plan.stages)]
+        devices = [torch.device(device) if device is not None and k in self.own else planned
+                   for k, planned in enumerate(rank_devices([st.device for st in plan.stages]))]
         if source is not None:
             followers = tied.replicas()   # a second copy on this rank: made from the first once that is loaded
             tensors = {id(t): (t, devices[k]) for k in self.own

@@ -144,7 +144,7 @@ def to_torch_pipelining(plan: Plan, model: nn.Module, loss_fn: Callable[[Any, An
         raise ValueError(f"schedule must be one of {', '.join(TORCH_SCHEDULES)}, got {schedule!r}")
     captured = capture_as_planned(model, plan.frontend, leaf_modules)
     if captured.fingerprint != plan.fingerprint:
-        raise PlanMismatchError(
+        raise PlanMismatchError(captured.dtype_mismatch(plan.profile.get("dtype")) or
             f"the plan was made for another model ({plan.model}, fingerprint {plan.fingerprint[:12]}) but this "
             f"model traces to {captured.fingerprint[:12]}: plan this model (fxpipe.compile or fxpipe.plan) first")
     p = len(plan.stages)

@@ -49,6 +49,20 @@ class Captured:
     # that was traced in train mode and depends on the mode (a BatchNorm traced through computes batch
     # statistics whatever gm.eval() says), then the eval-mode trace; None where eval mode does not trace.
     eval_graph: fx.GraphModule | None = None
+    tag: str = "fx"           # what the fingerprint says of the front end (graph_fingerprint's ``frontend``)
+
+    def dtype_mismatch(self, planned_dtype: str | None) -> str | None:
+        """Why this graph cannot be a plan's made for ``planned_dtype`` (``plan.profile["dtype"]``: the dtype
+        ``fxpipe.plan`` planned the model's training in, bfloat16 for ``fxpipe plan hf:`` on a preset), or ``None``.
+        A model traces to another graph in another dtype (a cast that is a no-op in one is a node in the other),
+        and trains in its own: the fix is to build it in the planned dtype, or plan it in its own."""
+        floats = sorted({str(t.dtype).removeprefix("torch.") for t in self.graph.parameters() if t.is_floating_point()})
+        if not planned_dtype or not floats or planned_dtype in floats:
+            return None
+        return (f"the plan was made for training in {planned_dtype} and the model's parameters are "
+                f"{', '.join(floats)}: build the model in {planned_dtype} (model.to(torch.{planned_dtype}), or "
+                f"torch_dtype=torch.{planned_dtype} for a Hugging Face model), or plan it in {floats[0]} "
+                f"(fxpipe plan --dtype {floats[0]}, or a {floats[0]} model for fxpipe.plan)")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -145,12 +159,12 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
         # exported in train mode, its batch norms compute batch statistics in any mode: no eval graph
         eval_graph = None if gm.meta["fxpipe_traced_training"] else gm
         return Captured(gm, graph_fingerprint(gm, "given"), False, eval_graph=eval_graph, frontend=
-                        {"name": "given", "reason": "a torch.export.ExportedProgram, partitioned as given"})
+                        {"name": "given", "reason": "a torch.export.ExportedProgram, partitioned as given"}, tag="given")
     if isinstance(model, fx.GraphModule):
         gm = model
         gm.meta.setdefault("fxpipe_traced_training", model.training)
         return Captured(gm, graph_fingerprint(gm, "given"), False, eval_graph=gm, frontend=
-                        {"name": "given", "reason": "a torch.fx.GraphModule, partitioned as given"})
+                        {"name": "given", "reason": "a torch.fx.GraphModule, partitioned as given"}, tag="given")
     leaves = list(leaf_modules)
     unknown = [n for n in leaves if isinstance(n, str) and n and not has_submodule(model, n)]
     if unknown:
@@ -175,8 +189,11 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
                               UserWarning, stacklevel=3)
             tag = f"{name}+keep:{sorted(groups)}"    # the same graph planned under other constraints
         fingerprint = graph_fingerprint(gm, tag)
+        planned: dict[str, Any] = {"name": name, "reason": reason}
+        if args is not None:   # what a rank needs to capture the model again the same way (capture_as_planned)
+            planned["inputs"] = record_inputs(args, kwargs, batch_dim)
         if not other_mode:
-            return Captured(gm, fingerprint, False, {"name": name, "reason": reason}, None)
+            return Captured(gm, fingerprint, False, planned, None, tag)
         with keeping_modes(model):
             model.train(not model.training)
             try:
@@ -190,10 +207,7 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
             except TraceError:
                 other_gm, mode_dependent = None, True   # the other mode does not trace: this mode's graph only
     eval_graph = other_gm if mode_dependent and model.training else gm
-    planned: dict[str, Any] = {"name": name, "reason": reason}
-    if args is not None:   # what a rank needs to capture the model again the same way (capture_as_planned)
-        planned["inputs"] = record_inputs(args, kwargs, batch_dim)
-    return Captured(gm, fingerprint, mode_dependent, planned, eval_graph)
+    return Captured(gm, fingerprint, mode_dependent, planned, eval_graph, tag)
 
 
 def capture_as_planned(model: nn.Module, planned: dict[str, Any], leaf_modules: Iterable[Any] = (),

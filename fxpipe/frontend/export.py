@@ -29,6 +29,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.errors import TraceError
+from fxpipe.frontend.canonical import canonical_graph
 from fxpipe.frontend.batch_dims import LEAF_DIMS, leaf_batch_dims
 from fxpipe.frontend.grad_regions import TENSOR_HOOK, refusing_grad_regions
 from fxpipe.frontend.model_loss import split_model_loss
@@ -248,6 +249,7 @@ def flat_program(program: torch.export.ExportedProgram, name: str = "Exported") 
     gm.meta.update(exported.meta)
     _flatten_graph(gm)
     _drop_self_write_backs(gm)
+    canonical_graph(gm)   # the same graph whichever device traced it: the plan's is the ranks'
     split_model_loss(gm)   # a loss the model computes itself, made exact across micro-batches
     gm.meta.setdefault("fxpipe_traced_training", bool(exported.training))
     return gm

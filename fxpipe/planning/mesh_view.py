@@ -20,9 +20,12 @@ def mesh_head(plan: Any) -> list[str]:
     p = plan.predicted
     step = (f"; predicted step {p['iteration_s'] * 1e3:.1f} ms = pipeline {p['pipeline_iteration_s'] * 1e3:.1f} ms + "
             f"exposed data-parallel sync" if "pipeline_iteration_s" in p else "")
-    return [f"mesh {_label(m)} on {m['pp'] * m['dp'] * m['tp']} devices ({crossing or 'one device'}; "
-            f"{'sequence parallel' if m.get('sequence_parallel') else 'no sequence parallelism'}){step}",
-            f"the pipeline below is one of {m['dp'] * m['tp']} (dp x tp); each stage's figures are one device's"]
+    because = ([f"meshes searched by default: {plan.solver['mesh_because']} (mesh=None plans one pipeline)"]
+               if plan.solver.get("mesh_because") else [])
+    return because + [
+        f"mesh {_label(m)} on {m['pp'] * m['dp'] * m['tp']} devices ({crossing or 'one device'}; "
+        f"{'sequence parallel' if m.get('sequence_parallel') else 'no sequence parallelism'}){step}",
+        f"the pipeline below is one of {m['dp'] * m['tp']} (dp x tp); each stage's figures are one device's"]
 
 
 def mesh_table(plan: Any, table: Callable[[list[str], list[list[str]]], list[str]]) -> list[str]:
