@@ -76,7 +76,8 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
                              "preset, else the model's own)")
     parser.add_argument("--devices", default="cpu,cpu", help=DEVICES_HELP)
     parser.add_argument("--mesh", help="plan the devices as a pp x dp x tp mesh: auto (searched with the cuts and the "
-                                       "schedule) or a shape, e.g. pp=2,dp=4,tp=1 (dp_mode=shard for FSDP); a "
+                                       "schedule) or a shape, e.g. pp=2,dp=4,tp=1 (dp_mode=shard for FSDP, or "
+                                       "dp_shard=4 / dp_replicate=4 as fxpipe.launch --mesh spells it); a "
                                        "preset's devices only (default: one pipeline over all)")
     parser.add_argument("--topology", help="FILE saved from `nvidia-smi topo -m` (links between the preset's "
                                            "GPUs), or auto (run it here)")
