@@ -173,7 +173,9 @@ def plan(
             or FSDP-sharded), the shape searched jointly with the stage cuts, the schedule, the micro-batches
             and recomputation (:mod:`solvers.mesh_search`; :mod:`solvers.mesh` says what each dimension is
             charged). ``"pp=2,dp=4,tp=1"`` (or a dict; ``dp_mode=shard|replicate``, ``order=pp-dp-tp|dp-pp-tp``
-            optional) fixes the shape. The plan is the pipeline of the dp x tp position of device 0, its stages'
+            optional; or ``dp_shard=4`` / ``dp_replicate=4``, as ``python -m fxpipe.launch --mesh`` spells it:
+            :mod:`solvers.layout`; ``pp`` left out: what ``dp x tp`` leaves) fixes the shape; HSDP (both
+            ``dp_replicate`` and ``dp_shard`` over 1) is refused. The plan is the pipeline of the dp x tp position of device 0, its stages'
             costs those of one device of the mesh; ``plan.mesh`` records the shape and ``plan.summary()`` the
             best plan of every other shape. ``chunks`` is then the micro-batches of one dp replica's share,
             ``stages``/``virtual_stages`` are not taken (interleaved-1f1b runs 2 stages per device).
@@ -263,6 +265,7 @@ def plan_mesh(model: nn.Module, devices: Devices, example_inputs: tuple, mesh: s
     (:mod:`fxpipe.planning.mesh_chain`), search (:func:`solvers.mesh_search.search_mesh`), and cost the
     choice node by node (:mod:`fxpipe.planning.mesh_plan`); a choice the node-level memory model refuses gives
     way to the next fastest shape. ``plan.solver["mesh_search_s"]`` is the search's time."""
+    parse_mesh(mesh, len(devices))   # a mesh the planner cannot take is refused before the model is costed
     costed = cost_model(model, example_inputs, devices.specs[0], workers=len(devices), example_kwargs=example_kwargs,
                         leaf_modules=leaf_modules, frontend=frontend, options=options)
     return plan_costed_mesh(costed, devices, mesh, chunks=chunks, schedule=schedule, optimizer=optimizer,

@@ -3,7 +3,8 @@
 Every process loads the plan, imports the model factory (``pkg.module:function``), builds only its own stages
 (:class:`fxpipe.distributed.PipelineRank`; with ``--weights`` on the ``meta`` device, loading just its tensors),
 prints where it runs, then trains ``--steps`` batches of ``--data`` with its own optimizer over its own
-parameters; the last stage's process prints the losses. ``--checkpoint DIR`` saves every rank's parameters
+parameters (each step in ``--chunks`` micro-batches, default the plan's; a short last batch in one per sample);
+the last stage's process prints the losses. ``--checkpoint DIR`` saves every rank's parameters
 and optimizer state there at the end, and every ``--checkpoint-every`` steps (``fxd.checkpoint``), each one
 published atomically (:mod:`fxpipe.distributed.snapshots`: written aside, renamed, then ``DIR/latest`` pointed
 at it); ``--resume`` first loads the latest complete one and skips the batches already trained, and starts
@@ -44,7 +45,7 @@ import torch.nn.functional as F
 from fxpipe.errors import FxpipeError
 from fxpipe.planning.plan import load_plan
 
-__all__ = ["main"]
+__all__ = ["main", "parser", "step_options"]
 
 EPILOG = """example (two processes on this machine; the plan made by fxpipe.compile(...).plan.save):
   torchrun --standalone --nproc-per-node 2 -m fxpipe.launch --plan gpt.plan.json \\
@@ -115,6 +116,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="sgd", choices=sorted(OPTIMIZERS))
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--schedule", help="another schedule than the plan's (gpipe, 1f1b, zb-h1, ...)")
+    p.add_argument("--chunks", type=int, metavar="N",
+                   help="micro-batches per step (default: the plan's); a shorter batch runs one per sample")
     p.add_argument("--checkpoint", help="directory: save parameters and optimizer state there after training")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                    help="also save a checkpoint every N steps (default: only at the end)")
@@ -142,6 +145,7 @@ def _train(args: argparse.Namespace, rank: int) -> None:
         raise UsageError("--checkpoint-every needs --checkpoint DIR")
     if args.checkpoint_every < 0 or (args.total_steps is not None and args.total_steps < 0):
         raise UsageError("--checkpoint-every and --total-steps must be 0 or more")
+    options = step_options(args)
     plan = load_plan(args.plan)
     dims = _mesh_dims(args, plan)
     if dims is None:
@@ -185,7 +189,6 @@ def _train(args: argparse.Namespace, rank: int) -> None:
     def save(steps: int) -> None:
         snapshots.publish(args.checkpoint, steps, lambda path: checkpoint.save(stage, opt, path))
 
-    options = {"schedule": args.schedule} if args.schedule else {}
     for step, batch in enumerate(islice(iter(data_fn()), done, max(done, end)), start=done):
         if isinstance(batch, dict):   # the model's keyword inputs, labels among them
             if dims is not None:
@@ -207,6 +210,13 @@ def _train(args: argparse.Namespace, rank: int) -> None:
             saved = done
     if args.checkpoint and saved != done:
         save(done)
+
+
+def step_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keywords every step is given: ``--schedule`` and ``--chunks`` (:meth:`fxpipe.Pipeline.step`'s)."""
+    if args.chunks is not None and args.chunks < 1:
+        raise UsageError(f"--chunks must be 1 or more micro-batches per step, got {args.chunks}")
+    return {k: v for k, v in (("schedule", args.schedule), ("chunks", args.chunks)) if v is not None}
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

@@ -136,7 +136,7 @@ def _one_process(model: torch.nn.Module, data: list, loss_fn: Any = None) -> lis
 def _preset_cases(world: int, tmp_path: Path) -> list[dict[str, Any]]:
     """Plans made for H100s from shapes (nothing allocated, as on a laptop) that the journeys do not make, each
     launched as written beside them (one command, ``steps`` steps) and checked against one process: on 2 ranks a
-    torch.fx-traced model (``fxpipe.plan``) and ``fxpipe plan hf:qwen2``'s bfloat16 plan of a model built in
+    torch.fx-traced model (``fxpipe.plan``, and ``fxpipe.compile``'s measured plan of it) and ``fxpipe plan hf:qwen2``'s bfloat16 plan of a model built in
     bfloat16 (the model in float32 refused, naming both fixes); on 4, a pp x FSDP2 mesh and a pp x tp mesh (``fxpipe.plan(mesh=...)``)."""
     from fxpipe.__main__ import main as cli
     from journey_target import next_token, pairs_qwen2, qwen2_bfloat16
@@ -154,13 +154,18 @@ def _preset_cases(world: int, tmp_path: Path) -> list[dict[str, Any]]:
                       "rel": rel})
     with torch.device("meta"):
         tied, qwen2 = make_model(), build("qwen2")
-    x = torch.cat([pairs()[0][0], pairs()[1][0][:1]]).to("meta")   # 8 samples: the dp replicas' even shares
+    x_cpu = torch.cat([pairs()[0][0], pairs()[1][0][:1]])   # 8 samples: the dp replicas' even shares
+    x = x_cpu.to("meta")
     ce = lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())   # noqa: E731
     h100 = fxpipe.Devices.preset("h100", world)
     if world == 2:
         plan = fxpipe.plan(tied, h100, (x,), schedule="1f1b", chunks=2)
         assert plan.frontend["name"] == "fx", plan.frontend
         case("fx-preset", plan, "launch_target:make_model", "launch_target:batches", 4,
+             _one_process(make_model(), pairs()[:4], ce))
+        measured = fxpipe.compile(make_model(), ["cpu", "cpu"], (x_cpu,), schedule="1f1b", chunks=2).plan
+        assert measured.profile["mode"] == "measure", measured.profile   # timed on this machine, the other mode
+        case("fx-measured", measured, "launch_target:make_model", "launch_target:batches", 4,
              _one_process(make_model(), pairs()[:4], ce))
         assert cli(["plan", "hf:qwen2", "--config", QWEN2, "--seq-len", "12", "--batch", "8", "--devices", "h100x2",
                     "--schedule", "1f1b", "--chunks", "2", "-q", "-o", str(tmp_path / "bf16-cli.json")]) == 0

@@ -21,14 +21,28 @@ from fxpipe.cli.models import load_model, parse_shape
 
 __all__ = ["add_model_arguments", "add_parser", "leaf_types", "run"]
 
+DESCRIPTION = """Plan a model from the shell and print (and save) the plan.
+
+For a preset (--devices h100x8, optionally with --topology FILE) the model is built on the meta device and
+planned from shapes (fxpipe.plan: nothing allocated, no GPU needed); for real devices it is compiled
+(fxpipe.compile: traced, profiled, solved) and the compiled plan is printed. A language model is hf:TYPE,
+shaped by --config KEY=VALUE,... and given --batch sequences of --seq-len tokens; for a preset it is planned
+in bfloat16 (--dtype). --schedule and --chunks default to auto, as in fxpipe.compile: every schedule and
+micro-batch count is tried.
+"""
+
+# every line runs as pasted from the repository's root (tests/test_cli_help.py runs them all)
 EXAMPLES = """examples:
   fxpipe plan torchvision:resnet101 --devices v100x8 --topology tests/data/titan-v-8gpu-2socket.txt \\
-      --batch 128 --chunks 16 --leaf-modules Bottleneck -o r101.plan.json    # the 8-GPU box, no GPU needed
-  fxpipe plan timm:convnext_tiny --devices h100x4 --batch 256 --schedule zb-h1
-  fxpipe plan torchvision:resnet18 --devices cpu,cpu --batch 8 --image-size 64 --profile estimate
-  fxpipe plan my_models.py:build --devices 4 --input-shape 128 -o mine.plan.json
-  fxpipe plan hf:llama --config num_hidden_layers=32,hidden_size=4096,intermediate_size=14336,\
-      num_key_value_heads=8,vocab_size=128256 --seq-len 4096 --batch 8 --devices h100x8   # Llama-3-8B-shaped
+      --batch 128 --chunks 16 --schedule 1f1b --leaf-modules Bottleneck -o r101.plan.json   # the 8-GPU box
+  fxpipe plan timm:convnext_tiny --devices h100x4 --batch 256 --schedule zb-h1   # a preset: no GPU needed
+  fxpipe plan torchvision:resnet18 --devices cpu,cpu --batch 8 --image-size 64 --profile estimate --schedule 1f1b
+  fxpipe plan examples/my_models.py:build --devices 2 --input-shape 128 --batch 16 -o mine.plan.json
+  fxpipe plan hf:llama --devices h100x8 --seq-len 4096 --batch 8 --schedule 1f1b --chunks 8 \\
+      --config num_hidden_layers=4,intermediate_size=14336,num_key_value_heads=8,vocab_size=128256,max_position_embeddings=8192
+      # Llama-3-8B's layers, 4 of its 32 (num_hidden_layers=32 plans the whole model, slower to trace)
+  fxpipe plan hf:llama --devices h100@0:0-3,1:0-3 --seq-len 512 --batch 8 --mesh dp_shard=2,tp=2 --schedule 1f1b \\
+      --config num_hidden_layers=4   # a pp x dp x tp mesh, in fxpipe.launch --mesh's spelling
 """
 
 
@@ -46,7 +60,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, auto: bool = False) -> 
                                               "config, else 3,S,S with S from --image-size)")
     parser.add_argument("--image-size", type=int, default=224, help="S of the default input shape (default: 224)")
     parser.add_argument("--leaf-modules", default="", help="module classes kept whole, comma-separated "
-                                                           "(e.g. Bottleneck: stages cut between blocks)")
+                                                           "(e.g. Bottleneck: stages cut between blocks; "
+                                                           "default: none)")
     schedules = ("gpipe", "1f1b", "zb-h1", "zb-v", "interleaved-1f1b")
     parser.add_argument("--schedule", choices=(("auto",) if auto else ()) + schedules,
                         default="auto" if auto else "1f1b",
@@ -65,27 +80,31 @@ def _chunks(text: str) -> int | str:
 
 def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("plan", help="plan a model for devices or a preset and print (and save) the plan",
-                            description=__doc__, epilog=EXAMPLES, parents=parents,
+                            description=DESCRIPTION, epilog=EXAMPLES, parents=parents,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser, auto=True)
     parser.add_argument("--config", help="hf:TYPE only: the config's settings, KEY=VALUE,... (e.g. "
-                                         "num_hidden_layers=32,hidden_size=4096,vocab_size=128256)")
+                                         "num_hidden_layers=32,hidden_size=4096,vocab_size=128256; default: the "
+                                         "config's own)")
     parser.add_argument("--seq-len", type=int, default=1024, help="hf:TYPE only: tokens per sequence (default: 1024)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                         help="the dtype the model trains in (default auto: bfloat16 for hf:TYPE planned for a "
                              "preset, else the model's own)")
     parser.add_argument("--devices", default="cpu,cpu", help=DEVICES_HELP)
     parser.add_argument("--mesh", help="plan the devices as a pp x dp x tp mesh: auto (searched with the cuts and the "
-                                       "schedule) or a shape, e.g. pp=2,dp=4,tp=1 (dp_mode=shard for FSDP); a "
-                                       "preset's devices only (default: one pipeline over all)")
+                                       "schedule) or a shape, e.g. pp=2,dp=4,tp=1 (dp_mode=shard for FSDP, or "
+                                       "dp_shard=4 / dp_replicate=4 as fxpipe.launch --mesh spells it), or none "
+                                       "(one pipeline over all, whatever it costs); a preset's devices only "
+                                       "(default: one pipeline where it fits on one node, else the mesh search)")
     parser.add_argument("--topology", help="FILE saved from `nvidia-smi topo -m` (links between the preset's "
-                                           "GPUs), or auto (run it here)")
+                                           "GPUs), or auto (run it here); default: the preset's own links")
     parser.add_argument("--profile", choices=("measure", "thorough", "estimate"), default="measure",
                         help="real devices: time every node once (measure), also each stage whole and the CPU "
                              "workers' contention (thorough), or estimate from FLOPs (default: measure)")
     parser.add_argument("--time-limit", type=float, default=2.0,
                         help="a preset's solver seconds per solve (default: 2; the auto search solves per candidate)")
-    parser.add_argument("-o", "--output", "--save", dest="output", help="write the plan JSON here")
+    parser.add_argument("-o", "--output", "--save", dest="output",
+                        help="write the plan JSON here (default: printed only)")
     # the older spelling: --preset h100 --count 8 is --devices h100x8
     parser.add_argument("--preset", help=argparse.SUPPRESS)
     parser.add_argument("--count", default="8", help=argparse.SUPPRESS)   # or placements: 0:0-7,1:0-7
@@ -136,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     # inputs (the graph then computes the loss, and fxpipe.launch's ranks trace the same graph), in train mode
     kwargs = {"labels": inputs[0].clone()} if language else None
     model = model.train() if language else model.eval()
-    if getattr(args, "mesh", None) and not analytic:
+    if _mesh(getattr(args, "mesh", None)) not in (None, "if_needed") and not analytic:
         raise ValueError(f"--mesh plans a preset's devices (e.g. --devices h100@0:0-7,1:0-7); --devices "
                          f"{args.devices} compiles on this machine's")
     try:

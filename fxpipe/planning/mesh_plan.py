@@ -22,47 +22,37 @@ from fxpipe.planning.lowering import problem_device_ids
 from fxpipe.planning.plan import Plan
 from fxpipe.planning.planner import Planner
 from solvers.mesh import DP_MODES, ORDERS, Mesh, MeshProblem, allreduce_s
+from solvers.layout import mesh_fields, parse_layout
 from solvers.mesh_search import MeshChoice, MeshSearch
 
 __all__ = ["mesh_costs", "mesh_fields", "mesh_record", "mesh_rows", "parse_mesh", "plan_for_choice"]
 
 
-def mesh_fields(spec: str) -> dict[str, str]:
-    """``"pp=2,dp=4,tp=1"`` -> ``{"pp": "2", "dp": "4", "tp": "1"}``: the ``KEY=VALUE,...`` spelling of a mesh that
-    ``fxpipe plan --mesh`` and ``fxpipe.launch --mesh`` share (each reads the keys it knows)."""
-    fields = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        key, sep, value = part.partition("=")
-        if not sep:
-            raise ValueError(f"mesh {spec!r}: {part!r} is not KEY=VALUE; write e.g. mesh='pp=2,dp=4,tp=1'")
-        fields[key.strip()] = value.strip()
-    return fields
-
-
 def parse_mesh(spec: Any, world: int) -> list[Mesh]:
-    """``"auto"`` -> [] (every shape); ``"pp=2,dp=4,tp=1"`` (``dp_mode=shard|replicate``, ``order=...``
-    optional) or a dict of the same -> that shape (both dp modes when ``dp_mode`` is not given)."""
+    """``"auto"`` -> [] (every shape); a mesh in either spelling of :func:`solvers.layout.parse_layout`
+    (``"pp=2,dp=4,tp=1"`` with ``dp_mode=shard|replicate`` and ``order=...`` optional, or ``dp_shard=4`` /
+    ``dp_replicate=4``), a string or a dict -> that shape (both dp modes when the spelling leaves the mode
+    unsaid; ``pp`` left out: the devices ``dp x tp`` leaves). HSDP is refused: the planner cannot cost it yet."""
     if spec == "auto":
         return []
-    if isinstance(spec, str):
-        spec = mesh_fields(spec)
-    if not isinstance(spec, dict):
+    if not isinstance(spec, (str, dict)):
         raise TypeError(f"mesh must be 'auto', a string like 'pp=2,dp=4,tp=1' or a dict, got {spec!r}")
-    unknown = set(spec) - {"pp", "dp", "tp", "dp_mode", "order"}
-    if unknown:
-        raise ValueError(f"mesh: unknown key(s) {sorted(unknown)}; the keys are pp, dp, tp, dp_mode, order")
-    try:
-        shape = {k: int(spec.get(k, 1)) for k in ("pp", "dp", "tp")}
-    except (TypeError, ValueError):
-        raise ValueError(f"mesh: pp, dp and tp must be integers, got {spec!r}") from None
-    if min(shape.values()) < 1 or shape["pp"] * shape["dp"] * shape["tp"] != world:
-        raise ValueError(f"mesh {shape}: pp x dp x tp must be {world}, the devices given (got "
-                         f"{shape['pp'] * shape['dp'] * shape['tp']})")
-    modes = [spec["dp_mode"]] if "dp_mode" in spec else list(DP_MODES)
-    order = spec.get("order", ORDERS[0])
-    if any(m not in DP_MODES for m in modes) or order not in ORDERS:
-        raise ValueError(f"mesh: dp_mode must be one of {DP_MODES} and order one of {ORDERS}, got {spec!r}")
-    return [Mesh(shape["pp"], shape["dp"], shape["tp"], m, order) for m in modes[:1 if shape["dp"] == 1 else 2]]
+    layout = parse_layout(spec)
+    dp, tp = layout.dp, layout.tp
+    if layout.hsdp:
+        raise ValueError(f"mesh {spec!r}: dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard} is HSDP, "
+                         f"which the planner cannot cost yet: plan dp_shard={dp} (FSDP over all {dp}) and run it "
+                         f"as HSDP with python -m fxpipe.launch --mesh dp_replicate={layout.dp_replicate},"
+                         f"dp_shard={layout.dp_shard}")
+    pp = layout.pp if layout.pp is not None else max(1, world // (dp * tp))
+    if pp * dp * tp != world:
+        raise ValueError(f"mesh pp={pp}, dp={dp}, tp={tp}: pp x dp x tp must be {world}, the devices given (got "
+                         f"{pp * dp * tp})")
+    if layout.sharded is None:
+        modes = list(DP_MODES)[:1 if dp == 1 else 2]
+    else:
+        modes = ["shard" if layout.sharded and layout.dp_replicate == 1 else "replicate"]
+    return [Mesh(pp, dp, tp, m, layout.order or ORDERS[0]) for m in modes]
 
 
 def mesh_costs(costs: dict[str, NodeCost], profiled_samples: float, choice: MeshChoice, problem: MeshProblem,

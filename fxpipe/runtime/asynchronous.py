@@ -225,7 +225,7 @@ class AsyncTrainer:
             inputs = graphs.detach(inputs if isinstance(inputs, tuple) else (inputs,))
             mb = pipe.inputs.micro_batches(inputs, {})
             n = pipe.inputs.sizes(mb)
-            tg = pipe.inputs.micro_targets(target)
+            tg = pipe.inputs.micro_targets(target, len(mb))
             if not pipe.inputs.targets_fit(tg, n):
                 raise ValueError(f"mini-batch {b}: the target must have the inputs' batch size, {sum(n)}")
             micro += mb

@@ -59,22 +59,35 @@ class CallInputs:
     def _dims(self) -> dict[str, int]:
         return {p.name: self.layout.inputs.get(p.target, 0) for p in self.placeholders}
 
-    def micro_batches(self, args: tuple, kwargs: dict) -> list[dict[str, Any]]:
-        """The bound inputs split into ``chunks`` micro-batches, each a dict by placeholder name."""
+    def micro_batches(self, args: tuple, kwargs: dict, chunks: int | None = None) -> list[dict[str, Any]]:
+        """The bound inputs split into ``chunks`` (default the plan's) micro-batches, each a dict by placeholder
+        name; a batch of fewer samples (a data loader's short last batch) into one micro-batch per sample."""
         env = self.bind(args, kwargs)
         if self.guard is not None:
             self.guard.check()
         dims = self._dims()
         check_inputs(self.signature, env, dims)
         names = list(env)
-        return [dict(zip(names, values)) for values in scatter(list(env.values()), self.chunks,
-                                                                [dims[n] for n in names])]
+        values, per = list(env.values()), [dims[n] for n in names]
+        count = self.count(chunks)
+        count = min(count, batch_size_of(values, per) or count)   # an empty batch: scatter says so
+        return [dict(zip(names, mb)) for mb in scatter(values, count, per)]
 
-    def micro_targets(self, target: Any) -> list[Any]:
-        """``target`` split into micro-batches along the layout's target dimension; ``None`` (a loss of the
-        output alone: self-supervised, a model that returns its loss terms) is ``None`` for every one."""
+    def count(self, chunks: int | None) -> int:
+        """The micro-batches asked for: ``chunks``, else the plan's; ``ValueError`` for one under 1."""
+        count = self.chunks if chunks is None else chunks
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ValueError(f"chunks must be a positive int (micro-batches per step), got {count!r}; pass e.g. "
+                             f"chunks={self.chunks}, the plan's")
+        return count
+
+    def micro_targets(self, target: Any, count: int | None = None) -> list[Any]:
+        """``target`` split into ``count`` (default the plan's chunks; the inputs' micro-batches) micro-batches
+        along the layout's target dimension; ``None`` (a loss of the output alone: self-supervised, a model
+        that returns its loss terms) is ``None`` for every one."""
+        count = self.chunks if count is None else count
         if target is None:
-            return [None] * self.chunks
+            return [None] * count
         dim = self.layout.target
         shapes = [tuple(t.shape) for t in tree_flatten(target)[0] if isinstance(t, torch.Tensor)]
         if shapes and not any(len(shape) > dim for shape in shapes):
@@ -88,7 +101,7 @@ class CallInputs:
             raise ValueError(f"pipe.step's target tensors disagree on the batch size along dimension {dim}: "
                              f"{sizes}; each must hold one entry per sample of the batch there (a tensor laid "
                              "out otherwise: CompileOptions(target_batch_dim=...) names the dimension)")
-        return [t[0] for t in scatter([target], self.chunks, dim)]
+        return [t[0] for t in scatter([target], count, dim)]
 
     def targets_fit(self, targets: list[Any], sizes: list[int]) -> bool:
         """Whether ``micro_targets``' micro-batches hold the inputs' ``sizes`` samples each (or are all None)."""

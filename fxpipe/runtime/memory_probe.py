@@ -121,11 +121,13 @@ def replaying(pipe: Any, micro: list[dict[str, Any]]) -> Iterator[list[dict[str,
 
 
 def measure_worker_memory(pipe: Any, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
-                          schedule: str | None = None, worker: int | None = None) -> list[WorkerMemory]:
-    """Peak memory of each worker (or only ``worker``) for one :meth:`Pipeline.step` of ``inputs``."""
+                          schedule: str | None = None, worker: int | None = None,
+                          chunks: int | None = None) -> list[WorkerMemory]:
+    """Peak memory of each worker (or only ``worker``) for one :meth:`Pipeline.step` of ``inputs`` in ``chunks``
+    (default the plan's) micro-batches."""
     schedule = schedule or pipe.schedule
-    micro = pipe.inputs.micro_batches(inputs if isinstance(inputs, tuple) else (inputs,), {})
-    targets = pipe.inputs.micro_targets(target)
+    micro = pipe.inputs.micro_batches(inputs if isinstance(inputs, tuple) else (inputs,), {}, chunks)
+    targets = pipe.inputs.micro_targets(target, len(micro))
     m = len(micro)
     workers = pipe._workers(schedule)
     orders = worker_orders(schedule, len(pipe.specs), m, workers)

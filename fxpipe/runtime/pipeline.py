@@ -176,7 +176,8 @@ class Pipeline(nn.Module):
     # ------------------------------------------------------------------ training step
     def step(self, inputs: Any, target: Any = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *,
              schedule: str | None = None, reduction: str = "auto", return_outputs: bool = False,
-             measure_memory: bool = False, kwargs: dict[str, Any] | None = None, **model_kwargs: Any) -> Any:
+             measure_memory: bool = False, chunks: int | None = None, kwargs: dict[str, Any] | None = None,
+             **model_kwargs: Any) -> Any:
         """Forward and backward of one mini-batch with an explicit schedule; returns the loss.
 
         ``inputs`` is the model's input (a tuple for several; tensors inside tuples, lists and dicts
@@ -217,6 +218,8 @@ class Pipeline(nn.Module):
         its gradients differ from a full batch's (``fxpipe.compile`` warns). ``schedule`` defaults to
         the plan's (``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` with the plan's stages per
         device, ``"zb-h1"`` or ``"zb-v"`` with two stages per device in a V). With ``return_outputs`` returns ``(loss, output)``.
+        ``chunks`` runs this step in that many micro-batches instead of the plan's (``fxpipe.launch --chunks``); a
+        batch of fewer samples than the micro-batches (a data loader's short last batch) runs one per sample.
         ``measure_memory`` records each worker's peak memory for :meth:`report`
         (``torch.cuda.max_memory_allocated`` on GPUs; on CPU a profiled replay of each
         worker after the step, :mod:`fxpipe.runtime.memory_probe`, which costs about one more step).
@@ -249,11 +252,11 @@ class Pipeline(nn.Module):
         if self.inputs.in_spec is not None:   # the graph's leaves once, for the memory probe's replay as well
             inputs, kwargs = FlatInputs(flat_inputs(inputs, kwargs, self.inputs.in_spec,
                                                      [p.target for p in self.inputs.placeholders])[0]), {}
-        micro = self.inputs.micro_batches(inputs, kwargs)
+        micro = self.inputs.micro_batches(inputs, kwargs, chunks)
         self.tied.prepare()   # a copy that diverged is refused here, before anything runs
         self.tied.read_primary(False)
         sizes = self.inputs.sizes(micro)
-        targets = self.inputs.micro_targets(target)
+        targets = self.inputs.micro_targets(target, len(micro))
         if not self.inputs.targets_fit(targets, sizes):
             raise ValueError(f"target must have the batch size of the inputs, {sum(sizes)}, along its batch "
                              f"dimension {self.layout.target} (it is split into micro-batches the same way; "
@@ -305,9 +308,10 @@ class Pipeline(nn.Module):
         elif measure_memory:
             if self._model_loss is not None:   # the replay needs the gradients' shapes only
                 leaf = self._model_loss.leaf
-                found = measure_worker_memory(self, inputs, None, lambda out, _: out[leaf], schedule=schedule)
+                found = measure_worker_memory(self, inputs, None, lambda out, _: out[leaf], schedule=schedule,
+                                              chunks=m)
             else:
-                found = measure_worker_memory(self, inputs, target, loss_fn, schedule=schedule)
+                found = measure_worker_memory(self, inputs, target, loss_fn, schedule=schedule, chunks=m)
             self.last_step.update(memory=[w.peak_bytes for w in found],
                                   memory_method="profiled replay of each worker, torch.profiler")
         if not return_outputs:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fxpipe.errors import PlanMismatchError
+from solvers.layout import parse_layout
 
 __all__ = ["DATA_PARALLEL", "MESH_DIMS", "ParallelDims"]
 
@@ -107,41 +108,21 @@ class ParallelDims:
     @classmethod
     def from_spec(cls, spec: str | dict[str, Any], pp: int) -> ParallelDims:
         """The degrees a ``KEY=VALUE,...`` string (or a dict of it, as ``plan.mesh`` holds) names, around a
-        pipeline of ``pp`` workers: ``fxpipe plan --mesh``'s keys (:func:`fxpipe.planning.mesh_plan.mesh_fields`)
+        pipeline of ``pp`` workers, read by :func:`solvers.layout.parse_layout` as ``fxpipe plan --mesh`` reads it:
         ``pp`` (optional; the plan's), ``dp``, ``tp``, ``dp_mode`` (``shard``: FSDP2, the default;
         ``replicate``: DDP) and ``order`` (``pp-dp-tp`` only), or :class:`ParallelDims`' own ``dp_shard`` and
         ``dp_replicate`` (both: HSDP; ``dp_replicate`` alone: DDP). ``"dp_shard=2,tp=2"`` on a 2-stage plan is
         ``ParallelDims(pp=2, dp_shard=2, tp=2)``. Raises ``ValueError`` naming the key and the fix."""
-        from fxpipe.planning.mesh_plan import mesh_fields
-        fields = dict(mesh_fields(spec) if isinstance(spec, str) else spec)
-        keys = ("pp", "dp", "tp", "dp_mode", "order", "dp_shard", "dp_replicate")
-        unknown = sorted(set(fields) - set(keys))
-        if unknown:
-            raise ValueError(f"mesh {spec!r}: unknown key(s) {unknown}; the keys are {', '.join(keys)} (e.g. "
-                             "dp_shard=2,tp=2 or dp=2,dp_mode=replicate)")
-        try:
-            size = {k: int(fields[k]) for k in ("pp", "dp", "tp", "dp_shard", "dp_replicate") if k in fields}
-        except (TypeError, ValueError):
-            raise ValueError(f"mesh {spec!r}: pp, dp, tp, dp_shard and dp_replicate must be integers") from None
-        mode, order = str(fields.get("dp_mode", "shard")), str(fields.get("order", "pp-dp-tp"))
-        if "dp" in size and ({"dp_shard", "dp_replicate"} & set(size)):
-            raise ValueError(f"mesh {spec!r}: give dp (with dp_mode) or dp_shard/dp_replicate, not both")
-        if mode not in ("shard", "replicate") or (("dp_shard" in size or "dp_replicate" in size) and "dp_mode" in fields):
-            raise ValueError(f"mesh {spec!r}: dp_mode is shard (FSDP2) or replicate (DDP), and goes with dp only "
-                             "(dp_shard and dp_replicate name their mode)")
-        if order != "pp-dp-tp":
-            raise ValueError(f"mesh {spec!r}: order={order}: fxpipe runs the pipeline outermost (pp-dp-tp: each "
-                             "pipeline's ranks apart, each tp group's ranks adjacent); pass order=pp-dp-tp")
-        if size.get("pp", pp) != pp:
-            raise PlanMismatchError(f"mesh {spec!r}: pp={size['pp']} but the plan runs on {pp} workers: leave pp out "
-                                    f"(it is the plan's) or plan for {size['pp']} devices")
-        dp, tp = size.get("dp", 1), size.get("tp", 1)
-        if "dp" in size:
-            return cls(pp=pp, dp_shard=dp, tp=tp) if mode == "shard" else cls(pp=pp, dp_replicate=dp, tp=tp,
-                                                                                  sharded=False)
-        if "dp_shard" in size or "dp_replicate" not in size:
-            return cls(pp=pp, dp_replicate=size.get("dp_replicate", 1), dp_shard=size.get("dp_shard", 1), tp=tp)
-        return cls(pp=pp, dp_replicate=size["dp_replicate"], tp=tp, sharded=False)
+        layout = parse_layout(spec)
+        if (layout.order or "pp-dp-tp") != "pp-dp-tp":
+            raise ValueError(f"mesh {spec!r}: order={layout.order}: fxpipe runs the pipeline outermost (pp-dp-tp: "
+                             "each pipeline's ranks apart, each tp group's ranks adjacent); pass order=pp-dp-tp")
+        if layout.pp is not None and layout.pp != pp:
+            raise PlanMismatchError(f"mesh {spec!r}: pp={layout.pp} but the plan runs on {pp} workers: leave pp out "
+                                    f"(it is the plan's) or plan for {layout.pp} devices")
+        if layout.sharded is False:
+            return cls(pp=pp, dp_replicate=layout.dp_replicate, tp=layout.tp, sharded=False)
+        return cls(pp=pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp)
 
     @classmethod
     def from_mesh(cls, mesh: Any) -> ParallelDims:

@@ -1,0 +1,100 @@
+"""The one spelling of a mesh: ``"pp=2,dp=4,dp_mode=shard"`` or ``"dp_shard=4"``, as a string or a dict.
+
+``fxpipe plan --mesh`` / ``fxpipe.plan(mesh=...)`` (:func:`fxpipe.planning.mesh_plan.parse_mesh`) and
+``python -m fxpipe.launch --mesh`` (:meth:`fxpipe.distributed.parallel.ParallelDims.from_spec`) both read a
+mesh with :func:`parse_layout`, so either spelling means the same layout on both:
+
+* ``dp=N`` with ``dp_mode=shard`` (FSDP) or ``dp_mode=replicate`` (DDP); without ``dp_mode`` the mode is
+  unsaid (the planner tries both, launch shards);
+* ``dp_shard=N`` (FSDP), ``dp_replicate=N`` (DDP), or both (HSDP: replicas of shard groups);
+* ``pp`` and ``tp`` (each 1 when left out; ``pp`` left out is :attr:`Layout.pp` ``None``), ``order``
+  (``pp-dp-tp`` or ``dp-pp-tp``).
+
+Each consumer then refuses what it cannot run (the planner: HSDP; launch: ``order=dp-pp-tp``). Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from solvers.mesh import ORDERS
+
+__all__ = ["KEYS", "Layout", "mesh_fields", "parse_layout"]
+
+KEYS = ("pp", "dp", "tp", "dp_mode", "order", "dp_shard", "dp_replicate")
+EXAMPLE = "e.g. pp=2,dp=4,dp_mode=shard, or dp_shard=4 (FSDP), dp_replicate=4 (DDP), dp_replicate=2,dp_shard=2 (HSDP)"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A mesh's degrees; ``sharded`` ``None`` where the spelling left the data-parallel mode unsaid."""
+
+    pp: Optional[int] = None
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    sharded: Optional[bool] = None
+    order: Optional[str] = None
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: replicas times shards."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def hsdp(self) -> bool:
+        """Replicas of shard groups, both more than one."""
+        return self.dp_replicate > 1 and self.dp_shard > 1
+
+
+def mesh_fields(spec: str) -> dict[str, str]:
+    """``"pp=2,dp=4,tp=1"`` -> ``{"pp": "2", "dp": "4", "tp": "1"}``; ``ValueError`` for a part without ``=``."""
+    fields = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ValueError(f"mesh {spec!r}: {part!r} is not KEY=VALUE; write e.g. mesh='pp=2,dp=4,tp=1'")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def parse_layout(spec: Any) -> Layout:
+    """The :class:`Layout` a ``KEY=VALUE,...`` string or a dict of the keys :data:`KEYS` names (module
+    docstring); ``ValueError`` naming the key, the accepted keys and an example."""
+    if not isinstance(spec, (str, dict)):
+        raise TypeError(f"mesh must be a string like 'pp=2,dp=4,tp=1' or a dict of it, got {spec!r}")
+    fields = dict(mesh_fields(spec) if isinstance(spec, str) else spec)
+    unknown = sorted(set(fields) - set(KEYS), key=str)
+    if unknown:
+        raise ValueError(f"mesh {spec!r}: unknown key(s) {unknown}; the keys are {', '.join(KEYS)} ({EXAMPLE})")
+    size = _sizes(spec, fields)
+    mode, order = fields.get("dp_mode"), fields.get("order")
+    if "dp" in size and ({"dp_shard", "dp_replicate"} & set(size)):
+        raise ValueError(f"mesh {spec!r}: give dp (with dp_mode) or dp_shard/dp_replicate, not both ({EXAMPLE})")
+    if mode not in (None, "shard", "replicate") or (mode is not None and {"dp_shard", "dp_replicate"} & set(size)):
+        raise ValueError(f"mesh {spec!r}: dp_mode is shard (FSDP2) or replicate (DDP), and goes with dp only "
+                         "(dp_shard and dp_replicate name their mode)")
+    if order is not None and order not in ORDERS:
+        raise ValueError(f"mesh {spec!r}: order must be one of {', '.join(ORDERS)}, got {order!r}")
+    common = {"pp": size.get("pp"), "tp": size.get("tp", 1), "order": order}
+    if "dp_shard" in size or "dp_replicate" in size:
+        return Layout(dp_replicate=size.get("dp_replicate", 1), dp_shard=size.get("dp_shard", 1),
+                      sharded="dp_shard" in size, **common)
+    dp = size.get("dp", 1)
+    if mode == "replicate":
+        return Layout(dp_replicate=dp, sharded=False, **common)
+    return Layout(dp_shard=dp, sharded=None if mode is None else True, **common)
+
+
+def _sizes(spec: Any, fields: dict[str, Any]) -> dict[str, int]:
+    """The degrees among ``fields``, as positive ints."""
+    names = ("pp", "dp", "tp", "dp_shard", "dp_replicate")
+    try:
+        size = {k: int(fields[k]) for k in names if k in fields}
+    except (TypeError, ValueError):
+        raise ValueError(f"mesh {spec!r}: pp, dp, tp, dp_shard and dp_replicate must be integers ({EXAMPLE})") from None
+    small = sorted(k for k, v in size.items() if v < 1)
+    if small:
+        raise ValueError(f"mesh {spec!r}: {', '.join(small)} must be at least 1 ({EXAMPLE})")
+    return size

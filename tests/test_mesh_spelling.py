@@ -1,0 +1,81 @@
+"""One spelling of a mesh (solvers.layout): fxpipe.plan's parser (parse_mesh) and fxpipe.launch's
+(ParallelDims.from_spec) read the same spellings as the same layout, and refuse the same mistakes alike."""
+
+import pytest
+
+from fxpipe.distributed.parallel import ParallelDims
+from fxpipe.planning.mesh_plan import parse_mesh
+from solvers.layout import Layout, parse_layout
+
+
+def _planned(spec, world):
+    """(pp, dp, tp, data parallelism) of the planner's reading, one dp mode given."""
+    meshes = parse_mesh(spec, world)
+    assert len(meshes) == 1, meshes
+    m = meshes[0]
+    return m.pp, m.dp, m.tp, m.dp_mode if m.dp > 1 else "none"
+
+
+def _launched(spec, pp):
+    d = ParallelDims.from_spec(spec, pp)
+    return d.pp, d.dp, d.tp, d.data_parallel if d.dp > 1 else "none"
+
+
+@pytest.mark.parametrize("spellings, want", [
+    (["dp_shard=4", "dp=4,dp_mode=shard", "pp=2,dp_shard=4", {"dp_shard": 4}, {"dp": "4", "dp_mode": "shard"}],
+     (2, 4, 1, "shard")),
+    (["dp_replicate=4", "dp=4,dp_mode=replicate", {"dp_replicate": 4, "tp": 1}], (2, 4, 1, "replicate")),
+    (["dp_shard=2,tp=2", "pp=2,dp=2,tp=2,dp_mode=shard", {"pp": 2, "dp": 2, "tp": 2, "dp_mode": "shard",
+                                                           "order": "pp-dp-tp"}], (2, 2, 2, "shard")),
+    (["tp=4", "pp=2,dp=1,tp=4", {"tp": "4"}], (2, 1, 4, "none")),
+])
+def test_either_spelling_gives_the_same_layout_to_the_planner_and_to_launch(spellings, want):
+    for spec in spellings:
+        assert _planned(spec, world=8) == want, spec
+        assert _launched(spec, pp=2) == want, spec
+
+
+def test_dp_without_a_mode_is_both_modes_to_the_planner_and_fsdp_to_launch():
+    assert [m.dp_mode for m in parse_mesh("pp=2,dp=4", 8)] == ["replicate", "shard"]
+    assert ParallelDims.from_spec("dp=4", 2) == ParallelDims(pp=2, dp_shard=4)
+    assert parse_layout("dp=4") == Layout(dp_shard=4, sharded=None)
+
+
+def test_hsdp_is_parsed_run_by_launch_and_refused_by_the_planner_naming_the_fix():
+    spec = "dp_replicate=2,dp_shard=2"
+    assert parse_layout(spec).hsdp and parse_layout(spec).dp == 4
+    assert ParallelDims.from_spec(spec, 2).data_parallel == "hsdp"
+    with pytest.raises(ValueError) as caught:
+        parse_mesh(spec, 8)
+    text = str(caught.value)
+    assert "\n" not in text and "is HSDP, which the planner cannot cost yet: plan dp_shard=4" in text
+    assert "python -m fxpipe.launch --mesh dp_replicate=2,dp_shard=2" in text
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("dp_shard=2,cp=2", r"unknown key\(s\) \['cp'\]; the keys are pp, dp, tp, dp_mode, order, dp_shard, "
+                        r"dp_replicate \(e\.g\. pp=2,dp=4,dp_mode=shard, or dp_shard=4 \(FSDP\)"),
+    ({"pp": 2, "cp": 1}, r"unknown key\(s\) \['cp'\]; the keys are"),
+    ("dp=2,dp_shard=2", "give dp .with dp_mode. or dp_shard/dp_replicate, not both"),
+    ("dp_shard=2,dp_mode=shard", "dp_mode is shard .FSDP2. or replicate .DDP., and goes with dp only"),
+    ("dp=2,dp_mode=fsdp", "dp_mode is shard .FSDP2. or replicate"),
+    ("dp=two", "must be integers"),
+    ("dp_shard=0", "dp_shard must be at least 1"),
+    ("dp_shard", "is not KEY=VALUE"),
+    ("dp=2,order=tp-dp-pp", "order must be one of pp-dp-tp, dp-pp-tp"),
+])
+def test_a_bad_spelling_gets_the_same_one_line_error_from_both(spec, match):
+    for read in (lambda: parse_mesh(spec, 8), lambda: ParallelDims.from_spec(spec, 2)):
+        with pytest.raises(ValueError, match=match) as caught:
+            read()
+        assert "\n" not in str(caught.value)
+
+
+def test_each_reader_refuses_only_what_it_cannot_run():
+    assert parse_mesh("dp=2,dp_mode=shard,order=dp-pp-tp", 8)[0].order == "dp-pp-tp"
+    with pytest.raises(ValueError, match="runs the pipeline outermost"):
+        ParallelDims.from_spec("dp=2,order=dp-pp-tp", 2)
+    with pytest.raises(ValueError, match=r"pp x dp x tp must be 8, the devices given \(got 6\)"):
+        parse_mesh("pp=3,dp_shard=2", 8)
+    with pytest.raises(TypeError, match="a string like 'pp=2,dp=4,tp=1'"):
+        parse_layout(8)
