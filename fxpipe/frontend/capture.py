@@ -49,7 +49,6 @@ class Captured:
     # that was traced in train mode and depends on the mode (a BatchNorm traced through computes batch
     # statistics whatever gm.eval() says), then the eval-mode trace; None where eval mode does not trace.
     eval_graph: fx.GraphModule | None = None
-    tag: str = "fx"           # what the fingerprint says of the front end (graph_fingerprint's ``frontend``)
 
     def dtype_mismatch(self, planned_dtype: str | None) -> str | None:
         """Why this graph cannot be a plan's made for ``planned_dtype`` (``plan.profile["dtype"]``: the dtype
@@ -159,12 +158,12 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
         # exported in train mode, its batch norms compute batch statistics in any mode: no eval graph
         eval_graph = None if gm.meta["fxpipe_traced_training"] else gm
         return Captured(gm, graph_fingerprint(gm, "given"), False, eval_graph=eval_graph, frontend=
-                        {"name": "given", "reason": "a torch.export.ExportedProgram, partitioned as given"}, tag="given")
+                        {"name": "given", "reason": "a torch.export.ExportedProgram, partitioned as given"})
     if isinstance(model, fx.GraphModule):
         gm = model
         gm.meta.setdefault("fxpipe_traced_training", model.training)
         return Captured(gm, graph_fingerprint(gm, "given"), False, eval_graph=gm, frontend=
-                        {"name": "given", "reason": "a torch.fx.GraphModule, partitioned as given"}, tag="given")
+                        {"name": "given", "reason": "a torch.fx.GraphModule, partitioned as given"})
     leaves = list(leaf_modules)
     unknown = [n for n in leaves if isinstance(n, str) and n and not has_submodule(model, n)]
     if unknown:
@@ -193,7 +192,7 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
         if args is not None:   # what a rank needs to capture the model again the same way (capture_as_planned)
             planned["inputs"] = record_inputs(args, kwargs, batch_dim)
         if not other_mode:
-            return Captured(gm, fingerprint, False, planned, None, tag)
+            return Captured(gm, fingerprint, False, planned, None)
         with keeping_modes(model):
             model.train(not model.training)
             try:
@@ -207,7 +206,7 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
             except TraceError:
                 other_gm, mode_dependent = None, True   # the other mode does not trace: this mode's graph only
     eval_graph = other_gm if mode_dependent and model.training else gm
-    return Captured(gm, fingerprint, mode_dependent, planned, eval_graph, tag)
+    return Captured(gm, fingerprint, mode_dependent, planned, eval_graph)
 
 
 def capture_as_planned(model: nn.Module, planned: dict[str, Any], leaf_modules: Iterable[Any] = (),
