@@ -1,15 +1,38 @@
-"""The command lines documented in the README and in --help run."""
+"""The command lines documented in the README and in --help run.
 
+The commands run in this process (``run``: ``main(argv)`` as ``python -m`` calls it, its exit code, stdout and
+stderr): a fresh interpreter costs an import of torch each, 5-15 s on the CI machine. Two tests start real
+processes, for what only a process shows: ``python -m fxpipe`` and ``python -m solvers`` as entry points, and
+``-v``/``-q``'s logging, which is set up once per process.
+"""
+
+import contextlib
+import io
 import subprocess
 import sys
 
+from fxpipe.__main__ import main as fxpipe_main
+from solvers.__main__ import main as solvers_main
 
-def run(*args, timeout=600):
+
+def process(*args, timeout=600):
+    """``python -m ARGS`` in a new interpreter."""
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout)
 
 
+def run(program, *args):
+    """``program ARGS`` (fxpipe or solvers) in this process: its exit code, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = {"fxpipe": fxpipe_main, "solvers": solvers_main}[program](list(args))
+        except SystemExit as exc:   # argparse: --help, and usage errors
+            code = 0 if exc.code is None else exc.code
+    return subprocess.CompletedProcess([program, *args], code, out.getvalue(), err.getvalue())
+
+
 def test_fxpipe_help_lists_commands_and_examples():
-    out = run("fxpipe", "--help")
+    out = process("fxpipe", "--help")
     assert out.returncode == 0, out.stderr
     for word in ("demo", "plan", "bench", "show", "fxpipe demo", "fxpipe plan torchvision:resnet101"):
         assert word in out.stdout
@@ -56,7 +79,7 @@ def test_plan_for_a_preset_without_the_hardware(tmp_path):
 
 
 def test_solvers_search_help_and_fxpipe_help_mention_the_new_commands():
-    assert "search" in run("solvers", "--help").stdout
+    assert "search" in process("solvers", "--help").stdout
     assert "--devices v100x8" in run("fxpipe", "--help").stdout
 
 
@@ -116,9 +139,9 @@ def test_topo_errors_name_the_file_and_the_fix(tmp_path):
 
 def test_verbose_logs_and_quiet_silences():
     args = ("plan", "resnet18", "--batch", "4", "--chunks", "2", "--image-size", "32", "--profile", "estimate")
-    loud = run("fxpipe", "-v", *args)
+    loud = process("fxpipe", "-v", *args)
     assert loud.returncode == 0 and "fxpipe: " in loud.stderr and " nodes " in loud.stderr, loud.stderr   # or cached
-    quiet = run("fxpipe", "-q", *args)
+    quiet = process("fxpipe", "-q", *args)
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
     assert run("fxpipe", "-v", "-q", *args).returncode == 2    # one or the other
 
