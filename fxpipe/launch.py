@@ -261,8 +261,8 @@ def _mesh_rank(args: argparse.Namespace, plan: Any, dims: Any, model_fn: Callabl
     """This process's :class:`fxpipe.distributed.MeshPipelineRank` on the mesh of ``dims`` (every group's waits
     ``--timeout``). ``--loss auto`` gives it cross-entropy; a plan whose model computes its own loss is refused."""
     from fxpipe.distributed import MeshPipelineRank
-    on_gpu = any(st.device.startswith("cuda") for st in plan.stages) and torch.cuda.is_available()
-    mesh = dims.build_mesh("cuda" if on_gpu else "cpu", timeout_s=args.timeout)
+    from fxpipe.distributed.placement import rank_device_type
+    mesh = dims.build_mesh(rank_device_type([st.device for st in plan.stages]), timeout_s=args.timeout)
     stage = MeshPipelineRank(plan, model_fn, loss_fn or LOSSES["cross_entropy"], mesh=mesh, weights=args.weights,
                              timeout_s=args.timeout, compression=args.compression)
     if stage.ranked.pipe.has_model_loss and args.loss == "auto":
@@ -322,9 +322,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.steps < 0:
             raise UsageError(f"--steps must be 0 or more, got {args.steps}")
         if not dist.is_initialized():
-            on_gpu = any(st.device.startswith("cuda") for st in load_plan(args.plan).stages)
-            backend = "nccl" if on_gpu and torch.cuda.is_available() else "gloo"
-            _init_process_group(backend, datetime.timedelta(seconds=args.timeout))
+            from fxpipe.distributed.placement import rank_device_type
+            on_gpu = rank_device_type([st.device for st in load_plan(args.plan).stages]) == "cuda"
+            _init_process_group("nccl" if on_gpu else "gloo", datetime.timedelta(seconds=args.timeout))
         _train(args, rank)
     except UsageError as exc:
         print(f"error: rank {rank}: {exc}", file=sys.stderr, flush=True)

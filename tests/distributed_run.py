@@ -4,6 +4,11 @@ rendezvous), with a deadline.
 Each process runs ``fn(rank, world, *args)`` and its return value (or the exception it raised, as text) comes
 back to the test, one entry per rank. A process still running at the deadline is killed and the test fails:
 a distributed test can fail, never hang.
+
+The processes are forked from a forkserver that has imported torch, fxpipe and the Hugging Face models the tests
+use (``PRELOAD``): a spawned process would import them again, 5-10 s of CPU each on the 2-core CI machine, for
+every process of every group. Each process takes the test's environment and ``sys.path`` as they are when
+``run_ranks`` is called (the forkserver's own are those it started with).
 """
 
 from __future__ import annotations
@@ -23,8 +28,18 @@ import torch.multiprocessing as mp
 
 __all__ = ["run_ranks"]
 
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
+           "torch.distributed.checkpoint", "fxpipe", "fxpipe.distributed", "transformers",
+           "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2",
+           "transformers.models.qwen2.modeling_qwen2", "transformers.models.qwen3.modeling_qwen3"]
 
-def _entry(rank: int, world: int, out: str, fn: Callable[..., Any], args: tuple) -> None:
+
+def _entry(rank: int, world: int, out: str, context: tuple[dict[str, str], list[str]], fn: Callable[..., Any],
+           args: tuple) -> None:
+    env, path = context   # the test's, as a spawned process would take them
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:] = path
     faulthandler.enable()   # a native abort prints every thread's Python stack
     torch.set_num_threads(1)   # the machine is shared: one thread per rank
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"   # gloo's connections on 127.0.0.1
@@ -49,8 +64,10 @@ def _entry(rank: int, world: int, out: str, fn: Callable[..., Any], args: tuple)
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any, deadline_s: float = 240.0) -> list[dict[str, Any]]:
     """``[{"ok": value} or {"error": exception type name, "text": message, "trace": traceback}]`` by rank."""
     with tempfile.TemporaryDirectory(prefix="fxpipe-dist-") as out:
-        ctx = mp.start_processes(_entry, args=(world, out, fn, args), nprocs=world, join=False,
-                                 start_method="spawn")
+        mp.get_context("forkserver").set_forkserver_preload(PRELOAD)   # read when the server first starts
+        context = (dict(os.environ), list(sys.path))
+        ctx = mp.start_processes(_entry, args=(world, out, context, fn, args), nprocs=world, join=False,
+                                 start_method="forkserver")
         end = time.monotonic() + deadline_s
         while not ctx.join(timeout=max(0.1, end - time.monotonic())):
             if time.monotonic() > end:

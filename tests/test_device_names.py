@@ -75,3 +75,24 @@ def test_the_solver_puts_the_network_crossing_on_the_light_boundary():
     assert _crossings(1e9) == ["up"]
     # the same hosts joined as fast as NVLink: the balanced cut (a wide boundary) crosses instead
     assert _crossings(450e9) != ["up"]
+
+
+def test_a_rank_runs_a_plans_gpu_stages_on_the_devices_it_has(monkeypatch):
+    """fxpipe.distributed.placement: a plan made for GPUs runs where the process is (the planned GPU, its own
+    LOCAL_RANK GPU where the plan's index is past its GPUs, the CPU with one warning where it has none), and the
+    process group and mesh take the device type its stages run on."""
+    import torch
+    from fxpipe.distributed.placement import rank_device_type, rank_devices
+    from fxpipe.errors import PlanMismatchError
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.warns(UserWarning, match=r"cuda:3, which this process does not have: they run on the cpu"):
+        assert rank_devices(["cuda:3", "cpu"]) == [torch.device("cpu")] * 2
+    assert rank_device_type(["cuda:0", "cuda:1"]) == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert rank_devices(["cuda:0", "cuda:5"]) == [torch.device("cuda:0"), torch.device("cuda:1")]
+    assert rank_device_type(["cuda:5"]) == "cuda" and rank_device_type(["cpu"]) == "cpu"
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(PlanMismatchError, match="LOCAL_RANK 2.*sees 2 cuda device"):
+        rank_devices(["cuda:7"])

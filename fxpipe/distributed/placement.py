@@ -29,7 +29,7 @@ from fxpipe.errors import PlanMismatchError
 from fxpipe.planning.plan import Plan
 from solvers.schedules import stage_worker
 
-__all__ = ["plan_slots", "where_am_i", "stage_ranks", "rank_devices"]
+__all__ = ["plan_slots", "where_am_i", "stage_ranks", "rank_devices", "rank_device_type"]
 
 
 def plan_slots(plan: Plan) -> list[tuple[int, int]]:
@@ -94,6 +94,23 @@ def rank_devices(planned: list[str]) -> list[torch.device]:
     step computes the same, and the plan's times and memory are those of the devices it was made for. An
     accelerator index past the process's devices (a plan made for 8 GPUs of a node, run where
     ``CUDA_VISIBLE_DEVICES`` leaves each process one) gives the process's own ``LOCAL_RANK`` device."""
+    out, missing = _where(planned)
+    if missing:
+        warnings.warn(f"the plan puts stages on {', '.join(sorted(set(missing)))}, which this process does not "
+                      "have: they run on the cpu (the plan's times and memory are those of the devices it was "
+                      "made for)", UserWarning, stacklevel=2)
+    return out
+
+
+def rank_device_type(planned: list[str]) -> str:
+    """The device type this process runs the plan's stages on (:func:`rank_devices`, without its warning):
+    ``"cuda"`` where it runs any on a GPU (its process group then takes NCCL and its mesh is a CUDA mesh),
+    else ``"cpu"``."""
+    return "cuda" if any(d.type == "cuda" for d in _where(planned)[0]) else "cpu"
+
+
+def _where(planned: list[str]) -> tuple[list[torch.device], list[str]]:
+    """:func:`rank_devices` and the planned devices this process lacks."""
     out, missing = [], []
     for name in planned:
         device = torch.device(name)
@@ -107,11 +124,7 @@ def rank_devices(planned: list[str]) -> list[torch.device]:
             out.append(device)
         else:
             out.append(_own_device(device, backend.device_count()))
-    if missing:
-        warnings.warn(f"the plan puts stages on {', '.join(sorted(set(missing)))}, which this process does not "
-                      "have: they run on the cpu (the plan's times and memory are those of the devices it was "
-                      "made for)", UserWarning, stacklevel=2)
-    return out
+    return out, missing
 
 
 def _own_device(device: torch.device, count: int) -> torch.device:
