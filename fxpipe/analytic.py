@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from fxpipe.checks import batch_layout, check_arguments, most_micro_batches, unwrap_compiled, worker_devices
-from fxpipe.cost.devices import Devices, DeviceSpec
+from fxpipe.cost.devices import ACHIEVABLE, PRESETS, Devices, DeviceSpec
 from fxpipe.cost.optimizer_state import OPTIMIZER_STATE, optimizer_state_factor, training_dtype
 from fxpipe.cost.profile import NodeCost, profile_graph
 from fxpipe.frontend.capture import Captured, capture
@@ -37,6 +37,7 @@ from fxpipe.planning.mesh_chain import chain_pieces, levels_of, pipeline_ranks
 from fxpipe.planning.mesh_plan import mesh_costs, mesh_record, mesh_rows, parse_mesh, plan_for_choice
 from fxpipe.planning.plan import Plan
 from fxpipe.planning.planner import Planner
+from fxpipe.planning import throughput
 from fxpipe.planning.topology import links_from_classes
 from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, scatter
 from fxpipe.runtime.structure import FlatInputs, flat_inputs
@@ -96,6 +97,17 @@ def cost_model(model: nn.Module, example_inputs: tuple, spec: DeviceSpec, micro_
     costs = profile_graph(captured.graph, first, torch.device("cpu"), mode="analytic", spec=spec)   # 2. cost
     return AnalyticModel(captured, costs, batch, most, profiled, layout, training_dtype(model), model.training,
                          type(model).__name__, spec)
+
+
+def with_model_flops(result: Plan, costed: AnalyticModel) -> Plan:
+    """``result`` with a step's model FLOPs and, planned for a preset, its devices' dense peak
+    (:mod:`fxpipe.planning.throughput`): the costs are one micro-batch's of ``costed.profiled``."""
+    dtype = str(costed.dtype).removeprefix("torch.")
+    preset = costed.spec.name in {spec.name for spec, _ in PRESETS.values()}
+    rate = costed.spec.flops.get(dtype, costed.spec.flops["float32"])
+    throughput.record(result, sum(c.flops for c in costed.costs.values()) * costed.profiled,
+                      rate / ACHIEVABLE["flops"] if preset else None)
+    return result
 
 
 def planner_for(costed: AnalyticModel, devices: Devices, *, schedule: str = "1f1b", stages: int | None = None,
@@ -222,8 +234,8 @@ def plan(
                                overhead_s=costed.spec.launch_s)
             result = search.plan
             result.solver["search"] = search_rows(search.trials, search.best)
-            return result
-        return planner.plan(costed.costs)
+            return with_model_flops(result, costed)
+        return with_model_flops(planner.plan(costed.costs), costed)
     except InfeasiblePlanError as exc:   # a pipeline alone keeps every parameter's state on one device
         raise InfeasiblePlanError(f"{exc}; or plan with mesh='auto', which also shards the parameters, gradients "
                                   "and optimizer states over data-parallel devices (FSDP) or splits the layers "
@@ -323,8 +335,8 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
                                 data_parallel_sync_s=list(choice.sync_s), bubble=choice.bubble)
         result.predicted["throughput_samples_per_s"] = costed.batch / result.predicted["iteration_s"]
         result.mesh = mesh_record(choice, problem, ranks)
-        result.solver.update(mesh_search=mesh_rows(search, problem, chosen=choice), mesh_search_s=search.time_s,
+        result.solver.update(mesh_search=mesh_rows(search, problem, choice, result), mesh_search_s=search.time_s,
                              mesh_candidates=search.tried, mesh_refused=failures)
-        return result
+        return with_model_flops(result, costed)
     raise InfeasiblePlanError("the mesh search's plans all exceed a device's memory under the node-level memory "
                               "model: " + "; ".join(failures[:3]), None)

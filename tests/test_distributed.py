@@ -229,6 +229,17 @@ def test_a_plan_for_another_number_of_processes_is_refused_with_the_numbers():
         assert "3 stages on 3 workers" in r["ok"] and "2 processes" in r["ok"] and "--nproc-per-node 3" in r["ok"]
 
 
+def test_a_process_group_of_pipeline_copies_is_told_the_mesh_that_runs_them():
+    """Issue 46 part 3: the mismatch names the mesh fix where the processes are a multiple of the plan's workers."""
+    from fxpipe.distributed.placement import world_mismatch
+    plan = compile_with_cuts(WithBoom(), (torch.randn(6, 8),), ["b", "c"], chunks=2).plan
+    assert world_mismatch(plan, 3) is None
+    six = str(world_mismatch(plan, 6))
+    assert "6 processes" in six and "--nproc-per-node 3" in six and "plan for 6 devices" in six
+    assert "run 2 copies of the pipeline as a mesh (python -m fxpipe.launch --mesh dp_shard=2" in six
+    assert "dp_replicate=2" in six and "--mesh" not in str(world_mismatch(plan, 4))
+
+
 def _resume_ranks(rank: int, world: int, plan_json: str, path: str) -> dict:
     """Five steps straight, and two steps, a checkpoint, fresh stages and optimizer, three more: the losses."""
     from fxpipe.distributed import PipelineRank, checkpoint

@@ -29,7 +29,7 @@ from fxpipe.errors import PlanMismatchError
 from fxpipe.planning.plan import Plan
 from solvers.schedules import stage_worker
 
-__all__ = ["plan_slots", "where_am_i", "stage_ranks", "rank_devices", "rank_device_type"]
+__all__ = ["plan_slots", "where_am_i", "stage_ranks", "rank_devices", "rank_device_type", "world_mismatch"]
 
 
 def plan_slots(plan: Plan) -> list[tuple[int, int]]:
@@ -56,6 +56,20 @@ def where_am_i(rank: int) -> tuple[int, int]:
     if "LOCAL_RANK" in os.environ:
         return node, int(os.environ["LOCAL_RANK"])
     return node, rank
+
+
+def world_mismatch(plan: Plan, world: int) -> PlanMismatchError | None:
+    """The error for a process group of ``world`` processes that one pipeline of ``plan`` does not fill: it names
+    every fix, running copies of the pipeline as a mesh among them where ``world`` is a multiple of its workers."""
+    w = plan.workers
+    if world == w:
+        return None
+    mesh = (f", or run {world // w} copies of the pipeline as a mesh (python -m fxpipe.launch --mesh "
+            f"dp_shard={world // w}: FSDP2 over the copies; dp_replicate={world // w}: DDP)"
+            if world % w == 0 and world > w else "")
+    return PlanMismatchError(f"the plan runs {len(plan.stages)} stages on {w} workers but the process group has "
+                             f"{world} processes: start one process per worker (torchrun --nproc-per-node {w} on "
+                             f"one node), or plan for {world} devices{mesh}")
 
 
 def stage_ranks(plan: Plan, rank: int, world: int, group: Any = None) -> list[int]:

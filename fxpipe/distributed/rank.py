@@ -28,7 +28,7 @@ from torch import nn
 
 from fxpipe.compression_spec import check_compression
 from fxpipe.distributed.materialise import empty_model, is_empty, materialise
-from fxpipe.distributed.placement import rank_devices, stage_ranks
+from fxpipe.distributed.placement import rank_devices, stage_ranks, world_mismatch
 from fxpipe.distributed.tied import RankTies, install_representatives
 from fxpipe.distributed.transport import P2P
 from fxpipe.distributed.weights import open_weights
@@ -100,11 +100,9 @@ class PipelineRank:
                     planned_compilation(plan.compiled))
         refuse_split_backward(plan.schedule, compiled)
         self.rank, world = dist.get_rank(group), dist.get_world_size(group)
-        if world != plan.workers:
-            raise PlanMismatchError(
-                f"the plan runs {len(plan.stages)} stages on {plan.workers} workers but the process group has "
-                f"{world} processes: start one process per worker (torchrun --nproc-per-node {plan.workers} on "
-                f"one node) or plan for {world} devices")
+        mismatch = world_mismatch(plan, world)
+        if mismatch is not None:
+            raise mismatch
         source = open_weights(weights) if weights is not None else None   # a bad path fails before any build
         tracing: Any = contextlib.nullcontext()
         if source is not None:   # nothing allocated (meta, or fake under torch.export): this rank's become real below

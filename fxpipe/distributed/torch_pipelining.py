@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from fxpipe.distributed.placement import world_mismatch
 from fxpipe.errors import FxpipeError, PlanMismatchError
 from fxpipe.frontend.capture import capture_as_planned
 from fxpipe.planning import plan as plan_module
@@ -160,9 +161,9 @@ def to_torch_pipelining(plan: Plan, model: nn.Module, loss_fn: Callable[[Any, An
         raise FxpipeError("to_torch_pipelining needs torch.distributed initialised (torchrun, then "
                           "torch.distributed.init_process_group) with one process per worker of the plan")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if world != plan.workers:
-        raise PlanMismatchError(f"the plan runs {p} stages on {plan.workers} workers but the process group has "
-                                f"{world} processes: start one process per worker or plan for {world} devices")
+    mismatch = world_mismatch(plan, world)
+    if mismatch is not None:
+        raise mismatch
     from torch.distributed.pipelining import PipelineStage
     placeholders = [n.name for n in captured.graph.graph.nodes if n.op == "placeholder"]
     result, _ = _model_output(captured.graph)

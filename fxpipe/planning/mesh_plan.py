@@ -107,9 +107,11 @@ def mesh_record(choice: MeshChoice, problem: MeshProblem, ranks: Sequence[int]) 
             "pipeline_ranks": list(ranks)}
 
 
-def mesh_rows(search: MeshSearch, problem: MeshProblem, chosen: MeshChoice | None = None) -> list[dict[str, Any]]:
+def mesh_rows(search: MeshSearch, problem: MeshProblem, chosen: MeshChoice | None = None,
+              plan: Plan | None = None) -> list[dict[str, Any]]:
     """Every shape's best plan, fastest first, ``chosen`` (default the search's best) marked, and the shapes where
-    nothing fits."""
+    nothing fits. ``plan``: the chosen shape costed node by node, whose step, peak memory and recomputation the
+    chosen row then shows (the search's own estimate kept as ``searched_s`` and ``searched_peak_bytes``)."""
     chosen = chosen or search.best
     rows = []
     for c in search.shapes:
@@ -119,6 +121,10 @@ def mesh_rows(search: MeshSearch, problem: MeshProblem, chosen: MeshChoice | Non
                      "bubble": c.bubble, "peak_bytes": max(c.peak_bytes), "sync_s": list(c.sync_s),
                      "simulated": c.simulated,
                      "feasible": True, "chosen": c is chosen})
+        if c is chosen and plan is not None:
+            rows[-1].update(searched_s=c.iteration_s, searched_peak_bytes=max(c.peak_bytes),
+                            iteration_s=plan.predicted["iteration_s"], peak_bytes=max(plan.worker_peaks()),
+                            recompute=any((s.checkpoint or plan.checkpoint) != "never" for s in plan.stages))
     for mesh, why in search.infeasible.items():
         rows.append({"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "dp_mode": mesh.dp_mode, "order": mesh.order,
                      "feasible": False, "chosen": False, "why": why})

@@ -39,6 +39,10 @@ def mesh_table(plan: Any, table: Callable[[list[str], list[list[str]]], list[str
     out += table(["mesh", "schedule", "chunks", "recompute", "step ms", "bubble", "peak GiB"], [
         [("* " if r["chosen"] else "  ") + _label(r), r["schedule"], str(r["chunks"]), "yes" if r["recompute"] else "no",
          ("" if r.get("simulated", True) else "~") + f"{r['iteration_s'] * 1e3:.1f}", f"{r['bubble']:.1%}", f"{r['peak_bytes'] / 2**30:.1f}"] for r in fits])
+    for r in fits:
+        if r["chosen"] and "searched_s" in r:
+            out.append(f"* as costed node by node (the plan above); the search's own estimate of it: "
+                       f"{r['searched_s'] * 1e3:.1f} ms, {r['searched_peak_bytes'] / 2**30:.1f} GiB")
     refused = [_label(r) for r in rows if not r["feasible"]]
     if refused:
         out.append(f"no plan fits memory on: {', '.join(refused)}")

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from fxpipe.planning.memory_model import predict_worker_memory
 from fxpipe.planning.plan_format import PLAN_FORMAT, check_plan_document, read_plan_document
+from fxpipe.planning.throughput import throughput_line
 from solvers.schedules import inflight, stage_worker
 
 # bytes per parameter and the memory table's short name of the dtype a plan was costed at (profile["dtype"])
@@ -111,15 +112,16 @@ class Plan:
         head = ["stage", "device", "nodes", "param MiB", "fwd ms", "bwd ms", "comm ms", "act MiB", "peak MiB", "stage ms"]
         rows = []
         worst = self.predicted.get("bottleneck_stage")
+        peaks = self.worker_peaks()
         for s in self.stages:
             rows.append([
                 f"{s.index}{'*' if s.index == worst else ''}", self._where(s), str(len(s.nodes)),
                 f"{s.param_bytes / 2**20:.1f}", f"{s.fwd_s * 1e3:.2f}", f"{s.bwd_s * 1e3:.2f}",
-                f"{s.comm_s * 1e3:.3f}", f"{s.act_bytes / 2**20:.1f}", f"{s.peak_bytes / 2**20:.1f}",
+                f"{s.comm_s * 1e3:.3f}", f"{s.act_bytes / 2**20:.1f}", f"{peaks[s.index] / 2**20:.1f}",
                 f"{s.stage_s * 1e3:.2f}",
             ])
         out = [f"fxpipe plan for {self.model}: {len(self.stages)} stages, batch {self.batch_size} in "
-               f"{self.chunks} micro-batches, schedule {self.schedule}, checkpoint {self.checkpoint}"]
+               f"{self.chunks} micro-batches, schedule {self.schedule}, checkpoint {self.recomputation()}"]
         if self.mesh:   # fxpipe.planning.mesh_view: the mesh, and the best plan of every other shape
             from fxpipe.planning.mesh_view import mesh_head
             out = mesh_head(self) + out
@@ -151,11 +153,15 @@ class Plan:
                 f"bottleneck: stage {worst} (*)  predicted iteration {p['iteration_s'] * 1e3:.2f} ms  "
                 f"throughput {p['throughput_samples_per_s']:.1f} samples/s  "
                 f"(profile: {self.profile.get('mode', '?')} on {self.profile.get('device', '?')}; "
-                f"solver: {self.solver.get('method', '?')}, optimal={self.solver.get('optimal', '?')})"
+                f"solver: {self.solver.get('method', '?')}"
+                + (f", optimal={self.solver['optimal']})" if "optimal" in self.solver else ")")
             )
             if "iteration_shared_s" in p:   # CPU workers sharing the processors (fxpipe.compile)
                 out.append(f"with the CPU workers sharing the processors (as pipe.report()): predicted iteration "
                            f"{p['iteration_shared_s'] * 1e3:.2f} ms")
+            tokens = throughput_line(self)   # of the step predicted above
+            if tokens:
+                out.append(tokens)
             if "exact_over" in self.solver and not self.solver.get("optimal"):
                 # "optimal" is over every convex partition and placement; say what was searched exactly
                 out.append(f"exact over: {self.solver['exact_over']}"
@@ -175,6 +181,23 @@ class Plan:
                  "yes" if t["feasible"] else (t.get("why", "") if t["feasible"] is None else
                                                "no: " + t.get("why", ""))[:60]] for t in self.solver["search"]])
         return "\n".join(out)
+
+    def worker_peaks(self) -> list[float]:
+        """Per stage, the predicted peak bytes of the device that runs it
+        (:func:`fxpipe.planning.memory_model.predict_worker_memory`: the one memory figure every table shows)."""
+        peaks = [w.peak_bytes for w in predict_worker_memory(self)]
+        workers = len(peaks)
+        return [peaks[stage_worker(self.schedule, s.index, workers)] for s in self.stages]
+
+    def recomputation(self) -> str:
+        """The checkpoint mode as the stages run it: ``"auto (never)"``, ``"auto (stage 0: always, 1: never)"``
+        (``"auto"`` gives each device its own), or the mode asked for."""
+        if self.checkpoint != "auto":
+            return self.checkpoint
+        modes = [s.checkpoint or "auto" for s in self.stages]
+        if len(set(modes)) == 1:
+            return f"auto ({modes[0]})"
+        return "auto (" + ", ".join(f"{'stage ' if i == 0 else ''}{i}: {m}" for i, m in enumerate(modes)) + ")"
 
     def memory_table(self) -> str:
         """Per worker: parameter memory (with gradients and optimizer state), activation memory
@@ -208,12 +231,14 @@ class Plan:
                          f"{w.activation_bytes / 2**30:.2f}", f"{w.peak_bytes / 2**30:.2f}",
                          f"{device / 2**30:.1f}" if device else "-"])
         copies = sum(t["bytes"] * (len(t["stages"]) - 1) for t in self.predicted.get("tied_weights", []))
-        total_params = sum(s.param_bytes for s in self.stages) - copies   # the model's: a tied weight once
+        tp = (self.mesh or {}).get("tp", 1)   # a mesh's stages hold 1/tp of their parameters on each device
+        total_params = (sum(s.param_bytes for s in self.stages) - copies) * tp   # the model's: a tied weight once
         head = ["stage" if workers == p else "stages", "device", f"params ({short})", "param+grad+opt GiB",
                 "in flight", "activation GiB", "peak GiB", "device GiB"]
         out = aligned_table(head, rows)
-        out.append(f"total: {total_params / size / 1e9:.2f}B parameters ({short}), "
-                   f"{sum(float(r[3]) for r in rows):.2f} GiB parameter memory, "
+        shards = f", 1/{tp} of them on each device of a stage (tp={tp})" if tp > 1 else ""
+        out.append(f"model: {total_params / size / 1e9:.2f}B parameters ({short}){shards}; the pipeline's "
+                   f"{workers} devices: {sum(float(r[3]) for r in rows):.2f} GiB parameter memory, "
                    f"{sum(float(r[5]) for r in rows):.2f} GiB peak activation memory")
         return "\n".join(out)
 
