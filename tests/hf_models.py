@@ -81,3 +81,11 @@ def build(family: str, seed: int = 0) -> Any:
     """The family's tiny model, seeded, in train mode."""
     torch.manual_seed(seed)
     return {**FAMILIES, **OTHERS}[family]().train()
+
+
+def on_meta(kind: str, **config: Any) -> Any:
+    """``AutoModelForCausalLM`` of ``AutoConfig.for_model(kind, **config)`` on ``meta`` in bfloat16: a model to
+    plan from shapes, as ``fxpipe plan hf:KIND --config ...`` builds it."""
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(kind, **config),
+                                                             dtype=torch.bfloat16)

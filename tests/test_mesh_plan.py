@@ -8,20 +8,17 @@ import json
 
 import pytest
 import torch
-import transformers
 
 import fxpipe
 import fxpipe.analytic as analytic
 from fxpipe.cost.devices import PRESETS, Devices
+from hf_models import on_meta
 
 
 @pytest.fixture(scope="module")
 def costed():
-    config = transformers.AutoConfig.for_model(
-        "llama", num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = on_meta("llama", num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
     ids = torch.zeros(16, 256, dtype=torch.long, device="meta")
     devices = Devices.preset("h100", "0:0-3,1:0-3")
     return model, ids, devices, analytic.cost_model(model, (ids,), devices.specs[0], workers=8)

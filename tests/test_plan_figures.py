@@ -9,23 +9,20 @@ import re
 
 import pytest
 import torch
-import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
 import fxpipe
 from fxpipe.cost.devices import Devices
 from fxpipe.planning.memory_model import predict_worker_memory
+from hf_models import on_meta
 
 BATCH, SEQ = 8, 128
 
 
 @pytest.fixture(scope="module")
 def llama():
-    config = transformers.AutoConfig.for_model(
-        "llama", num_hidden_layers=4, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = on_meta("llama", num_hidden_layers=4, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
     ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
     return model, ids
 
