@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_ranks"]
+__all__ = ["run_ranks", "rank_context"]
 
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
            "torch.distributed.checkpoint", "fxpipe", "fxpipe.distributed", "transformers",
@@ -61,12 +61,16 @@ def _entry(rank: int, world: int, out: str, context: tuple[dict[str, str], list[
     os._exit(0)
 
 
+def rank_context() -> tuple[dict[str, str], list[str]]:
+    """What ``_entry`` gives its process of the test's: the environment and ``sys.path`` now."""
+    return dict(os.environ), list(sys.path)
+
+
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any, deadline_s: float = 240.0) -> list[dict[str, Any]]:
     """``[{"ok": value} or {"error": exception type name, "text": message, "trace": traceback}]`` by rank."""
     with tempfile.TemporaryDirectory(prefix="fxpipe-dist-") as out:
         mp.get_context("forkserver").set_forkserver_preload(PRELOAD)   # read when the server first starts
-        context = (dict(os.environ), list(sys.path))
-        ctx = mp.start_processes(_entry, args=(world, out, context, fn, args), nprocs=world, join=False,
+        ctx = mp.start_processes(_entry, args=(world, out, rank_context(), fn, args), nprocs=world, join=False,
                                  start_method="forkserver")
         end = time.monotonic() + deadline_s
         while not ctx.join(timeout=max(0.1, end - time.monotonic())):

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from distributed_run import _entry
+from distributed_run import _entry, rank_context
 from forced_cuts import compile_with_cuts
 from launch_target import batches, make_model
 from test_launch import _env, _losses
@@ -120,8 +120,8 @@ def test_every_survivor_names_the_killed_rank_well_within_the_deadline(tmp_path,
     plan = copy.deepcopy(compile_with_cuts(make_model(), (batches()[0][0],), CUTS[world], chunks=3).plan)
     with tempfile.TemporaryDirectory(prefix="fxpipe-dies-") as out:
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_entry, args=(r, world, out, _train_until_killed, (plan.to_json(), victim, out)))
-                 for r in range(world)]
+        procs = [ctx.Process(target=_entry, args=(r, world, out, rank_context(), _train_until_killed,
+                                                  (plan.to_json(), victim, out))) for r in range(world)]
         for p in procs:
             p.start()
         end = time.monotonic() + 200
