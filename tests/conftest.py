@@ -32,6 +32,16 @@ except (OSError, AttributeError):  # not glibc: nothing to tune
     _libc = None
 
 
+def pytest_configure(config):
+    """Under pytest-xdist, each worker's share of the processors: torch's default intra-op threads (one per core)
+    in every worker oversubscribe them (2 workers x 2 threads on the 2-core CI machine, the pipelines' own worker
+    threads on top), which made test_torchvision's first 150 s run 7 models instead of 40."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if os.environ.get("PYTEST_XDIST_WORKER") and workers > 1:
+        import torch
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 def pytest_collection_finish(session):
     """Freeze what collection imported: later collections skip it (it lives as long as the process)."""
     gc.collect()
