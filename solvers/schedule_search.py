@@ -101,10 +101,13 @@ def lower_bound(schedule: str, micro_batches: int, forward_s: float, backward_s:
     With ``T`` the whole model's time for one micro-batch, ``S`` the sum of the speeds and ``v`` the fastest:
     every worker's operations run one at a time, so some worker is busy ``m T / S``; one micro-batch's forwards
     and input-gradient backwards run in turn through every stage (a split backward defers at most half its
-    time to ``W``: :func:`solvers.simulate.weight_shares`); and under GPipe and 1F1B, whose stages are one per
-    worker, the stage with the longest time ``t`` runs ``m`` of everything while the micro-batches it waits for
-    and those that wait for it pass every other stage: ``(m - 1) t + sum of stage times >= (m - 1) T / S + T /
-    v``. Transfers and recomputation only add time."""
+    time to ``W``: :func:`solvers.simulate.weight_shares`). Under GPipe and 1F1B, whose stages are one per
+    worker and whose backward is whole, stage ``s`` (time ``t_s`` per micro-batch) starts after one forward
+    through the stages before it, runs ``m`` forwards and backwards, and its last backward then passes those
+    stages again: the iteration is at least ``max_s (sum_{j<s} t_j + m t_s)``. Over every split of ``T`` that
+    maximum is least when all its terms are equal, ``t_s = (C / m) r^s`` with ``r = (m - 1) / m``, the fastest
+    workers first: ``C = m T / sum_s v_s r^s`` (speeds in decreasing order; ``T / (1 - r^p)`` for ``p`` equal
+    workers of speed 1). Transfers and recomputation only add time."""
     if micro_batches < 1 or not speeds or min(speeds) <= 0:
         raise ValueError(f"need micro_batches >= 1 and positive speeds, got {micro_batches} and {list(speeds)}")
     m, total, fastest = micro_batches, forward_s + backward_s, max(speeds)
@@ -112,7 +115,8 @@ def lower_bound(schedule: str, micro_batches: int, forward_s: float, backward_s:
     deferred = 0.5 if schedule in SPLIT_BACKWARD else 0.0
     bound = max(m * total / everyone, (forward_s + (1.0 - deferred) * backward_s) / fastest)
     if schedule in ("gpipe", "1f1b"):
-        bound = max(bound, (m - 1) * total / everyone + total / fastest)
+        r = (m - 1) / m
+        bound = max(bound, m * total / sum(v * r ** s for s, v in enumerate(sorted(speeds, reverse=True))))
     return bound
 
 

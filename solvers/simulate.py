@@ -15,6 +15,7 @@ equals the reference formula ``sum t_s + (m - 1) max t_s``; tests check that.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Sequence
@@ -103,6 +104,7 @@ def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedul
 
     done: dict[Op, float] = {}                            # (kind, stage, mb) -> end time
     arrived: dict[tuple[str, int, int, int], float] = {}  # (kind, src, dst, mb) -> arrival
+    pending: list[float] = []                             # a heap of the arrival times not yet reached
     link_free: dict[tuple[int, int], float] = {}
     running: list[list | None] = [None] * n_workers       # [op, work left, start]
     ready_since: dict[int, float] = {}                    # worker -> when its next operation's inputs were here
@@ -128,7 +130,9 @@ def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedul
             running[w] = [op, length[op[0]][op[1]], now]
             del ready_since[w]
         active = [w for w in range(n_workers) if running[w] is not None]
-        upcoming = min((t for t in arrived.values() if t > now), default=float("inf"))
+        while pending and pending[0] <= now:   # time only moves on: arrivals at or before now are past
+            heapq.heappop(pending)
+        upcoming = pending[0] if pending else float("inf")
         if not active:
             if upcoming == float("inf"):
                 raise RuntimeError("the schedule deadlocked: a worker waits for an operation that never runs")
@@ -158,11 +162,14 @@ def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedul
                     begin = max(now, link_free.get(link, 0.0))
                     link_free[link] = begin + cost
                     arrived[(kind, s, t, i)] = begin + cost
+                    heapq.heappush(pending, begin + cost)
                     timeline.append(Event(s, f"send_{kind}", i, begin, begin + cost, peer=t))
             position[w] += 1
             remaining -= 1
-    worker_free = [max([e.end for e in timeline if owner[e.stage] == w and e.kind in ("F", "B", "W")], default=0.0)
-                   for w in range(n_workers)]
+    worker_free = [0.0] * n_workers
+    for e in timeline:
+        if e.kind in ("F", "B", "W"):
+            worker_free[owner[e.stage]] = max(worker_free[owner[e.stage]], e.end)
     for st, ar in enumerate(allreduce_s or []):
         if ar > 0:
             w = owner[st]

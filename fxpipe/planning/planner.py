@@ -192,17 +192,6 @@ class Planner:
         plan.solver["stage_devices"] = [list(st.devices) for st in solution.stages]   # the solver's device ids
         if v > 1:
             plan.devices = [str(d) for d in self.all_devices]
-        if v > 1 or self.schedule in SPLIT_BACKWARD:   # the solver's formula is 1F1B's bubble
-            simulated = simulate_solution(problem, solution, self.schedule, workers=workers if v > 1 else None,
-                                          recompute_share=share)
-            plan.predicted["iteration_s"] = simulated.iteration_s
-            plan.predicted["throughput_samples_per_s"] = self.batch / simulated.iteration_s
-            # the certificate is the solver's, on its objective and its devices: say which, not "device k"
-            plan.solver["objective"] = (f"the solver's cuts are exact for 1F1B's bubble formula; the iteration is "
-                                        f"{self.schedule} simulated on them")
-            if v > 1 and "exact_over" in plan.solver:
-                plan.solver["exact_over"] = plan.solver["exact_over"].replace(
-                    "stage k on device k", f"stage k on its {self.schedule} worker")
         plan.schedule, plan.virtual_stages = self.schedule, v
         plan.batch_dims, plan.frontend = dict(self.batch_dims), dict(self.frontend)
         stage_modules(self.gm, plan)
@@ -220,6 +209,18 @@ class Planner:
             choose_checkpoints(plan)     # MemoryError when even "always" does not fit
         elif problem.recompute:
             check_fits(plan)             # MemoryError: the solver's recomputing model left the kept inputs out
+        if v > 1 or self.schedule in SPLIT_BACKWARD:   # the solver's formula is 1F1B's bubble; simulated last, once
+            # the memory fits (a shape refused above costs no simulation)
+            simulated = simulate_solution(problem, solution, self.schedule, workers=workers if v > 1 else None,
+                                          recompute_share=share)
+            plan.predicted["iteration_s"] = simulated.iteration_s
+            plan.predicted["throughput_samples_per_s"] = self.batch / simulated.iteration_s
+            # the certificate is the solver's, on its objective and its devices: say which, not "device k"
+            plan.solver["objective"] = (f"the solver's cuts are exact for 1F1B's bubble formula; the iteration is "
+                                        f"{self.schedule} simulated on them")
+            if v > 1 and "exact_over" in plan.solver:
+                plan.solver["exact_over"] = plan.solver["exact_over"].replace(
+                    "stage k on device k", f"stage k on its {self.schedule} worker")
         return plan
 
 
