@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -311,32 +313,76 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
         search = search_mesh(problem)
     except solvers.InfeasibleError as exc:
         raise InfeasiblePlanError(str(exc), exc.min_peak_bytes) from exc
-    failures = []
-    for choice in search.shapes:
-        m = choice.mesh
-        ranks = pipeline_ranks(m.pp, m.dp, m.tp, m.order)
-        sub = Devices([devices.specs[r] for r in ranks], [[devices.link_classes[a][b] for b in ranks] for a in ranks],
-                      [devices.ids[r] for r in ranks], [devices.nodes[r] for r in ranks], dict(devices.bandwidth_Bps))
-        v = stages_per_worker(choice.candidate.schedule, problem.virtual_stages) if m.pp > 1 else 1
-        planner = planner_for(dataclasses.replace(costed, profiled=choice.candidate.micro_batches), sub, schedule=choice.candidate.schedule if m.pp > 1 else "1f1b",
-                              virtual_stages=v, optimizer=optimizer, checkpoint=checkpoint, options=options)
-        shard = m.dp_mode == "shard" and m.dp > 1
-        planner = dataclasses.replace(planner, chunks=choice.candidate.micro_batches,
-                                      optimizer_state_factor=grad + (factor - grad) / (m.dp if shard else 1),
-                                      memory_bytes=[float(memory)] * len(planner.devices))
-        scaled = mesh_costs(costed.costs, samples, choice, problem, piece_nodes, launch)
+    failures: list[str] = []
+    best: tuple[Plan, Any] | None = None
+    refused: dict[Any, set[str]] = {}                  # mesh -> the schedules the node-level model refused on it
+    order = itertools.count()
+    queue = [(c.iteration_s, next(order), c) for c in search.shapes]   # by the search's estimate, fastest first
+    heapq.heapify(queue)
+    while queue:
+        estimate, _, choice = heapq.heappop(queue)
+        # the plan is the fastest by the node-level costing among the shapes the search estimates faster than the
+        # best found so far (its estimates have been at or below the node-level figure: 405B on 64 nodes,
+        # 37.3 s against 42.0 s)
+        if best is not None and estimate >= best[0].predicted["iteration_s"]:
+            break
         try:
-            result = plan_for_choice(planner, scaled, choice, piece_nodes)
+            result = _node_level(costed, devices, problem, choice, samples, launch, piece_nodes, optimizer,
+                                 checkpoint, options, factor, grad, memory)
         except (MemoryError, InfeasiblePlanError) as exc:
-            failures.append(f"{m.label()}: {str(exc).splitlines()[0][:200]}")
+            failures.append(f"{choice.mesh.label()} ({choice.candidate.schedule}): {str(exc).splitlines()[0][:200]}")
+            refused.setdefault(choice.mesh, set()).add(choice.candidate.schedule)
+            other = _under_another_schedule(problem, choice.mesh, refused[choice.mesh])
+            if other is not None:   # the same shape may fit under a schedule that keeps fewer micro-batches
+                heapq.heappush(queue, (other.iteration_s, next(order), other))
             continue
-        pipeline = result.predicted["iteration_s"]
-        result.predicted.update(pipeline_iteration_s=pipeline, iteration_s=pipeline + choice.iteration_s - choice.pipeline_s,
-                                data_parallel_sync_s=list(choice.sync_s), bubble=choice.bubble)
-        result.predicted["throughput_samples_per_s"] = costed.batch / result.predicted["iteration_s"]
-        result.mesh = mesh_record(choice, problem, ranks)
-        result.solver.update(mesh_search=mesh_rows(search, problem, choice, result), mesh_search_s=search.time_s,
-                             mesh_candidates=search.tried, mesh_refused=failures)
-        return with_model_flops(result, costed)
-    raise InfeasiblePlanError("the mesh search's plans all exceed a device's memory under the node-level memory "
-                              "model: " + "; ".join(failures[:3]), None)
+        if best is None or result.predicted["iteration_s"] < best[0].predicted["iteration_s"]:
+            best = (result, choice)
+    if best is None:
+        raise InfeasiblePlanError("the mesh search's plans all exceed a device's memory under the node-level memory "
+                                  "model: " + "; ".join(failures[:3]), None)
+    result, choice = best
+    result.mesh = mesh_record(choice, problem, pipeline_ranks(choice.mesh.pp, choice.mesh.dp, choice.mesh.tp,
+                                                              choice.mesh.order))
+    result.solver.update(mesh_search=mesh_rows(search, problem, choice, result), mesh_search_s=search.time_s,
+                         mesh_candidates=search.tried, mesh_refused=failures)
+    return with_model_flops(result, costed)
+
+
+def _under_another_schedule(problem: MeshProblem, mesh: Any, refused: set[str]) -> Any:
+    """The search's best for ``mesh`` alone under the schedules not in ``refused``, or None (none left, or none
+    fits by the search's memory)."""
+    schedules = tuple(s for s in problem.schedules if s not in refused) if mesh.pp > 1 else ()
+    if not schedules:
+        return None
+    try:
+        return search_mesh(dataclasses.replace(problem, fixed=[mesh], schedules=schedules)).best
+    except solvers.InfeasibleError:
+        return None
+
+
+def _node_level(costed: AnalyticModel, devices: Devices, problem: MeshProblem, choice: Any, samples: float,
+                launch: float, piece_nodes: list, optimizer: str, checkpoint: str, options: CompileOptions | None,
+                factor: float, grad: float, memory: float) -> Plan:
+    """``choice`` (a shape of the mesh search, its schedule, micro-batches and cuts) costed node by node on the
+    devices its pipeline runs on: its step and per-device memory as the plan records them. Raises
+    ``MemoryError`` or :class:`InfeasiblePlanError` where the node-level memory model finds a device over."""
+    m = choice.mesh
+    ranks = pipeline_ranks(m.pp, m.dp, m.tp, m.order)
+    sub = Devices([devices.specs[r] for r in ranks], [[devices.link_classes[a][b] for b in ranks] for a in ranks],
+                  [devices.ids[r] for r in ranks], [devices.nodes[r] for r in ranks], dict(devices.bandwidth_Bps))
+    v = stages_per_worker(choice.candidate.schedule, problem.virtual_stages) if m.pp > 1 else 1
+    planner = planner_for(dataclasses.replace(costed, profiled=choice.candidate.micro_batches), sub,
+                          schedule=choice.candidate.schedule if m.pp > 1 else "1f1b",
+                          virtual_stages=v, optimizer=optimizer, checkpoint=checkpoint, options=options)
+    shard = m.dp_mode == "shard" and m.dp > 1
+    planner = dataclasses.replace(planner, chunks=choice.candidate.micro_batches,
+                                  optimizer_state_factor=grad + (factor - grad) / (m.dp if shard else 1),
+                                  memory_bytes=[float(memory)] * len(planner.devices))
+    scaled = mesh_costs(costed.costs, samples, choice, problem, piece_nodes, launch)
+    result = plan_for_choice(planner, scaled, choice, piece_nodes)
+    pipeline = result.predicted["iteration_s"]
+    result.predicted.update(pipeline_iteration_s=pipeline, iteration_s=pipeline + choice.iteration_s - choice.pipeline_s,
+                            data_parallel_sync_s=list(choice.sync_s), bubble=choice.bubble)
+    result.predicted["throughput_samples_per_s"] = costed.batch / result.predicted["iteration_s"]
+    return result

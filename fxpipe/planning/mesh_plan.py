@@ -114,7 +114,9 @@ def mesh_rows(search: MeshSearch, problem: MeshProblem, chosen: MeshChoice | Non
     chosen row then shows (the search's own estimate kept as ``searched_s`` and ``searched_peak_bytes``)."""
     chosen = chosen or search.best
     rows = []
-    for c in search.shapes:
+    # a shape refused by the node-level memory model under its best schedule may be chosen under another: its row
+    shapes = search.shapes if any(c is chosen for c in search.shapes) else [chosen, *search.shapes]
+    for c in shapes:
         rows.append({"pp": c.mesh.pp, "dp": c.mesh.dp, "tp": c.mesh.tp, "dp_mode": c.mesh.dp_mode,
                      "order": c.mesh.order, "schedule": c.candidate.schedule, "chunks": c.candidate.micro_batches,
                      "recompute": c.candidate.recompute, "iteration_s": c.iteration_s, "screened_s": c.screened_s,
