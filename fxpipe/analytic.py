@@ -44,8 +44,8 @@ from fxpipe.planning.topology import links_from_classes
 from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, scatter
 from fxpipe.runtime.structure import FlatInputs, flat_inputs
 import solvers
-from solvers.mesh import MeshProblem
-from solvers.mesh_search import search_mesh
+from solvers.mesh import Mesh, MeshProblem
+from solvers.mesh_search import MeshChoice, search_mesh
 from solvers.schedule_search import chunk_choices
 from solvers.schedules import SCHEDULES, stages_per_worker
 
@@ -314,8 +314,8 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
     except solvers.InfeasibleError as exc:
         raise InfeasiblePlanError(str(exc), exc.min_peak_bytes) from exc
     failures: list[str] = []
-    best: tuple[Plan, Any] | None = None
-    refused: dict[Any, set[str]] = {}                  # mesh -> the schedules the node-level model refused on it
+    best: tuple[Plan, MeshChoice] | None = None
+    refused: dict[Mesh, set[str]] = {}                  # mesh -> the schedules the node-level model refused on it
     order = itertools.count()
     queue = [(c.iteration_s, next(order), c) for c in search.shapes]   # by the search's estimate, fastest first
     heapq.heapify(queue)
@@ -327,8 +327,7 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
         if best is not None and estimate >= best[0].predicted["iteration_s"]:
             break
         try:
-            result = _node_level(costed, devices, problem, choice, samples, launch, piece_nodes, optimizer,
-                                 checkpoint, options, factor, grad, memory)
+            result = _node_level(costed, devices, problem, choice, piece_nodes, optimizer, checkpoint, options)
         except (MemoryError, InfeasiblePlanError) as exc:
             failures.append(f"{choice.mesh.label()} ({choice.candidate.schedule}): {str(exc).splitlines()[0][:200]}")
             refused.setdefault(choice.mesh, set()).add(choice.candidate.schedule)
@@ -349,7 +348,7 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
     return with_model_flops(result, costed)
 
 
-def _under_another_schedule(problem: MeshProblem, mesh: Any, refused: set[str]) -> Any:
+def _under_another_schedule(problem: MeshProblem, mesh: Mesh, refused: set[str]) -> MeshChoice | None:
     """The search's best for ``mesh`` alone under the schedules not in ``refused``, or None (none left, or none
     fits by the search's memory)."""
     schedules = tuple(s for s in problem.schedules if s not in refused) if mesh.pp > 1 else ()
@@ -361,13 +360,14 @@ def _under_another_schedule(problem: MeshProblem, mesh: Any, refused: set[str]) 
         return None
 
 
-def _node_level(costed: AnalyticModel, devices: Devices, problem: MeshProblem, choice: Any, samples: float,
-                launch: float, piece_nodes: list, optimizer: str, checkpoint: str, options: CompileOptions | None,
-                factor: float, grad: float, memory: float) -> Plan:
+def _node_level(costed: AnalyticModel, devices: Devices, problem: MeshProblem, choice: MeshChoice, piece_nodes: list,
+                optimizer: str, checkpoint: str, options: CompileOptions | None) -> Plan:
     """``choice`` (a shape of the mesh search, its schedule, micro-batches and cuts) costed node by node on the
-    devices its pipeline runs on: its step and per-device memory as the plan records them. Raises
-    ``MemoryError`` or :class:`InfeasiblePlanError` where the node-level memory model finds a device over."""
+    devices its pipeline runs on: its step and per-device memory as the plan records them. The memory a device
+    has and the optimizer state it keeps are the search's (``problem``). Raises ``MemoryError`` or
+    :class:`InfeasiblePlanError` where the node-level memory model finds a device over."""
     m = choice.mesh
+    grad, optimizer_state = problem.grad_factor, problem.optimizer_factor
     ranks = pipeline_ranks(m.pp, m.dp, m.tp, m.order)
     sub = Devices([devices.specs[r] for r in ranks], [[devices.link_classes[a][b] for b in ranks] for a in ranks],
                   [devices.ids[r] for r in ranks], [devices.nodes[r] for r in ranks], dict(devices.bandwidth_Bps))
@@ -377,9 +377,10 @@ def _node_level(costed: AnalyticModel, devices: Devices, problem: MeshProblem, c
                           virtual_stages=v, optimizer=optimizer, checkpoint=checkpoint, options=options)
     shard = m.dp_mode == "shard" and m.dp > 1
     planner = dataclasses.replace(planner, chunks=choice.candidate.micro_batches,
-                                  optimizer_state_factor=grad + (factor - grad) / (m.dp if shard else 1),
-                                  memory_bytes=[float(memory)] * len(planner.devices))
-    scaled = mesh_costs(costed.costs, samples, choice, problem, piece_nodes, launch)
+                                  optimizer_state_factor=grad + optimizer_state / (m.dp if shard else 1),
+                                  memory_bytes=[problem.memory_bytes] * len(planner.devices))
+    scaled = mesh_costs(costed.costs, costed.batch / costed.profiled, choice, problem, piece_nodes,
+                        costed.spec.launch_s)
     result = plan_for_choice(planner, scaled, choice, piece_nodes)
     pipeline = result.predicted["iteration_s"]
     result.predicted.update(pipeline_iteration_s=pipeline, iteration_s=pipeline + choice.iteration_s - choice.pipeline_s,

@@ -130,16 +130,13 @@ def _rounding_sensitivity(gm: fx.GraphModule, inputs: tuple, samples: int, dims:
                           layout: BatchLayout, whole: Any) -> float:
     """How far ``gm``'s outputs on the leading ``samples`` move when every floating input moves by one unit
     in the last place (relative to the output, as :func:`_difference`); 0 without floating inputs."""
-    def nudge(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and t.is_floating_point():
-            return t * (1 + torch.finfo(t.dtype).eps)
-        return t
+    def floating(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.is_floating_point()
     leading = _leading(list(inputs), samples, dims)
-    nudged = tree_map(nudge, leading)
-    if all(a is b for a, b in zip(tree_flatten(leading)[0], tree_flatten(nudged)[0])):
+    if not any(floating(t) for t in tree_flatten(leading)[0]):
         return 0.0
     with leaving_no_trace(gm), torch.no_grad():
-        moved = gm(*nudged)
+        moved = gm(*tree_map(lambda t: t * (1 + torch.finfo(t.dtype).eps) if floating(t) else t, leading))
     found = _difference(whole, [moved], layout.output)
     return 0.0 if found is None else found[0]
 
