@@ -1,4 +1,4 @@
-"""Memory per rank of pp x FSDP2 (``MeshPipelineRank`` over ``ParallelDims(pp, dp_shard)``): the bytes of this
+"""Memory per rank of pp x FSDP2 (``PipelineRank`` over ``ParallelDims(pp, dp_shard)``): the bytes of this
 rank's parameters, gradients and AdamW state (``exp_avg``, ``exp_avg_sq``; the scalar ``step`` counted too),
 local shards only (``DTensor.to_local()``), after one training step of a small Llama, for each ``dp_shard``.
 
@@ -54,10 +54,10 @@ def _rank(rank: int, world: int, out: str, plan_json: str, pp: int, width: int, 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
-    from fxpipe.distributed.mesh import MeshPipelineRank
+    from fxpipe.distributed import PipelineRank
     from fxpipe.distributed.parallel import ParallelDims
     mesh = ParallelDims(pp=pp, dp_shard=world // pp).build_mesh("cpu")
-    stage = MeshPipelineRank(fxpipe.Plan.from_dict(json.loads(plan_json)), functools.partial(build, width, layers),
+    stage = PipelineRank(fxpipe.Plan.from_dict(json.loads(plan_json)), functools.partial(build, width, layers),
                              loss_fn, mesh=mesh, timeout_s=300)
     opt = torch.optim.AdamW(stage.parameters(), lr=1e-3)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))

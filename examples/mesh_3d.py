@@ -3,7 +3,7 @@
 
 Rank 0 plans a 2-stage pipeline (``fxpipe.compile`` on CPU workers, estimated costs) and saves the plan; every
 rank builds the mesh (pp=2 × dp_shard=2 × tp=2, ``fxpipe.distributed.parallel.ParallelDims``) and its
-:class:`fxpipe.distributed.MeshPipelineRank`: its pipeline stage, tensor-parallel over ``tp`` (attention and MLP
+:class:`fxpipe.distributed.PipelineRank`: its pipeline stage, tensor-parallel over ``tp`` (attention and MLP
 sharded by heads) and FSDP2-sharded over ``dp_shard``, each dp replica training on its share of the batch. The
 labels are right-padded with ``-100``; the loss is the token mean. Each step prints the loss beside the same
 model trained on the whole batch in this one process, and the last line the largest relative difference of any
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import transformers
 
 import fxpipe  # noqa: E402
-from fxpipe.distributed import MeshPipelineRank  # noqa: E402
+from fxpipe.distributed import PipelineRank  # noqa: E402
 from fxpipe.distributed.parallel import ParallelDims  # noqa: E402
 
 VOCAB, SIZES = 96, (8, 8, 9)   # the last batch shared unevenly over the two dp replicas
@@ -64,7 +64,7 @@ def main() -> None:
     dist.barrier()
     dims = ParallelDims(pp=2, dp_shard=2, tp=2)
     mesh = dims.build_mesh("cpu")
-    stage = MeshPipelineRank(path, make_model, loss_fn, mesh=mesh)   # a plan or its path
+    stage = PipelineRank(path, make_model, loss_fn, mesh=mesh)   # a plan or its path
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in stage.parameters())
     coords = mesh.get_coordinate()
     sys.stdout.write(f"rank {rank}: pp {coords[0]} dp_shard {coords[1]} tp {coords[2]}: stages {stage.ranked.own}, "

@@ -19,8 +19,9 @@ non-zero exit, before training.
 ``dp_shard`` as :class:`fxpipe.distributed.parallel.ParallelDims` names them; ``pp`` is the plan's number of
 workers) composes the pipeline with data parallelism (FSDP2, DDP, HSDP) and tensor parallelism: the world must be
 ``pp x dp x tp`` processes (else every process ends with the fix before any group is made), the mesh is built over
-them with ``--timeout`` for every group, and each process runs :class:`fxpipe.distributed.MeshPipelineRank`, every
-process given the same batches and training its replica's share; one process prints the losses. A plan that
+them with ``--timeout`` for every group, and each process runs :class:`fxpipe.distributed.PipelineRank` on it, every
+process given the same batches (``(inputs, target)`` or dicts with ``labels``, the model's own loss) and training its
+replica's share; one process prints the losses. A plan that
 carries a mesh (``fxpipe.plan(..., mesh=...)``: ``plan.mesh``) runs on it unless ``--mesh`` says otherwise
 (``--mesh dp=1``: the pipeline alone). Checkpoints hold the sharded states (``DTensor``), and load under any
 other mesh or plan of the model.
@@ -148,15 +149,17 @@ def _train(args: argparse.Namespace, rank: int) -> None:
     options = step_options(args)
     plan = load_plan(args.plan)
     dims = _mesh_dims(args, plan)
+    stage = PipelineRank(plan, model_fn, loss_fn, mesh="dp=1" if dims is None else dims, weights=args.weights,
+                         timeout_s=args.timeout, compression=args.compression)
+    ranked = stage.ranked
     if dims is None:
-        stage: Any = PipelineRank(plan, model_fn, loss_fn, weights=args.weights, timeout_s=args.timeout,
-                                  compression=args.compression)
-        ranked, prints = stage, True
-    else:
-        stage = _mesh_rank(args, plan, dims, model_fn, loss_fn)
-        ranked = stage.ranked
-        # one of the processes that return the loss prints it: every coordinate but pp's 0
+        prints = True
+    else:   # one of the processes that return the loss prints it: every coordinate but pp's 0
         prints = all(c == 0 for n, c in zip(stage.mesh.mesh_dim_names, stage.mesh.get_coordinate()) if n != "pp")
+        if dims.tp > 1 and (plan.mesh or {}).get("sequence_parallel") and dist.get_rank() == 0:
+            sys.stdout.write("note: the plan's mesh assumed sequence parallelism, which is not run: the activations "
+                             "outside the tensor-parallel blocks are whole on every tp rank (same results, more "
+                             "memory than predicted)\n")
     if args.loss == "model" and not ranked.pipe.has_model_loss:
         raise UsageError("--loss model: the plan's model returns no loss of its own (plan it with the inputs that "
                          "make it compute one, e.g. labels); pass --loss cross_entropy, mse or pkg.module:fn")
@@ -190,11 +193,7 @@ def _train(args: argparse.Namespace, rank: int) -> None:
         snapshots.publish(args.checkpoint, steps, lambda path: checkpoint.save(stage, opt, path))
 
     for step, batch in enumerate(islice(iter(data_fn()), done, max(done, end)), start=done):
-        if isinstance(batch, dict):   # the model's keyword inputs, labels among them
-            if dims is not None:
-                raise UsageError("--mesh: the batches are dicts of the model's keyword inputs, which a data- or "
-                                 "tensor-parallel step does not split; yield (inputs, target) and pass --loss, or "
-                                 "run the pipeline alone (--mesh dp=1)")
+        if isinstance(batch, dict):   # the model's keyword inputs, labels among them (split over dp replicas)
             loss = stage.step((), **options, kwargs=batch)
         else:
             x, y = batch
@@ -249,31 +248,7 @@ def _mesh_dims(args: argparse.Namespace, plan: Any) -> Any:
         raise UsageError(f"{given} is {dims} but torchrun started {world}: start {dims.world_size} "
                          f"(torchrun --nproc-per-node {dims.world_size}), or pass --mesh with degrees whose product "
                          f"with pp={dims.pp} is {world}")
-    if args.loss == "model":
-        raise UsageError(f"--loss model with {given}: a data- or tensor-parallel step trains on a loss_fn(output, "
-                         "target); pass --loss cross_entropy, mse or pkg.module:fn, or run the pipeline alone "
-                         "(--mesh dp=1)")
     return dims
-
-
-def _mesh_rank(args: argparse.Namespace, plan: Any, dims: Any, model_fn: Callable[[], Any],
-               loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> Any:
-    """This process's :class:`fxpipe.distributed.MeshPipelineRank` on the mesh of ``dims`` (every group's waits
-    ``--timeout``). ``--loss auto`` gives it cross-entropy; a plan whose model computes its own loss is refused."""
-    from fxpipe.distributed import MeshPipelineRank
-    from fxpipe.distributed.placement import rank_device_type
-    mesh = dims.build_mesh(rank_device_type([st.device for st in plan.stages]), timeout_s=args.timeout)
-    stage = MeshPipelineRank(plan, model_fn, loss_fn or LOSSES["cross_entropy"], mesh=mesh, weights=args.weights,
-                             timeout_s=args.timeout, compression=args.compression)
-    if stage.ranked.pipe.has_model_loss and args.loss == "auto":
-        raise UsageError("--mesh: the plan's model computes its own loss (planned with labels), which a data- or "
-                         "tensor-parallel step cannot yet combine over its replicas: plan it without labels and pass "
-                         "--loss cross_entropy (or another loss_fn), or run the pipeline alone (--mesh dp=1)")
-    if dims.tp > 1 and (plan.mesh or {}).get("sequence_parallel") and dist.get_rank() == 0:
-        sys.stdout.write("note: the plan's mesh assumed sequence parallelism, which is not run: the activations "
-                         "outside the tensor-parallel blocks are whole on every tp rank (same results, more memory "
-                         "than predicted)\n")
-    return stage
 
 
 def _init_process_group(backend: str, timeout: datetime.timedelta) -> None:

@@ -10,7 +10,9 @@ mesh with :func:`parse_layout`, so either spelling means the same layout on both
 * ``pp`` and ``tp`` (each 1 when left out; ``pp`` left out is :attr:`Layout.pp` ``None``), ``order``
   (``pp-dp-tp`` or ``dp-pp-tp``).
 
-Each consumer then refuses what it cannot run (the planner: HSDP; launch: ``order=dp-pp-tp``). Torch-free.
+Each consumer then refuses what it cannot run (the planner: HSDP; launch: ``order=dp-pp-tp``).
+:func:`unrunnable` says which layouts fxpipe's runtime (``fxpipe.distributed.PipelineRank``) does not run, so the
+mesh search (:func:`solvers.mesh.mesh_shapes`) enumerates only the ones it does. Torch-free.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from solvers.mesh import ORDERS
+__all__ = ["DP_MODES", "KEYS", "ORDERS", "Layout", "mesh_fields", "parse_layout", "unrunnable"]
 
-__all__ = ["KEYS", "Layout", "mesh_fields", "parse_layout"]
+DP_MODES = ("replicate", "shard")
+ORDERS = ("pp-dp-tp", "dp-pp-tp")
 
 KEYS = ("pp", "dp", "tp", "dp_mode", "order", "dp_shard", "dp_replicate")
 EXAMPLE = "e.g. pp=2,dp=4,dp_mode=shard, or dp_shard=4 (FSDP), dp_replicate=4 (DDP), dp_replicate=2,dp_shard=2 (HSDP)"
@@ -46,6 +49,17 @@ class Layout:
     def hsdp(self) -> bool:
         """Replicas of shard groups, both more than one."""
         return self.dp_replicate > 1 and self.dp_shard > 1
+
+
+def unrunnable(dp: int, tp: int, dp_mode: str, order: str) -> Optional[str]:
+    """Why fxpipe's runtime does not run a layout of these degrees, mode and order (``None``: it does): it runs the
+    pipeline outermost (``pp-dp-tp``), and shards tensor-parallel stages with FSDP2 rather than replicating them
+    with DDP."""
+    if order != ORDERS[0] and dp > 1:
+        return f"order={order}: the runtime runs the pipeline outermost ({ORDERS[0]})"
+    if dp_mode == "replicate" and dp > 1 and tp > 1:
+        return "DDP over tensor-parallel stages: the runtime shards them with FSDP2 (dp_mode=shard)"
+    return None
 
 
 def mesh_fields(spec: str) -> dict[str, str]:

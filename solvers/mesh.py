@@ -44,13 +44,12 @@ import math
 from dataclasses import dataclass, field
 
 from solvers.errors import InvalidProblemError
+from solvers.layout import DP_MODES, ORDERS, unrunnable
 from solvers.schedules import SCHEDULES, inflight, stage_worker, stages_per_worker
 
 __all__ = ["DP_MODES", "ORDERS", "Level", "Mesh", "MeshProblem", "Piece", "StageFigures", "allreduce_s",
            "dp_sync_s", "gather_s", "mesh_shapes", "stage_figures"]
 
-DP_MODES = ("replicate", "shard")
-ORDERS = ("pp-dp-tp", "dp-pp-tp")
 
 
 @dataclass(frozen=True)
@@ -110,6 +109,7 @@ class MeshProblem:
     most_micro_batches: int | None = None   # at most this many per step (default: the local batch)
     micro_batch_counts: tuple[int, ...] = ()  # only these (per dp replica); empty: powers of two and the whole
     fixed: list[Mesh] = field(default_factory=list)   # only these meshes (empty: every shape)
+    runnable_only: bool = True   # the search enumerates only layouts fxpipe's runtime runs (solvers.layout.unrunnable)
 
     def __post_init__(self) -> None:
         if not self.pieces:
@@ -150,7 +150,8 @@ class MeshProblem:
 
 def mesh_shapes(problem: MeshProblem) -> list[Mesh]:
     """Every pp × dp × tp = world with tp inside the innermost level and pp at most the pieces; each dp mode and
-    order where they differ (dp = 1: one; pp or dp = 1: one order)."""
+    order where they differ (dp = 1: one; pp or dp = 1: one order), of those fxpipe's runtime runs
+    (:func:`solvers.layout.unrunnable`) unless ``problem.runnable_only`` is off."""
     if problem.fixed:
         return list(problem.fixed)
     world, island = problem.world, problem.levels[0].size
@@ -162,7 +163,8 @@ def mesh_shapes(problem: MeshProblem) -> list[Mesh]:
                 continue
             for mode in (problem.dp_modes if d > 1 else problem.dp_modes[:1]):
                 for order in (problem.orders if d > 1 and p > 1 else problem.orders[:1]):
-                    out.append(Mesh(p, d, t, mode, order))
+                    if not (problem.runnable_only and unrunnable(d, t, mode, order)):
+                        out.append(Mesh(p, d, t, mode, order))
     return out
 
 

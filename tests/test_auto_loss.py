@@ -448,17 +448,17 @@ TIED_LENGTHS = [8, 8, 8, 8, 3, 3, 3, 3]   # alike within each replica, not acros
 
 def _mesh_auto(rank: int, world: int, plan_json: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from fxpipe.distributed.mesh import MeshPipelineRank
+    from fxpipe.distributed import PipelineRank
     plan = fxpipe.Plan.from_dict(__import__("json").loads(plan_json))
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     found: dict = {}
     for loss_fn, name in ((gpt_ce, "ce"), (gpt_masked, "masked_alike")):   # alike everywhere: not refused
-        stage = MeshPipelineRank(plan, _make_gpt, loss_fn, mesh=mesh, timeout_s=60)
+        stage = PipelineRank(plan, _make_gpt, loss_fn, mesh=mesh, timeout_s=60)
         tokens, labels = _gpt_batch(MESH_LENGTHS if name == "ce" else [SEQ] * 8)
         loss = stage.step(tokens, labels, schedule="1f1b")
         found[name] = {"loss": None if loss is None else loss.item(),
                        "grads": {n: p.grad.clone() for n, p in stage.named_parameters()}}
-    stage = MeshPipelineRank(plan, _make_gpt, gpt_masked, mesh=mesh, timeout_s=60)
+    stage = PipelineRank(plan, _make_gpt, gpt_masked, mesh=mesh, timeout_s=60)
     tokens, labels = _gpt_batch(TIED_LENGTHS)
     found["tied"] = _refused(lambda: stage.step(tokens, labels, schedule="1f1b"), stage.parameters())
     return found
@@ -466,7 +466,7 @@ def _mesh_auto(rank: int, world: int, plan_json: str) -> dict:
 
 @pytest.mark.slow
 def test_pp2_dp2_counts_tokens_over_the_replicas_and_refuses_replicas_that_weigh_apart():
-    """MeshPipelineRank (pp=2 x dp=2): the count of a padded cross-entropy mean is summed over the replicas, so
+    """PipelineRank (pp=2 x dp=2): the count of a padded cross-entropy mean is summed over the replicas, so
     the gradients are the whole batch's; a masked mean whose samples weigh alike within each replica but not
     across them is refused on all four ranks (the replicas' reference samples are checked against each other)."""
     from distributed_run import run_ranks

@@ -2,10 +2,10 @@
 training continues with the one-process model's losses and parameters (``torch.distributed.checkpoint``
 reshards; :mod:`fxpipe.distributed.checkpoint` keeps ``DTensor`` s ``DTensor`` s, Adam's moments included).
 
-The first test: a small MLP model written by pp=2 x dp_shard=2 :class:`~fxpipe.distributed.MeshPipelineRank` s
+The first test: a small MLP model written by pp=2 x dp_shard=2 :class:`~fxpipe.distributed.PipelineRank` s
 (FSDP2, ZB-H1) loads into plain pp=4 and pp=2 ranks, and a plain pp=4 checkpoint back into FSDP2 ranks (34 s on
 the shared 2-core machine). The second, one ``run_ranks`` call of 4 processes (67 s): a Hugging Face Llama written
-under FSDP2 (pp=2 x dp_shard=2) loads into MeshPipelineRank's own tensor parallelism (pp=2 x tp=2, the default
+under FSDP2 (pp=2 x dp_shard=2) loads into PipelineRank's own tensor parallelism (pp=2 x tp=2, the default
 plan: attention and MLP column/row-wise), whose checkpoint loads into plain pp=4 ranks and, with ``weights=``,
 into pp=2 x tp=2 ranks built without memory; HSDP over tp (pp=1 x dp_replicate=2 x dp_shard=1 x tp=2) trains as
 one process too.
@@ -89,11 +89,11 @@ def _ranks(rank: int, world: int, plan_json: str, dp: int, load: str | None, sav
     """Train batches ``first, first + 1`` on a pipeline of ``world // dp`` stages, each stage's module
     ``fully_shard``-ed over ``dp`` ranks when ``dp > 1``; load ``load`` first, save to ``save`` after."""
     import fxpipe
-    from fxpipe.distributed import MeshPipelineRank, ParallelDims, PipelineRank, checkpoint
+    from fxpipe.distributed import PipelineRank, ParallelDims, PipelineRank, checkpoint
     from torch.distributed.tensor import DTensor
     plan = fxpipe.Plan.from_dict(__import__("json").loads(plan_json))
-    if dp > 1:   # FSDP2 over dp_shard, as MeshPipelineRank applies it
-        stage = MeshPipelineRank(plan, make_model, _loss, timeout_s=60,
+    if dp > 1:   # FSDP2 over dp_shard, as PipelineRank applies it
+        stage = PipelineRank(plan, make_model, _loss, timeout_s=60,
                                  mesh=ParallelDims(pp=world // dp, dp_shard=dp).build_mesh("cpu"))
     else:
         stage = PipelineRank(plan, make_model, _loss, timeout_s=60)
@@ -102,7 +102,7 @@ def _ranks(rank: int, world: int, plan_json: str, dp: int, load: str | None, sav
         checkpoint.load(stage, opt, load)
     losses = []
     for x, y in batches()[first:first + 2]:
-        # ZB-H1's split weight passes under FSDP2 (MeshPipelineRank reduce-scatters once, after them); 1F1B else
+        # ZB-H1's split weight passes under FSDP2 (PipelineRank reduce-scatters once, after them); 1F1B else
         loss = stage.step(x, y, schedule="zb-h1" if dp > 1 else "1f1b")
         opt.step()
         opt.zero_grad()
@@ -155,7 +155,7 @@ def test_a_checkpoint_of_fsdp_sharded_stages_loads_under_other_meshes_and_trains
            want_params[2])
 
 
-# Hugging Face Llama under MeshPipelineRank's own tensor parallelism (issue 38 part 5's "or tp=2"): one run_ranks
+# Hugging Face Llama under PipelineRank's own tensor parallelism (issue 38 part 5's "or tp=2"): one run_ranks
 # call of 4 processes runs every leg in turn, each leg continuing from the checkpoint the one before it wrote.
 STEPS = 6
 
@@ -187,7 +187,7 @@ def _llama_legs(rank: int, world: int, plans: dict[int, str], root: str) -> dict
     import json
     import os
     import fxpipe
-    from fxpipe.distributed import MeshPipelineRank, ParallelDims, PipelineRank, checkpoint
+    from fxpipe.distributed import PipelineRank, ParallelDims, PipelineRank, checkpoint
     from hf_models import build
     from test_mesh_fsdp import _full, _loss as llama_loss, _optimizer
     from torch.distributed.device_mesh import init_device_mesh
@@ -218,15 +218,15 @@ def _llama_legs(rank: int, world: int, plans: dict[int, str], root: str) -> dict
                      "moments": 0 if opt is None else
                      sum(isinstance(v, DTensor) for s in opt.state.values() for v in s.values())}
 
-    leg("A", MeshPipelineRank(plan[2], model_fn, llama_loss, mesh=ParallelDims(pp=2, dp_shard=2).build_mesh("cpu"),
+    leg("A", PipelineRank(plan[2], model_fn, llama_loss, mesh=ParallelDims(pp=2, dp_shard=2).build_mesh("cpu"),
                               timeout_s=120), 0, save="fsdp")
     tp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-    leg("B", MeshPipelineRank(plan[2], model_fn, llama_loss, mesh=tp_mesh, timeout_s=120), 2, load="fsdp", save="tp")
+    leg("B", PipelineRank(plan[2], model_fn, llama_loss, mesh=tp_mesh, timeout_s=120), 2, load="fsdp", save="tp")
     leg("C", PipelineRank(plan[4], model_fn, llama_loss, timeout_s=120), 4, load="tp")
-    leg("D", MeshPipelineRank(plan[2], model_fn, llama_loss, mesh=tp_mesh, timeout_s=120,
+    leg("D", PipelineRank(plan[2], model_fn, llama_loss, mesh=tp_mesh, timeout_s=120,
                               weights=os.path.join(root, "tp")), 4)
     hsdp = ParallelDims(pp=1, dp_replicate=2, tp=2).build_mesh("cpu")   # ("pp", "dp_replicate", "dp_shard", "tp")
-    leg("E", MeshPipelineRank(plan[1], model_fn, llama_loss, mesh=hsdp, timeout_s=120), 0)
+    leg("E", PipelineRank(plan[1], model_fn, llama_loss, mesh=hsdp, timeout_s=120), 0)
     return out
 
 

@@ -236,7 +236,8 @@ def test_a_process_group_of_pipeline_copies_is_told_the_mesh_that_runs_them():
     assert world_mismatch(plan, 3) is None
     six = str(world_mismatch(plan, 6))
     assert "6 processes" in six and "--nproc-per-node 3" in six and "plan for 6 devices" in six
-    assert "run 2 copies of the pipeline as a mesh (python -m fxpipe.launch --mesh dp_shard=2" in six
+    assert "run 2 copies of the pipeline as a mesh (PipelineRank(..., mesh='dp_shard=2'), python -m fxpipe.launch " \
+        "--mesh dp_shard=2" in six
     assert "dp_replicate=2" in six and "--mesh" not in str(world_mismatch(plan, 4))
 
 

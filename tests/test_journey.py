@@ -188,13 +188,39 @@ def _preset_cases(world: int, tmp_path: Path) -> list[dict[str, Any]]:
     return cases
 
 
+# the LLM journey on a mesh, on the model's own loss (dict batches with padded labels, the last batch of 6 shared
+# 3 + 3 by the replicas, each then in 3 micro-batches of the plan's 4): (family, mesh) planned for H100s from shapes
+MESH_JOURNEYS = (("qwen2", "pp=2,dp=2,dp_mode=shard"), ("llama", "pp=1,dp=2,tp=2,dp_mode=shard"))
+
+
+def _mesh_journeys(world: int, tmp_path: Path) -> list[dict[str, Any]]:
+    """Journeys (plan, launch 3 steps with a checkpoint, resume for the rest) of :data:`MESH_JOURNEYS` on 4 ranks:
+    pp × FSDP2 and FSDP2 × tp, each ``fxpipe.launch`` running the plan's own mesh."""
+    if world != 4:
+        return []
+    cases = []
+    for family, mesh in MESH_JOURNEYS:
+        first = batches(family)[0]
+        with torch.device("meta"):
+            model = build(family)
+        plan = fxpipe.plan(model, fxpipe.Devices.preset("h100", world), (first["input_ids"].to("meta"),),
+                           example_kwargs={"labels": first["labels"].to("meta")}, chunks=4, schedule="1f1b",
+                           mesh=mesh)
+        name = f"{family}-mesh"
+        plan.save(tmp_path / f"{name}.json")
+        cases.append({"family": family, "schedule": "1f1b", "plan": str(tmp_path / f"{name}.json"), "lr": LR,
+                      "checkpoint": str(tmp_path / name / "ckpt"), "out": str(tmp_path / name / "out")})
+    return cases
+
+
 @pytest.mark.slow   # 6 plans, then one torchrun of `world` processes running the journeys (two launches each)
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_family_and_schedule_trains_as_one_process(tmp_path, world):
     """Model families × schedules on ``world`` ranks (:func:`_journeys`): plan, train 3 steps with a checkpoint,
     resume for the rest (the last batch smaller), through :func:`fxpipe.launch.main` with the command's own
     arguments (``tests/journey_matrix.py`` runs them all in one torchrun; the README's console block runs the
-    same two commands as typed). One plan per family (1F1B's cuts), run under each schedule with ``--schedule``."""
+    same two commands as typed). One plan per family (1F1B's cuts), run under each schedule with ``--schedule``;
+    on 4 ranks also the journeys of :data:`MESH_JOURNEYS` on the mesh each plan was made for."""
     cases = []
     journeys = _journeys(world)
     for family in JOURNEY_FAMILIES:
@@ -204,6 +230,7 @@ def test_every_family_and_schedule_trains_as_one_process(tmp_path, world):
             cases.append({"family": family, "schedule": schedule, "plan": str(tmp_path / f"{family}.json"),
                           "lr": LR, "checkpoint": str(here / "ckpt"), "out": str(here / "out")})
     presets = _preset_cases(world, tmp_path)
+    cases += _mesh_journeys(world, tmp_path)
     (tmp_path / "cases.json").write_text(json.dumps(cases + presets))
     _launch(world, [str(tmp_path / "cases.json")], module="journey_matrix", timeout_s=1500)
     for case in presets:

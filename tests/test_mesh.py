@@ -42,11 +42,11 @@ def _batches(batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _mesh_ranks(rank: int, world: int, plan_json: str, batch: int, schedule: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from fxpipe.distributed.mesh import MeshPipelineRank
+    from fxpipe.distributed import PipelineRank
     plan = fxpipe.Plan.from_dict(json.loads(plan_json))
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
     from fxpipe.distributed import clip_grad_norm_
-    stage = MeshPipelineRank(plan, _make, _loss, mesh=mesh, timeout_s=60)
+    stage = PipelineRank(plan, _make, _loss, mesh=mesh, timeout_s=60)
     opt = torch.optim.SGD(stage.parameters(), lr=0.1)
     losses, norms = [], []
     for x, y in _batches(batch):
@@ -105,12 +105,12 @@ def test_pp2_dp2_trains_as_one_process_on_the_whole_batch(schedule, batch):
 
 def _refused(rank: int, world: int, plan_json: str) -> list[str]:
     from torch.distributed.device_mesh import init_device_mesh
-    from fxpipe.distributed.mesh import MeshPipelineRank
+    from fxpipe.distributed import PipelineRank
     plan = fxpipe.Plan.from_dict(json.loads(plan_json))
     found = []
     for shape, names in [((1, 1), ("pp", "dp")), ((1,), ("dp",))]:
         try:
-            MeshPipelineRank(plan, _make, _loss, mesh=init_device_mesh("cpu", shape, mesh_dim_names=names))
+            PipelineRank(plan, _make, _loss, mesh=init_device_mesh("cpu", shape, mesh_dim_names=names))
         except (fxpipe.PlanMismatchError, ValueError) as exc:
             found.append(f"{type(exc).__name__}: {exc}")
     return found
@@ -124,6 +124,62 @@ def test_a_mesh_that_does_not_fit_the_plan_is_refused_with_the_numbers():
     assert wrong_pp.startswith("PlanMismatchError") and "2 workers" in wrong_pp and "pp dimension has 1" in wrong_pp
     assert "start a multiple of 2 processes" in wrong_pp and "plan for 1 devices" in wrong_pp, wrong_pp
     assert wrong_dims.startswith("ValueError") and "mesh_dim_names=('pp', 'dp')" in wrong_dims, wrong_dims
+
+
+def _on_the_plans_mesh(rank: int, world: int, plan_json: str, too_wide_json: str) -> dict:
+    import warnings
+    from fxpipe.distributed import PipelineRank
+    from fxpipe.distributed.mesh import MeshPipelineRank
+    plan = fxpipe.Plan.from_dict(json.loads(plan_json))
+    from fxpipe.distributed import clip_grad_norm_
+    stage = PipelineRank(plan, _make, _loss, timeout_s=60)   # no mesh given: the plan's (pp=1 x dp_shard=2)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    losses = []
+    for x, y in _batches(8):
+        losses.append(stage.step(x, y).item())
+        clip_grad_norm_(stage.parameters(), CLIP)   # as _reference does
+        opt.step()
+        opt.zero_grad()
+    refused = []
+    for wrong, mesh in ((too_wide_json, None), (plan_json, "dp=1")):
+        try:
+            PipelineRank(fxpipe.Plan.from_dict(json.loads(wrong)), _make, _loss, mesh=mesh, timeout_s=60)
+        except fxpipe.PlanMismatchError as exc:
+            refused.append(str(exc))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = MeshPipelineRank(plan, _make, _loss, mesh="dp_shard=2", timeout_s=60)
+    return {"losses": losses, "params": {n: p.full_tensor() for n, p in stage.named_parameters()},
+            "mesh": stage.mesh.mesh_dim_names, "refused": refused, "alias": isinstance(old, PipelineRank),
+            "warned": [str(w.message) for w in caught if w.category is DeprecationWarning]}
+
+
+def test_a_rank_runs_the_mesh_its_plan_was_made_for_unless_told_otherwise():
+    """``PipelineRank(plan, ...)`` without ``mesh=`` runs ``plan.mesh`` (here FSDP2 over 2 copies of a 1-worker
+    pipeline, exact against one process); a plan's mesh the world does not hold, and ``mesh="dp=1"`` (one pipeline)
+    on a world of two, are refused naming the fix; ``MeshPipelineRank`` is the same class, with a deprecation."""
+    x = _batches(8)[0][0]
+    with torch.device("meta"):
+        model = _make()
+    devices = fxpipe.Devices.preset("h100", 2)
+    plan = fxpipe.plan(model, devices, (x.to("meta"),), mesh="pp=1,dp=2,dp_mode=shard", chunks=2)
+    assert plan.workers == 1 and plan.mesh["dp"] == 2, plan.mesh
+    too_wide = copy.deepcopy(plan)
+    too_wide.mesh = {**plan.mesh, "dp": 4}
+    results = run_ranks(2, _on_the_plans_mesh, plan.to_json(), too_wide.to_json())
+    assert all("ok" in r for r in results), [r.get("trace") for r in results]
+    want_losses, want_params, _ = _reference(8)
+    for r in results:
+        got = r["ok"]
+        assert got["mesh"] == ("pp", "dp_shard"), got["mesh"]
+        assert got["losses"] == pytest.approx(want_losses, rel=1e-5)
+        assert max(max_relative_error(got["params"][n], want_params[n]) for n in want_params) <= 1e-5
+        too_wide_error, one_pipeline_error = got["refused"]
+        assert "the plan's mesh (pp=1 x dp_shard=4" in too_wide_error and "need 4 processes" in too_wide_error
+        assert "mesh='dp=1' runs one pipeline instead" in too_wide_error, too_wide_error
+        assert "process group has 2 processes" in one_pipeline_error and "dp_shard=2" in one_pipeline_error
+        assert got["alias"] and "MeshPipelineRank is PipelineRank(plan, model_fn, loss_fn, mesh=...)" in \
+            got["warned"][0], got["warned"]
 
 
 SLEEP_S = 0.5   # each backward of the slow first stage
@@ -160,7 +216,7 @@ def _slow_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _overlap_ranks(rank: int, world: int, plan_json: str, fail_rank: int, dp_dim: str = "dp") -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from fxpipe.distributed.mesh import MeshPipelineRank
+    from fxpipe.distributed import PipelineRank
 
     def loss(out, target):
         if torch.distributed.get_rank() == fail_rank:
@@ -168,7 +224,7 @@ def _overlap_ranks(rank: int, world: int, plan_json: str, fail_rank: int, dp_dim
         return F.mse_loss(out, target)
     plan = fxpipe.Plan.from_dict(json.loads(plan_json))
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", dp_dim))   # "dp_shard": FSDP2
-    stage = MeshPipelineRank(plan, _make_slow, loss, mesh=mesh, timeout_s=60, leaf_modules=[SlowBackward])
+    stage = PipelineRank(plan, _make_slow, loss, mesh=mesh, timeout_s=60, leaf_modules=[SlowBackward])
     opt = torch.optim.SGD(stage.parameters(), lr=0.1)
     spans = []
     for x, y in _slow_batches():
@@ -234,10 +290,10 @@ class _ParameterlessFirst(torch.nn.Module):
 
 def _parameterless_ranks(rank: int, world: int, plan_json: str, dp_dim: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from fxpipe.distributed.mesh import MeshPipelineRank
+    from fxpipe.distributed import PipelineRank
     plan = fxpipe.Plan.from_dict(json.loads(plan_json))
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", dp_dim))
-    stage = MeshPipelineRank(plan, _ParameterlessFirst, _loss, mesh=mesh, timeout_s=60)
+    stage = PipelineRank(plan, _ParameterlessFirst, _loss, mesh=mesh, timeout_s=60)
     params = list(stage.parameters())
     opt = torch.optim.SGD(params, lr=0.1) if params else None
     losses = []

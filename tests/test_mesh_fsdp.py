@@ -2,7 +2,8 @@
 AdamW state are sharded over its dp group (``fully_shard``), gradients reduce-scattered once per step; three
 steps of Llama (untied and tied embeddings) and GPT-2 give the losses and every parameter of one process
 training the whole batch (1e-5 relative), for GPipe, 1F1B and ZB-H1, with a last batch the replicas share
-unevenly. One ``run_ranks`` call trains every model and schedule, to start the processes (and import torch and
+unevenly; so does Llama trained on its own loss (``loss_fn=None``: ``step(ids, labels=labels)`` and dict batches,
+padded labels split over the replicas, their token counts summed). One ``run_ranks`` call trains every model and schedule, to start the processes (and import torch and
 transformers) once (about 190 s on the shared 2-core machine). HSDP (pp=1 × dp_replicate=2 × dp_shard=2) trains a
 small model as one process too."""
 
@@ -24,7 +25,8 @@ from equivalence import max_relative_error
 transformers = pytest.importorskip("transformers")
 from hf_models import build, padded_batch  # noqa: E402
 
-FAMILIES = ("llama", "llama-tied", "gpt2")
+OWN = ":own-loss"   # a family trained on the model's own loss, model(ids, labels=labels).loss: loss_fn=None
+FAMILIES = ("llama", "llama-tied", "gpt2", "llama" + OWN)
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 CLIP = 1.0   # fxd.clip_grad_norm_'s max_norm, under the tiny models' first norms (so every step clips)
 SIZES = (8, 8, 9)   # the last shared unevenly: 5 and 4 samples, micro-batches of 3 + 2 and 2 + 2
@@ -37,7 +39,25 @@ def _loss(out, labels: torch.Tensor) -> torch.Tensor:
 
 
 def _batches(family: str) -> list[dict[str, torch.Tensor]]:
-    return [padded_batch(family, n, seed=i + 1) for i, n in enumerate(SIZES)]
+    return [padded_batch(family.removesuffix(OWN), n, seed=i + 1) for i, n in enumerate(SIZES)]
+
+
+def _builder(family: str) -> Any:
+    return functools.partial(build, family.removesuffix(OWN))
+
+
+def _step(stage: Any, family: str, b: dict[str, torch.Tensor], schedule: str, i: int) -> Any:
+    """One step of batch ``i``: against the labels as target, or on the model's own loss (``labels=``, and every
+    other batch as a dict of the model's keyword inputs, as a data loader yields it and fxpipe.launch passes it)."""
+    if not family.endswith(OWN):
+        return stage.step(b["input_ids"], b["labels"], schedule=schedule)
+    if i % 2:
+        return stage.step((), schedule=schedule, kwargs=dict(b))
+    return stage.step(b["input_ids"], labels=b["labels"], schedule=schedule)
+
+
+def _reference_loss(model: Any, family: str, b: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(**b).loss if family.endswith(OWN) else _loss(model(b["input_ids"]), b["labels"])
 
 
 def _optimizer(params) -> torch.optim.Optimizer:
@@ -55,23 +75,24 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[str, ...]) -> dict:
-    """Per model: one MeshPipelineRank and AdamW, three steps with each schedule in turn (the sharded state carries
+    """Per model: one PipelineRank and AdamW, three steps with each schedule in turn (the sharded state carries
     over); the losses and the gathered parameters after each schedule's steps."""
-    from fxpipe.distributed.mesh import MeshPipelineRank
+    from fxpipe.distributed import PipelineRank
     from fxpipe.distributed.parallel import ParallelDims
     from torch.distributed.tensor import DTensor
     mesh = ParallelDims(pp=2, dp_shard=world // 2).build_mesh("cpu")
     out = {}
     for family, plan_json in plans.items():
         plan = fxpipe.Plan.from_dict(json.loads(plan_json))
-        stage = MeshPipelineRank(plan, functools.partial(build, family), _loss, mesh=mesh, timeout_s=120)
+        stage = PipelineRank(plan, _builder(family), None if family.endswith(OWN) else _loss, mesh=mesh,
+                             timeout_s=120)
         sharded = all(isinstance(p, DTensor) for p in stage.parameters())
         opt = _optimizer(stage.parameters())
         norms = out[(family, "norms")] = []
         for schedule in schedules:
             losses = []
-            for b in _batches(family):
-                loss = stage.step(b["input_ids"], b["labels"], schedule=schedule)
+            for i, b in enumerate(_batches(family)):
+                loss = _step(stage, family, b, schedule, i)
                 losses.append(None if loss is None else loss.item())
                 norms.append(_clip(stage))
                 opt.step()
@@ -84,13 +105,13 @@ def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[st
 
 def _reference(family: str, schedules: tuple[str, ...] = SCHEDULES) -> dict[str, tuple[list[float], dict]]:
     """One process, the whole batch: the losses and parameters after each block of steps (one per schedule)."""
-    model = build(family)
+    model = _builder(family)()
     opt = _optimizer(model.parameters())
     out, norms = {}, []
     for schedule in schedules:
         losses = []
         for b in _batches(family):
-            loss = _loss(model(b["input_ids"]), b["labels"])
+            loss = _reference_loss(model, family, b)
             loss.backward()
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
             opt.step()
@@ -115,9 +136,10 @@ def check_norms(got: list[tuple[float, float]], want: list[float], where: Any) -
 
 
 def _plan(family: str) -> str:
-    b = padded_batch(family)
-    return json.dumps(fxpipe.compile(build(family), ["cpu"] * 2, (b["input_ids"],), chunks=2, profile=EST)
-                      .plan.to_dict())
+    b = padded_batch(family.removesuffix(OWN))
+    labels = {"labels": b["labels"]} if family.endswith(OWN) else None
+    return json.dumps(fxpipe.compile(_builder(family)(), ["cpu"] * 2, (b["input_ids"],), example_kwargs=labels,
+                                     chunks=2, profile=EST).plan.to_dict())
 
 
 @pytest.mark.slow
@@ -156,10 +178,10 @@ def test_pp2_fsdp2_trains_llama_and_gpt2_as_one_process_on_the_whole_batch():
 
 def _hsdp_ranks(rank: int, world: int, plan_json: str) -> dict:
     from test_mesh import _batches as small_batches, _loss as small_loss, _make as make_small
-    from fxpipe.distributed.mesh import MeshPipelineRank
+    from fxpipe.distributed import PipelineRank
     from fxpipe.distributed.parallel import ParallelDims
     mesh = ParallelDims(pp=1, dp_replicate=2, dp_shard=2).build_mesh("cpu")
-    stage = MeshPipelineRank(fxpipe.Plan.from_dict(json.loads(plan_json)), make_small, small_loss, mesh=mesh,
+    stage = PipelineRank(fxpipe.Plan.from_dict(json.loads(plan_json)), make_small, small_loss, mesh=mesh,
                              timeout_s=60)
     opt = torch.optim.SGD(stage.parameters(), lr=0.1)
     losses, norms = [], []

@@ -84,3 +84,21 @@ def test_nothing_fits_says_so() -> None:
     problem = chain(random.Random(3), 4, [Level(2, 100e9)], memory=1e6, batch=4)
     with pytest.raises(InfeasibleError, match="no mesh of 2 devices fits"):
         search_mesh(problem)
+
+
+def test_the_search_enumerates_only_layouts_the_runtime_runs() -> None:
+    """By default no shape puts dp outside pp or replicates tensor-parallel stages with DDP (the runtime refuses
+    both: ``ParallelDims.from_spec`` reads every enumerated shape); off, the cost model's other layouts are there."""
+    from fxpipe.distributed.parallel import ParallelDims
+    problem = chain(random.Random(0), 6, [Level(4, 200e9, 2e-6, "NV8"), Level(4, 12e9, 5e-6, "NET")], 1e12, batch=8)
+    shapes = mesh_shapes(problem)
+    every = mesh_shapes(MeshProblem(**{**problem.__dict__, "runnable_only": False}))
+    left_out = set(every) - set(shapes)
+    assert {m.order for m in left_out} == {"pp-dp-tp", "dp-pp-tp"}, left_out
+    assert all(m.order == "dp-pp-tp" or (m.dp_mode == "replicate" and m.tp > 1) for m in left_out), left_out
+    assert any(m.tp > 1 and m.dp > 1 for m in shapes) and any(m.dp_mode == "replicate" for m in shapes)
+    for m in shapes:
+        dims = ParallelDims.from_spec({"pp": m.pp, "dp": m.dp, "tp": m.tp, "dp_mode": m.dp_mode, "order": m.order},
+                                      m.pp)
+        assert (dims.dp, dims.tp, dims.sharded or m.dp == 1) == (m.dp, m.tp, m.dp_mode == "shard" or m.dp == 1)
+        assert not (dims.tp > 1 and dims.dp > 1 and not dims.sharded), m

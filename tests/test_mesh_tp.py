@@ -1,5 +1,5 @@
 """pp × tp on a DeviceMesh (4 gloo processes: pp=2 × tp=2): each stage's attention and MLP layers sharded over its tp
-pair by MeshPipelineRank (torch's ColwiseParallel/RowwiseParallel, the traced graph's head counts made local once at
+pair by PipelineRank (torch's ColwiseParallel/RowwiseParallel, the traced graph's head counts made local once at
 setup; GPT-2's fused q/k/v layer with each rank's heads of q, k and v); three AdamW steps of Llama (untied and
 tied embeddings) and GPT-2 give the losses and every parameter (the DTensor shards gathered) of one process
 training the whole batch (1e-5 relative), for GPipe, 1F1B and ZB-H1, the last batch split into uneven
@@ -20,7 +20,8 @@ import torch
 import fxpipe
 from distributed_run import run_ranks
 from equivalence import max_relative_error
-from test_mesh_fsdp import _batches, _clip, _full, _loss, _optimizer, _plan, _reference, check_norms
+from test_mesh_fsdp import (OWN, _batches, _builder, _clip, _full, _loss, _optimizer, _plan, _reference, _step,
+                            check_norms)
 
 transformers = pytest.importorskip("transformers")
 from hf_models import build  # noqa: E402
@@ -28,7 +29,8 @@ from hf_models import build  # noqa: E402
 FAMILIES = ("llama", "llama-tied", "gpt2")
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 # pp=2 x tp=2: every family under every schedule, and Qwen3 (a per-head RMS norm between q_proj and attention) once
-TP_CASES = {**{family: SCHEDULES for family in FAMILIES}, "qwen3": ("1f1b",)}
+# and Llama on its own loss (loss_fn=None, labels= split over the replicas) once
+TP_CASES = {**{family: SCHEDULES for family in FAMILIES}, "qwen3": ("1f1b",), "llama" + OWN: ("zb-h1",)}
 
 
 def _mesh(world: int, named_tp_only: bool):
@@ -45,7 +47,7 @@ def _failing_step(world: int, family: str, plan_json: str, fail_rank: int,
                   timeout_s: float) -> tuple[str | None, tuple[float | None, float | None]]:
     """One step whose loss raises on ``fail_rank``: what this rank's step raised (``None`` if it returned), and how
     long the given mesh's groups and the stage's mesh's groups wait (seconds)."""
-    from fxpipe.distributed.mesh import MeshPipelineRank
+    from fxpipe.distributed import PipelineRank
     from fxpipe.distributed.parallel.bounded import mesh_timeout_s
 
     def loss(out, labels):
@@ -53,7 +55,7 @@ def _failing_step(world: int, family: str, plan_json: str, fail_rank: int,
             raise RuntimeError("injected loss failure")
         return _loss(out, labels)
     mesh = _mesh(world, False)
-    stage = MeshPipelineRank(fxpipe.Plan.from_dict(json.loads(plan_json)), functools.partial(build, family), loss,
+    stage = PipelineRank(fxpipe.Plan.from_dict(json.loads(plan_json)), functools.partial(build, family), loss,
                              mesh=mesh, timeout_s=timeout_s)
     waits = (mesh_timeout_s(mesh), mesh_timeout_s(stage.mesh))
     b = _batches(family)[0]
@@ -69,14 +71,14 @@ def _failing_step(world: int, family: str, plan_json: str, fail_rank: int,
 
 def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[str, ...] | dict[str, tuple[str, ...]],
                fail_rank: int = -1, timeout_s: float = 20.0) -> dict:
-    """Per model: one MeshPipelineRank and AdamW, three steps with each schedule in turn; the losses, the gathered
+    """Per model: one PipelineRank and AdamW, three steps with each schedule in turn; the losses, the gathered
     parameters after each schedule's steps, the seconds of each step, and which parameters are tp shards. Then,
     with ``fail_rank``, one step of the first model whose loss raises there (its process groups are left broken,
     so it comes last)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel
-    from fxpipe.distributed.mesh import MeshPipelineRank
+    from fxpipe.distributed import PipelineRank
     # as torchrun --standalone sets them: the mesh's local ranks are not the plan's (fxpipe.distributed.placement)
     os.environ.update(LOCAL_RANK=str(rank), GROUP_RANK="0", LOCAL_WORLD_SIZE=str(world))
     out = {"refused": []}
@@ -86,14 +88,14 @@ def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[st
         if world // 4 == 1 and "tp" in names:
             continue   # DDP replicas of tp stages need dp > 1: the 8-process test asks
         try:
-            MeshPipelineRank(first, functools.partial(build, "llama"), _loss,
+            PipelineRank(first, functools.partial(build, "llama"), _loss,
                              mesh=init_device_mesh("cpu", shape, mesh_dim_names=names), **extra)
         except ValueError as exc:
             out["refused"].append(str(exc))
     for i, (family, plan_json) in enumerate(plans.items()):
         plan = fxpipe.Plan.from_dict(json.loads(plan_json))
-        stage = MeshPipelineRank(plan, functools.partial(build, family), _loss, mesh=_mesh(world, i % 2 == 1 and world == 4),
-                                 timeout_s=120)
+        stage = PipelineRank(plan, _builder(family), None if family.endswith(OWN) else _loss,
+                             mesh=_mesh(world, i % 2 == 1 and world == 4), timeout_s=120)
         shards = sorted(n for n, p in stage.named_parameters() if isinstance(p, DTensor))
         # the parameters sharded over tp (not only FSDP2's dp shards): their tp placement by name
         on_tp = {n: p.placements[p.device_mesh.mesh_dim_names.index("tp")] for n, p in stage.named_parameters()
@@ -103,9 +105,9 @@ def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[st
         norms = out[(family, "norms")] = []
         for schedule in (schedules[family] if isinstance(schedules, dict) else schedules):   # a tuple: every family's
             losses, seconds = [], []
-            for b in _batches(family):
+            for j, b in enumerate(_batches(family)):
                 started = time.perf_counter()
-                loss = stage.step(b["input_ids"], b["labels"], schedule=schedule)
+                loss = _step(stage, family, b, schedule, j)
                 seconds.append(time.perf_counter() - started)
                 losses.append(None if loss is None else loss.item())
                 norms.append(_clip(stage))
@@ -176,8 +178,10 @@ def test_pp2_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_batch():
 
 # each family once, the schedules in turn; FXPIPE_FULL_MESH=1: every family under every schedule (182 s alone, but
 # in CI its 8 processes starve the other worker: 261 s there, and the suite went past an hour)
-MESH_CASES = ({family: SCHEDULES for family in (*FAMILIES, "qwen3")} if os.environ.get("FXPIPE_FULL_MESH") == "1"
-              else {family: (schedule,) for family, schedule in zip((*FAMILIES, "qwen3"), (*SCHEDULES, "gpipe"))})
+MESH_CASES = ({family: SCHEDULES for family in (*FAMILIES, "qwen3", "llama" + OWN)}
+              if os.environ.get("FXPIPE_FULL_MESH") == "1" else
+              {family: (schedule,) for family, schedule in zip((*FAMILIES, "qwen3", "llama" + OWN),
+                                                               (*SCHEDULES, "gpipe", "1f1b"))})
 
 
 @pytest.mark.slow
@@ -185,9 +189,10 @@ def test_pp2_fsdp2_over_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_ba
     """pp=2 × dp_shard=2 × tp=2 (8 processes): FSDP2 shards the tensor-parallel stages' DTensor parameters over dp
     (both meshes sliced from one), each replica its share of the batch (the last shared unevenly). Llama untied under
     GPipe, Llama tied under 1F1B, GPT-2 under ZB-H1, Qwen3 (its per-head norms' gradients summed over tp) under
-    GPipe (:data:`MESH_CASES`; every pair with ``FXPIPE_FULL_MESH=1``). Then a step whose loss raises on rank 7 (stage 1, dp 1, tp 1) on a mesh of
+    GPipe, Llama on its own loss (``loss_fn=None``, ``labels=`` and dict batches) under 1F1B (:data:`MESH_CASES`;
+    every pair with ``FXPIPE_FULL_MESH=1``). Then a step whose loss raises on rank 7 (stage 1, dp 1, tp 1) on a mesh of
     ``init_device_mesh``'s groups (30 minutes' waits under gloo): its tp partner waits in a tp all-reduce that never
-    completes, yet every rank's step ends with an error within the waits' ``timeout_s`` of 10 s (MeshPipelineRank
+    completes, yet every rank's step ends with an error within the waits' ``timeout_s`` of 10 s (PipelineRank
     made the root mesh again over groups of ``timeout_s``)."""
     plans = {family: _plan(family) for family in MESH_CASES}
     results = run_ranks(8, _train_all, plans, MESH_CASES, 7, 10.0, deadline_s=900)

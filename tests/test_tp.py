@@ -213,9 +213,9 @@ def _gpt2_tp2(rank: int, world: int, plan_json: str, path: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from fxpipe.distributed import checkpoint
-    from fxpipe.distributed.mesh import MeshPipelineRank
+    from fxpipe.distributed import PipelineRank
     from test_mesh_fsdp import _full, _loss, _optimizer
-    stage = MeshPipelineRank(fxpipe.Plan.from_dict(json.loads(plan_json)), lambda: build("gpt2"), _loss,
+    stage = PipelineRank(fxpipe.Plan.from_dict(json.loads(plan_json)), lambda: build("gpt2"), _loss,
                              mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "tp")), timeout_s=60)
     b = padded_batch("gpt2")
     loss = stage.step(b["input_ids"], b["labels"], schedule="gpipe")

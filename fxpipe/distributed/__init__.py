@@ -8,8 +8,9 @@ message format in :mod:`fxpipe.distributed.wire`); :mod:`fxpipe.distributed.chec
 ``torch.distributed.checkpoint``, :mod:`fxpipe.distributed.snapshots` publishes checkpoints atomically (a
 rank killed mid-save never leaves a half-written one to resume from); :func:`clip_grad_norm_` clips by the norm over all ranks;
 :mod:`fxpipe.distributed.torch_pipelining` hands a plan's stages to torch.distributed.pipelining;
-:class:`MeshPipelineRank` runs pp × dp on a ``DeviceMesh`` (:mod:`fxpipe.distributed.mesh`), dp replicated (DDP),
-sharded (FSDP2) or both (HSDP), composed in :mod:`fxpipe.distributed.parallel` (:class:`ParallelDims` builds the mesh).
+:class:`PipelineRank` with ``mesh=`` (by default the plan's) runs pp × dp × tp on a ``DeviceMesh``, dp replicated
+(DDP), sharded (FSDP2) or both (HSDP), each parallelism applied in :mod:`fxpipe.distributed.parallel`
+(:class:`ParallelDims` builds the mesh); ``MeshPipelineRank`` is its former name (:mod:`fxpipe.distributed.mesh`).
 """
 
 from fxpipe.distributed import checkpoint, snapshots, torch_pipelining

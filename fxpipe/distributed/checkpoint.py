@@ -41,7 +41,7 @@ __all__ = ["save", "load"]
 
 def _tensors(stage: Any) -> dict[str, torch.Tensor]:
     """This rank's parameters (``DTensor`` s where sharded) and buffers by their names in the model."""
-    ranked = getattr(stage, "ranked", stage)   # a MeshPipelineRank's own PipelineRank
+    ranked = getattr(stage, "ranked", stage)   # a PipelineRank's stages
     own = {id(t) for k in ranked.own for t in ranked.specs[k].module.buffers()}
     buffers = {name: t for name, t in ranked.model.named_buffers() if id(t) in own}
     return {**dict(stage.named_parameters()), **buffers}

@@ -47,7 +47,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
                     group: Any = None) -> torch.Tensor:
     """Scale this rank's gradients so that the norm over all ranks' gradients is at most ``max_norm``; return that
     norm (the same on every rank). Collective: every rank of ``group`` calls it, with its own parameters
-    (``stage.parameters()`` of a ``PipelineRank`` or ``MeshPipelineRank``: each value counted once, module doc).
+    (``stage.parameters()`` of a ``PipelineRank``: each value counted once, module doc).
     ``group``: the ranks whose norm it is (default: every rank)."""
     params = [p for p in parameters if p.grad is not None]
     grads = [_local(p.grad) for p in params]

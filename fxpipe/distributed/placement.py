@@ -64,8 +64,9 @@ def world_mismatch(plan: Plan, world: int) -> PlanMismatchError | None:
     w = plan.workers
     if world == w:
         return None
-    mesh = (f", or run {world // w} copies of the pipeline as a mesh (python -m fxpipe.launch --mesh "
-            f"dp_shard={world // w}: FSDP2 over the copies; dp_replicate={world // w}: DDP)"
+    mesh = (f", or run {world // w} copies of the pipeline as a mesh (PipelineRank(..., mesh='dp_shard={world // w}'"
+            f"), python -m fxpipe.launch --mesh dp_shard={world // w}: FSDP2 over the copies; dp_replicate="
+            f"{world // w}: DDP)"
             if world % w == 0 and world > w else "")
     return PlanMismatchError(f"the plan runs {len(plan.stages)} stages on {w} workers but the process group has "
                              f"{world} processes: start one process per worker (torchrun --nproc-per-node {w} on "

@@ -1,24 +1,32 @@
-"""``fxpipe.distributed.PipelineRank``: this process's stages of a plan, trained with the plan's schedule.
+"""``fxpipe.distributed.PipelineRank``: this process's part of a plan's run, on one pipeline or on a mesh.
 
-Run one process per device of the plan (``torchrun --nproc-per-node <devices per node>``, or any launcher
-that initialises ``torch.distributed``); the process at the plan's (node, local device) of a stage runs it
-(:mod:`fxpipe.distributed.placement`; one stage per process, several with ``interleaved-1f1b``). With
-``weights=`` every process builds ``model_fn()`` without memory (on ``meta``; under torch.export, whose trace
-records the device of the tensors a forward creates, as fake CPU tensors:
-:func:`fxpipe.distributed.materialise.empty_model`), traces it there (the trace must give the plan's
-fingerprint) and materialises only its own stages' parameters and buffers, read from the weights
-(:mod:`fxpipe.distributed.materialise`): no process ever holds the whole model. Without, it builds the model
-for real and keeps only its own stages' tensors: the others' become ``meta`` tensors, which hold no memory. The step is
-:meth:`fxpipe.Pipeline.step` itself, the same schedule interpreter as in one process, with values and
-gradients crossing ranks through :class:`fxpipe.distributed.transport.P2P`.
+Run one process per device of the run (``torchrun --nproc-per-node <devices per node>``, or any launcher that
+initialises ``torch.distributed``). Without a mesh the processes are one pipeline: the process at the plan's
+(node, local device) of a stage runs it (:mod:`fxpipe.distributed.placement`; one stage per process, several with
+``interleaved-1f1b``). With a mesh (``pp`` × data parallel × ``tp``, the one the plan was made for by default)
+each pipeline runs on the mesh's ``pp`` dim, and this rank's stages are built
+(:class:`fxpipe.distributed.stages.RankStages`), then parallelised in one fixed order, each by its own function
+(:mod:`fxpipe.distributed.parallel.apply`, as torchtitan's ``parallelize``): tensor parallelism over ``tp``, then
+DDP, FSDP2 or HSDP over the data-parallel dims. A step gives each data-parallel replica its share of the batch
+(:mod:`fxpipe.distributed.parallel.replicas`) and leaves the whole batch's gradients, as one process computes them.
 
-Every rank is given the same batch (``step(x, y)``): a later stage may read a model input directly, and
-the micro-batches' shapes tell each rank which boundary shapes it has already been sent.
+With ``weights=`` every process builds ``model_fn()`` without memory (on ``meta``; under torch.export as fake
+CPU tensors: :func:`fxpipe.distributed.materialise.empty_model`), traces it there (the trace must give the plan's
+fingerprint) and materialises only its own stages' parameters and buffers, read from the weights: no process ever
+holds the whole model. Without, it builds the model for real and keeps only its own stages' tensors. The step is
+:meth:`fxpipe.Pipeline.step` itself, the same schedule interpreter as in one process, with values and gradients
+crossing ranks through :class:`fxpipe.distributed.transport.P2P`. Every rank is given the same batch
+(``step(x, y)``, ``step(ids, labels=labels)``): a later stage may read a model input directly, and the
+micro-batches' shapes tell each rank which boundary shapes it has already been sent.
+
+A ``tp`` mesh dim with FSDP2 needs both sub-meshes sliced from one root, so their waits are the root mesh's
+groups': a ``DeviceMesh`` whose groups would wait longer than ``timeout_s`` (``init_device_mesh``'s wait 30
+minutes under gloo) is made again over groups of ``timeout_s`` (:mod:`fxpipe.distributed.parallel.bounded`), so
+every wait of every dim ends after ``timeout_s``.
 """
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -26,40 +34,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxpipe.compression_spec import check_compression
-from fxpipe.distributed.materialise import empty_model, is_empty, materialise
-from fxpipe.distributed.placement import rank_devices, stage_ranks, world_mismatch
-from fxpipe.distributed.tied import RankTies, install_representatives
-from fxpipe.distributed.transport import P2P
-from fxpipe.distributed.weights import open_weights
+from fxpipe.distributed.clip import mark_copies
+from fxpipe.distributed.parallel.apply import TensorParallel, apply_data_parallel, apply_tensor_parallel
+from fxpipe.distributed.parallel.bounded import bounded_mesh, mesh_timeout_s
+from fxpipe.distributed.parallel.dims import ParallelDims
+from fxpipe.distributed.parallel.replicas import DataParallelStep
+from fxpipe.distributed.placement import rank_device_type
+from fxpipe.distributed.stages import RankStages
+from fxpipe.distributed.tied import COUNTED_ELSEWHERE
 from fxpipe.errors import FxpipeError, PlanMismatchError
-from fxpipe.frontend.capture import capture_as_planned
-from fxpipe.options import stage_compile_kwargs
 from fxpipe.planning.plan import Plan, load_plan
-from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
-from fxpipe.runtime.codegen import StageSpec, move_stage, split_graph
-from fxpipe.runtime.compiled import compile_stages as compile_stage_modules, planned_compilation, refuse_split_backward
-from fxpipe.runtime.compression import BoundaryCompression
-from fxpipe.runtime.pipeline import Pipeline
-from fxpipe.runtime.tied import TiedWeights
+from fxpipe.runtime.losses import REDUCTIONS
 
 __all__ = ["PipelineRank"]
-
-
-def _drop(module: nn.Module, keep: set[int]) -> None:
-    """Replace every parameter and buffer of ``module`` not in ``keep`` (by id) with a ``meta`` tensor."""
-    for sub in module.modules():
-        for name, param in list(sub._parameters.items()):
-            if param is not None and id(param) not in keep and param.device.type != "meta":
-                sub._parameters[name] = nn.Parameter(_meta(param), param.requires_grad)
-        for name, buf in list(sub._buffers.items()):
-            if buf is not None and id(buf) not in keep and buf.device.type != "meta":
-                sub._buffers[name] = _meta(buf)
-
-
-def _meta(t: torch.Tensor) -> torch.Tensor:
-    """A plain ``meta`` tensor shaped as ``t`` (also where ``t`` is a fake one: ``weights=`` under torch.export)."""
-    return torch.empty(t.shape, dtype=t.dtype, device="meta") if is_empty(t) else t.detach().to("meta")
 
 
 class PipelineRank:
@@ -69,16 +56,31 @@ class PipelineRank:
     on every rank, e.g. from the same seed or checkpoint). The model is traced as the plan's was, with the
     plan's front end and its recorded example inputs' shapes (:func:`fxpipe.frontend.capture.capture_as_planned`):
     a Hugging Face model planned with ``torch.export`` runs here too. ``loss_fn=None`` trains on the loss the
-    model computes itself (``step(ids, labels=labels)``, :meth:`fxpipe.Pipeline.step`). ``weights`` (a state dict, the path of a
-    ``torch.save``'d one or a ``.safetensors`` file, or a ``torch.distributed.checkpoint`` directory) builds it
-    on ``meta`` instead and loads only this rank's tensors from there. ``loss_fn(output, target)`` and ``reduction`` are
-    :meth:`fxpipe.Pipeline.step`'s: the loss runs on the last stage's rank, which sends the token count it found
-    (``"auto"``, ``"token"``) to every rank at the step's end, before any rank's gradients are final; a loss that
-    ``"auto"`` refuses ends every rank's step with the error, their gradients left as before it. ``device`` puts this rank's stages elsewhere than the plan says (e.g.
-    ``cuda:<LOCAL_RANK>``); by default they run on the plan's device where this process has it, else on its own
+    model computes itself (``step(ids, labels=labels)``, :meth:`fxpipe.Pipeline.step`), on a mesh too.
+
+    ``mesh`` says how the processes run the plan: ``None`` (default) the mesh the plan was made for
+    (``plan.mesh``, e.g. from ``fxpipe.plan(mesh="auto")``), or one pipeline over every process (``group``'s)
+    for a plan of one pipeline; a spelling as ``fxpipe plan --mesh`` takes it (``"dp_shard=2,tp=2"``,
+    ``"dp=2,dp_mode=replicate"``; ``"dp=1"`` runs one pipeline even where the plan has a mesh); a
+    :class:`fxpipe.distributed.ParallelDims`; or a ``DeviceMesh`` with dims named ``("pp", "dp")`` (DDP),
+    ``("pp", "dp_shard")`` (FSDP2), ``("pp", "dp_replicate", "dp_shard")`` (HSDP), each optionally with
+    ``"tp"`` last. The mesh's ``pp`` size is the plan's workers. ``tp_plan`` (module path patterns → torch's
+    ``ColwiseParallel``/``RowwiseParallel``) replaces the default tensor-parallel plan
+    (:mod:`fxpipe.distributed.parallel.tp`). On a mesh ``.grad`` holds the whole batch's gradients, averaged over
+    data parallelism (FSDP2: this rank's shard of them, in ``DTensor`` parameters); the optimizer steps
+    :meth:`parameters`.
+
+    ``weights`` (a state dict, the path of a ``torch.save``'d one or a ``.safetensors`` file, or a
+    ``torch.distributed.checkpoint`` directory) builds the model on ``meta`` instead and loads only this rank's
+    tensors from there. ``loss_fn(output, target)`` and ``reduction`` are :meth:`fxpipe.Pipeline.step`'s: the loss
+    runs on the last stage's rank, which sends the token count it found (``"auto"``, ``"token"``) to every rank at
+    the step's end (summed over the data-parallel replicas on a mesh), before any rank's gradients are final; a
+    loss that ``"auto"`` refuses ends every rank's step with the error, their gradients left as before it.
+    ``device`` puts this rank's stages elsewhere than the plan says (e.g. ``cuda:<LOCAL_RANK>``); by default they
+    run on the plan's device where this process has it, else on its own
     (:func:`fxpipe.distributed.placement.rank_devices`: a plan made for H100s from shapes runs on gloo CPU
-    processes too, with a warning). ``timeout_s`` bounds every wait for another rank. ``compression`` compresses what
-    crosses stage boundaries (the values of :attr:`fxpipe.CompileOptions.compression`: ``"int8"``,
+    processes too, with a warning). ``timeout_s`` bounds every wait for another rank. ``compression`` compresses
+    what crosses stage boundaries (the values of :attr:`fxpipe.CompileOptions.compression`: ``"int8"``,
     ``"topk:0.01"``, ``"fp16/int8"``, or a dict by stage); every rank must be given the same.
     ``compile_stages`` (:attr:`fxpipe.CompileOptions.compile_stages`: ``True``, a dict of ``torch.compile``
     arguments, ``False``) compiles this rank's stage modules (:mod:`fxpipe.runtime.compiled`); ``None``
@@ -86,117 +88,186 @@ class PipelineRank:
     """
 
     def __init__(self, plan: Plan | str | Path, model_fn: Callable[[], nn.Module],
-                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *, reduction: str = "auto",
-                 checkpoint: str = "except_last", group: Any = None, device: str | torch.device | None = None,
-                 timeout_s: float = 300.0, leaf_modules: Iterable[type | str] = (),
-                 deferred_batch_norm: bool = False, broadcast_loss: bool = False, weights: Any = None,
-                 compression: Any = None, compile_stages: bool | dict[str, Any] | None = None) -> None:
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *, mesh: Any = None,
+                 tp_plan: dict[str, Any] | None = None, reduction: str = "auto", checkpoint: str = "except_last",
+                 group: Any = None, device: str | torch.device | None = None, timeout_s: float = 300.0,
+                 leaf_modules: Iterable[type | str] = (), deferred_batch_norm: bool = False,
+                 broadcast_loss: bool = False, weights: Any = None, compression: Any = None,
+                 compile_stages: bool | dict[str, Any] | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise FxpipeError("fxpipe.distributed needs torch.distributed initialised: run under torchrun and call "
                               "torch.distributed.init_process_group('gloo' or 'nccl') before PipelineRank")
-        check_compression(compression)   # a bad codec name fails before anything is built
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
         plan = load_plan(plan) if isinstance(plan, (str, Path)) else plan
-        compiled = (stage_compile_kwargs(compile_stages) if compile_stages is not None else
-                    planned_compilation(plan.compiled))
-        refuse_split_backward(plan.schedule, compiled)
-        self.rank, world = dist.get_rank(group), dist.get_world_size(group)
-        mismatch = world_mismatch(plan, world)
-        if mismatch is not None:
-            raise mismatch
-        source = open_weights(weights) if weights is not None else None   # a bad path fails before any build
-        tracing: Any = contextlib.nullcontext()
-        if source is not None:   # nothing allocated (meta, or fake under torch.export): this rank's become real below
-            self.model, tracing = empty_model(model_fn, plan.frontend)
-        else:
-            self.model = model_fn()
-        with tracing:
-            captured = capture_as_planned(self.model, plan.frontend, leaf_modules)
-        if captured.fingerprint != plan.fingerprint:
-            raise PlanMismatchError(f"rank {self.rank}: " + (captured.dtype_mismatch(plan.profile.get("dtype")) or
-                f"the plan was made for another model ({plan.model}, fingerprint "
-                f"{plan.fingerprint[:12]}) but model_fn() traces to {captured.fingerprint[:12]}; plan this model "
-                "(fxpipe.compile or fxpipe.plan, then plan.save) and load that plan on every rank"))
-        if deferred_batch_norm:
-            convert_deferred_batch_norm(captured.graph)
-        p = len(plan.stages)
-        stage_rank = stage_ranks(plan, self.rank, world, group)
-        # a parameter several stages read (a tied weight): a copy in each later reading stage
-        # (fxpipe.runtime.tied), each owning rank's own parameter, all-reduced over the owners (fxpipe.distributed.tied)
-        specs = split_graph(captured.graph, plan.stage_of(), p, copies=True)
-        self.own = [k for k in range(p) if stage_rank[k] == self.rank]
-        tied = TiedWeights([s.module for s in specs], local=lambda k: k in self.own)
-        install = install_representatives(tied, [captured.graph, self.model])
-        keep = {id(t) for k in self.own for t in [*specs[k].module.parameters(), *specs[k].module.buffers()]}
-        for k in range(p):   # another rank's stages keep nothing real here
-            if k not in self.own:
-                _drop(specs[k].module, keep)
-        _drop(captured.graph, keep)
-        _drop(self.model, keep)   # the model's modules the trace did not keep (a tied head read through get_attr)
-        install()   # this rank's copy of a tied parameter whose first reader is another rank's, under its names
-        devices = [torch.device(device) if device is not None and k in self.own else planned
-                   for k, planned in enumerate(rank_devices([st.device for st in plan.stages]))]
-        if source is not None:
-            followers = tied.replicas()   # a second copy on this rank: made from the first once that is loaded
-            tensors = {id(t): (t, devices[k]) for k in self.own
-                       for t in [*specs[k].module.parameters(), *specs[k].module.buffers()] if id(t) not in followers}
-            materialise(self.model, [captured.graph, *(s.module for s in specs)], tensors, source, model_fn, self.rank)
-            for tie in tied:
-                rep = tied.representative(tie)
-                for c in tied.followers(tie):
-                    c.weight = nn.Parameter(rep.detach().clone(), requires_grad=rep.requires_grad)
-        for k in self.own:
-            move_stage(specs[k], devices[k])
-        if compiled is not None:
-            compile_stage_modules([specs[k].module for k in self.own], compiled)
-        self.specs: list[StageSpec] = specs
-        self.pipe = Pipeline(captured.graph, specs, devices, plan, checkpoint=checkpoint,
-                             mode_dependent=captured.mode_dependent, compiled=compiled)
-        self.pipe.compression = BoundaryCompression.of_stages(compression, specs, self.pipe._output.args[0])
-        self.pipe.transport = P2P(self.rank, stage_rank, group, timeout_s)
-        self.pipe.tied = tied
-        self.ties = RankTies(tied, stage_rank, self.rank, group, timeout_s)
-        self.pipe.transport.when_local_done = self.ties.when_local_done
-        self.plan, self.loss_fn, self.reduction, self.broadcast_loss = plan, loss_fn, reduction, broadcast_loss
-        self.last = self.rank == stage_rank[-1]
-        # (stage, name in its module) -> name in the model: named_parameters then still names a parameter that
-        # FSDP2's fully_shard or tensor parallelism replaced in its module slot (by a DTensor)
-        model_name = {id(param): name for name, param in self.model.named_parameters()}
-        mine = {id(param) for param in self.parameters()}
-        self.slots: dict[tuple[int, str], str] = {
-            (k, local): model_name[id(param)] for k in self.own
-            for local, param in self.specs[k].module.named_parameters() if id(param) in mine and id(param) in model_name}
+        self.mesh, self.dims = _mesh(mesh, plan, group, float(timeout_s))
+        if tp_plan is not None and (self.dims is None or self.dims.tp == 1):
+            raise ValueError("tp_plan was given but the mesh has no 'tp' dimension: add one "
+                             "(mesh='tp=2', or ParallelDims(pp=..., tp=...)) or drop tp_plan")
+        pp_group = group if self.mesh is None else self.mesh.get_group("pp")
+        self.ranked = RankStages(plan, model_fn, loss_fn, reduction=reduction, checkpoint=checkpoint,
+                                 group=pp_group, device=device, timeout_s=timeout_s, leaf_modules=leaf_modules,
+                                 deferred_batch_norm=deferred_batch_norm, broadcast_loss=broadcast_loss,
+                                 weights=weights, compression=compression, compile_stages=compile_stages)
+        self.replicas: DataParallelStep | None = None
+        self.tp = TensorParallel()
+        if self.mesh is not None:
+            self._parallelise(tp_plan, float(timeout_s))
+
+    def _parallelise(self, tp_plan: dict[str, Any] | None, timeout_s: float) -> None:
+        """Tensor parallelism, then data parallelism over it, on this rank's stages (:mod:`.parallel.apply`)."""
+        dims, mesh, stages = self.dims, self.mesh, self.ranked
+        elsewhere = {n for n, p in stages.named_parameters() if getattr(p, COUNTED_ELSEWHERE, False)}
+        grid = ParallelDims.dp_ranks(mesh)   # this rank's dp ranks: rows are replicas, columns shards
+        group = DataParallelStep.group_of(grid, timeout_s)
+        self.tp = apply_tensor_parallel(stages, mesh, dims, tp_plan, timeout_s)
+        data = apply_data_parallel(stages, mesh, dims, grid, group, timeout_s)
+        # a global gradient norm (fxd.clip_grad_norm_) counts each piece once: the sharded parameters replaced the
+        # ones a tied weight's marks were on
+        for name, param in stages.named_parameters():
+            if name in elsewhere:
+                setattr(param, COUNTED_ELSEWHERE, True)
+        mark_copies(stages.parameters(), dims.dp * dims.tp)
+        if self.tp.plan is not None:   # a per-head norm's weight: the parameter FSDP2 left, resolved once
+            summed = set(self.tp.plan.summed)
+            self.tp.summed = [p for n, p in stages.named_parameters() if n in summed]
+        self.replicas = DataParallelStep(stages, grid, group, data, self.tp, timeout_s)
+
+    # -- this rank's stages, as a user and the tools see them -------------------------------------------------------
+    @property
+    def model(self) -> nn.Module:
+        return self.ranked.model
+
+    @property
+    def pipe(self) -> Any:
+        return self.ranked.pipe
+
+    @property
+    def own(self) -> list[int]:
+        return self.ranked.own
+
+    @property
+    def specs(self) -> list[Any]:
+        return self.ranked.specs
+
+    @property
+    def plan(self) -> Plan:
+        return self.ranked.plan
+
+    @property
+    def rank(self) -> int:
+        return self.ranked.rank
+
+    @property
+    def last(self) -> bool:
+        return self.ranked.last
+
+    @property
+    def loss_fn(self) -> Any:
+        return self.ranked.loss_fn
+
+    @loss_fn.setter
+    def loss_fn(self, value: Any) -> None:
+        self.ranked.loss_fn = value
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas of this rank's stages (1 without a mesh)."""
+        return 1 if self.replicas is None else self.replicas.dp
+
+    @property
+    def dp_group(self) -> Any:
+        """The data-parallel ranks' process group; ``None`` without data parallelism."""
+        return None if self.replicas is None else self.replicas.group
+
+    @property
+    def tp_ranks(self) -> list[int]:
+        return self.tp.ranks
+
+    @property
+    def all_reduce_s(self) -> tuple[float, float] | None:
+        """(start, end) wall-clock times of the last step's gradient reduction over the replicas."""
+        return None if self.replicas is None else self.replicas.all_reduce_s
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters (each once): what its optimizer updates. A tied parameter that this rank's stages
-        read is one of them (its copy, where another rank holds the model's own: :mod:`fxpipe.distributed.tied`)."""
-        seen: set[int] = self.pipe.tied.replicas()
-        for k in self.own:
-            for param in self.specs[k].module.parameters():
-                if id(param) not in seen:
-                    seen.add(id(param))
-                    yield param
+        read is one of them (its copy, where another rank holds the model's own: :mod:`fxpipe.distributed.tied`);
+        under FSDP2 and tensor parallelism, its shards (``DTensor`` s)."""
+        return self.ranked.parameters()
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters by their names in the model (``model_fn()``'s ``named_parameters``): the ones its
         stage modules hold now (a ``DTensor`` where ``fully_shard`` or tensor parallelism replaced one)."""
-        seen: set[int] = set()
-        for k in self.own:
-            for local, param in self.specs[k].module.named_parameters():
-                if (k, local) in self.slots and id(param) not in seen:
-                    seen.add(id(param))
-                    yield self.slots[(k, local)], param
+        return self.ranked.named_parameters()
 
     def step(self, inputs: Any, target: Any = None, **kwargs: Any) -> torch.Tensor | None:
         """One training step of the batch ``inputs`` (the model's input; a tuple for several) against
-        ``target``, given on every rank; ``.grad`` of this rank's parameters then holds their gradients. Other
-        keywords are :meth:`fxpipe.Pipeline.step`'s and the model's (``labels=labels``). Returns the loss on the
-        last stage's rank (on every rank with ``broadcast_loss=True``), else ``None``."""
-        self.ties.check()   # copies of a tied parameter that diverged: refused on every rank, before anything runs
-        self.ties.begin()
-        ok = False
+        ``target``, the same on every rank; ``.grad`` of this rank's parameters then holds the batch's gradients.
+        Other keywords are :meth:`fxpipe.Pipeline.step`'s and the model's (``labels=labels``, or a dict batch as
+        ``kwargs=batch``); on a mesh each data-parallel replica trains its share of all of them. Returns the whole
+        batch's loss on the last stage's ranks (on every rank with ``broadcast_loss=True``), else ``None``."""
+        if self.replicas is None:
+            return self.ranked.step(inputs, target, **kwargs)
+        return self.replicas.step(inputs, target, kwargs)
+
+
+def _mesh(mesh: Any, plan: Plan, group: Any, timeout_s: float) -> tuple[Any, ParallelDims | None]:
+    """The ``DeviceMesh`` and degrees ``mesh`` (:class:`PipelineRank`) names, or ``(None, None)`` for one pipeline."""
+    if isinstance(mesh, (str, dict)):
+        dims, given = ParallelDims.from_spec(mesh, plan.workers), f"mesh={mesh!r}"
+    elif isinstance(mesh, ParallelDims):
+        dims, given = mesh, f"mesh={mesh}"
+    elif mesh is None:
         try:
-            loss = self.pipe.step(inputs, target, self.loss_fn, reduction=self.reduction, **kwargs)
-            ok = True
-        finally:
-            self.ties.end(ok)
-        return loss if self.last or self.broadcast_loss else None
+            dims = ParallelDims.planned(plan)
+        except ValueError as exc:
+            raise PlanMismatchError(f"the plan's mesh: {exc}; pass mesh= with one fxpipe runs") from exc
+        given = f"the plan's mesh ({dims}; mesh='dp=1' runs one pipeline instead)"
+    else:
+        return _user_mesh(mesh, plan, group, timeout_s)
+    if dims is None or (dims.dp == 1 and dims.tp == 1):
+        return None, None
+    if group is not None:
+        raise ValueError(f"group= runs one pipeline over some of the processes, but {given} spans them all: pass "
+                         "mesh='dp=1' with group=, or leave group out")
+    if dims.pp != plan.workers:
+        raise PlanMismatchError(f"{given}: pp={dims.pp} but the plan runs on {plan.workers} workers: leave pp "
+                                f"out (it is the plan's) or plan for {dims.pp} devices")
+    try:
+        built = dims.build_mesh(rank_device_type([st.device for st in plan.stages]), timeout_s=timeout_s)
+    except ValueError as exc:
+        raise PlanMismatchError(f"{given}: {exc}") from exc
+    return built, dims
+
+
+def _user_mesh(mesh: Any, plan: Plan, group: Any, timeout_s: float) -> tuple[Any, ParallelDims]:
+    """A ``DeviceMesh`` the user made: its degrees checked against the plan, its waits bounded by ``timeout_s``."""
+    dims = ParallelDims.from_mesh(mesh)   # names that say pp and a data parallelism (or tp), or the fix
+    if group is not None:
+        raise ValueError("pass group= (one pipeline over some of the processes) or mesh=, not both")
+    if dims.tp > 1 and dims.dp > 1 and not dims.sharded:
+        raise ValueError(f"mesh {mesh.mesh_dim_names} replicates tensor-parallel stages with "
+                         "DistributedDataParallel, which fxpipe does not offer: shard them with FSDP2 instead "
+                         "(ParallelDims(pp=..., dp_shard=..., tp=...).build_mesh())")
+    if dims.pp != plan.workers:
+        world, w = mesh.size(), plan.workers
+        fix = (f"make the mesh ({w}, {world // w})" if world % w == 0 else
+               f"start a multiple of {w} processes (pp={w} times dp)")
+        raise PlanMismatchError(f"the plan runs on {w} workers but the mesh's pp dimension has "
+                                f"{dims.pp} ranks: {fix}, or plan for {dims.pp} devices")
+    if dims.tp > 1 and dims.dp > 1:   # FSDP2 over TP: both meshes sliced from this one, so their waits are its
+        mesh = _bounded(mesh, timeout_s)
+    return mesh, dims
+
+
+def _bounded(mesh: Any, timeout_s: float) -> Any:
+    """``mesh``, or where its groups wait longer than ``timeout_s`` (``init_device_mesh``'s: 30 minutes for gloo),
+    the same mesh over groups of ``timeout_s`` (:mod:`fxpipe.distributed.parallel.bounded`)."""
+    waits = mesh_timeout_s(mesh)
+    if waits is not None and waits <= timeout_s:
+        return mesh
+    if mesh.size() != dist.get_world_size():   # only a mesh over the world can be made again by every rank
+        raise ValueError(f"a ('pp', 'dp_shard', 'tp') mesh of {mesh.size()} of the {dist.get_world_size()} "
+                         f"ranks whose groups wait {waits} s, longer than timeout_s={timeout_s:g}: make it "
+                         "with ParallelDims(...).build_mesh(timeout_s=...) or bounded_mesh, or over every rank")
+    return bounded_mesh(mesh.device_type, mesh.mesh, mesh.mesh_dim_names, timeout_s)

@@ -22,7 +22,7 @@ from fxpipe.planning.lowering import problem_device_ids
 from fxpipe.planning.plan import Plan
 from fxpipe.planning.planner import Planner
 from solvers.mesh import DP_MODES, ORDERS, Mesh, MeshProblem, allreduce_s
-from solvers.layout import mesh_fields, parse_layout
+from solvers.layout import mesh_fields, parse_layout, unrunnable
 from solvers.mesh_search import MeshChoice, MeshSearch
 
 __all__ = ["mesh_costs", "mesh_fields", "mesh_record", "mesh_rows", "parse_mesh", "plan_for_choice"]
@@ -32,7 +32,7 @@ def parse_mesh(spec: Any, world: int) -> list[Mesh]:
     """``"auto"`` -> [] (every shape); a mesh in either spelling of :func:`solvers.layout.parse_layout`
     (``"pp=2,dp=4,tp=1"`` with ``dp_mode=shard|replicate`` and ``order=...`` optional, or ``dp_shard=4`` /
     ``dp_replicate=4``), a string or a dict -> that shape (both dp modes when the spelling leaves the mode
-    unsaid; ``pp`` left out: the devices ``dp x tp`` leaves). HSDP is refused: the planner cannot cost it yet."""
+    unsaid, but FSDP2 alone over tensor-parallel stages, as the runtime runs them; ``pp`` left out: the devices ``dp x tp`` leaves). HSDP is refused: the planner cannot cost it yet."""
     if spec == "auto":
         return []
     if not isinstance(spec, (str, dict)):
@@ -48,8 +48,9 @@ def parse_mesh(spec: Any, world: int) -> list[Mesh]:
     if pp * dp * tp != world:
         raise ValueError(f"mesh pp={pp}, dp={dp}, tp={tp}: pp x dp x tp must be {world}, the devices given (got "
                          f"{pp * dp * tp})")
-    if layout.sharded is None:
+    if layout.sharded is None:   # both modes, or the one the runtime runs (FSDP2 over tensor-parallel stages)
         modes = list(DP_MODES)[:1 if dp == 1 else 2]
+        modes = [m for m in modes if not unrunnable(dp, tp, m, layout.order or ORDERS[0])] or modes
     else:
         modes = ["shard" if layout.sharded and layout.dp_replicate == 1 else "replicate"]
     return [Mesh(pp, dp, tp, m, layout.order or ORDERS[0]) for m in modes]

@@ -124,10 +124,10 @@ class AsyncTrainer:
     def __init__(self, pipe: Any, optimizer_fn: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *,
                  mode: str = "stash", update_every: int | None = None, staleness: int | None = None,
                  schedule: str = "1f1b", reduction: str = "auto") -> None:
-        if hasattr(pipe, "ranked") and hasattr(pipe, "dp_group"):
-            raise ValueError("asynchronous modes run one pipeline (fxpipe.distributed.PipelineRank), not dp "
-                             "replicas of it (MeshPipelineRank): their gradients are all-reduced once per "
-                             "synchronous step; use stage.step there")
+        if getattr(pipe, "mesh", None) is not None:
+            raise ValueError("asynchronous modes run one pipeline (fxpipe.distributed.PipelineRank without a mesh), "
+                             "not dp or tp replicas of it: their gradients are reduced once per synchronous step; "
+                             "use stage.step there")
         if isinstance(getattr(pipe, "pipe", None), nn.Module) and hasattr(pipe, "own"):
             pipe = pipe.pipe   # an fxpipe.distributed.PipelineRank: its pipeline, with the transport to the others
             if pipe.tied:

@@ -8,7 +8,9 @@ over the data-parallel dims and reduce-scatters their gradients once per step;
 per step; :mod:`~fxpipe.distributed.parallel.tp` (with :mod:`~fxpipe.distributed.parallel.tp_plans` and
 :mod:`~fxpipe.distributed.parallel.module_calls`) derives and applies a tensor-parallel plan to a rank's stage
 modules (:mod:`~fxpipe.distributed.parallel.local_shapes` makes a traced stage's recorded head counts local).
-:class:`fxpipe.distributed.mesh.MeshPipelineRank` composes data and tensor parallelism with the pipeline.
+:mod:`~fxpipe.distributed.parallel.apply` applies each to a rank's stages, tensor then data parallelism, and
+:mod:`~fxpipe.distributed.parallel.replicas` runs a data-parallel replica's step (its share of the batch, the
+losses and token counts combined over the replicas); :class:`fxpipe.distributed.PipelineRank` composes them.
 """
 
 from fxpipe.distributed.parallel.dims import DATA_PARALLEL, MESH_DIMS, ParallelDims

@@ -7,7 +7,7 @@ report ``0:30:00`` under a default group made with 60 s). torch's own way to giv
 ``backend_override`` (per dim, a ``Backend.Options`` whose ``_timeout`` the groups are made with), used here:
 
 - :func:`bounded_mesh` makes a mesh of the given ranks and dim names with it (:meth:`ParallelDims.build_mesh`
-  with ``timeout_s``, and :class:`fxpipe.distributed.mesh.MeshPipelineRank` for a user's mesh whose groups wait
+  with ``timeout_s``, and :class:`fxpipe.distributed.PipelineRank` for a user's mesh whose groups wait
   longer);
 - :func:`mesh_timeout_s` reads the longest timeout of a mesh's groups (``None`` where the backend does not say).
 

@@ -125,6 +125,15 @@ class ParallelDims:
         return cls(pp=pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp)
 
     @classmethod
+    def planned(cls, plan: Any) -> ParallelDims | None:
+        """The degrees of the mesh ``plan`` was made for (``plan.mesh``: ``fxpipe.plan(mesh=...)``), ``None`` for a
+        plan of one pipeline. A ``ValueError`` names what the runtime cannot run of it."""
+        if not plan.mesh:
+            return None
+        return cls.from_spec({k: plan.mesh[k] for k in ("pp", "dp", "tp", "dp_mode", "order") if k in plan.mesh},
+                             plan.workers)
+
+    @classmethod
     def from_mesh(cls, mesh: Any) -> ParallelDims:
         """The degrees of a mesh named as :meth:`build_mesh` names them (or the DDP form ``("pp", "dp")``)."""
         names = tuple(mesh.mesh_dim_names or ())

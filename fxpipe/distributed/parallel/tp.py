@@ -56,7 +56,7 @@ replicated parameter read *between* a block's column-wise and row-wise layers (a
 sums those over the tp ranks once a step, after the backward passes, as Megatron's finalize does for its q/k layer
 norms. The sharded parameters' gradients are ``DTensor`` s sharded as the parameters.
 
-Status: :class:`fxpipe.distributed.mesh.MeshPipelineRank` runs it on a mesh with a ``tp`` dim (``("pp", "tp")``,
+Status: :class:`fxpipe.distributed.PipelineRank` runs it on a mesh with a ``tp`` dim (``("pp", "tp")``,
 ``("pp", "dp_shard", "tp")``: FSDP2 over the tensor-parallel stages, both meshes sliced from one root as FSDP2
 requires). ``tests/test_mesh_tp.py``: Llama (tied, untied) and GPT-2 (attention and MLP sharded) at pp=2 × tp=2
 under GPipe, 1F1B and ZB-H1 and Qwen3 (per-head q/k norms) under 1F1B, and all four at pp=2 × dp_shard=2 × tp=2
@@ -153,7 +153,7 @@ def sum_partial_grads(params: Sequence[nn.Parameter], group: Any) -> None:
 def tp_mesh_of(mesh: Any, timeout_s: float, *, from_root: bool) -> Any:
     """This rank's 1-D ``("tp",)`` mesh of ``mesh`` (dims named as :class:`ParallelDims` names them). With
     ``from_root`` the slice ``mesh["tp"]`` (FSDP2 composes with TP only over slices of one root mesh; its waits
-    end after the root's groups' timeout: :class:`fxpipe.distributed.mesh.MeshPipelineRank` makes it ``timeout_s``); otherwise a group whose waits end after ``timeout_s``."""
+    end after the root's groups' timeout: :class:`fxpipe.distributed.PipelineRank` makes it ``timeout_s``); otherwise a group whose waits end after ``timeout_s``."""
     if from_root:
         return mesh["tp"]
     from torch.distributed.device_mesh import DeviceMesh
