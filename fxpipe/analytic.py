@@ -159,7 +159,7 @@ def plan(
     options: CompileOptions | None = None,
     time_limit_s: float = 2.0,
     mesh: str | dict[str, Any] | None = "if_needed",
-    sequence_parallel: bool = True,
+    sequence_parallel: bool = False,
 ) -> Plan:
     """Plan ``model`` for ``devices`` (e.g. ``fxpipe.Devices.preset("h100", 8)``) from shapes alone.
 
@@ -194,7 +194,10 @@ def plan(
             best plan of every other shape. ``chunks`` is then the micro-batches of one dp replica's share,
             ``stages``/``virtual_stages`` are not taken (interleaved-1f1b runs 2 stages per device).
         sequence_parallel: with a mesh, whether tensor parallelism also shards the activations outside its
-            matmuls by sequence (Megatron-LM's sequence parallelism; default ``True``).
+            matmuls by sequence (Megatron-LM's sequence parallelism). Default ``False``: fxpipe's runtime does
+            not run it yet, so the plan charges what runs (the activations outside the tensor-parallel blocks
+            whole on every tp rank, whole tensors across stage boundaries); ``True`` plans as Megatron-LM and
+            torchtitan run, a what-if that ``fxpipe.launch`` runs with more memory than planned (it says so).
 
     Raises :class:`fxpipe.InfeasiblePlanError` when nothing fits.
     """
@@ -274,7 +277,7 @@ def plan_mesh(model: nn.Module, devices: Devices, example_inputs: tuple, mesh: s
               example_kwargs: dict[str, Any] | None = None, chunks: int | None = None, schedule: str = "auto",
               optimizer: str = "adam", checkpoint: str = "auto", leaf_modules: Iterable[type | str] = (),
               frontend: str = "auto", options: CompileOptions | None = None,
-              sequence_parallel: bool = True) -> Plan:
+              sequence_parallel: bool = False) -> Plan:
     """:func:`plan` with ``mesh=``: capture and cost as :func:`plan` does, build the chain of pieces
     (:mod:`fxpipe.planning.mesh_chain`), search (:func:`solvers.mesh_search.search_mesh`), and cost the
     choice node by node (:mod:`fxpipe.planning.mesh_plan`); a choice the node-level memory model refuses gives
@@ -288,7 +291,7 @@ def plan_mesh(model: nn.Module, devices: Devices, example_inputs: tuple, mesh: s
 
 def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[str, Any], *, chunks: int | None = None,
                      schedule: str = "auto", optimizer: str = "adam", checkpoint: str = "auto",
-                     options: CompileOptions | None = None, sequence_parallel: bool = True) -> Plan:
+                     options: CompileOptions | None = None, sequence_parallel: bool = False) -> Plan:
     """The second half of :func:`plan_mesh`, for a model costed once (:func:`cost_model`) and planned for several
     meshes or devices."""
     fixed = parse_mesh(mesh, len(devices))

@@ -149,15 +149,15 @@ def test_meshes_are_searched_by_default_where_one_pipeline_cannot_hold_the_model
     assert one_node.mesh is None and "mesh_because" not in one_node.solver
 
 
-@pytest.mark.parametrize("memory", [None, 12e6, pytest.param(30e6, marks=pytest.mark.xfail(strict=True, reason=(
-    "open (issue 47 part 6): the search keeps each shape's best schedule by its own estimate, which for "
-    "pp=2 dp=2(fsdp) tp=2 dp-outer is 1F1B (9.3 ms) over ZB-V (10.1 ms), while the node-level costing gives "
-    "ZB-V 6.7 ms and 1F1B 8.7 ms: two step models, not one")))])
+@pytest.mark.parametrize("memory", [None, 12e6, 30e6])
 def test_the_automatic_mesh_is_no_slower_by_its_own_costing_than_any_layout_the_user_could_fix(costed, memory):
     """Every shape the search ranked, planned with its mesh, order, schedule and micro-batches fixed, is
     costed node by node no faster than the automatic choice (issue 47 part 6). With 12 MB a device the
     search's best schedule of the fastest shapes does not fit under the node-level memory model: the first
-    shape that fitted was returned (45.1 ms a step) though pp=4 dp=2 tp=1 fits under another (25.9 ms)."""
+    shape that fitted was returned (45.1 ms a step) though pp=4 dp=2 tp=1 fits under another (25.9 ms). With
+    30 MB the layout whose search estimate ranked its schedules otherwise than the node-level costing (pp=2
+    dp=2(fsdp) tp=2 with dp outside pp) is one the runtime does not run, and is no longer searched; the two step
+    models still differ (README: Llama-3-405B on 64 nodes)."""
     model, ids, devices, c = costed
     options = None if memory is None else fxpipe.CompileOptions(memory_bytes=[memory] * len(devices))
     auto = analytic.plan_costed_mesh(c, devices, "auto", options=options)
@@ -173,4 +173,4 @@ def test_the_automatic_mesh_is_no_slower_by_its_own_costing_than_any_layout_the_
                 continue
             compared += 1
             assert auto.predicted["iteration_s"] <= fixed.predicted["iteration_s"] * (1 + 1e-9), (row, fixed.mesh)
-    assert compared >= 8
+    assert compared >= 4   # the shapes of the layouts the runtime runs, each under every schedule that fits
