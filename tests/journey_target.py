@@ -28,15 +28,3 @@ def qwen2_bfloat16() -> Any:
     """Qwen2 built in bfloat16, as ``fxpipe plan hf:qwen2`` plans it for a preset (``--dtype auto``)."""
     import torch
     return build("qwen2").to(torch.bfloat16)
-
-
-def pairs_qwen2() -> list[tuple[Any, Any]]:
-    """The Qwen2 journey's batches as (ids, labels) pairs, for a ``loss_fn`` (a mesh trains on one today)."""
-    return [(b["input_ids"], b["labels"]) for b in batches("qwen2")]
-
-
-def next_token(out: Any, labels: Any) -> Any:
-    """A causal LM's next-token cross-entropy over its counted labels (``-100`` ignored), as its own loss is."""
-    import torch.nn.functional as F
-    logits = out.logits if hasattr(out, "logits") else out["logits"]
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)

@@ -137,9 +137,10 @@ def _preset_cases(world: int, tmp_path: Path) -> list[dict[str, Any]]:
     """Plans made for H100s from shapes (nothing allocated, as on a laptop) that the journeys do not make, each
     launched as written beside them (one command, ``steps`` steps) and checked against one process: on 2 ranks a
     torch.fx-traced model (``fxpipe.plan``, and ``fxpipe.compile``'s measured plan of it) and ``fxpipe plan hf:qwen2``'s bfloat16 plan of a model built in
-    bfloat16 (the model in float32 refused, naming both fixes); on 4, a pp x FSDP2 mesh and a pp x tp mesh (``fxpipe.plan(mesh=...)``)."""
+    bfloat16 (the model in float32 refused, naming both fixes); on 4, a pp x FSDP2 mesh (``fxpipe.plan(mesh=...)``;
+    the tensor-parallel meshes are :data:`MESH_JOURNEYS`')."""
     from fxpipe.__main__ import main as cli
-    from journey_target import next_token, pairs_qwen2, qwen2_bfloat16
+    from journey_target import qwen2_bfloat16
     from launch_target import batches as pairs, make_model
     cases: list[dict[str, Any]] = []
 
@@ -153,7 +154,7 @@ def _preset_cases(world: int, tmp_path: Path) -> list[dict[str, Any]]:
         cases.append({"name": name, "plan": str(path), "argv": argv, "out": str(tmp_path / name), "want": want,
                       "rel": rel})
     with torch.device("meta"):
-        tied, qwen2 = make_model(), build("qwen2")
+        tied = make_model()
     x_cpu = torch.cat([pairs()[0][0], pairs()[1][0][:1]])   # 8 samples: the dp replicas' even shares
     x = x_cpu.to("meta")
     ce = lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())   # noqa: E731
@@ -179,12 +180,8 @@ def _preset_cases(world: int, tmp_path: Path) -> list[dict[str, Any]]:
             fxpipe.compile(build("qwen2"), ["cpu", "cpu"], (first["input_ids"],),
                            example_kwargs={"labels": first["labels"]}, plan=fxpipe.load_plan(tmp_path / "bf16-cli.json"))
     else:
-        ids = batches("qwen2")[0]["input_ids"].to("meta")
         case("fx-fsdp-preset", fxpipe.plan(tied, h100, (x,), mesh="pp=2,dp=2,dp_mode=shard", schedule="1f1b"),
              "launch_target:make_model", "launch_target:batches", 4, _one_process(make_model(), pairs()[:4], ce))
-        case("qwen2-tp-preset", fxpipe.plan(qwen2, h100, (ids,), mesh="pp=2,tp=2", schedule="1f1b"),
-             "journey_target:qwen2", "journey_target:pairs_qwen2", STEPS,
-             _one_process(build("qwen2"), pairs_qwen2(), next_token), loss="journey_target:next_token")
     return cases
 
 
