@@ -231,7 +231,7 @@ def _mesh_dims(args: argparse.Namespace, plan: Any) -> Any:
         spec: Any = args.mesh
         given = f"--mesh {args.mesh}"
     elif plan.mesh:
-        spec = {k: plan.mesh[k] for k in ("pp", "dp", "tp", "dp_mode", "order") if k in plan.mesh}
+        spec = ParallelDims.planned_spec(plan)
         given = f"the plan's mesh ({', '.join(f'{k}={v}' for k, v in spec.items())}; --mesh overrides it)"
     else:
         return None

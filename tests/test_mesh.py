@@ -113,6 +113,10 @@ def _refused(rank: int, world: int, plan_json: str) -> list[str]:
             PipelineRank(plan, _make, _loss, mesh=init_device_mesh("cpu", shape, mesh_dim_names=names))
         except (fxpipe.PlanMismatchError, ValueError) as exc:
             found.append(f"{type(exc).__name__}: {exc}")
+    try:   # DDP over tensor-parallel stages, spelt as fxpipe.launch --mesh spells it: refused before any group
+        PipelineRank(plan, _make, _loss, mesh="dp=2,dp_mode=replicate,tp=2")
+    except ValueError as exc:
+        found.append(f"{type(exc).__name__}: {exc}")
     return found
 
 
@@ -120,7 +124,9 @@ def test_a_mesh_that_does_not_fit_the_plan_is_refused_with_the_numbers():
     plan = copy.deepcopy(compile_with_cuts(_make(), (_batches(8)[0][0],), ["blocks_3_0"], chunks=2).plan)
     [result] = run_ranks(1, _refused, plan.to_json())
     assert "ok" in result, result.get("trace")
-    wrong_pp, wrong_dims = result["ok"]
+    wrong_pp, wrong_dims, ddp_over_tp = result["ok"]
+    assert ddp_over_tp.startswith("ValueError: mesh='dp=2,dp_mode=replicate,tp=2' replicates tensor-parallel stages "
+                                  "with DistributedDataParallel") and "shard them with FSDP2" in ddp_over_tp, ddp_over_tp
     assert wrong_pp.startswith("PlanMismatchError") and "2 workers" in wrong_pp and "pp dimension has 1" in wrong_pp
     assert "start a multiple of 2 processes" in wrong_pp and "plan for 1 devices" in wrong_pp, wrong_pp
     assert wrong_dims.startswith("ValueError") and "mesh_dim_names=('pp', 'dp')" in wrong_dims, wrong_dims

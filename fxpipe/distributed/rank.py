@@ -227,6 +227,7 @@ def _mesh(mesh: Any, plan: Plan, group: Any, timeout_s: float) -> tuple[Any, Par
         return _user_mesh(mesh, plan, group, timeout_s)
     if dims is None or (dims.dp == 1 and dims.tp == 1):
         return None, None
+    _refuse_ddp_over_tp(dims, given)
     if group is not None:
         raise ValueError(f"group= runs one pipeline over some of the processes, but {given} spans them all: pass "
                          "mesh='dp=1' with group=, or leave group out")
@@ -245,10 +246,7 @@ def _user_mesh(mesh: Any, plan: Plan, group: Any, timeout_s: float) -> tuple[Any
     dims = ParallelDims.from_mesh(mesh)   # names that say pp and a data parallelism (or tp), or the fix
     if group is not None:
         raise ValueError("pass group= (one pipeline over some of the processes) or mesh=, not both")
-    if dims.tp > 1 and dims.dp > 1 and not dims.sharded:
-        raise ValueError(f"mesh {mesh.mesh_dim_names} replicates tensor-parallel stages with "
-                         "DistributedDataParallel, which fxpipe does not offer: shard them with FSDP2 instead "
-                         "(ParallelDims(pp=..., dp_shard=..., tp=...).build_mesh())")
+    _refuse_ddp_over_tp(dims, f"mesh {mesh.mesh_dim_names}")
     if dims.pp != plan.workers:
         world, w = mesh.size(), plan.workers
         fix = (f"make the mesh ({w}, {world // w})" if world % w == 0 else
@@ -258,6 +256,14 @@ def _user_mesh(mesh: Any, plan: Plan, group: Any, timeout_s: float) -> tuple[Any
     if dims.tp > 1 and dims.dp > 1:   # FSDP2 over TP: both meshes sliced from this one, so their waits are its
         mesh = _bounded(mesh, timeout_s)
     return mesh, dims
+
+
+def _refuse_ddp_over_tp(dims: ParallelDims, given: str) -> None:
+    """A mesh that replicates tensor-parallel stages with DDP, whichever way it was given, refused naming the fix."""
+    if dims.tp > 1 and dims.dp > 1 and not dims.sharded:
+        raise ValueError(f"{given} replicates tensor-parallel stages with DistributedDataParallel, which fxpipe does "
+                         "not offer: shard them with FSDP2 instead (ParallelDims(pp=..., dp_shard=..., "
+                         "tp=...).build_mesh())")
 
 
 def _bounded(mesh: Any, timeout_s: float) -> Any:

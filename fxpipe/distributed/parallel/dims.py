@@ -128,10 +128,15 @@ class ParallelDims:
     def planned(cls, plan: Any) -> ParallelDims | None:
         """The degrees of the mesh ``plan`` was made for (``plan.mesh``: ``fxpipe.plan(mesh=...)``), ``None`` for a
         plan of one pipeline. A ``ValueError`` names what the runtime cannot run of it."""
+        spec = cls.planned_spec(plan)
+        return None if spec is None else cls.from_spec(spec, plan.workers)
+
+    @staticmethod
+    def planned_spec(plan: Any) -> dict[str, Any] | None:
+        """The mesh spelling of ``plan.mesh`` (its degrees, dp mode and order), ``None`` for a plan of one pipeline."""
         if not plan.mesh:
             return None
-        return cls.from_spec({k: plan.mesh[k] for k in ("pp", "dp", "tp", "dp_mode", "order") if k in plan.mesh},
-                             plan.workers)
+        return {k: plan.mesh[k] for k in ("pp", "dp", "tp", "dp_mode", "order") if k in plan.mesh}
 
     @classmethod
     def from_mesh(cls, mesh: Any) -> ParallelDims:
