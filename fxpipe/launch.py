@@ -283,6 +283,13 @@ def _let_the_step_say_why(grace_s: float) -> None:
         signal.signal(signal.SIGTERM, handler)
 
 
+def _say(line: str) -> None:
+    """Write ``line`` to stderr in one write: every rank shares torchrun's stderr, and ``print`` writes the text and
+    its newline separately (stderr is unbuffered), so two ranks' lines could run together on one line."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.node is not None:
@@ -302,11 +309,10 @@ def main(argv: list[str] | None = None) -> int:
             _init_process_group("nccl" if on_gpu else "gloo", datetime.timedelta(seconds=args.timeout))
         _train(args, rank)
     except UsageError as exc:
-        print(f"error: rank {rank}: {exc}", file=sys.stderr, flush=True)
+        _say(f"error: rank {rank}: {exc}")
         return 2
     except (FxpipeError, ValueError, KeyError, OSError, ImportError, RuntimeError) as exc:
-        print(f"error: rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-              file=sys.stderr, flush=True)
+        _say(f"error: rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         return 1
     finally:
         if dist.is_initialized():

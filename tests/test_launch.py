@@ -196,3 +196,16 @@ def test_a_mesh_the_world_does_not_fit_ends_the_process_before_anything_is_built
     assert re.search(r"^error: rank 0: the plan's mesh \(pp=2, dp=2, tp=1, dp_mode=shard, order=pp-dp-tp; --mesh "
                      r"overrides it\) is pp=2 x dp_shard=2 \(shard, 4 processes\) but torchrun started 1", run(), re.M)
     assert "PlanMismatchError: the plan runs 2 stages on 2 workers but the process group has 1" in run("--mesh", "dp=1")
+
+
+def test_an_error_line_is_written_whole_so_two_ranks_lines_never_run_together(monkeypatch):
+    """Every rank shares torchrun's unbuffered stderr: a line written as text then newline (``print``) ran into
+    another rank's line in CI ('... GLHF!error: rank 3: ...'), hiding rank 3's error from a reader."""
+    from fxpipe import launch
+    writes: list[str] = []
+    monkeypatch.setattr(sys, "stderr", type("Recorder", (), {"write": lambda self, s: writes.append(s),
+                                                             "flush": lambda self: None})())
+    monkeypatch.delenv("RANK", raising=False)
+    assert launch.main(["--plan", "p.json", "--model", "m:f", "--data", "m:b"]) == 2
+    assert writes == ["error: rank 0: fxpipe.launch runs under torchrun: torchrun --nproc-per-node N -m fxpipe.launch "
+                      "...\n"], writes
