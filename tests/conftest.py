@@ -35,11 +35,15 @@ except (OSError, AttributeError):  # not glibc: nothing to tune
 def pytest_configure(config):
     """Under pytest-xdist, each worker's share of the processors: torch's default intra-op threads (one per core)
     in every worker oversubscribe them (2 workers x 2 threads on the 2-core CI machine, the pipelines' own worker
-    threads on top), which made test_torchvision's first 150 s run 7 models instead of 40."""
+    threads on top), which made test_torchvision's first 150 s run 7 models instead of 40. The processes a worker
+    starts (the CLI, ``torchrun``, ``pytest``) take the same share through ``OMP_NUM_THREADS``: with the default,
+    each spins two OpenMP threads on processors the other worker is using."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if os.environ.get("PYTEST_XDIST_WORKER") and workers > 1:
         import torch
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        share = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(share)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
 
 
 def pytest_collection_finish(session):
