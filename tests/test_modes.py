@@ -168,3 +168,29 @@ def test_auto_micro_batches_keep_two_samples_for_a_train_mode_batch_norm():
     tried = {row["chunks"] for row in pipe.plan.solver["search"]}
     assert tried and max(tried) <= 2
     assert tuple(pipe(x).shape) == (4, 4)
+
+
+@pytest.mark.parametrize("frontend", ["export", "fx"])
+def test_a_plan_records_whether_its_graph_depends_on_the_mode_and_a_rank_capturing_it_traces_once(frontend,
+                                                                                                   monkeypatch):
+    """compile traces the other mode to find out; the plan keeps the answer, so a process handed the plan
+    (``capture_as_planned``: every rank) traces only the mode it runs and still refuses the other mode of a
+    mode-dependent graph. A plan that does not say (``fxpipe.plan``'s, an older fxpipe's) is traced twice."""
+    from fxpipe.frontend import capture as capture_module
+    from fxpipe.frontend.capture import capture_as_planned
+    torch.manual_seed(0)
+    x = torch.randn(8, 8)
+    for model, dependent in ((_Dropped().train(), frontend == "export"), (nn.Sequential(Reads(), nn.Linear(8, 4)), True),
+                             (nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)), False)):
+        plan = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, stages=2, frontend=frontend, profile=EST).plan
+        assert plan.frontend["mode_dependent"] is dependent, (type(model).__name__, plan.frontend)
+        plan = fxpipe.Plan.from_dict(plan.to_dict())   # as a rank reads it
+        traces = []
+        real = capture_module._traced
+        monkeypatch.setattr(capture_module, "_traced", lambda *a, **k: traces.append(a[1]) or real(*a, **k))
+        captured = capture_as_planned(model, plan.frontend)
+        assert captured.fingerprint == plan.fingerprint and captured.mode_dependent is dependent
+        assert traces == [], traces   # the other mode was not traced
+        unsaid = {k: v for k, v in plan.frontend.items() if k != "mode_dependent"}
+        assert capture_as_planned(model, unsaid).mode_dependent is dependent and len(traces) == 1
+        monkeypatch.undo()

@@ -137,7 +137,7 @@ def hidden_layer_stacks(gm: fx.GraphModule, leaf_modules: list[Any]) -> list[str
 
 def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = None, frontend: str = "auto",
             args: tuple | None = None, kwargs: dict[str, Any] | None = None, batch_dim: Any = 0, *,
-            other_mode: bool = True) -> Captured:
+            other_mode: bool = True, mode_dependent: bool | None = None) -> Captured:
     """Trace ``model`` with the front end ``frontend`` chooses (module doc) and find whether its graph
     depends on ``model.training``, by tracing it once more in the other mode. Every submodule's own flag
     is restored either way (:func:`fxpipe.frontend.modes.keeping_modes`): a frozen BatchNorm stays in eval
@@ -151,7 +151,13 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
     exporting a 32-layer Hugging Face model takes seconds): ``mode_dependent`` is then False and
     ``eval_graph`` None, and a pipeline built from the plan captures the model again. Such a caller also takes
     a deep stack of alike layers predicted from a few of them (:mod:`fxpipe.frontend.repeats`), which the
-    front end's reason then says."""
+    front end's reason then says.
+
+    The answer is recorded in the front end's record (``frontend["mode_dependent"]``, kept in the plan), and a
+    caller that knows it (``mode_dependent``: :func:`capture_as_planned`, from the plan of the same graph) skips
+    the second trace: a rank of a Hugging Face model spent half its start-up exporting the mode it does not run
+    (``eval_graph`` is then ``graph`` where the graph does not depend on the mode, else ``None`` unless the model
+    is in eval mode)."""
     kwargs = dict(kwargs or {})
     if isinstance(model, torch.export.ExportedProgram):
         gm = flat_program(model)
@@ -193,6 +199,10 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
             planned["inputs"] = record_inputs(args, kwargs, batch_dim)
         if not other_mode:
             return Captured(gm, fingerprint, False, planned, None)
+        if mode_dependent is not None:
+            planned["mode_dependent"] = mode_dependent
+            eval_graph = None if mode_dependent and model.training else gm
+            return Captured(gm, fingerprint, mode_dependent, planned, eval_graph)
         with keeping_modes(model):
             model.train(not model.training)
             try:
@@ -205,6 +215,7 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
                                   != graph_fingerprint(gm, tag, modes_alike=True))
             except TraceError:
                 other_gm, mode_dependent = None, True   # the other mode does not trace: this mode's graph only
+    planned["mode_dependent"] = mode_dependent
     eval_graph = other_gm if mode_dependent and model.training else gm
     return Captured(gm, fingerprint, mode_dependent, planned, eval_graph)
 
@@ -215,9 +226,13 @@ def capture_as_planned(model: nn.Module, planned: dict[str, Any], leaf_modules: 
     inputs' structure, shapes and dtypes), from no data: zeros of the recorded shapes on the model's device
     (``meta`` for a model built there). The one way a process that was handed a plan traces its model."""
     name = planned.get("name") if isinstance(planned, dict) else None
+    # whether the graph depends on the mode, where the plan's capture found out (a plan of fxpipe.plan, or of an
+    # older fxpipe, does not say: traced again in the other mode here)
+    known = planned.get("mode_dependent") if isinstance(planned, dict) else None
     if name == "export":
         device = next((t.device for t in model.parameters()), torch.device("cpu"))
         args, kwargs = recorded_inputs(planned.get("inputs"), device)
         batch_dim = planned["inputs"].get("batch_dim")
-        return capture(model, leaf_modules, concrete_args, "export", args, kwargs, 0 if batch_dim is None else batch_dim)
-    return capture(model, leaf_modules, concrete_args, "fx" if name == "fx" else "auto")
+        return capture(model, leaf_modules, concrete_args, "export", args, kwargs, 0 if batch_dim is None else batch_dim,
+                       mode_dependent=known)
+    return capture(model, leaf_modules, concrete_args, "fx" if name == "fx" else "auto", mode_dependent=known)
