@@ -73,10 +73,12 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, deadline_s: float 
         ctx = mp.start_processes(_entry, args=(world, out, rank_context(), fn, args), nprocs=world, join=False,
                                  start_method="forkserver")
         end = time.monotonic() + deadline_s
-        while not ctx.join(timeout=max(0.1, end - time.monotonic())):
-            if time.monotonic() > end:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                raise AssertionError(f"the {world} processes did not finish within {deadline_s} s (a hang)")
+        try:
+            while not ctx.join(timeout=max(0.1, end - time.monotonic())):
+                if time.monotonic() > end:
+                    raise AssertionError(f"the {world} processes did not finish within {deadline_s} s (a hang)")
+        finally:   # at the deadline, and when the wait itself is ended (pytest-timeout): no rank outlives the test
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
         return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)]
