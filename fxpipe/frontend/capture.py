@@ -199,22 +199,20 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
             planned["inputs"] = record_inputs(args, kwargs, batch_dim)
         if not other_mode:
             return Captured(gm, fingerprint, False, planned, None)
-        if mode_dependent is not None:
-            planned["mode_dependent"] = mode_dependent
-            eval_graph = None if mode_dependent and model.training else gm
-            return Captured(gm, fingerprint, mode_dependent, planned, eval_graph)
-        with keeping_modes(model):
-            model.train(not model.training)
-            try:
-                other_gm = _traced(model, name, leaves, concrete_args, args or (), kwargs, batch_dim)
-                other_tag = name
-                if tag != name:
-                    other_gm.meta[KEEP_WHOLE] = module_groups(other_gm, leaves)[0]
-                    other_tag = f"{name}+keep:{sorted(other_gm.meta[KEEP_WHOLE])}"
-                mode_dependent = (graph_fingerprint(other_gm, other_tag, modes_alike=True)
-                                  != graph_fingerprint(gm, tag, modes_alike=True))
-            except TraceError:
-                other_gm, mode_dependent = None, True   # the other mode does not trace: this mode's graph only
+        other_gm = None   # the other mode's graph, where it is traced: not where the plan said already
+        if mode_dependent is None:
+            with keeping_modes(model):
+                model.train(not model.training)
+                try:
+                    other_gm = _traced(model, name, leaves, concrete_args, args or (), kwargs, batch_dim)
+                    other_tag = name
+                    if tag != name:
+                        other_gm.meta[KEEP_WHOLE] = module_groups(other_gm, leaves)[0]
+                        other_tag = f"{name}+keep:{sorted(other_gm.meta[KEEP_WHOLE])}"
+                    mode_dependent = (graph_fingerprint(other_gm, other_tag, modes_alike=True)
+                                      != graph_fingerprint(gm, tag, modes_alike=True))
+                except TraceError:
+                    other_gm, mode_dependent = None, True   # the other mode does not trace: this mode's graph only
     planned["mode_dependent"] = mode_dependent
     eval_graph = other_gm if mode_dependent and model.training else gm
     return Captured(gm, fingerprint, mode_dependent, planned, eval_graph)
@@ -233,6 +231,6 @@ def capture_as_planned(model: nn.Module, planned: dict[str, Any], leaf_modules: 
         device = next((t.device for t in model.parameters()), torch.device("cpu"))
         args, kwargs = recorded_inputs(planned.get("inputs"), device)
         batch_dim = planned["inputs"].get("batch_dim")
-        return capture(model, leaf_modules, concrete_args, "export", args, kwargs, 0 if batch_dim is None else batch_dim,
-                       mode_dependent=known)
+        return capture(model, leaf_modules, concrete_args, "export", args, kwargs,
+                       0 if batch_dim is None else batch_dim, mode_dependent=known)
     return capture(model, leaf_modules, concrete_args, "fx" if name == "fx" else "auto", mode_dependent=known)
