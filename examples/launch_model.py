@@ -1,4 +1,5 @@
-"""A model factory and batches for ``python -m fxpipe.launch`` (``PYTHONPATH=examples``), and, run as a script,
+"""A model factory and batches for ``python -m fxpipe.launch`` (``--model examples/launch_model.py:make_model
+--data examples/launch_model.py:batches``), and, run as a script,
 the plan and weights it trains from: ``python examples/launch_model.py`` writes ``gpt.plan.json`` (two CPU
 workers, estimated costs) and ``gpt.pt`` (the model's state dict) in the current directory."""
 

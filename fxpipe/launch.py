@@ -1,6 +1,8 @@
 """``python -m fxpipe.launch``: train a saved plan with one process per device, started by ``torchrun``.
 
-Every process loads the plan, imports the model factory (``pkg.module:function``), builds only its own stages
+Every process loads the plan, finds ``--model`` as ``fxpipe plan`` reads MODEL (``hf:TYPE`` with ``--config``,
+``torchvision:``, ``timm:``, ``pkg.module:factory``, ``path/to/file.py:factory``; built after
+``torch.manual_seed(--seed)``), builds only its own stages
 (:class:`fxpipe.distributed.PipelineRank`; with ``--weights`` on the ``meta`` device, loading just its tensors),
 prints where it runs, then trains ``--steps`` batches of ``--data`` with its own optimizer over its own
 parameters (each step in ``--chunks`` micro-batches, default the plan's; a short last batch in one per sample);
@@ -13,7 +15,10 @@ with ``--total-steps``, finishes the run however often a rank dies: the survivor
 dead rank (:mod:`fxpipe.distributed.waiting`), torchrun restarts the group, and it resumes from the last
 complete checkpoint, never from one a kill interrupted. Bad arguments (a factory that cannot be imported, a
 plan for another number of processes) end every process with one line on stderr, ``error: ...``, and a
-non-zero exit, before training.
+non-zero exit, before training. ``--data mock`` trains a language model plan on random token batches of its
+shape (:mod:`fxpipe.cli.mock_data`). Each checkpoint keeps every step's loss, and ``python -m fxpipe.launch ...
+--compare DIR`` (one process, no torchrun) trains the same batches whole and says whether the run in ``DIR``
+trained as one process does (:mod:`fxpipe.cli.compare_run`).
 
 ``--mesh dp_shard=2,tp=2`` (``fxpipe plan --mesh``'s spelling: ``dp=2,dp_mode=shard``, or ``dp_replicate``/
 ``dp_shard`` as :class:`fxpipe.distributed.parallel.ParallelDims` names them; ``pp`` is the plan's number of
@@ -31,18 +36,18 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import os
 import signal
 import sys
 import threading
 from itertools import islice
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from fxpipe.cli.launch_inputs import (LOSSES, OPTIMIZERS, UsageError, compare, data_source,  # noqa: F401 (LOSSES:
+                                      loss_function, model_factory)                      # tests import it here)
 from fxpipe.errors import FxpipeError
 from fxpipe.planning.plan import load_plan
 
@@ -64,46 +69,25 @@ two hosts (run on each; --plan-node pins the host to the plan's node, else the r
       -m fxpipe.launch --plan gpt.plan.json --model mypkg.models:make_gpt --data mypkg.data:batches --plan-node 0
 """
 
-OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-
-
-class UsageError(ValueError):
-    """A bad argument: exit 2."""
-
-
-def _cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over the last dimension's classes, for (N, C) or token outputs (N, T, C)."""
-    return F.cross_entropy(out.flatten(0, -2), target.flatten()) if out.dim() > 2 else F.cross_entropy(out, target)
-
-
-LOSSES: dict[str, Callable[[Any, Any], torch.Tensor]] = {"cross_entropy": _cross_entropy, "mse": F.mse_loss}
-
-
-def _import(spec: str, flag: str) -> Any:
-    module, _, name = spec.partition(":")
-    if not module or not name:
-        raise UsageError(f"{flag} {spec!r}: expected pkg.module:function")
-    try:
-        found = getattr(importlib.import_module(module), name)
-    except ImportError as exc:
-        raise UsageError(f"{flag} {spec}: cannot import {module} ({exc}); is its package on PYTHONPATH?") from exc
-    except AttributeError as exc:
-        raise UsageError(f"{flag} {spec}: {module} has no {name!r}") from exc
-    if not callable(found):
-        raise UsageError(f"{flag} {spec}: {name} is a {type(found).__name__}, not a function")
-    return found
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fxpipe.launch", epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Train a saved fxpipe plan on one process per device (run by torchrun).")
     p.add_argument("--plan", required=True, help="the plan file (plan.save)")
-    p.add_argument("--model", required=True, help="pkg.module:factory, called with no argument, returning the model")
+    p.add_argument("--model", required=True,
+                   help="the model, as fxpipe plan takes MODEL: hf:TYPE (a Hugging Face model from its config, with "
+                        "--config; built in the dtype the plan was made for), torchvision:NAME, timm:NAME, "
+                        "pkg.module:factory or path/to/file.py:factory (called with no argument, returning the "
+                        "model); built after torch.manual_seed(--seed) on every process")
+    p.add_argument("--config", default="", metavar="KEY=VALUE,...",
+                   help="the Hugging Face config of --model hf:TYPE, as fxpipe plan --config takes it")
+    p.add_argument("--seed", type=int, default=0, help="the seed every process builds the model with (default 0)")
     p.add_argument("--data", required=True,
-                   help="pkg.module:batches, called with no argument, returning an iterable of (inputs, target) "
-                        "or of dicts of the model's keyword inputs ({'input_ids': ..., 'labels': ...}, trained "
-                        "on the model's own loss); every process is given the same batches")
+                   help="pkg.module:batches or path/to/file.py:batches, called with no argument, returning an "
+                        "iterable of (inputs, target) or of dicts of the model's keyword inputs ({'input_ids': "
+                        "..., 'labels': ...}, trained on the model's own loss); or mock[:batches=N,last=N,seed=S]: "
+                        "random token batches of the plan's shape with labels padded with -100 (a language model "
+                        "planned with labels). Every process is given the same batches")
     p.add_argument("--weights", help="a state dict (torch.save), .safetensors file or torch.distributed.checkpoint "
                                      "directory: build on meta and load only this process's stages")
     p.add_argument("--steps", type=int, default=10, help="batches to train (default 10; with --resume, after the "
@@ -131,6 +115,10 @@ def parser() -> argparse.ArgumentParser:
                                   "dp_replicate (DDP; both: HSDP), tp, or fxpipe plan --mesh's dp, dp_mode=shard|"
                                   "replicate, tp (pp is the plan's workers; the world must be pp x dp x tp), e.g. "
                                   "dp_shard=2,tp=2 (default: the plan's mesh, if it has one; dp=1: the pipeline alone)")
+    p.add_argument("--compare", metavar="DIR",
+                   help="instead of training (no torchrun): train the model on the batches the run checkpointed in "
+                        "DIR trained, whole, in this process, with the same arguments, and compare its losses and "
+                        "parameters with the run's; exit 0 when they agree (rtol 1e-5), else 1")
     p.add_argument("--compression", help="compress what crosses stage boundaries: fp16, bf16, int8, topk:R, or "
                                          "FORWARD/BACKWARD such as int8/topk:0.01 (default: exact)")
     return p
@@ -138,8 +126,8 @@ def parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace, rank: int) -> None:
     from fxpipe.distributed import PipelineRank, checkpoint, snapshots
-    model_fn, data_fn = _import(args.model, "--model"), _import(args.data, "--data")
-    loss_fn = None if args.loss in ("auto", "model") else LOSSES.get(args.loss) or _import(args.loss, "--loss")
+    plan = load_plan(args.plan)
+    model_fn, data_fn, loss_fn = model_factory(args, plan), data_source(args), loss_function(args)
     if args.resume and not args.checkpoint:
         raise UsageError("--resume needs --checkpoint DIR")
     if args.checkpoint_every and not args.checkpoint:
@@ -147,7 +135,6 @@ def _train(args: argparse.Namespace, rank: int) -> None:
     if args.checkpoint_every < 0 or (args.total_steps is not None and args.total_steps < 0):
         raise UsageError("--checkpoint-every and --total-steps must be 0 or more")
     options = step_options(args)
-    plan = load_plan(args.plan)
     dims = _mesh_dims(args, plan)
     stage = PipelineRank(plan, model_fn, loss_fn, mesh="dp=1" if dims is None else dims, weights=args.weights,
                          timeout_s=args.timeout, compression=args.compression)
@@ -173,15 +160,16 @@ def _train(args: argparse.Namespace, rank: int) -> None:
     sys.stdout.write(f"rank {rank} (node {node}, local {local}{where}): stages {ranked.own} on {','.join(devices)}, "
                      f"{sum(_local(p).numel() for p in stage.parameters())} parameters\n")
     sys.stdout.flush()
+    data = data_fn(plan, stage.model)
     # a rank whose stages hold no parameter (positions, masks, a head without weights) has nothing to step
     params = list(stage.parameters())
     opt = OPTIMIZERS[args.optimizer](params, lr=args.lr) if params else None
-    done = 0
+    done, losses = 0, []   # every step's loss, the resumed run's first: kept in each checkpoint for --compare
     if args.resume:
         found = snapshots.latest(args.checkpoint)
         if found is not None:
             checkpoint.load(stage, opt, found[0])
-            done = found[1]["step"]
+            done, losses = found[1]["step"], list(found[1].get("losses", []))
         if rank == 0:
             sys.stdout.write(f"resumed from {found[0]} after step {done}\n" if found is not None else
                              f"no complete checkpoint in {args.checkpoint} yet: starting at the first batch\n")
@@ -190,9 +178,12 @@ def _train(args: argparse.Namespace, rank: int) -> None:
     saved = done if args.resume else -1
 
     def save(steps: int) -> None:
-        snapshots.publish(args.checkpoint, steps, lambda path: checkpoint.save(stage, opt, path))
+        history: list[Any] = [None] * dist.get_world_size()   # the losses are those of a rank that returns them
+        dist.all_gather_object(history, losses)
+        meta = {"losses": max(history, key=len)}
+        snapshots.publish(args.checkpoint, steps, lambda path: checkpoint.save(stage, opt, path), meta=meta)
 
-    for step, batch in enumerate(islice(iter(data_fn()), done, max(done, end)), start=done):
+    for step, batch in enumerate(islice(iter(data), done, max(done, end)), start=done):
         if isinstance(batch, dict):   # the model's keyword inputs, labels among them (split over dp replicas)
             loss = stage.step((), **options, kwargs=batch)
         else:
@@ -202,7 +193,8 @@ def _train(args: argparse.Namespace, rank: int) -> None:
             opt.step()
             opt.zero_grad()
         if loss is not None and prints:
-            print(f"step {step}: loss {loss.item():.6f}", flush=True)
+            losses.append(loss.item())
+            print(f"step {step}: loss {losses[-1]:.6f}", flush=True)
         done = step + 1
         if args.checkpoint and args.checkpoint_every and done % args.checkpoint_every == 0:
             save(done)
@@ -297,6 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     elif "FXPIPE_NODE" not in os.environ:
         os.environ["FXPIPE_NODE"] = os.environ.get("GROUP_RANK", "0")
     rank = int(os.environ.get("RANK", 0))
+    if args.compare is not None:
+        try:
+            return compare(args)
+        except ValueError as exc:
+            _say(f"error: {exc}")
+            return 2
     _let_the_step_say_why(min(5.0, args.timeout))
     try:
         if "RANK" not in os.environ:

@@ -149,7 +149,7 @@ def test_bad_arguments_end_every_process_with_one_error_line(tmp_path):
     plan, _ = _swapped_plan(tmp_path)
     out, err, rc = _torchrun(["--plan", plan, "--model", "nosuch.models:make", "--data", "launch_target:batches"])
     assert rc != 0
-    assert re.search(r"^error: rank [01]: --model nosuch.models:make: cannot import nosuch.models", err, re.M), err
+    assert re.search(r"^error: rank [01]: --model nosuch.models:make: cannot import 'nosuch.models'", err, re.M), err
     three = copy.deepcopy(compile_with_cuts(make_model(), (batches()[0][0],), ["blocks_2_0", "blocks_4_0"]).plan)
     three.save(tmp_path / "three.json")
     out, err, rc = _torchrun(["--plan", str(tmp_path / "three.json"), "--model", "launch_target:make_model",

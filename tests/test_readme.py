@@ -175,9 +175,14 @@ def test_console_blocks_run_and_print_what_the_readme_shows(shell):
     assert consoles
     for b in consoles:
         # "in order": each command waits for the one before (it reads what that one wrote), in a scratch
-        # directory; otherwise the commands run at once (two torchrun "nodes" that rendezvous)
+        # directory (the repository's examples beside it), or "from an empty directory" (nothing beside it: the
+        # commands need only the installed package); otherwise the commands run at once (two torchrun "nodes"
+        # that rendezvous)
         in_order = "in order" in b.marker
         where = scratch if in_order else ROOT
+        if "empty directory" in b.marker:
+            where = scratch / "empty"
+            where.mkdir(exist_ok=True)
         runs = []
         for command, shown in commands(b.body):
             process = subprocess.Popen(["bash", "-c", command], cwd=where, env=env, stdout=subprocess.PIPE,

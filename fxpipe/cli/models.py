@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ModelSpec", "load_model", "parse_shape"]
+__all__ = ["ModelSpec", "load_function", "load_model", "parse_shape"]
 
 HOW = ("MODEL is torchvision:NAME, timm:NAME, hf:TYPE (a Hugging Face causal LM from its config: hf:llama, "
        "hf:gpt2, hf:qwen2 ...), pkg.module:factory or path/to/file.py:factory (e.g. torchvision:resnet101)")
@@ -139,6 +139,25 @@ def parse_shape(text: str | None) -> tuple[int, ...] | None:
         raise ValueError(f"--input-shape must be one sample's shape as positive integers, e.g. 3,224,224 "
                          f"(the batch dimension comes from --batch), got {text!r}")
     return shape
+
+
+def load_function(text: str, flag: str) -> Callable[..., Any]:
+    """The function ``pkg.module:name`` (imported) or ``path/to/file.py:name`` (loaded from the file, relative to
+    the working directory) names: ``fxpipe.launch``'s ``--data`` and ``--loss``, as MODEL's factories are found.
+    A ``ValueError`` names ``flag``, what was given and what would work."""
+    origin, sep, name = text.rpartition(":")
+    if not sep or not origin or not name:
+        raise ValueError(f"{flag} {text!r}: expected pkg.module:function or path/to/file.py:function")
+    try:
+        module = _import_file(origin) if origin.endswith(".py") else _import_module(origin)
+    except ValueError as exc:
+        raise ValueError(f"{flag} {text}: {str(exc).split('; ')[0]}"
+                         + ("" if origin.endswith(".py") else "; is its package on PYTHONPATH?")) from exc
+    found = getattr(module, name, None)
+    if not callable(found):
+        names = [n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n))]
+        raise ValueError(f"{flag} {text}: {origin} has no function {name!r}{_close(name, names)}")
+    return found
 
 
 def _close(name: str, known: list[str]) -> str:
