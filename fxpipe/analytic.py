@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from fxpipe.checks import batch_layout, check_arguments, most_micro_batches, unwrap_compiled, worker_devices
+from fxpipe.checks import auto_schedules, batch_layout, check_arguments, most_micro_batches, unwrap_compiled, worker_devices
 from fxpipe.cost.devices import ACHIEVABLE, PRESETS, Devices, DeviceSpec
 from fxpipe.cost.optimizer_state import OPTIMIZER_STATE, optimizer_state_factor, training_dtype
 from fxpipe.cost.profile import NodeCost, profile_graph
@@ -45,7 +45,7 @@ from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, scatter
 from fxpipe.runtime.structure import FlatInputs, flat_inputs
 import solvers
 from solvers.mesh import Mesh, MeshProblem
-from solvers.mesh_search import MeshChoice, search_mesh
+from solvers.mesh_search import MeshChoice, least_step_s, search_mesh, simulate_choice
 from solvers.schedule_search import chunk_choices
 from solvers.schedules import SCHEDULES, stages_per_worker
 
@@ -235,7 +235,8 @@ def plan(
         if schedule == "auto" or auto_chunks:                                                # 3. plan
             counts = chunk_choices(costed.most, workers) if auto_chunks else [chunks]
             search = plan_auto(planner, costed.costs, costed.profiled, counts,
-                               SCHEDULES if schedule == "auto" else (schedule,), virtual_stages=v if v > 1 else 2,
+                               auto_schedules(None, checkpoint) if schedule == "auto" else (schedule,),
+                               virtual_stages=v if v > 1 else 2,
                                overhead_s=costed.spec.launch_s)
             result = search.plan
             result.solver["search"] = search_rows(search.trials, search.best)
@@ -320,15 +321,21 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
     best: tuple[Plan, MeshChoice] | None = None
     refused: dict[Mesh, set[str]] = {}                  # mesh -> the schedules the node-level model refused on it
     order = itertools.count()
-    queue = [(c.iteration_s, next(order), c) for c in search.shapes]   # by the search's estimate, fastest first
+    # by a lower bound on the search's simulated step, fastest first: a shape's simulated step where the search
+    # simulated it, else the least any schedule could take (least_step_s; the closed form over-counts uneven stages)
+    queue = [(c.iteration_s if c.simulated else least_step_s(c), next(order), c) for c in search.shapes]
     heapq.heapify(queue)
     while queue:
         estimate, _, choice = heapq.heappop(queue)
         # the plan is the fastest by the node-level costing among the shapes the search estimates faster than the
-        # best found so far (its estimates have been at or below the node-level figure: 405B on 64 nodes,
-        # 37.3 s against 42.0 s)
+        # best found so far (its simulated estimates have been at or below the node-level figure: 405B on 64
+        # nodes, 37.3 s against 42.0 s)
         if best is not None and estimate >= best[0].predicted["iteration_s"]:
             break
+        if not choice.simulated:   # simulated now, and back in the queue by that
+            choice = simulate_choice(problem, choice)
+            heapq.heappush(queue, (choice.iteration_s, next(order), choice))
+            continue
         try:
             result = _node_level(costed, devices, problem, choice, piece_nodes, optimizer, checkpoint, options)
         except (MemoryError, InfeasiblePlanError) as exc:

@@ -19,14 +19,14 @@ from fxpipe.frontend.batch_dims import LEAF_DIMS
 from fxpipe.frontend.capture import Captured
 from fxpipe.options import CompileOptions, ProfileOptions, stage_compile_kwargs
 from fxpipe.planning.lowering import device_memory_bytes
+from fxpipe.planning.memory_model import CHECKPOINT_SPELLINGS, is_checkpoint_mode, refuse_with_schedule
 from fxpipe.planning.plan import Plan
 from fxpipe.runtime.aliasing import written_buffers
 from fxpipe.runtime.compiled import options_of
 from fxpipe.runtime.microbatch import BatchLayout, batch_size_of
-from fxpipe.runtime.pipeline import CHECKPOINT_MODES
-from solvers.schedules import SCHEDULES, check_schedule, stages_per_worker
+from solvers.schedules import SCHEDULES, SPLIT_BACKWARD, check_schedule, stages_per_worker
 
-__all__ = ["batch_layout", "check_arguments", "check_batch", "check_call", "check_plan", "check_plan_layout", "compiled_model", "memory_limits",
+__all__ = ["auto_schedules", "batch_layout", "check_arguments", "check_batch", "check_call", "check_plan", "check_plan_layout", "compiled_model", "memory_limits",
            "parse_devices", "stage_compilation", "unwrap_compiled", "warn_batch_norm", "worker_devices"]
 
 log = logging.getLogger("fxpipe")
@@ -158,14 +158,15 @@ def check_batch(example_inputs: Sequence[Any], layout: BatchLayout, gm: fx.Graph
 def check_arguments(checkpoint: str, schedule: str, virtual_stages: int | None, plan: Plan | None,
                     profile: ProfileOptions, loss_fn: Callable | None, example_target: Any) -> int:
     """Refuse arguments that cannot go together; return ``v``, the stages per device (1 unless interleaved)."""
-    if checkpoint not in CHECKPOINT_MODES and checkpoint != "auto":
-        raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)} or 'auto', got {checkpoint!r}")
+    if not is_checkpoint_mode(checkpoint) and checkpoint != "auto":
+        raise ValueError(f"checkpoint must be one of {CHECKPOINT_SPELLINGS} or 'auto', got {checkpoint!r}")
     if checkpoint == "auto" and plan is not None:
         raise ValueError("checkpoint='auto' is a planning choice; a loaded plan= keeps the modes it was made with "
                          "(pass its checkpoint or compile without plan=)")
     if schedule not in SCHEDULES and schedule != "auto":
         raise ValueError(f"schedule {schedule!r} is not supported by the embedded executor; use 'auto' (the "
                          f"default: the planner picks) or one of {SCHEDULES}")
+    refuse_with_schedule(checkpoint, schedule)
     if virtual_stages is not None and schedule != "interleaved-1f1b":
         raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved-1f1b' (got {schedule!r})")
     v = stages_per_worker(schedule, virtual_stages or 2)
@@ -320,3 +321,10 @@ def warn_buffer_updates(gm: fx.GraphModule, chunks: int, model: nn.Module) -> No
         "elsewhere than after a full-batch call (a counter counts micro-batches; a moving average moves "
         f"{chunks} times). Use chunks=1 if their values must be the model's", UserWarning, stacklevel=3)
 
+
+def auto_schedules(compiled: dict[str, Any] | None, checkpoint: str = "auto") -> tuple[str, ...]:
+    """The schedules ``schedule="auto"`` tries: all, but those with a split backward for compiled stages
+    (:func:`fxpipe.runtime.compiled.refuse_split_backward` says why) and for ``checkpoint="selective"``
+    (:func:`fxpipe.planning.memory_model.refuse_with_schedule`)."""
+    split = compiled is not None or checkpoint == "selective"
+    return tuple(s for s in SCHEDULES if not (split and s in SPLIT_BACKWARD))

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from fxpipe.compression_spec import BoundaryCodec, check_compression
-from fxpipe.checks import (batch_layout, check_arguments, check_batch, check_call, check_plan, check_plan_layout,
+from fxpipe.checks import (auto_schedules, batch_layout, check_arguments, check_batch, check_call, check_plan, check_plan_layout,
                            memory_limits, most_micro_batches, parse_devices, stage_compilation, warn_batch_norm,
                            warn_buffer_updates, worker_devices)
 from fxpipe.cost.cpu import CpuHost
@@ -41,7 +41,6 @@ from fxpipe.runtime.microbatch import scatter
 from fxpipe.runtime.pipeline import Pipeline
 from fxpipe.runtime.structure import FlatInputs, flat_inputs, model_output
 from solvers.schedule_search import chunk_choices
-from solvers.schedules import SCHEDULES, SPLIT_BACKWARD
 
 __all__ = ["compile", "parse_devices"]
 
@@ -177,7 +176,7 @@ def compile(
     if schedule == "auto" or auto_chunks:                                               # 3. plan
         search = plan_auto(planner, costs, profiled,
                            chunk_choices(costed.most, len(workers)) if auto_chunks else [chunks],
-                           auto_schedules(compiled) if schedule == "auto" else (schedule,),
+                           auto_schedules(compiled, checkpoint) if schedule == "auto" else (schedule,),
                            virtual_stages=v if v > 1 else 2)
         planner, costs, first_plan = search.planner, search.costs, search.plan
         if check_graph is not None and first_plan.chunks not in (1, profiled):
@@ -194,12 +193,6 @@ def compile(
     if search is not None:   # what was tried, for plan.summary() and the saved plan
         pipe.plan.solver["search"] = search_rows(search.trials, search.best)
     return predict_shared_step(pipe)
-
-
-def auto_schedules(compiled: dict[str, Any] | None) -> tuple[str, ...]:
-    """The schedules ``schedule="auto"`` tries: all, but those with a split backward for compiled stages
-    (:func:`fxpipe.runtime.compiled.refuse_split_backward` says why)."""
-    return SCHEDULES if compiled is None else tuple(s for s in SCHEDULES if s not in SPLIT_BACKWARD)
 
 
 @dataclass

@@ -65,6 +65,8 @@ class Piece:
     tp_collectives: int = 0            # activation-sized collectives per forward (as many in the backward)
     tp_bytes: float = 0.0              # per sample: the size of each
     replicated_act_bytes: float = 0.0  # per sample: activations tensor parallel keeps whole without sequence par.
+    block: bool = False                # a repeated block: per-block recomputation checkpoints it on its own
+    selective_share: float = 1.0       # the share of a block's forward selective recomputation runs again
 
 
 @dataclass(frozen=True)
@@ -192,10 +194,17 @@ class StageFigures:
     act_bytes: list[float]    # per micro-batch per device
     cut_s: list[float]        # one way, one micro-batch, over the pp link: a cut after piece i
     cut_bytes: list[float]    # per micro-batch per device: what a cut after piece i keeps
+    kept_bytes: list[float] = field(default_factory=list)   # per-block recomputation: a block's input, else act
+    rebuilt_bytes: float = 0.0   # per-block recomputation: the largest block's activations, rebuilt in a backward
 
 
-def stage_figures(problem: MeshProblem, mesh: Mesh, samples: int, recompute: bool) -> StageFigures:
-    """The pieces' figures on ``mesh`` for micro-batches of ``samples`` samples (module docstring)."""
+def stage_figures(problem: MeshProblem, mesh: Mesh, samples: int, recompute: bool,
+                  per_block: bool = False) -> StageFigures:
+    """The pieces' figures on ``mesh`` for micro-batches of ``samples`` samples (module docstring); ``recompute``
+    adds each piece's forward to its backward. With ``per_block`` only the blocks recompute, and only what the
+    selective mode recomputes (``Piece.selective_share``), while the memory kept is the whole blocks' mode's: the
+    least any per-block mode costs, a lower bound on the node-level costing, which picks the mode that fits
+    (:func:`fxpipe.planning.memory_model.choose_checkpoints`)."""
     links, t, speed = problem.links(mesh), mesh.tp, problem.speed
     sp = problem.sequence_parallel
     shard = mesh.dp_mode == "shard" and mesh.dp > 1
@@ -207,7 +216,11 @@ def stage_figures(problem: MeshProblem, mesh: Mesh, samples: int, recompute: boo
         w = problem.weight_share * piece.bwd_s * samples / (t * speed)
         b = piece.bwd_s * samples / (t * speed) + 2 * piece.fixed_s + tp_s
         fwd.append(f)
-        bwd.append(b + (f if recompute else 0.0))
+        if per_block:   # the least a per-block mode recomputes: selective's share (memory: whole blocks')
+            again = f * piece.selective_share if recompute and piece.block else 0.0
+        else:
+            again = f if recompute else 0.0
+        bwd.append(b + again)
         weight.append(w)
         params.append(piece.param_bytes / t)
         states.append(piece.param_bytes / t * state)
@@ -216,7 +229,10 @@ def stage_figures(problem: MeshProblem, mesh: Mesh, samples: int, recompute: boo
     cut_bytes = [c * samples / (t if sp else 1) for c in problem.cut_bytes]
     link = links["pp"]
     cut_s = [0.0 if link is None else c / link.bandwidth_Bps + link.latency_s for c in cut_bytes]
-    return StageFigures(fwd, bwd, weight, states, params, acts, cut_s, cut_bytes)
+    blocks = [piece.block for piece in problem.pieces]
+    kept = [(cut_bytes[x - 1] if x > 0 else 0.0) if block else act for x, (block, act) in enumerate(zip(blocks, acts))]
+    rebuilt = max((act for block, act in zip(blocks, acts) if block), default=0.0)
+    return StageFigures(fwd, bwd, weight, states, params, acts, cut_s, cut_bytes, kept, rebuilt)
 
 
 def dp_sync_s(problem: MeshProblem, mesh: Mesh, param_bytes: float) -> tuple[float, float]:

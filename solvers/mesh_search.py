@@ -2,7 +2,9 @@
 
 For every candidate (:func:`candidates`: each mesh shape of :func:`solvers.mesh.mesh_shapes`, each schedule
 it can run, each micro-batch count that divides a dp replica's samples — powers of two and the whole local
-batch — with and without recomputation) the step is screened by a closed form of the
+batch — without recomputation, recomputing whole stages, and recomputing each repeated block on its own (a
+micro-batch keeps the blocks' inputs, a backward rebuilds the largest block: torchtitan's activation
+checkpointing, :mod:`fxpipe.runtime.block_recompute`) — the step is screened by a closed form of the
 schedule's timeline in the bottleneck stage time ``τ`` (the largest per-micro-batch forward + backward +
 pipeline transfers of the ``pp × v`` stages):
 
@@ -52,7 +54,8 @@ SIMULATE_MARGIN = 0.05
 closed form and the simulation differ by the transfers' overlap and uneven stages, a few per cent on the
 Llama shapes of ``benchmarks/scale.py``."""
 
-__all__ = ["Candidate", "MeshChoice", "MeshSearch", "candidates", "evaluate_cuts", "min_max_cuts", "search_mesh"]
+__all__ = ["Candidate", "MeshChoice", "MeshSearch", "candidates", "evaluate_cuts", "least_step_s", "min_max_cuts",
+           "recompute_options", "search_mesh", "simulate_choice"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,12 @@ class Candidate:
     schedule: str
     micro_batches: int
     recompute: bool = False
+    per_block: bool = False   # with recompute: each repeated block checkpointed on its own, not whole stages
+
+    @property
+    def recomputation(self) -> str:
+        """``"never"``, ``"stages"`` (whole stages) or ``"blocks"`` (each block)."""
+        return "blocks" if self.recompute and self.per_block else "stages" if self.recompute else "never"
 
 
 @dataclass
@@ -140,10 +149,19 @@ def _screen_sync(problem: MeshProblem, cand: Candidate, fig: StageFigures) -> tu
     return dp_sync_s(problem, cand.mesh, sum(fig.param_bytes) / cand.mesh.pp)
 
 
+def recompute_options(problem: MeshProblem) -> list[tuple[bool, bool]]:
+    """(recompute, per_block) pairs a candidate is tried with: none, whole stages, and each repeated block on its own
+    where the chain has blocks (its input kept, the largest block rebuilt at a time)."""
+    return [(False, False), (True, False)] + ([(True, True)] if any(p.block for p in problem.pieces) else [])
+
+
 def _stage_memory(problem: MeshProblem, cand: Candidate, fig: StageFigures, j: int, k: int, a: int, i: int) -> float:
     held = stage_inflight(cand.schedule, j, k, cand.micro_batches)
     act = sum(fig.act_bytes[a:i])
-    kept = fig.cut_bytes[a - 1] * held + act if cand.recompute and a > 0 else (act if cand.recompute else act * held)
+    if cand.per_block and cand.recompute:
+        kept = sum(fig.kept_bytes[a:i]) * held + fig.rebuilt_bytes
+    else:
+        kept = fig.cut_bytes[a - 1] * held + act if cand.recompute and a > 0 else (act if cand.recompute else act * held)
     return sum(fig.state_bytes[a:i]) + kept
 
 
@@ -151,7 +169,7 @@ def evaluate_cuts(problem: MeshProblem, cand: Candidate, cuts: list[int],
                   fig: StageFigures | None = None) -> MeshChoice | None:
     """``cand`` with stages ``cuts`` under the screening model; ``None`` when a stage does not fit its memory."""
     samples = problem.batch // (cand.mesh.dp * cand.micro_batches)
-    fig = fig or stage_figures(problem, cand.mesh, samples, cand.recompute)
+    fig = fig or stage_figures(problem, cand.mesh, samples, cand.recompute, cand.per_block)
     k, room = budget(problem, cand.schedule, cand.mesh.pp)
     L = len(problem.pieces)
     stage_s, memory = [], []
@@ -169,7 +187,8 @@ def evaluate_cuts(problem: MeshProblem, cand: Candidate, cuts: list[int],
     return MeshChoice(cand, samples, list(cuts), step, step, stage_s, peaks, sync)
 
 
-def min_max_cuts(fig: StageFigures, k: int, room: float, inflight: list[int], recompute: bool) -> list[int] | None:
+def min_max_cuts(fig: StageFigures, k: int, room: float, inflight: list[int], recompute: bool,
+                 per_block: bool = False) -> list[int] | None:
     """Cuts of the pieces into ``k`` contiguous stages minimising the largest stage time, every stage ``j`` within
     ``room`` bytes holding ``inflight[j]`` micro-batches; ``None`` when no cuts fit. Exact (dynamic program)."""
     L = len(fig.fwd_s)
@@ -179,6 +198,7 @@ def min_max_cuts(fig: StageFigures, k: int, room: float, inflight: list[int], re
     T = np.concatenate([zero, np.cumsum(np.add(fig.fwd_s, fig.bwd_s))])
     S = np.concatenate([zero, np.cumsum(fig.state_bytes)])
     A = np.concatenate([zero, np.cumsum(fig.act_bytes)])
+    K = np.concatenate([zero, np.cumsum(fig.kept_bytes)]) if per_block and recompute else None
     cut = np.concatenate([zero, np.asarray(fig.cut_s, dtype=float), zero])     # at position a: a cut before piece a
     inb = np.concatenate([zero, np.asarray(fig.cut_bytes, dtype=float), zero])
     a_idx, i_idx = np.arange(L + 1)[:, None], np.arange(L + 1)[None, :]
@@ -192,7 +212,10 @@ def min_max_cuts(fig: StageFigures, k: int, room: float, inflight: list[int], re
     limit = room * (1 + 1e-12)
     for j in range(k):
         held = inflight[j]
-        mem = seg_s + (inb[:, None] * held + seg_a if recompute else seg_a * held)
+        if K is not None:
+            mem = seg_s + (K[None, :] - K[:, None]) * held + fig.rebuilt_bytes
+        else:
+            mem = seg_s + (inb[:, None] * held + seg_a if recompute else seg_a * held)
         cost = np.where(valid & (mem <= limit), seg_t, np.inf)
         total = np.maximum(best[:, None], cost)
         arg = np.argmin(total, axis=0)
@@ -211,14 +234,14 @@ def solve_candidate(problem: MeshProblem, cand: Candidate, fig: StageFigures) ->
     """The screening model's best cuts of ``cand`` and their step; ``None`` when nothing fits."""
     k, room = budget(problem, cand.schedule, cand.mesh.pp)
     held = [stage_inflight(cand.schedule, j, k, cand.micro_batches) for j in range(k)]
-    cuts = min_max_cuts(fig, k, room, held, cand.recompute)
+    cuts = min_max_cuts(fig, k, room, held, cand.recompute, cand.per_block)
     return None if cuts is None else evaluate_cuts(problem, cand, cuts, fig)
 
 
 def simulate_choice(problem: MeshProblem, choice: MeshChoice) -> MeshChoice:
     """``choice`` with its step simulated (module docstring)."""
     cand, cuts = choice.candidate, choice.cuts
-    fig = stage_figures(problem, cand.mesh, choice.samples, cand.recompute)
+    fig = stage_figures(problem, cand.mesh, choice.samples, cand.recompute, cand.per_block)
     p, k = cand.mesh.pp, len(cuts) - 1
     fwd = [sum(fig.fwd_s[a:i]) for a, i in zip(cuts, cuts[1:])]
     bwd = [sum(fig.bwd_s[a:i]) for a, i in zip(cuts, cuts[1:])]
@@ -247,13 +270,14 @@ def search_mesh(problem: MeshProblem) -> MeshSearch:
     started = time.perf_counter()
     best_of: dict[Mesh, MeshChoice] = {}
     why: dict[Mesh, str] = {}
-    figures: dict[tuple[Mesh, int, bool], StageFigures] = {}
+    figures: dict[tuple[Mesh, int, bool, bool], StageFigures] = {}
     by_mesh: dict[Mesh, list[Candidate]] = {}
     for cand in candidates(problem):
         by_mesh.setdefault(cand.mesh, []).append(cand)
     for mesh in mesh_shapes(problem):
         why[mesh] = "no schedule, micro-batch count or recomputation fits memory"
     tried = 0
+    options = recompute_options(problem)
     for mesh, cands in by_mesh.items():
         # every device of the pipeline holds its stages' parameters, gradients and optimizer state: on average
         # their sum / pp, and the fullest at least that
@@ -266,17 +290,17 @@ def search_mesh(problem: MeshProblem) -> MeshSearch:
         bounded = []
         for cand in cands:
             samples = problem.batch // (mesh.dp * cand.micro_batches)
-            for recompute in (False, True):
-                c = Candidate(mesh, cand.schedule, cand.micro_batches, recompute)
-                key = (mesh, samples, recompute)
+            for recompute, per_block in options:
+                c = Candidate(mesh, cand.schedule, cand.micro_batches, recompute, per_block)
+                key = (mesh, samples, recompute, per_block)
                 if key not in figures:
-                    figures[key] = stage_figures(problem, mesh, samples, recompute)
+                    figures[key] = stage_figures(problem, mesh, samples, recompute, per_block)
                 fig = figures[key]
                 bound = _closed_form(problem, c, fig, _least_tau(problem, c, fig)) + sum(_screen_sync(problem, c, fig))
-                bounded.append((bound, c.micro_batches, recompute, c, fig))
-        bounded.sort(key=lambda b: b[:3])
+                bounded.append((bound, c.micro_batches, recompute, per_block, c, fig))
+        bounded.sort(key=lambda b: b[:4])
         best: MeshChoice | None = None
-        for bound, _, _, c, fig in bounded:
+        for bound, _, _, _, c, fig in bounded:
             if best is not None and bound >= best.screened_s:
                 break
             tried += 1
@@ -316,6 +340,12 @@ def _estimated(c: MeshChoice) -> MeshChoice:
                       pipe, max(0.0, 1.0 - work / pipe) if pipe > 0 else 0.0, simulated=False)
 
 
+def least_step_s(c: MeshChoice) -> float:
+    """A lower bound on ``c``'s simulated step under any schedule: its pipeline devices' average work (every
+    micro-batch through every stage, no bubble) after data parallel's sync before the first forward."""
+    return c.candidate.micro_batches * sum(c.stage_s) / c.mesh.pp + c.sync_s[0]
+
+
 def _simpler(c: MeshChoice) -> tuple[float, int, int, bool, bool]:
     """Faster first; ties to fewer stages, less tensor parallelism, replicas, pp outermost."""
     m = c.mesh
@@ -329,6 +359,6 @@ def _least_tau(problem: MeshProblem, cand: Candidate, fig: StageFigures) -> floa
     return max(max(work), sum(work) / k)
 
 
-def _rank(c: MeshChoice) -> tuple[float, int, bool]:
-    """Faster first; ties to fewer micro-batches, then no recomputation."""
-    return (c.screened_s, c.candidate.micro_batches, c.candidate.recompute)
+def _rank(c: MeshChoice) -> tuple[float, int, bool, bool]:
+    """Faster first; ties to fewer micro-batches, then no recomputation, then whole stages."""
+    return (c.screened_s, c.candidate.micro_batches, c.candidate.recompute, c.candidate.per_block)

@@ -201,8 +201,9 @@ def test_a_split_backward_schedule_is_refused_before_anything_is_traced():
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_hugging_face_transformers_in_compiled_stages_train_as_the_eager_model(name):
     """GPT-2 and Llama (2 blocks, random weights) through the torch.export front end, in 2 compiled stages
-    under 1F1B with the last stage not checkpointed and the first recomputed: the loss and every gradient
-    are the eager model's."""
+    under 1F1B, each block recomputed inside the compiled stage (GPT-2 selectively, keeping its matrix products:
+    torch.compile traces torch's selective checkpoint contexts; Llama whole blocks): the loss and every gradient
+    are the eager model's (the whole-stage modes: the CNN's tests above)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if name == "gpt2":
@@ -221,8 +222,9 @@ def test_hugging_face_transformers_in_compiled_stages_train_as_the_eager_model(n
     def loss_fn(out, t):
         return F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), t.reshape(-1))
     pipe = fxpipe.compile(torch.compile(model), ["cpu", "cpu"], (ids,), chunks=2, stages=2, schedule="1f1b",
-                          profile="estimate")
+                          profile="estimate", checkpoint="selective" if name == "gpt2" else "blocks")
     assert pipe.compiled is not None and pipe.plan.frontend["name"] == "export"
+    assert any("recomputed_block" in n for stage in pipe.stages for n, _ in stage.named_children())
     loss = pipe.step(ids, target, loss_fn)
     want = sum(loss_fn(eager(a), b) / 2 for a, b in zip(ids.tensor_split(2), target.tensor_split(2)))
     want.backward()

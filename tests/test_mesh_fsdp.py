@@ -135,11 +135,16 @@ def check_norms(got: list[tuple[float, float]], want: list[float], where: Any) -
     assert [after for _, after in got] == pytest.approx([min(n, CLIP) for n in want], rel=1e-5), (where, got)
 
 
-def _plan(family: str) -> str:
+def _plan(family: str, modes: tuple[str, ...] = ()) -> str:
+    """The plan of ``family`` on two stages; ``modes``: each stage's recomputation, as a plan records it (a plan
+    for 1F1B where one is ``"selective"``, which a split backward cannot run)."""
     b = padded_batch(family.removesuffix(OWN))
     labels = {"labels": b["labels"]} if family.endswith(OWN) else None
-    return json.dumps(fxpipe.compile(_builder(family)(), ["cpu"] * 2, (b["input_ids"],), example_kwargs=labels,
-                                     chunks=2, profile=EST).plan.to_dict())
+    plan = fxpipe.compile(_builder(family)(), ["cpu"] * 2, (b["input_ids"],), example_kwargs=labels,
+                          chunks=2, profile=EST, schedule="1f1b" if "selective" in modes else "auto").plan
+    for st, mode in zip(plan.stages, modes):
+        st.checkpoint = mode
+    return json.dumps(plan.to_dict())
 
 
 @pytest.mark.slow

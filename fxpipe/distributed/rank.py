@@ -44,6 +44,7 @@ from fxpipe.distributed.stages import RankStages
 from fxpipe.distributed.tied import COUNTED_ELSEWHERE
 from fxpipe.errors import FxpipeError, PlanMismatchError
 from fxpipe.planning.plan import Plan, load_plan
+from fxpipe.runtime.block_recompute import apply_recompute
 from fxpipe.runtime.losses import REDUCTIONS
 
 __all__ = ["PipelineRank"]
@@ -113,6 +114,14 @@ class PipelineRank:
         self.tp = TensorParallel()
         if self.mesh is not None:
             self._parallelise(tp_plan, float(timeout_s))
+        else:
+            self._recompute()
+
+    def _recompute(self) -> None:
+        """Per-block recomputation of this rank's stages, where the plan or ``checkpoint`` asks for it
+        (:mod:`fxpipe.runtime.block_recompute`): after tensor parallelism, before data parallelism."""
+        pipe = self.ranked.pipe
+        apply_recompute(pipe._graph[0], [(self.ranked.specs[k].module, pipe.stage_checkpoint(k)) for k in self.own])
 
     def _parallelise(self, tp_plan: dict[str, Any] | None, timeout_s: float) -> None:
         """Tensor parallelism, then data parallelism over it, on this rank's stages (:mod:`.parallel.apply`)."""
@@ -121,6 +130,7 @@ class PipelineRank:
         grid = ParallelDims.dp_ranks(mesh)   # this rank's dp ranks: rows are replicas, columns shards
         group = DataParallelStep.group_of(grid, timeout_s)
         self.tp = apply_tensor_parallel(stages, mesh, dims, tp_plan, timeout_s)
+        self._recompute()
         data = apply_data_parallel(stages, mesh, dims, grid, group, timeout_s)
         # a global gradient norm (fxd.clip_grad_norm_) counts each piece once: the sharded parameters replaced the
         # ones a tied weight's marks were on

@@ -16,6 +16,8 @@ compared term for term (``benchmarks/memory.py``, ``benchmarks/fidelity.py``).
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 
 from fxpipe.planning.plan_view import PlanView, StageView
@@ -23,9 +25,58 @@ from solvers.activation_memory import StageBytes, worker_peak_bytes
 from solvers.schedules import MULTI_STAGE, SPLIT_BACKWARD, Op, stage_worker, worker_orders
 
 __all__ = ["WorkerPrediction", "predict_worker_memory", "checkpointed", "stage_bytes", "choose_checkpoints",
-           "worker_memory", "check_fits"]
+           "worker_memory", "check_fits", "block_mode", "refuse_with_schedule", "is_checkpoint_mode", "recompute_s",
+           "STAGE_MODES", "CHECKPOINT_SPELLINGS"]
 
-PREFERENCE = ("never", "except_last", "always")   # cheapest first: each recomputes more forwards
+STAGE_MODES = ("always", "except_last", "never")   # whole stages, per micro-batch (torchgpipe's modes)
+# every mode choose_checkpoints considers; per block ones only for stages that hold blocks
+CANDIDATES = ("never", "selective", "blocks:2", "blocks", "except_last", "always")
+CHECKPOINT_SPELLINGS = "'never', 'except_last', 'always', 'blocks', 'blocks:K' (every K-th block) or 'selective'"
+_BLOCKS = re.compile(r"^blocks(?::([1-9][0-9]*))?$")
+
+
+def block_mode(mode: str | None) -> tuple[int, bool] | None:
+    """``(every, selective)`` of a per-block recomputation mode (:mod:`fxpipe.runtime.block_recompute`):
+    ``"blocks"`` (1, False), ``"blocks:K"`` (K, False), ``"selective"`` (1, True); ``None`` for any other."""
+    if mode == "selective":
+        return 1, True
+    hit = _BLOCKS.match(mode or "")
+    return (int(hit.group(1) or 1), False) if hit else None
+
+
+def refuse_with_schedule(mode: str, schedule: str) -> None:
+    """Raise ``ValueError`` where ``mode`` cannot run under ``schedule``: ``"selective"`` under a split backward."""
+    if mode == "selective" and schedule in SPLIT_BACKWARD:
+        raise ValueError(f"checkpoint='selective' cannot run under {schedule}: its split backward goes through each "
+                         "block twice (input gradients, then weight gradients) and torch's selective checkpointing "
+                         "allows one backward through a region; use checkpoint='blocks' (each block recomputed "
+                         "whole, once per pass) or a schedule without a split backward ('1f1b', 'interleaved-1f1b')")
+
+
+def is_checkpoint_mode(mode: str) -> bool:
+    """Whether ``mode`` is one the runtime runs (``"auto"`` is a planning choice, not one of them)."""
+    return mode in STAGE_MODES or block_mode(mode) is not None
+
+
+def _chosen_blocks(st: StageView, mode: str) -> list[dict[str, float]]:
+    """The stage's block figures (``st.blocks``) that ``mode`` recomputes."""
+    parsed = block_mode(mode)
+    if parsed is None:
+        return []
+    every = parsed[0]
+    return [b for b in (getattr(st, "blocks", None) or []) if int(b["position"]) % every == 0]
+
+
+def recompute_s(st: StageView, mode: str, micro_batches: int, split_backward: bool = False) -> float:
+    """Seconds of forward that ``mode`` recomputes per micro-batch of stage ``st``, on average: the whole stage
+    for the checkpointed share of micro-batches, the chosen blocks (less what ``"selective"`` keeps) for the
+    block modes, twice under a split backward (checkpoint recomputes a block for each of its two passes)."""
+    parsed = block_mode(mode)
+    if parsed is None:
+        return st.fwd_s * sum(checkpointed(mode, i, micro_batches) for i in range(micro_batches)) / micro_batches
+    selective = parsed[1]
+    once = sum(b["fwd_s"] - (b["kept_fwd_s"] if selective else 0.0) for b in _chosen_blocks(st, mode))
+    return once * (2 if split_backward else 1)
 
 
 def checkpointed(mode: str, micro_batch: int, micro_batches: int) -> bool:
@@ -33,19 +84,34 @@ def checkpointed(mode: str, micro_batch: int, micro_batches: int) -> bool:
     return mode == "always" or (mode == "except_last" and micro_batch != micro_batches - 1)
 
 
-def stage_bytes(st: StageView) -> StageBytes:
+def stage_bytes(st: StageView, mode: str = "") -> StageBytes:
     """The memory model's sizes of one plan stage: measured when the plan has them
-    (:mod:`fxpipe.refine.stage_memory`), else estimated from the profile's node sizes."""
-    if st.measured_bytes:
+    (:mod:`fxpipe.refine.stage_memory`), else estimated from the profile's node sizes. Under a block mode
+    (``mode``), estimated: a micro-batch keeps each recomputed block's inputs (and, ``"selective"``, the
+    outputs of its matrix products and attention) in place of its saved activations, and a backward rebuilds
+    one block at a time."""
+    chosen = _chosen_blocks(st, mode)
+    if st.measured_bytes and not chosen:
         return StageBytes(**st.measured_bytes)
+    selective = bool(block_mode(mode) and block_mode(mode)[1])
+    act = st.act_bytes
+    largest = 0.0
+    if chosen:
+        kept = sum(b["kept_bytes"] for b in chosen) if selective else 0.0
+        act = max(0.0, act - sum(b["act_bytes"] for b in chosen)) + kept + sum(b["input_bytes"] for b in chosen)
+        largest = max(b["act_bytes"] - (b["kept_bytes"] if selective else 0.0) for b in chosen)
     boundary = st.input_bytes + st.output_bytes
-    return StageBytes.estimate(
-        full=st.act_bytes + boundary - st.overlap_bytes, checkpointed=boundary, recompute=st.act_bytes,
+    sizes = StageBytes.estimate(
+        full=act + boundary - st.overlap_bytes, checkpointed=boundary, recompute=st.act_bytes,
         workspace=st.workspace_bytes, loss=st.loss_bytes,
         # a split backward keeps the saved activations and received inputs (the graph holds them) and,
         # where there are inputs to differentiate, the gradients at the weight frontier (about as large)
-        weight_pending=st.act_bytes + st.input_bytes + (st.act_bytes if st.input_bytes > 0 else 0.0),
+        weight_pending=act + st.input_bytes + (act if st.input_bytes > 0 else 0.0),
     )
+    if not chosen:
+        return sizes
+    rebuilt = st.workspace_bytes + max(st.loss_bytes, largest)   # one block's recomputation during a backward
+    return dataclasses.replace(sizes, backward_peak=rebuilt, backward_peak_split=rebuilt)
 
 
 @dataclass(frozen=True)
@@ -76,7 +142,7 @@ def predict_worker_memory(plan: PlanView, schedule: str | None = None, checkpoin
     m, p = micro_batches or plan.chunks, len(plan.stages)
     workers = plan.workers if schedule in MULTI_STAGE else p
     factor = 1.0 + float((plan.problem or {}).get("optimizer_state_factor", 0.0))
-    sizes = [stage_bytes(st) for st in plan.stages]
+    sizes = [stage_bytes(st, mode(st.index)) for st in plan.stages]
     out = []
     for w, order in enumerate(orders or worker_orders(schedule, p, m, workers)):
         act = worker_peak_bytes(order, lambda s: sizes[s], lambda s, i: checkpointed(mode(s), i, m),
@@ -88,26 +154,35 @@ def predict_worker_memory(plan: PlanView, schedule: str | None = None, checkpoin
 
 
 def choose_checkpoints(plan: PlanView, memory_bytes: list[float] | None = None) -> list[str]:
-    """Give every worker of ``plan`` the cheapest checkpoint mode whose predicted peak fits its
-    ``memory_bytes`` (default: the memory the plan gives its stages); set it on the worker's stages and
-    return the modes per worker.
+    """Give every worker of ``plan`` the checkpoint mode that recomputes least (:func:`recompute_s`) among those
+    whose predicted peak fits its ``memory_bytes`` (default: the memory the plan gives its stages): the whole-stage
+    modes, and for stages holding repeated blocks the per-block ones; set it on the worker's stages and return
+    the modes per worker.
 
-    Raises ``MemoryError`` naming the worker, its need and its memory when even ``"always"`` does not fit.
+    Raises ``MemoryError`` naming the worker, its least need and its memory when no mode fits.
     """
     workers = plan.workers if plan.schedule in MULTI_STAGE else len(plan.stages)
     memory_bytes = memory_bytes if memory_bytes is not None else worker_memory(plan)
-    predictions = {mode: predict_worker_memory(plan, checkpoint=mode) for mode in PREFERENCE}
+    has_blocks = any(getattr(st, "blocks", None) for st in plan.stages)
+    split = plan.schedule in SPLIT_BACKWARD
+    modes = [mode for mode in CANDIDATES if (has_blocks or block_mode(mode) is None)
+             and not (split and mode == "selective")]   # (refuse_with_schedule)
+    predictions = {mode: predict_worker_memory(plan, checkpoint=mode) for mode in modes}
     chosen = []
     for w in range(workers):
-        mode = next((mode for mode in PREFERENCE if predictions[mode][w].peak_bytes <= memory_bytes[w]), None)
-        if mode is None:
-            need = predictions["always"][w].peak_bytes
-            raise MemoryError(f"worker {w} needs {need / 2**30:.2f} GiB even with checkpoint='always' and has "
+        mine = [st for st in plan.stages if stage_worker(plan.schedule, st.index, workers) == w]
+        cost = {mode: (sum(recompute_s(st, mode, plan.chunks, split) for st in mine), i)
+                for i, mode in enumerate(modes)}
+        fits = [mode for mode in modes if predictions[mode][w].peak_bytes <= memory_bytes[w]]
+        if not fits:
+            least = min(modes, key=lambda mode: predictions[mode][w].peak_bytes)
+            need = predictions[least][w].peak_bytes
+            raise MemoryError(f"worker {w} needs {need / 2**30:.2f} GiB even with checkpoint={least!r} and has "
                               f"{memory_bytes[w] / 2**30:.2f} GiB; add devices or use more micro-batches")
+        mode = min(fits, key=cost.__getitem__)
         chosen.append(mode)
-        for st in plan.stages:
-            if stage_worker(plan.schedule, st.index, workers) == w:
-                st.checkpoint = mode
+        for st in mine:
+            st.checkpoint = mode
     return chosen
 
 

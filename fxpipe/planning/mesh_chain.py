@@ -25,6 +25,7 @@ from typing import Any
 import torch.fx as fx
 
 from fxpipe.cost.devices import Devices
+from fxpipe.planning.block_figures import kept_by_selective
 from fxpipe.planning.blocks import repeated_blocks
 from fxpipe.planning.lowering import solver_order
 from fxpipe.planning.topology import link_class_bandwidth
@@ -75,8 +76,16 @@ def chain_pieces(gm: fx.GraphModule, costs: dict[str, Any], samples: int, launch
             bwd_s=max(0.0, sum(x.bwd_s for x in c) - fixed_b) / samples,
             param_bytes=float(sum(x.param_bytes for x in c)), act_bytes=sum(x.act_bytes for x in c) / samples,
             fixed_s=max(fixed, fixed_b / 2), tp_collectives=collectives, tp_bytes=hidden,
-            replicated_act_bytes=min(replicated, sum(x.act_bytes for x in c) / samples)))
+            replicated_act_bytes=min(replicated, sum(x.act_bytes for x in c) / samples), block=key is not None,
+            selective_share=_selective_share(gm, members, costs)))
     return pieces, cuts, [[n.name for n in members] for _, members in groups]
+
+
+def _selective_share(gm: fx.GraphModule, members: list[fx.Node], costs: dict[str, Any]) -> float:
+    """The share of a piece's forward seconds the selective mode recomputes (all but matrix products, attention)."""
+    total = sum(costs[n.name].fwd_s for n in members)
+    again = sum(costs[n.name].fwd_s for n in members if not kept_by_selective(gm, n))
+    return again / total if total > 0 else 1.0
 
 
 def _span(members: list[fx.Node]) -> str:

@@ -116,18 +116,22 @@ def mesh_rows(search: MeshSearch, problem: MeshProblem, chosen: MeshChoice | Non
     chosen = chosen or search.best
     rows = []
     # a shape refused by the node-level memory model under its best schedule may be chosen under another: its row
-    shapes = search.shapes if any(c is chosen for c in search.shapes) else [chosen, *search.shapes]
+    # (the chosen shape simulated after the search: in place of its row)
+    shapes = [chosen if c.candidate == chosen.candidate else c for c in search.shapes]
+    shapes = shapes if any(c is chosen for c in shapes) else [chosen, *shapes]
     for c in shapes:
         rows.append({"pp": c.mesh.pp, "dp": c.mesh.dp, "tp": c.mesh.tp, "dp_mode": c.mesh.dp_mode,
                      "order": c.mesh.order, "schedule": c.candidate.schedule, "chunks": c.candidate.micro_batches,
-                     "recompute": c.candidate.recompute, "iteration_s": c.iteration_s, "screened_s": c.screened_s,
+                     "recompute": c.candidate.recompute, "recomputation": c.candidate.recomputation,
+                     "iteration_s": c.iteration_s, "screened_s": c.screened_s,
                      "bubble": c.bubble, "peak_bytes": max(c.peak_bytes), "sync_s": list(c.sync_s),
                      "simulated": c.simulated,
                      "feasible": True, "chosen": c is chosen})
         if c is chosen and plan is not None:
             rows[-1].update(searched_s=c.iteration_s, searched_peak_bytes=max(c.peak_bytes),
                             iteration_s=plan.predicted["iteration_s"], peak_bytes=max(plan.worker_peaks()),
-                            recompute=any((s.checkpoint or plan.checkpoint) != "never" for s in plan.stages))
+                            recompute=any((s.checkpoint or plan.checkpoint) != "never" for s in plan.stages),
+                            recomputation=",".join(sorted({s.checkpoint or plan.checkpoint for s in plan.stages})))
     for mesh, why in search.infeasible.items():
         rows.append({"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "dp_mode": mesh.dp_mode, "order": mesh.order,
                      "feasible": False, "chosen": False, "why": why})

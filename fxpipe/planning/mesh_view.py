@@ -37,7 +37,8 @@ def mesh_table(plan: Any, table: Callable[[list[str], list[list[str]]], list[str
            f"{plan.solver.get('mesh_search_s', float('nan')):.2f} s; the best of each shape, simulated, or ~ the "
            "closed form's step; * chosen):"]
     out += table(["mesh", "schedule", "chunks", "recompute", "step ms", "bubble", "peak GiB"], [
-        [("* " if r["chosen"] else "  ") + _label(r), r["schedule"], str(r["chunks"]), "yes" if r["recompute"] else "no",
+        [("* " if r["chosen"] else "  ") + _label(r), r["schedule"], str(r["chunks"]),
+         r.get("recomputation") or ("yes" if r["recompute"] else "no"),
          ("" if r.get("simulated", True) else "~") + f"{r['iteration_s'] * 1e3:.1f}", f"{r['bubble']:.1%}", f"{r['peak_bytes'] / 2**30:.1f}"] for r in fits])
     for r in fits:
         if r["chosen"] and "searched_s" in r:

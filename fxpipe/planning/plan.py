@@ -61,6 +61,8 @@ class PlanStage:
     modules: list[str] = field(default_factory=list)   # module paths of its first and last operation
     node: int = 0                  # the host (torchrun's node rank) its device is on
     device_index: int = -1         # its device's index in Plan.devices (-1: the stage's worker, in order)
+    # its repeated blocks, for per-block recomputation (fxpipe.planning.block_figures)
+    blocks: list[dict[str, float]] = field(default_factory=list)
 
 
 @dataclass

@@ -32,6 +32,7 @@ class StageView(Protocol):
     checkpoint: str
     memory_bytes: float
     measured_bytes: dict[str, float] | None
+    blocks: list[dict[str, float]]
 
 
 class PlanView(Protocol):

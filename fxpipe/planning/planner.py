@@ -32,6 +32,7 @@ from fxpipe._version import __version__
 from fxpipe.compression_spec import BoundaryCodec, check_compression
 from fxpipe.errors import InfeasiblePlanError
 from fxpipe.frontend.kept_whole import KEEP_WHOLE, module_stack, tied_parameters
+from fxpipe.planning.block_figures import block_figures, recompute_fractions
 from fxpipe.planning.blocks import repeated_blocks
 from fxpipe.planning.grouped import Grouping, solve_grouped
 from fxpipe.planning.boundaries import boundary_table, charged_bytes, codecs_by_stage
@@ -182,6 +183,25 @@ class Planner:
         solution.predicted = solvers.score(problem, solution).as_predicted()
         return self._finish(problem, solution, costs, share)
 
+    def _charge_chosen(self, plan: Plan, problem: solvers.Problem, solution: solvers.Solution,
+                       costs: dict[str, Any], share: float) -> tuple[solvers.Problem, float]:
+        """The plan's predictions with each node's backward paying what its stage's chosen mode recomputes
+        (the solve charged ``share`` of every forward alike); the problem and share to simulate with."""
+        fractions = recompute_fractions(self.gm, plan, self.schedule in SPLIT_BACKWARD)
+        if all(abs(fractions.get(n, 0.0) - share) < 1e-12 for n in costs):
+            return problem, share
+        problem = self._problem({n: dataclasses.replace(c, bwd_s=c.bwd_s + fractions.get(n, 0.0) * c.fwd_s)
+                                 for n, c in costs.items()}, problem.recompute)
+        pred = solvers.score(problem, solution).as_predicted()
+        for k, st in enumerate(plan.stages):
+            st.comm_s, st.stage_s = pred["comm_s"][k], pred["stage_s"][k]
+        plan.problem = problem.to_dict()   # its backwards now carry each stage's recomputation
+        plan.predicted.update(iteration_s=pred["iteration_s"], bottleneck_stage=pred["bottleneck"],
+                              recompute_share=0.0,
+                              throughput_samples_per_s=self.batch / pred["iteration_s"] if pred["iteration_s"] > 0
+                              else float("inf"))
+        return problem, 0.0
+
     def _finish(self, problem: solvers.Problem, solution: solvers.Solution, costs: dict[str, Any],
                 share: float) -> Plan:
         v, workers = self.virtual_stages, len(self.devices)
@@ -196,6 +216,7 @@ class Planner:
         plan.batch_dims, plan.frontend = dict(self.batch_dims), dict(self.frontend)
         stage_modules(self.gm, plan)
         stage_buffers(self.gm, costs, plan)
+        block_figures(self.gm, costs, plan)
         if self.compression is not None:
             plan.predicted["codec_s_per_byte"] = self.codec_s_per_byte
             plan.predicted["boundaries"] = boundary_table(self.gm, costs, plan.stage_of(),
@@ -206,7 +227,8 @@ class Planner:
             charge_copies(plan, tied, self.optimizer_state_factor)
         give_stage_memory(plan, problem, solution)
         if self.checkpoint == "auto":
-            choose_checkpoints(plan)     # MemoryError when even "always" does not fit
+            choose_checkpoints(plan)     # MemoryError when no mode fits
+            problem, share = self._charge_chosen(plan, problem, solution, costs, share)
         elif problem.recompute:
             check_fits(plan)             # MemoryError: the solver's recomputing model left the kept inputs out
         if v > 1 or self.schedule in SPLIT_BACKWARD:   # the solver's formula is 1F1B's bubble; simulated last, once

@@ -9,6 +9,7 @@ import torch.fx as fx
 
 from fxpipe.planning.plan import Plan
 from fxpipe.runtime.codegen import StageSpec, move_stage, split_graph
+from fxpipe.runtime.block_recompute import apply_recompute
 from fxpipe.runtime.compiled import compile_stages
 from fxpipe.runtime.guards import ModelGuard
 from fxpipe.runtime.host import UNSHARED, Host
@@ -31,5 +32,8 @@ def build_pipeline(gm: fx.GraphModule, plan: Plan, checkpoint: str, mode_depende
             move_stage(spec, dev)
         if compiled is not None:
             compile_stages([spec.module for spec in specs], compiled)
-    return Pipeline(gm, specs, stage_devices, plan, checkpoint=checkpoint, mode_dependent=mode_dependent,
+    pipe = Pipeline(gm, specs, stage_devices, plan, checkpoint=checkpoint, mode_dependent=mode_dependent,
                     host=host, guard=guard, compiled=compiled)
+    # per-block recomputation rewrites the stage graphs in place; the compiled ones trace them at their first call
+    apply_recompute(gm, [(spec.module, pipe.stage_checkpoint(k)) for k, spec in enumerate(specs)])
+    return pipe

@@ -35,7 +35,8 @@ from fxpipe.runtime.call_inputs import CallInputs
 from fxpipe.runtime.input_grads import InputGraphs
 from fxpipe.frontend.model_loss import MODEL_LOSS, ModelLoss
 from fxpipe.runtime.model_loss import gather_outputs, no_model_loss_error, own_loss, with_micro_batch_mean
-from fxpipe.planning.memory_model import checkpointed
+from fxpipe.planning.memory_model import (CHECKPOINT_SPELLINGS, checkpointed, is_checkpoint_mode,
+                                          refuse_with_schedule)
 from fxpipe.runtime.memory_probe import allocations, measure_worker_memory
 from fxpipe.planning.plan import Plan
 from fxpipe.planning.report import step_report
@@ -67,9 +68,11 @@ class Pipeline(nn.Module):
                  host: Host = UNSHARED, guard: ModelGuard | None = None,
                  compiled: dict[str, Any] | None = None) -> None:
         super().__init__()
-        chosen = all(st.checkpoint in CHECKPOINT_MODES for st in plan.stages)
-        if checkpoint not in CHECKPOINT_MODES and not (checkpoint == "auto" and chosen):
-            raise ValueError(f"checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {checkpoint!r}")
+        chosen = all(is_checkpoint_mode(st.checkpoint) for st in plan.stages)
+        if not is_checkpoint_mode(checkpoint) and not (checkpoint == "auto" and chosen):
+            raise ValueError(f"checkpoint must be one of {CHECKPOINT_SPELLINGS}, got {checkpoint!r}")
+        for st in plan.stages:
+            refuse_with_schedule(st.checkpoint or checkpoint, plan.schedule)
         self.stages = nn.ModuleList(s.module for s in stages)
         self.specs = stages
         # parameters several stages read: a copy per stage, refreshed before a call, summed after a step
@@ -230,6 +233,8 @@ class Pipeline(nn.Module):
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
         refuse_split_backward(schedule, self.compiled)
+        for k in range(len(self.specs)):
+            refuse_with_schedule(self.stage_checkpoint(k), schedule)
         self._check_mode()
         caller = CallerState.capture()   # the workers run in the caller's autocast, as the model would
         if not caller.grad:

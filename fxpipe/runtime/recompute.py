@@ -28,12 +28,14 @@ backward, with the same buffer replay.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils.checkpoint import checkpoint as torch_checkpoint, set_checkpoint_early_stop
+from torch.utils.checkpoint import (checkpoint as torch_checkpoint, create_selective_checkpoint_contexts,
+                                    set_checkpoint_early_stop)
 
 from fxpipe.runtime.aliasing import written_buffers
 
@@ -105,9 +107,12 @@ def _runs_torchscript(module: fx.GraphModule) -> bool:
     return module.meta[_SCRIPT_KEY]
 
 
-def checkpoint_stage(module: fx.GraphModule, *args: Any, preserve_rng_state: bool) -> Any:
+def checkpoint_stage(module: fx.GraphModule, *args: Any, preserve_rng_state: bool,
+                     policy: Callable[..., Any] | None = None) -> Any:
     """``torch.utils.checkpoint`` (non-reentrant) of ``module(*args)``, with its buffers replayed, not updated
-    twice, by the recomputation.
+    twice, by the recomputation. ``policy``: a selective checkpointing policy
+    (:func:`torch.utils.checkpoint.create_selective_checkpoint_contexts`): what the forward keeps and the
+    recomputation skips.
 
     A stage that runs TorchScript recomputes without early stop: torch stops a recomputation early by raising
     an exception through the forward, and the TorchScript interpreter turns it into a bare ``RuntimeError``
@@ -115,12 +120,36 @@ def checkpoint_stage(module: fx.GraphModule, *args: Any, preserve_rng_state: boo
     """
     places = _written(module)
     early_stop = set_checkpoint_early_stop(False) if _runs_torchscript(module) else contextlib.nullcontext()
+    if not places:   # (a partial of torch's own contexts: what torch.compile traces through)
+        selective = {} if policy is None else {"context_fn": functools.partial(create_selective_checkpoint_contexts,
+                                                                               policy)}
+        with early_stop:
+            return torch_checkpoint(module, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
+                                    **selective)
+    snapshot = _Snapshot(places)
+
+    def contexts() -> tuple[Any, Any]:
+        forward, recompute = create_selective_checkpoint_contexts(policy) if policy is not None else (None, None)
+        return _Both(snapshot, forward), _Both(_Replay(snapshot), recompute)
     with early_stop:
-        if not places:
-            return torch_checkpoint(module, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
-        snapshot = _Snapshot(places)
         return torch_checkpoint(module, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
-                                context_fn=lambda: (snapshot, _Replay(snapshot)))
+                                context_fn=contexts)
+
+
+class _Both:
+    """Two contexts entered as one (the buffer replay's and the selective policy's), the second optional."""
+
+    def __init__(self, first: Any, second: Any) -> None:
+        self.stack = contextlib.ExitStack()
+        self.first, self.second = first, second
+
+    def __enter__(self) -> None:
+        self.stack.enter_context(self.first)
+        if self.second is not None:
+            self.stack.enter_context(self.second)
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.stack.__exit__(*exc)
 
 
 def _drop(_: torch.Tensor) -> None:
