@@ -42,6 +42,7 @@ from fxpipe.cli.models import load_model
 from fxpipe.cost.devices import ACHIEVABLE, PRESETS
 from fxpipe.planning.memory_model import predict_worker_memory
 from plan_llm import timed   # benchmarks/ is the script's own folder
+from published_runs import RUNS
 
 SHAPES = {   # Llama 3 / 3.1 (Meta's model cards): layers, width, MLP width, heads, key-value heads
     "8b": "num_hidden_layers=32,hidden_size=4096,intermediate_size=14336,num_attention_heads=32",
@@ -78,6 +79,50 @@ def table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in lines)
 
 
+def published(optimizer: str) -> int:
+    """Every run of :data:`published_runs.RUNS` planned as configured (where that does not fit fxpipe's memory
+    model, with the recomputation chosen instead, marked ``*``); predicted against published tokens/s/GPU."""
+    rows, notes, worst = [], [], 0.0
+    for run in RUNS:
+        config = parse_config(",".join(filter(None, [COMMON if run.shape else "", SHAPES.get(run.shape, ""),
+                                                     run.config])))
+        model, inputs = load_model("hf:llama", run.batch, None, 0, "meta", config=config, seq_len=run.seq_len,
+                                   dtype=torch.bfloat16)
+        devices = fxpipe.Devices.preset(run.preset, ",".join(f"{n}:0-7" for n in range(run.nodes)))
+        started = time.perf_counter()
+        costed = analytic.cost_model(model, inputs, devices.specs[0], workers=len(devices))
+        plan, mark = None, ""
+        for checkpoint in (run.checkpoint, "auto"):
+            try:
+                plan = analytic.plan_costed_mesh(costed, devices, run.mesh, optimizer=optimizer, checkpoint=checkpoint)
+                break
+            except fxpipe.InfeasiblePlanError as exc:
+                notes.append(f"{run.name}, checkpoint={checkpoint}: {str(exc).splitlines()[0][:240]}")
+                mark = "*"
+        mesh = run.mesh.replace(",dp_mode=shard", " fsdp")
+        if plan is None:
+            rows.append([run.name, run.preset, str(len(devices)), mesh, run.checkpoint, "no plan", "", "", "",
+                         f"{run.tokens_per_gpu:,.0f}", "", f"{time.perf_counter() - started:.0f}", run.source])
+            continue
+        tokens = run.batch * run.seq_len / plan.predicted["iteration_s"] / len(devices)
+        error = tokens / run.tokens_per_gpu - 1
+        worst = max(worst, abs(error))
+        memory = max(w.peak_bytes for w in predict_worker_memory(plan))
+        modes = ",".join(sorted({st.checkpoint or plan.checkpoint for st in plan.stages}))
+        sync = sum(plan.predicted.get("data_parallel_sync_s", [0, 0])) / plan.predicted["iteration_s"]
+        rows.append([run.name, run.preset, str(len(devices)), mesh, run.checkpoint, mark + modes, f"{tokens:,.0f}",
+                     f"{sync:.0%}", f"{memory / 2**30:.1f}", f"{run.tokens_per_gpu:,.0f}", f"{error:+.1%}",
+                     f"{time.perf_counter() - started:.0f}", run.source])
+    print(table(["run", "preset", "GPUs", "mesh", "published AC", "planned", "predicted tok/s/GPU", "dp sync",
+                 "peak GiB",
+                 "published", "error", "plan s", "source"], rows))
+    for note in notes:
+        print(f"* {note}")
+    print(f"largest error {worst:.1%}; compute at {ACHIEVABLE['flops']:.0%} of each preset's dense bf16 peak, "
+          f"memory-bound operations at {ACHIEVABLE['bandwidth']:.0%} of HBM; {LEFT_OUT}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", default="hf:llama", help="hf:TYPE (default hf:llama)")
@@ -91,7 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mesh", help="a mesh to compare, e.g. pp=8,dp=8,tp=8 (dp_mode=shard for FSDP)")
     parser.add_argument("--schedule", help="the compared plan's schedule (default: searched)")
     parser.add_argument("--optimizer", default="adam")
+    parser.add_argument("--checkpoint", default="auto",
+                        help="the fixed plan's recomputation: never, except_last, always, blocks, blocks:K, selective "
+                             "(default auto: chosen per stage)")
+    parser.add_argument("--published", action="store_true",
+                        help="plan the published runs of benchmarks/published_runs.py as configured, and print "
+                             "predicted against published tokens/s per GPU")
     args = parser.parse_args(argv)
+    if args.published:
+        return published(args.optimizer)
     if not args.model.startswith("hf:"):
         parser.error("MODEL must be hf:TYPE (a Hugging Face causal LM built from its config)")
     config = parse_config(",".join(filter(None, [COMMON if args.shape else "", SHAPES.get(args.shape or "", ""),
@@ -125,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, mesh, schedule in wanted:
         t0 = time.perf_counter()
         try:
-            plan = analytic.plan_costed_mesh(costed, devices, mesh, schedule=schedule, optimizer=args.optimizer)
+            plan = analytic.plan_costed_mesh(costed, devices, mesh, schedule=schedule, optimizer=args.optimizer,
+                                             checkpoint=args.checkpoint if name == "fixed" else "auto")
             plans.append(row(name, plan, flops, world, tokens, peak))
             if name.startswith("fxpipe"):
                 chosen = plan

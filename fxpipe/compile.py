@@ -24,6 +24,7 @@ from fxpipe.frontend.failures import judged_by_the_model
 from fxpipe.frontend.module_hooks import check_module_hooks
 from fxpipe.options import CompileOptions, ProfileOptions
 from fxpipe.planning.auto import plan_auto, search_rows
+from fxpipe.planning.memory_model import recompute_s
 from fxpipe.planning.plan import Plan
 from fxpipe.planning.planner import Planner
 from fxpipe.planning.report import predicted_times
@@ -40,6 +41,7 @@ from fxpipe.runtime.losses import scalar_of
 from fxpipe.runtime.microbatch import scatter
 from fxpipe.runtime.pipeline import Pipeline
 from fxpipe.runtime.structure import FlatInputs, flat_inputs, model_output
+from solvers.schedules import SPLIT_BACKWARD
 from solvers.schedule_search import chunk_choices
 
 __all__ = ["compile", "parse_devices"]
@@ -262,12 +264,12 @@ def predict_shared_step(pipe: Pipeline) -> Pipeline:
     if sharing is None:
         return pipe
     plan, m = pipe.plan, pipe.plan.chunks
-    # a checkpointed micro-batch's backward recomputes its forward, as the report counts it
-    recompute = [sum(pipe._checkpointed(st.index, i, m) for i in range(m)) / m for st in plan.stages]
+    # a checkpointed micro-batch's backward recomputes its forward (a block mode: its blocks), as the report counts it
+    split = pipe.schedule in SPLIT_BACKWARD
+    again = [recompute_s(st, pipe.stage_checkpoint(st.index), m, split) for st in plan.stages]
     fwd = [st.fwd_s for st in plan.stages]
     plan.predicted["iteration_shared_s"], _ = predicted_times(fwd, [st.bwd_s for st in plan.stages], m, pipe.schedule,
-                                                              plan.workers, sharing,
-                                                              [r * st.fwd_s for st, r in zip(plan.stages, recompute)])
+                                                              plan.workers, sharing, again)
     return pipe
 
 

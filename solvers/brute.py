@@ -111,7 +111,7 @@ def brute_force_mesh(problem: "MeshProblem") -> dict:
     best: dict = {}
     for cand in candidates(problem):
         k, _ = budget(problem, cand.schedule, cand.mesh.pp)
-        for recompute, per_block in recompute_options(problem):
+        for recompute, per_block in recompute_options(problem, cand.mesh.pp):
             c = Candidate(cand.mesh, cand.schedule, cand.micro_batches, recompute, per_block)
             for inner in itertools.combinations(range(1, L), k - 1):
                 found = evaluate_cuts(problem, c, [0, *inner, L])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import dataclasses
 import random
 
 import pytest
@@ -14,24 +15,27 @@ from solvers.mesh_search import search_mesh
 
 
 def chain(rng: random.Random, pieces: int, levels: list[Level], memory: float, batch: int,
-          act: float = 1.0) -> MeshProblem:
-    """A random chain: pieces of uneven compute, parameters and activations, some with TP collectives."""
+          act: float = 1.0, blocks: bool = False) -> MeshProblem:
+    """A random chain: pieces of uneven compute, parameters and activations, some with TP collectives; with
+    ``blocks`` the pieces between the first and the last are repeated blocks (per-block recomputation)."""
     out = []
     for i in range(pieces):
         f = rng.uniform(0.5, 3.0) * 1e-3
         out.append(Piece(f"p{i}", f, f * rng.uniform(1.5, 2.5), rng.uniform(1, 8) * 2**20, rng.uniform(1, 6) * act * 2**20,
                          fixed_s=1e-5, tp_collectives=rng.choice([0, 1, 2]), tp_bytes=rng.uniform(0.5, 2) * 2**20,
-                         replicated_act_bytes=rng.uniform(0, 1) * 2**20))
+                         replicated_act_bytes=rng.uniform(0, 1) * 2**20, block=blocks and 0 < i < pieces - 1,
+                         selective_share=rng.uniform(0.2, 0.5)))
     cuts = [rng.uniform(0.2, 2) * 2**20 for _ in range(pieces - 1)]
     return MeshProblem(out, cuts, levels, memory, batch, grad_factor=1.0, optimizer_factor=6.0)
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(6))   # 3-5: chains of repeated blocks, recomputed per block at pp=1
 def test_search_matches_brute_force_on_every_shape(seed: int) -> None:
     rng = random.Random(seed)
     levels = [Level(2, 100e9, 2e-6, "NV4"), Level(2, 10e9, 5e-6, "NET")] if seed % 2 else \
         [Level(4, 200e9, 2e-6, "NV8"), Level(2, 12e9, 5e-6, "NET")]
-    problem = chain(rng, 6, levels, memory=rng.choice([90, 150, 300]) * 2**20, batch=8, act=rng.choice([1, 8]))
+    problem = chain(rng, 6, levels, memory=rng.choice([90, 150, 300]) * 2**20, batch=8, act=rng.choice([1, 8]),
+                    blocks=seed >= 3)
     brute = brute_force_mesh(problem)
     try:
         found = search_mesh(problem)
@@ -60,6 +64,23 @@ def test_recomputation_and_memory_bounds() -> None:
     for c in found.shapes:
         assert c.screened_s == pytest.approx(brute[c.mesh].screened_s, rel=1e-9)
     assert all(max(c.peak_bytes) <= problem.memory_bytes * (1 + 1e-9) for c in found.shapes)
+
+
+def test_one_stage_recomputes_per_block_where_whole_stages_keep_as_much():
+    """At pp=1 recomputing the whole stage keeps every activation of a micro-batch again during its backward; a
+    chain of blocks recomputed one at a time fits where that does not, and only one-stage shapes are offered it."""
+    rng = random.Random(5)
+    problem = chain(rng, 8, [Level(4, 100e9)], memory=150 * 2**20, batch=8, act=8, blocks=True)
+    brute = brute_force_mesh(problem)
+    found = search_mesh(problem)
+    per = {c.mesh: c for c in found.shapes if c.candidate.per_block}
+    assert per and all(m.pp == 1 and c.candidate.recomputation == "blocks" for m, c in per.items())
+    for c in found.shapes:
+        assert c.screened_s == pytest.approx(brute[c.mesh].screened_s, rel=1e-9)
+        assert max(c.peak_bytes) <= problem.memory_bytes * (1 + 1e-9)
+    flat = dataclasses.replace(problem, pieces=[dataclasses.replace(p, block=False) for p in problem.pieces])
+    without = {c.mesh: c for c in search_mesh(flat).shapes}   # the same chain without blocks: those shapes do worse
+    assert all(m not in without or without[m].screened_s > c.screened_s for m, c in per.items())
 
 
 def test_costs_charged_where_the_dimensions_run() -> None:

@@ -77,7 +77,8 @@ def recompute_fractions(gm: fx.GraphModule, plan: Plan, split_backward: bool = F
     mode recomputes (``"selective"``: those it does not keep), 2 under a split backward (one per pass)."""
     from fxpipe.planning.memory_model import block_mode, checkpointed   # (memory_model reads this module's figures)
     nodes = {n.name: n for n in gm.graph.nodes}
-    blocks = list(repeated_blocks(gm).values()) if any(block_mode(st.checkpoint) for st in plan.stages) else []
+    modes = [st.checkpoint or plan.checkpoint for st in plan.stages]
+    blocks = list(repeated_blocks(gm).values()) if any(block_mode(mode) for mode in modes) else []
     out: dict[str, float] = {}
     for st in plan.stages:
         mode, m = st.checkpoint or plan.checkpoint, plan.chunks

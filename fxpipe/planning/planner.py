@@ -37,7 +37,7 @@ from fxpipe.planning.blocks import repeated_blocks
 from fxpipe.planning.grouped import Grouping, solve_grouped
 from fxpipe.planning.boundaries import boundary_table, charged_bytes, codecs_by_stage
 from fxpipe.planning.lowering import build_problem, problem_device_ids
-from fxpipe.planning.memory_model import check_fits, checkpointed, choose_checkpoints
+from fxpipe.planning.memory_model import block_mode, check_fits, checkpointed, choose_checkpoints
 from fxpipe.planning.plan import Plan, PlanStage
 from fxpipe.planning.tied_cost import charge_copies, tied_weights
 from fxpipe.planning.topology import Links, links_for_devices, links_from_classes
@@ -188,7 +188,7 @@ class Planner:
         """The plan's predictions with each node's backward paying what its stage's chosen mode recomputes
         (the solve charged ``share`` of every forward alike); the problem and share to simulate with."""
         fractions = recompute_fractions(self.gm, plan, self.schedule in SPLIT_BACKWARD)
-        if all(abs(fractions.get(n, 0.0) - share) < 1e-12 for n in costs):
+        if all(abs(fractions.get(n, 0.0) - share) < 1e-12 for st in plan.stages for n in st.nodes if n in costs):
             return problem, share
         problem = self._problem({n: dataclasses.replace(c, bwd_s=c.bwd_s + fractions.get(n, 0.0) * c.fwd_s)
                                  for n, c in costs.items()}, problem.recompute)
@@ -228,9 +228,9 @@ class Planner:
         give_stage_memory(plan, problem, solution)
         if self.checkpoint == "auto":
             choose_checkpoints(plan)     # MemoryError when no mode fits
-            problem, share = self._charge_chosen(plan, problem, solution, costs, share)
-        elif problem.recompute:
-            check_fits(plan)             # MemoryError: the solver's recomputing model left the kept inputs out
+        elif problem.recompute or block_mode(self.checkpoint) is not None:
+            check_fits(plan)             # MemoryError: the solver's model left the kept inputs (or blocks) out
+        problem, share = self._charge_chosen(plan, problem, solution, costs, share)
         if v > 1 or self.schedule in SPLIT_BACKWARD:   # the solver's formula is 1F1B's bubble; simulated last, once
             # the memory fits (a shape refused above costs no simulation)
             simulated = simulate_solution(problem, solution, self.schedule, workers=workers if v > 1 else None,

@@ -27,7 +27,9 @@ from torch.utils._pytree import tree_flatten
 
 from fxpipe.errors import FxpipeError
 from fxpipe.runtime.no_trace import leaving_no_trace
+from fxpipe.planning.memory_model import recompute_s
 from fxpipe.planning.plan import Plan
+from solvers.schedules import SPLIT_BACKWARD
 from solvers.simulate import per_micro_batch
 
 __all__ = ["stage_time_factors", "step_stage_times", "predicted_backward_s", "scale_costs"]
@@ -72,10 +74,11 @@ def step_stage_times(pipe: Any, example_inputs: tuple, steps: int = 2, target: A
 
 
 def predicted_backward_s(pipe: Any, stage: Any, micro_batches: int) -> float:
-    """A plan stage's backward per micro-batch as a step runs it: ``bwd_s``, plus ``fwd_s`` again for the
-    share of its micro-batches that are checkpointed (their backward recomputes the forward)."""
-    share = sum(pipe._checkpointed(stage.index, i, micro_batches) for i in range(micro_batches)) / micro_batches
-    return stage.bwd_s + share * stage.fwd_s
+    """A plan stage's backward per micro-batch as a step runs it: ``bwd_s``, plus what its mode recomputes
+    (:func:`fxpipe.planning.memory_model.recompute_s`: the forward again for the share of its micro-batches that
+    are checkpointed, or the recomputed blocks)."""
+    return stage.bwd_s + recompute_s(stage, pipe.stage_checkpoint(stage.index), micro_batches,
+                                     pipe.schedule in SPLIT_BACKWARD)
 
 
 def stage_time_factors(pipe: Any, example_inputs: tuple, steps: int = 2, target: Any = None,
