@@ -140,7 +140,9 @@ def compile(
     built: dict[tuple, list] = {}   # compiled stages by cuts and devices: the refinement's rounds compile once
 
     def build(chosen: Plan) -> Pipeline:                                                # 4. codegen, run
-        cuts = tuple(sorted(chosen.stage_of().items())) + tuple(st.device for st in chosen.stages)
+        # (and modes: a stage rewritten to recompute per block is not the stage of another mode)
+        cuts = (tuple(sorted(chosen.stage_of().items())) + tuple(st.device for st in chosen.stages)
+                + tuple(st.checkpoint for st in chosen.stages))
         pipe = build_pipeline(captured.graph, chosen, checkpoint, captured.mode_dependent, host, compiled=compiled,
                               specs=built.get(cuts))
         if compiled is not None:

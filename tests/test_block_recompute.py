@@ -126,3 +126,19 @@ def test_selective_under_a_split_backward_is_refused_with_the_reason_and_auto_le
     assert all(p.grad is None and torch.equal(p, b) for p, b in zip(pipe.parameters(), before))
     with pytest.raises(ValueError, match="'blocks:K'"):
         _compile(build("llama"), batch, checkpoint="blocks:0")
+
+
+def test_ranks_run_the_recomputation_the_plan_was_made_with():
+    """A rank's default (``PipelineRank(checkpoint=None)``) is the plan's mode: a plan made with
+    ``checkpoint="blocks"`` (or ``"never"``) runs so under ``fxpipe.launch``, not torchgpipe's ``except_last``."""
+    from fxpipe.distributed.rank import planned_mode
+    plan = _compile(build("llama"), padded_batch("llama", 8), checkpoint="blocks").plan
+    assert planned_mode(plan) == "blocks"
+    for mode in ("never", "always", "selective"):
+        plan.checkpoint = mode
+        assert planned_mode(plan) == mode
+    plan.checkpoint = "auto"
+    assert planned_mode(plan) == "except_last"   # no stage records a choice (a plan from before the choice)
+    for st, mode in zip(plan.stages, ("selective", "never")):
+        st.checkpoint = mode
+    assert planned_mode(plan) == "auto"          # each stage runs its own

@@ -43,11 +43,20 @@ from fxpipe.distributed.placement import rank_device_type
 from fxpipe.distributed.stages import RankStages
 from fxpipe.distributed.tied import COUNTED_ELSEWHERE
 from fxpipe.errors import FxpipeError, PlanMismatchError
+from fxpipe.planning.memory_model import is_checkpoint_mode
 from fxpipe.planning.plan import Plan, load_plan
 from fxpipe.runtime.block_recompute import apply_recompute
 from fxpipe.runtime.losses import REDUCTIONS
 
 __all__ = ["PipelineRank"]
+
+
+def planned_mode(plan: Plan) -> str:
+    """The recomputation a plan was made with, as a rank runs it: ``"auto"`` where each stage records its chosen
+    mode, the plan's own mode where it is one the runtime runs, else torchgpipe's default ``"except_last"``."""
+    if plan.checkpoint == "auto" and all(st.checkpoint for st in plan.stages):
+        return "auto"
+    return plan.checkpoint if is_checkpoint_mode(plan.checkpoint) else "except_last"
 
 
 class PipelineRank:
@@ -83,6 +92,8 @@ class PipelineRank:
     processes too, with a warning). ``timeout_s`` bounds every wait for another rank. ``compression`` compresses
     what crosses stage boundaries (the values of :attr:`fxpipe.CompileOptions.compression`: ``"int8"``,
     ``"topk:0.01"``, ``"fp16/int8"``, or a dict by stage); every rank must be given the same.
+    ``checkpoint``: the recomputation (:meth:`fxpipe.Pipeline.step`'s modes, per block too); ``None`` (default) the
+    plan's, as it was planned: each stage's chosen mode for ``checkpoint="auto"``, else the plan's mode.
     ``compile_stages`` (:attr:`fxpipe.CompileOptions.compile_stages`: ``True``, a dict of ``torch.compile``
     arguments, ``False``) compiles this rank's stage modules (:mod:`fxpipe.runtime.compiled`); ``None``
     (default) compiles them as the plan's were (``plan.compiled``), eager for a plan of eager stages.
@@ -90,7 +101,7 @@ class PipelineRank:
 
     def __init__(self, plan: Plan | str | Path, model_fn: Callable[[], nn.Module],
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *, mesh: Any = None,
-                 tp_plan: dict[str, Any] | None = None, reduction: str = "auto", checkpoint: str = "except_last",
+                 tp_plan: dict[str, Any] | None = None, reduction: str = "auto", checkpoint: str | None = None,
                  group: Any = None, device: str | torch.device | None = None, timeout_s: float = 300.0,
                  leaf_modules: Iterable[type | str] = (), deferred_batch_norm: bool = False,
                  broadcast_loss: bool = False, weights: Any = None, compression: Any = None,
@@ -106,6 +117,7 @@ class PipelineRank:
             raise ValueError("tp_plan was given but the mesh has no 'tp' dimension: add one "
                              "(mesh='tp=2', or ParallelDims(pp=..., tp=...)) or drop tp_plan")
         pp_group = group if self.mesh is None else self.mesh.get_group("pp")
+        checkpoint = checkpoint or planned_mode(plan)
         self.ranked = RankStages(plan, model_fn, loss_fn, reduction=reduction, checkpoint=checkpoint,
                                  group=pp_group, device=device, timeout_s=timeout_s, leaf_modules=leaf_modules,
                                  deferred_batch_norm=deferred_batch_norm, broadcast_loss=broadcast_loss,

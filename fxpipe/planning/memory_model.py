@@ -89,10 +89,22 @@ def stage_bytes(st: StageView, mode: str = "") -> StageBytes:
     (:mod:`fxpipe.refine.stage_memory`), else estimated from the profile's node sizes. Under a block mode
     (``mode``), estimated: a micro-batch keeps each recomputed block's inputs (and, ``"selective"``, the
     outputs of its matrix products and attention) in place of its saved activations, and a backward rebuilds
-    one block at a time."""
+    one block at a time; for a stage measured without it, that estimate scaled by the measured over the estimated
+    bytes of the stage without recomputation (one scale for every mode of a stage)."""
     chosen = _chosen_blocks(st, mode)
-    if st.measured_bytes and not chosen:
-        return StageBytes(**st.measured_bytes)
+    if not st.measured_bytes:
+        return _estimate(st, mode, chosen)
+    measured = StageBytes(**st.measured_bytes)
+    if not chosen:
+        return measured
+    base = _estimate(st, "", [])
+    scale = measured.full / base.full if base.full > 0 else 1.0
+    sized = dataclasses.asdict(_estimate(st, mode, chosen))
+    return StageBytes(**{k: None if v is None else v * scale for k, v in sized.items()})
+
+
+def _estimate(st: StageView, mode: str, chosen: list[dict[str, float]]) -> StageBytes:
+    """:func:`stage_bytes` estimated from the profile's node sizes, the blocks ``chosen`` recomputed per block."""
     selective = bool(block_mode(mode) and block_mode(mode)[1])
     act = st.act_bytes
     largest = 0.0
