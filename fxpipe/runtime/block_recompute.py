@@ -38,6 +38,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
+from torch.utils.checkpoint import CheckpointPolicy
 
 from fxpipe.errors import FxpipeError
 from fxpipe.planning.blocks import repeated_blocks
@@ -62,8 +63,8 @@ KEPT_BY_SELECTIVE = frozenset(op for op in (
 ) if op is not None)
 
 
-def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    from torch.utils.checkpoint import CheckpointPolicy
+def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """torch's selective checkpoint policy: keep :data:`KEPT_BY_SELECTIVE`, recompute the rest."""
     return CheckpointPolicy.MUST_SAVE if op in KEPT_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
