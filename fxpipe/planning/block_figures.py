@@ -17,6 +17,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.planning.blocks import repeated_blocks
+from fxpipe.planning.memory_model import block_mode, checkpointed
 from fxpipe.planning.plan import Plan
 
 __all__ = ["block_figures", "kept_by_selective"]
@@ -75,7 +76,6 @@ def recompute_fractions(gm: fx.GraphModule, plan: Plan, split_backward: bool = F
     """Node name -> the share of its forward its backward recomputes on average, under its stage's mode:
     the checkpointed share of micro-batches for a whole-stage mode; 1 for the operations of the blocks a block
     mode recomputes (``"selective"``: those it does not keep), 2 under a split backward (one per pass)."""
-    from fxpipe.planning.memory_model import block_mode, checkpointed   # (memory_model reads this module's figures)
     nodes = {n.name: n for n in gm.graph.nodes}
     modes = [st.checkpoint or plan.checkpoint for st in plan.stages]
     blocks = list(repeated_blocks(gm).values()) if any(block_mode(mode) for mode in modes) else []
