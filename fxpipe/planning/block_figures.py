@@ -1,12 +1,13 @@
 """Each stage's repeated blocks as the memory and time model of per-block recomputation sees them.
 
-For every block (:func:`fxpipe.planning.blocks.repeated_blocks`) a stage holds, :func:`block_figures` records on
-the stage (``PlanStage.blocks``, saved in the plan) its position among the model's blocks (``"blocks:K"``
-recomputes the positions that are multiples of ``K``), the activations its operations save, the bytes of the
-values it reads from the stage's other operations (what a checkpointed block keeps instead; a value several
-blocks read, a rotary table or a mask, counted once), its forward seconds, and what the ``"selective"`` mode keeps:
-the outputs of its matrix products and attention and their forward seconds (recomputed: the rest).
-:func:`fxpipe.planning.memory_model.stage_bytes` and :func:`~fxpipe.planning.memory_model.recompute_s` read them.
+For every block (:func:`fxpipe.planning.blocks.repeated_blocks`, found once by the planner) a stage holds,
+:func:`block_figures` records on the stage (``PlanStage.blocks``, saved in the plan) its position among the
+model's blocks (``"blocks:K"`` recomputes the positions that are multiples of ``K``), the activations its
+operations save, the bytes of the values it reads from the stage's other operations (what a checkpointed block
+keeps instead; a value several blocks read, a rotary table or a mask, counted once), its forward seconds, and what
+the ``"selective"`` mode keeps: the outputs of its matrix products and attention and their forward seconds
+(recomputed: the rest). :func:`fxpipe.planning.memory_model.stage_bytes` and
+:func:`~fxpipe.planning.memory_model.recompute_s` read them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from fxpipe.planning.blocks import repeated_blocks
 from fxpipe.planning.memory_model import block_mode, checkpointed
 from fxpipe.planning.plan import Plan
 
@@ -42,14 +42,15 @@ def kept_by_selective(gm: fx.GraphModule, node: fx.Node) -> bool:
     return str(name).split(".")[-1] in _KEPT
 
 
-def block_figures(gm: fx.GraphModule, costs: dict[str, Any], plan: Plan) -> None:
-    """Set ``blocks`` on each stage of ``plan``: its repeated blocks' figures (module docstring), in order."""
+def block_figures(gm: fx.GraphModule, costs: dict[str, Any], plan: Plan, blocks: dict[str, list[str]]) -> None:
+    """Set ``blocks`` on each stage of ``plan``: the figures (module docstring) of the repeated blocks of ``gm``
+    (``blocks``: :func:`~fxpipe.planning.blocks.repeated_blocks`) it holds, in order."""
     nodes = {n.name: n for n in gm.graph.nodes}
     stage_of = plan.stage_of()
     seen: dict[int, set[str]] = {}
     for st in plan.stages:
         st.blocks = []
-    for position, names in enumerate(repeated_blocks(gm).values()):
+    for position, names in enumerate(blocks.values()):
         by_stage: dict[int, list[fx.Node]] = {}
         for name in names:
             if nodes[name].op in _OPERATIONS and name in stage_of:
@@ -72,13 +73,13 @@ def block_figures(gm: fx.GraphModule, costs: dict[str, Any], plan: Plan) -> None
                 "kept_fwd_s": total("fwd_s", kept)})
 
 
-def recompute_fractions(gm: fx.GraphModule, plan: Plan, split_backward: bool = False) -> dict[str, float]:
+def recompute_fractions(gm: fx.GraphModule, plan: Plan, blocks: dict[str, list[str]],
+                        split_backward: bool = False) -> dict[str, float]:
     """Node name -> the share of its forward its backward recomputes on average, under its stage's mode:
-    the checkpointed share of micro-batches for a whole-stage mode; 1 for the operations of the blocks a block
-    mode recomputes (``"selective"``: those it does not keep), 2 under a split backward (one per pass)."""
+    the checkpointed share of micro-batches for a whole-stage mode; 1 for the operations of the blocks (of
+    ``blocks``, the graph's repeated blocks) a block mode recomputes (``"selective"``: those it does not keep), 2
+    under a split backward (one per pass)."""
     nodes = {n.name: n for n in gm.graph.nodes}
-    modes = [st.checkpoint or plan.checkpoint for st in plan.stages]
-    blocks = list(repeated_blocks(gm).values()) if any(block_mode(mode) for mode in modes) else []
     out: dict[str, float] = {}
     for st in plan.stages:
         mode, m = st.checkpoint or plan.checkpoint, plan.chunks
@@ -89,7 +90,7 @@ def recompute_fractions(gm: fx.GraphModule, plan: Plan, split_backward: bool = F
             continue
         every, selective = parsed
         mine = set(st.nodes)
-        for position, names in enumerate(blocks):
+        for position, names in enumerate(blocks.values()):
             if position % every:
                 continue
             for name in names:

@@ -96,6 +96,9 @@ class Planner:
     # blocks kept in one stage where a plan can (fxpipe.planning.grouped): found once per graph, and carried
     # by dataclasses.replace to the planners an auto search makes (None: found from gm)
     grouping: Grouping | None = None
+    # the graph's repeated blocks (fxpipe.planning.blocks), found once and carried like grouping: the grouping,
+    # each plan's block figures and its recomputation read them (None: found from gm)
+    blocks: dict[str, list[str]] | None = None
 
     def __post_init__(self) -> None:
         # one solver device per (chunk, device) for interleaved-1f1b; the links are read once
@@ -106,9 +109,11 @@ class Planner:
         if self.links is None:   # read once: dataclasses.replace carries it to an auto search's planners
             self.links = links_for_devices(devs)
         self._links = virtual_links(self.links, self._owner)
+        if self.blocks is None:
+            self.blocks = repeated_blocks(self.gm)
         if self.grouping is None:
             self.grouping = Grouping({**self.gm.meta.get(KEEP_WHOLE, {}), **tied_parameters(self.gm)},
-                                     repeated_blocks(self.gm) if self.keep_blocks_whole else {})
+                                     self.blocks if self.keep_blocks_whole else {})
 
     def _problem(self, costs: dict[str, Any], recompute: bool) -> solvers.Problem:
         v, devs, mem = self.virtual_stages, self.devices, self.memory_bytes
@@ -184,14 +189,16 @@ class Planner:
         return self._finish(problem, solution, costs, share)
 
     def _charge_chosen(self, plan: Plan, problem: solvers.Problem, solution: solvers.Solution,
-                       costs: dict[str, Any], share: float) -> tuple[solvers.Problem, float]:
+                       share: float) -> tuple[solvers.Problem, float]:
         """The plan's predictions with each node's backward paying what its stage's chosen mode recomputes
         (the solve charged ``share`` of every forward alike); the problem and share to simulate with."""
-        fractions = recompute_fractions(self.gm, plan, self.schedule in SPLIT_BACKWARD)
-        if all(abs(fractions.get(n, 0.0) - share) < 1e-12 for st in plan.stages for n in st.nodes if n in costs):
+        fractions = recompute_fractions(self.gm, plan, self.blocks or {}, self.schedule in SPLIT_BACKWARD)
+        if all(abs(fractions.get(n.id, 0.0) - share) < 1e-12 for n in problem.nodes):
             return problem, share
-        problem = self._problem({n: dataclasses.replace(c, bwd_s=c.bwd_s + fractions.get(n, 0.0) * c.fwd_s)
-                                 for n, c in costs.items()}, problem.recompute)
+        # the solved problem's backwards, each moved from the share to its own fraction of the forward
+        problem = dataclasses.replace(problem, nodes=[
+            dataclasses.replace(n, bwd_s=n.bwd_s + (fractions.get(n.id, 0.0) - share) * n.fwd_s)
+            for n in problem.nodes])
         pred = solvers.score(problem, solution).as_predicted()
         for k, st in enumerate(plan.stages):
             st.comm_s, st.stage_s = pred["comm_s"][k], pred["stage_s"][k]
@@ -216,7 +223,7 @@ class Planner:
         plan.batch_dims, plan.frontend = dict(self.batch_dims), dict(self.frontend)
         stage_modules(self.gm, plan)
         stage_buffers(self.gm, costs, plan)
-        block_figures(self.gm, costs, plan)
+        block_figures(self.gm, costs, plan, self.blocks or {})
         if self.compression is not None:
             plan.predicted["codec_s_per_byte"] = self.codec_s_per_byte
             plan.predicted["boundaries"] = boundary_table(self.gm, costs, plan.stage_of(),
@@ -230,7 +237,7 @@ class Planner:
             choose_checkpoints(plan)     # MemoryError when no mode fits
         elif problem.recompute or block_mode(self.checkpoint) is not None:
             check_fits(plan)             # MemoryError: the solver's model left the kept inputs (or blocks) out
-        problem, share = self._charge_chosen(plan, problem, solution, costs, share)
+        problem, share = self._charge_chosen(plan, problem, solution, share)
         if v > 1 or self.schedule in SPLIT_BACKWARD:   # the solver's formula is 1F1B's bubble; simulated last, once
             # the memory fits (a shape refused above costs no simulation)
             simulated = simulate_solution(problem, solution, self.schedule, workers=workers if v > 1 else None,
