@@ -20,9 +20,9 @@ from torch import nn
 from fxpipe.planning.memory_model import block_mode, checkpointed
 from fxpipe.planning.plan import Plan
 
-__all__ = ["block_figures", "kept_by_selective"]
+__all__ = ["OPERATIONS", "block_figures", "kept_by_selective", "recompute_fractions"]
 
-_OPERATIONS = ("call_function", "call_method", "call_module")
+OPERATIONS = ("call_function", "call_method", "call_module")   # what a block's figures and its fusion count
 # the graph-level names of what torch's selective policy keeps at dispatch
 # (fxpipe.runtime.block_recompute.KEPT_BY_SELECTIVE): matrix products, convolutions, attention
 _KEPT = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "conv1d", "conv2d", "conv3d", "convolution",
@@ -53,7 +53,7 @@ def block_figures(gm: fx.GraphModule, costs: dict[str, Any], plan: Plan, blocks:
     for position, names in enumerate(blocks.values()):
         by_stage: dict[int, list[fx.Node]] = {}
         for name in names:
-            if nodes[name].op in _OPERATIONS and name in stage_of:
+            if nodes[name].op in OPERATIONS and name in stage_of:
                 by_stage.setdefault(stage_of[name], []).append(nodes[name])
         for k, ops in by_stage.items():
             members = {n.name for n in ops}
@@ -95,6 +95,6 @@ def recompute_fractions(gm: fx.GraphModule, plan: Plan, blocks: dict[str, list[s
                 continue
             for name in names:
                 node = nodes[name]
-                if name in mine and node.op in _OPERATIONS and not (selective and kept_by_selective(gm, node)):
+                if name in mine and node.op in OPERATIONS and not (selective and kept_by_selective(gm, node)):
                     out[name] = 2.0 if split_backward else 1.0
     return out

@@ -41,6 +41,7 @@ from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fxpipe.errors import FxpipeError
+from fxpipe.planning.block_figures import OPERATIONS
 from fxpipe.planning.blocks import repeated_blocks
 from fxpipe.planning.memory_model import block_mode
 from fxpipe.runtime.recompute import checkpoint_stage
@@ -49,7 +50,6 @@ __all__ = ["recompute_blocks", "apply_recompute", "KEPT_BY_SELECTIVE"]
 
 _DONE = "fxpipe_block_recompute"   # the stage module's meta key: the mode it was rewritten for
 _PREFIX = "fxpipe_recomputed_block_"
-_OPERATIONS = ("call_function", "call_method", "call_module")
 
 _aten = torch.ops.aten
 # what the selective mode keeps (torchtitan's _save_list, less the collectives, which a traced stage does not hold)
@@ -91,11 +91,11 @@ def _blocks_in(stage: fx.GraphModule, blocks: list[list[str]]) -> list[dict[fx.N
     where = {n.name: i for i, n in enumerate(order)}
     parts, end = [], -1
     for names in blocks:
-        found = [where[name] for name in names if name in where and order[where[name]].op in _OPERATIONS]
+        found = [where[name] for name in names if name in where and order[where[name]].op in OPERATIONS]
         if not found:
             continue
         first, last = max(min(found), end + 1), max(found)
-        part = {n: None for n in order[first:last + 1] if n.op in _OPERATIONS}
+        part = {n: None for n in order[first:last + 1] if n.op in OPERATIONS}
         if part:
             parts.append(part)
         end = max(end, last)
