@@ -140,8 +140,10 @@ class Busy(nn.Module):
         return self.lin(x)
 
 
+# the lock-holding case runs alone: beside another test's processes the stages' times alone are slowed as much as
+# the pair's, and the interpreter lock's turns disappear in the processors' (0.79 and 0.94 once in CI, not ~0.5)
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two processors")
-@pytest.mark.parametrize("spin", [False, True])
+@pytest.mark.parametrize("spin", [False, pytest.param(True, marks=pytest.mark.alone)])
 def test_contention_is_measured_in_steps_of_the_plan_on_its_own_stages(spin):
     torch.manual_seed(3)
     model = nn.Sequential(Busy(spin), Busy(spin))

@@ -32,7 +32,7 @@ SLOW = {"vit_h_14", "vit_l_16", "vit_l_32", "regnet_y_128gf", "regnet_y_32gf", "
 # Over 300M parameters (12-15 GiB each at peak): each runs in its own process, so
 # that whatever the ~80 models before it left in this one cannot push it over 24 GiB.
 GIANT = {"vit_l_16", "vit_l_32", "regnet_y_128gf"}
-# not run: ViT-H/14 is ViT-L/16's architecture at 2.1x the parameters, and took 176 s of CI's serial giant run
+# not run: ViT-H/14 is ViT-L/16's architecture at 2.1x the parameters, and took 176 s of CI's serial run of the giant models
 NOT_RUN = {"vit_h_14"}
 REPRESENTATIVE = ["resnet50", "inception_v3", "densenet121", "mobilenet_v3_large", "efficientnet_b0",
                   "convnext_tiny", "vit_b_16", "swin_t"]
@@ -60,7 +60,7 @@ def build(name: str) -> tuple[torch.nn.Module, int]:
 
 
 def params(names):
-    return [pytest.param(n, marks=[pytest.mark.slow] + [pytest.mark.giant] * (n in GIANT)) if n in SLOW else n
+    return [pytest.param(n, marks=[pytest.mark.slow] + [pytest.mark.alone] * (n in GIANT)) if n in SLOW else n
             for n in names if n not in NOT_RUN]
 
 
