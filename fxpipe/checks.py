@@ -160,9 +160,6 @@ def check_arguments(checkpoint: str, schedule: str, virtual_stages: int | None, 
     """Refuse arguments that cannot go together; return ``v``, the stages per device (1 unless interleaved)."""
     if not is_checkpoint_mode(checkpoint) and checkpoint != "auto":
         raise ValueError(f"checkpoint must be one of {CHECKPOINT_SPELLINGS} or 'auto', got {checkpoint!r}")
-    if checkpoint == "auto" and plan is not None:
-        raise ValueError("checkpoint='auto' is a planning choice; a loaded plan= keeps the modes it was made with "
-                         "(pass its checkpoint or compile without plan=)")
     if schedule not in SCHEDULES and schedule != "auto":
         raise ValueError(f"schedule {schedule!r} is not supported by the embedded executor; use 'auto' (the "
                          f"default: the planner picks) or one of {SCHEDULES}")

@@ -24,7 +24,7 @@ from fxpipe.frontend.failures import judged_by_the_model
 from fxpipe.frontend.module_hooks import check_module_hooks
 from fxpipe.options import CompileOptions, ProfileOptions
 from fxpipe.planning.auto import plan_auto, search_rows
-from fxpipe.planning.memory_model import recompute_s
+from fxpipe.planning.memory_model import planned_mode, recompute_s
 from fxpipe.planning.plan import Plan
 from fxpipe.planning.planner import Planner
 from fxpipe.planning.report import predicted_times
@@ -56,7 +56,7 @@ def compile(
     *,
     chunks: int | str | None = "auto",
     schedule: str = "auto",
-    checkpoint: str = "except_last",
+    checkpoint: str = "auto",
     plan: Plan | None = None,
     stages: int | None = None,
     virtual_stages: int | None = None,
@@ -92,10 +92,12 @@ def compile(
             memory model the planner uses (GPipe: all micro-batches in flight; 1F1B: ``p - s`` on stage
             ``s``; ZB-H1: ``p``; interleaved: as 1F1B over its ``v·p`` stages, each device's memory shared by
             its ``v`` stages; ZB-V: two stages per device in a V, read off its order).
-        checkpoint: ``"always"``, ``"except_last"`` (default, as torchgpipe), ``"never"``, or ``"auto"``:
-            the plan chooses per device the cheapest mode whose predicted peak memory
-            (:mod:`fxpipe.planning.memory_model`) fits, and if no plan fits without checkpointing, plans
-            with every stage recomputing and chooses again.
+        checkpoint: ``"auto"`` (default): the plan chooses per stage the mode that recomputes least whose
+            predicted peak memory (:mod:`fxpipe.planning.memory_model`) fits (``"never"`` where the memory holds
+            every activation), and if no plan fits without recomputing, plans with every stage recomputing and
+            chooses again; with ``plan=``, the plan's own modes. Or one mode for every stage: ``"never"``,
+            ``"except_last"`` (torchgpipe's default), ``"always"`` (whole stages), ``"blocks"``, ``"blocks:K"``,
+            ``"selective"`` (per repeated block, :mod:`fxpipe.runtime.block_recompute`).
         plan: a plan from :func:`fxpipe.load_plan`; skips profiling and solving.
         stages: a fixed number of stages; default lets the solver choose up to ``len(devices)``. With
             ``interleaved-1f1b``: ``v`` times the number of devices used.
@@ -132,6 +134,7 @@ def compile(
     refuse_split_backward(schedule, compiled)
     if plan is not None:
         refuse_split_backward(plan.schedule, compiled)
+        checkpoint = planned_mode(plan) if checkpoint == "auto" else checkpoint   # a plan has chosen already
     given = (example_inputs, example_kwargs)   # as the caller passed them, for the model run as written
     captured, model, example_inputs = _capture(model, plan, frontend, example_inputs, example_kwargs,   # 1. trace
                                                leaf_modules, options)

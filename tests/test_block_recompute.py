@@ -131,7 +131,7 @@ def test_selective_under_a_split_backward_is_refused_with_the_reason_and_auto_le
 def test_ranks_run_the_recomputation_the_plan_was_made_with():
     """A rank's default (``PipelineRank(checkpoint=None)``) is the plan's mode: a plan made with
     ``checkpoint="blocks"`` (or ``"never"``) runs so under ``fxpipe.launch``, not torchgpipe's ``except_last``."""
-    from fxpipe.distributed.rank import planned_mode
+    from fxpipe.planning.memory_model import planned_mode
     plan = _compile(build("llama"), padded_batch("llama", 8), checkpoint="blocks").plan
     assert planned_mode(plan) == "blocks"
     for mode in ("never", "always", "selective"):

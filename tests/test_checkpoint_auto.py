@@ -58,10 +58,23 @@ def test_choose_checkpoints_names_the_worker_that_cannot_fit():
         choose_checkpoints(plan, [1.0, 1e12])
 
 
-def test_auto_is_refused_with_a_loaded_plan_and_other_modes_name_it():
-    pipe = _compile(None)
+def test_compile_recomputes_only_what_memory_needs_by_default_and_a_loaded_plan_runs_its_own_modes():
+    """The default is "auto" (issue 45 part 0: no recomputation where the memory holds every activation); with
+    ``plan=`` it is the plan's recomputation, whichever mode the plan was made with, never torchgpipe's default."""
     x = torch.randn(256, 512)
-    with pytest.raises(ValueError, match="checkpoint='auto' is a planning choice"):
-        fxpipe.compile(_mlp(), ["cpu"] * 2, (x,), plan=pipe.plan, checkpoint="auto")
+    default = fxpipe.compile(_mlp(), ["cpu"] * 2, (x,), chunks=8, stages=2, schedule="gpipe", profile="estimate")
+    assert default.checkpoint == "auto" and [st.checkpoint for st in default.plan.stages] == ["never", "never"]
+    assert default.plan.checkpoint == "auto" and default.plan.predicted["iteration_s"] > 0
+    for made in ("always", "never", "auto"):
+        plan = fxpipe.compile(_mlp(), ["cpu"] * 2, (x,), chunks=8, stages=2, schedule="gpipe", profile="estimate",
+                              checkpoint=made).plan
+        loaded = fxpipe.compile(_mlp(), ["cpu"] * 2, (x,), plan=fxpipe.Plan.from_dict(plan.to_dict()))
+        want = [st.checkpoint or made for st in plan.stages]
+        assert [loaded.stage_checkpoint(k) for k in range(2)] == want, made
+    # an explicit mode with plan= still runs where the plan chose none
+    forced = fxpipe.compile(_mlp(), ["cpu"] * 2, (x,), plan=plan.__class__.from_dict(
+        {**plan.to_dict(), "checkpoint": "never", "stages": [{k: v for k, v in st.items() if k != "checkpoint"}
+                                                              for st in plan.to_dict()["stages"]]}), checkpoint="always")
+    assert [forced.stage_checkpoint(k) for k in range(2)] == ["always", "always"]
     with pytest.raises(ValueError, match="or 'auto'"):
         fxpipe.compile(_mlp(), ["cpu"] * 2, (x,), checkpoint="sometimes")

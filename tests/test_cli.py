@@ -93,6 +93,29 @@ def test_plan_without_a_preset_uses_the_schedule_asked_for(tmp_path):
     assert fxpipe.load_plan(path).schedule == "zb-h1"
 
 
+def test_plan_recomputes_what_memory_needs_by_default_and_checkpoint_says_otherwise(tmp_path):
+    """``fxpipe plan`` defaults to ``--checkpoint auto`` as ``fxpipe.compile`` and ``fxpipe.plan`` do (nothing
+    recomputed where the memory holds it), and ``--checkpoint MODE`` plans that mode, on this machine's devices and
+    for a preset; a mode the runtime does not run is one error line naming the modes."""
+    import fxpipe
+    measured = run("fxpipe", "plan", "resnet18", "--batch", "4", "--chunks", "2", "--image-size", "32",
+                   "--profile", "estimate", "--schedule", "1f1b", "--save", str(tmp_path / "auto.json"))
+    assert measured.returncode == 0, measured.stderr
+    plan = fxpipe.load_plan(tmp_path / "auto.json")
+    assert plan.checkpoint == "auto" and {st.checkpoint for st in plan.stages} == {"never"}, plan.checkpoint
+    llama = ("num_hidden_layers=4,hidden_size=64,intermediate_size=128,num_attention_heads=4,num_key_value_heads=2,"
+             "vocab_size=256,max_position_embeddings=64")
+    preset = run("fxpipe", "plan", "hf:llama", "--config", llama, "--seq-len", "16", "--batch", "8", "--devices",
+                 "h100x2", "--schedule", "1f1b", "--chunks", "4", "--checkpoint", "blocks", "-q",
+                 "-o", str(tmp_path / "blocks.json"))
+    assert preset.returncode == 0, preset.stderr
+    assert fxpipe.load_plan(tmp_path / "blocks.json").checkpoint == "blocks"
+    bad = run("fxpipe", "plan", "resnet18", "--batch", "4", "--image-size", "32", "--profile", "estimate",
+              "--checkpoint", "sometimes")
+    assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and "'sometimes'" in bad.stderr
+    assert "'blocks:K'" in bad.stderr, bad.stderr
+
+
 def test_files_that_cannot_be_read_or_written_are_named_without_a_traceback(tmp_path):
     missing = run("fxpipe", "show", str(tmp_path / "nope.plan.json"))
     assert missing.returncode != 0 and "Traceback" not in missing.stderr

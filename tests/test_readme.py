@@ -168,29 +168,31 @@ def commands(body: str) -> list[tuple[str, str]]:
     return out
 
 
-@pytest.mark.slow   # torchrun: two processes, twice; 30-90 s with the load average at 10-15
-def test_console_blocks_run_and_print_what_the_readme_shows(shell):
+CONSOLES = [b for b in blocks() if b.kind == "console"]
+
+
+@pytest.mark.slow   # torchrun: 2 to 4 processes a command; one test a block, so that the test workers share them
+@pytest.mark.parametrize("b", CONSOLES, ids=[f"line{b.line}" for b in CONSOLES])
+def test_console_blocks_run_and_print_what_the_readme_shows(shell, b):
     scratch, env = shell
-    consoles = [b for b in blocks() if b.kind == "console"]
-    assert consoles
-    for b in consoles:
-        # "in order": each command waits for the one before (it reads what that one wrote), in a scratch
-        # directory (the repository's examples beside it), or "from an empty directory" (nothing beside it: the
-        # commands need only the installed package); otherwise the commands run at once (two torchrun "nodes"
-        # that rendezvous)
-        in_order = "in order" in b.marker
-        where = scratch if in_order else ROOT
-        if "empty directory" in b.marker:
-            where = scratch / "empty"
-            where.mkdir(exist_ok=True)
-        runs = []
-        for command, shown in commands(b.body):
-            process = subprocess.Popen(["bash", "-c", command], cwd=where, env=env, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True)
-            runs.append((process, shown, process.communicate(timeout=300) if in_order else None))
-        for process, shown, done in runs:
-            stdout, stderr = done or process.communicate(timeout=300)
-            assert process.returncode == 0, f"README line {b.line}:\n{stdout}\n{stderr}"
-            # ranks print in either order: compare the sorted lines
-            assert_same_shape("\n".join(sorted(shown.splitlines())), "\n".join(sorted(stdout.splitlines())),
-                              str(b.line))
+    assert len(CONSOLES) >= 4
+    # "in order": each command waits for the one before (it reads what that one wrote), in a scratch
+    # directory (the repository's examples beside it), or "from an empty directory" (nothing beside it: the
+    # commands need only the installed package); otherwise the commands run at once (two torchrun "nodes"
+    # that rendezvous)
+    in_order = "in order" in b.marker
+    where = scratch if in_order else ROOT
+    if "empty directory" in b.marker:
+        where = scratch / "empty"
+        where.mkdir(exist_ok=True)
+    runs = []
+    for command, shown in commands(b.body):
+        process = subprocess.Popen(["bash", "-c", command], cwd=where, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        runs.append((process, shown, process.communicate(timeout=300) if in_order else None))
+    for process, shown, done in runs:
+        stdout, stderr = done or process.communicate(timeout=300)
+        assert process.returncode == 0, f"README line {b.line}:\n{stdout}\n{stderr}"
+        # ranks print in either order: compare the sorted lines
+        assert_same_shape("\n".join(sorted(shown.splitlines())), "\n".join(sorted(stdout.splitlines())),
+                          str(b.line))

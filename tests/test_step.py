@@ -394,9 +394,9 @@ def test_deferred_batch_norm_through_pipe_call_and_a_failed_step_leaves_no_parti
     model = ConvBN().train()
     x = torch.randn(8, 3, 8, 8)
     want = _full_batch_reference(model, [x], 4)
-    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, profile="estimate",
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, profile="estimate", checkpoint="except_last",
                           options=fxpipe.CompileOptions(deferred_batch_norm=True))
-    pipe(x).sum().backward()     # checkpoint except_last: recomputation in backward must not count twice
+    pipe(x).sum().backward()     # except_last: the recomputation in backward must not count the statistics twice
     for name, got in model.named_buffers():
         assert max_relative_error(got, want[name]) <= 1e-5, name
 

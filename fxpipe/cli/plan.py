@@ -91,6 +91,10 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
                         help="the dtype the model trains in (default auto: bfloat16 for hf:TYPE planned for a "
                              "preset, else the model's own)")
     parser.add_argument("--devices", default="cpu,cpu", help=DEVICES_HELP)
+    parser.add_argument("--checkpoint", default="auto",
+                        help="recomputation: auto (default: per stage, the least that fits the memory; never where "
+                             "everything fits), never, except_last, always (whole stages), blocks, blocks:K (every "
+                             "K-th repeated block) or selective (per block, keeping matrix products and attention)")
     parser.add_argument("--mesh", help="plan the devices as a pp x dp x tp mesh: auto (searched with the cuts and the "
                                        "schedule) or a shape, e.g. pp=2,dp=4,tp=1 (dp_mode=shard for FSDP, or "
                                        "dp_shard=4 / dp_replicate=4 as fxpipe.launch --mesh spells it), or none "
@@ -162,11 +166,13 @@ def run(args: argparse.Namespace) -> int:
         if analytic:
             plan = fxpipe.plan(model, devices, inputs, example_kwargs=kwargs, chunks=args.chunks,
                                schedule=args.schedule, leaf_modules=leaves, time_limit_s=args.time_limit,
+                               checkpoint=args.checkpoint,
                                mesh=_mesh(getattr(args, "mesh", None)))
         else:
             profile = dataclasses.replace(fxpipe.ProfileOptions.of(args.profile), progress=not args.quiet)
             plan = fxpipe.compile(model, devices, inputs, example_kwargs=kwargs, chunks=args.chunks,
-                                  schedule=args.schedule, leaf_modules=leaves, profile=profile).plan
+                                  schedule=args.schedule, checkpoint=args.checkpoint, leaf_modules=leaves,
+                                  profile=profile).plan
     except RuntimeError as exc:   # torch's own: most often inputs the model cannot take
         shapes = [tuple(t.shape) for t in inputs if isinstance(t, torch.Tensor)]
         fix = ("pass --seq-len and --batch (and --config)" if language

@@ -43,20 +43,12 @@ from fxpipe.distributed.placement import rank_device_type
 from fxpipe.distributed.stages import RankStages
 from fxpipe.distributed.tied import COUNTED_ELSEWHERE
 from fxpipe.errors import FxpipeError, PlanMismatchError
-from fxpipe.planning.memory_model import is_checkpoint_mode
+from fxpipe.planning.memory_model import planned_mode
 from fxpipe.planning.plan import Plan, load_plan
 from fxpipe.runtime.block_recompute import apply_recompute
 from fxpipe.runtime.losses import REDUCTIONS
 
 __all__ = ["PipelineRank"]
-
-
-def planned_mode(plan: Plan) -> str:
-    """The recomputation a plan was made with, as a rank runs it: ``"auto"`` where each stage records its chosen
-    mode, the plan's own mode where it is one the runtime runs, else torchgpipe's default ``"except_last"``."""
-    if plan.checkpoint == "auto" and all(st.checkpoint for st in plan.stages):
-        return "auto"
-    return plan.checkpoint if is_checkpoint_mode(plan.checkpoint) else "except_last"
 
 
 class PipelineRank:

@@ -26,7 +26,7 @@ from solvers.schedules import MULTI_STAGE, SPLIT_BACKWARD, Op, stage_worker, wor
 
 __all__ = ["WorkerPrediction", "predict_worker_memory", "checkpointed", "stage_bytes", "choose_checkpoints",
            "worker_memory", "check_fits", "block_mode", "refuse_with_schedule", "is_checkpoint_mode", "recompute_s",
-           "STAGE_MODES", "CHECKPOINT_SPELLINGS"]
+           "STAGE_MODES", "CHECKPOINT_SPELLINGS", "planned_mode"]
 
 STAGE_MODES = ("always", "except_last", "never")   # whole stages, per micro-batch (torchgpipe's modes)
 # every mode choose_checkpoints considers; per block ones only for stages that hold blocks
@@ -56,6 +56,15 @@ def refuse_with_schedule(mode: str, schedule: str) -> None:
 def is_checkpoint_mode(mode: str) -> bool:
     """Whether ``mode`` is one the runtime runs (``"auto"`` is a planning choice, not one of them)."""
     return mode in STAGE_MODES or block_mode(mode) is not None
+
+
+def planned_mode(plan: PlanView) -> str:
+    """The recomputation a plan was made with, as it runs (``fxpipe.compile(plan=...)`` and the ranks by default):
+    ``"auto"`` where each stage records its chosen mode, the plan's own mode where it is one the runtime runs, else
+    torchgpipe's ``"except_last"`` (a plan saved before stages recorded their modes)."""
+    if plan.checkpoint == "auto" and all(st.checkpoint for st in plan.stages):
+        return "auto"
+    return plan.checkpoint if is_checkpoint_mode(plan.checkpoint) else "except_last"
 
 
 def _chosen_blocks(st: StageView, mode: str) -> list[dict[str, float]]:
