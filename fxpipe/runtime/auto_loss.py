@@ -113,7 +113,7 @@ class AutoLoss:
                 raise TypeError(f"loss_fn must return a scalar tensor (or a (loss_sum, count) pair), got "
                                 f"{type(result).__name__}{shape}")
             self.records[micro_batch] = (result.detach().reshape(()), None)
-            root = result.reshape(()) * weight
+            root = result.reshape(()) * weight if weight != 1 else result.reshape(())
         if root.requires_grad:
             root.backward()
         if kind == "sample" and self.checker is not None:

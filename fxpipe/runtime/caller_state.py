@@ -9,7 +9,11 @@ reads the caller's state at the call; every worker enters it with
 :meth:`CallerState.entered` around its operations (forward, the loss, backward;
 ``torch.utils.checkpoint`` restores it for a recomputation by itself). DTensor's implicit replication
 (``torch.distributed.tensor.experimental.implicit_replication``, thread-local as well) is carried the same way:
-tensor-parallel stages (:mod:`fxpipe.distributed.parallel.tp`) run under the caller's.
+tensor-parallel stages (:mod:`fxpipe.distributed.parallel.tp`) run under the caller's. So is the caller's stack
+of ``TorchDispatchMode`` objects (``FlopCounterMode``, a mode that counts or logs operators): the workers' operators pass
+through it as the plain model's would, so ``with FlopCounterMode(): pipe.step(...)`` counts the step. The modes are
+pushed on each worker's own (thread-local) stack, not re-entered: entering a mode sets process-wide flags that
+threads unwinding out of order would corrupt; the caller's entry already set them.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode,
+                                          _push_mode)
 
 __all__ = ["CallerState", "AUTOCAST_DEVICE_TYPES"]
 
@@ -40,6 +46,7 @@ class CallerState:
     autocast: tuple[tuple[str, torch.dtype], ...]   # (device type, dtype) for each type with autocast on
     autocast_cache: bool
     implicit_replication: bool = False
+    dispatch_modes: tuple[TorchDispatchMode, ...] = ()   # the caller's stack, innermost last
 
     @classmethod
     def capture(cls) -> "CallerState":
@@ -48,12 +55,21 @@ class CallerState:
                    autocast=tuple((d, torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICE_TYPES
                                   if torch.is_autocast_enabled(d)),
                    autocast_cache=torch.is_autocast_cache_enabled(),
-                   implicit_replication=bool(_GET_IMPLICIT and _GET_IMPLICIT()))
+                   implicit_replication=bool(_GET_IMPLICIT and _GET_IMPLICIT()),
+                   dispatch_modes=tuple(_get_current_dispatch_mode_stack()))
 
     @contextmanager
-    def entered(self) -> Iterator[None]:
-        """Run the block in this state (through torch's own context managers, so it nests and unwinds)."""
+    def entered(self, keep_casts: bool = False) -> Iterator[None]:
+        """Run the block in this state (through torch's own context managers, so it nests and unwinds).
+
+        Autocast's cache of cast weights is one for the process, and a thread leaving its outermost autocast
+        clears it, for every thread. ``keep_casts`` leaves it to the caller's autocast to clear, as for the plain
+        model, whose weights are cast once per autocast region: a worker that runs a whole step in this state
+        then neither re-casts a weight for each micro-batch nor makes the other workers re-cast theirs."""
         with ExitStack() as stack:
+            if keep_casts and self.autocast:   # one nesting level more, dropped after autocast's own exit
+                stack.callback(torch._C.autocast_decrement_nesting)
+                torch._C.autocast_increment_nesting()
             if self.inference:
                 stack.enter_context(torch.inference_mode())
             stack.enter_context(torch.set_grad_enabled(self.grad))
@@ -63,6 +79,9 @@ class CallerState:
                 before = _GET_IMPLICIT()
                 _SET_IMPLICIT(True)
                 stack.callback(_SET_IMPLICIT, before)
+            for mode in self.dispatch_modes:
+                _push_mode(mode)
+                stack.callback(_pop_mode, mode.__dict__.get("_dispatch_key") or mode.__dict__.get("_mode_key"))
             yield
 
     def describe(self) -> str:

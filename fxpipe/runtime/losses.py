@@ -81,6 +81,8 @@ def weigh(result: Any, reduction: str, size: int, total: float,
                         "pass pipe.step(..., reduction='token') to divide the summed loss by the whole batch's count")
     loss = _scalar(result, "loss_fn must return")
     weight = size / total if reduction == "mean" else summed
+    if weight == 1:   # the whole batch in one micro-batch: the loss as it is, as the plain model's
+        return loss, loss.detach(), None
     return loss * weight, loss.detach() * weight, None
 
 
@@ -110,15 +112,18 @@ class StepGradients:
             self.restore()
             raise ValueError(f"loss_fn counted {total:g} elements over the whole batch (every target ignored?): "
                              "the per-element mean is undefined; skip this batch or count at least one element")
-        with torch.no_grad():
-            for t, before in self.saved.items():
-                if t.grad is None:
-                    t.grad = before
-                    continue
-                if count is not None:
-                    t.grad.mul_(1.0 / total)
-                if before is not None:
-                    t.grad = before.add_(t.grad)   # accumulate into the caller's tensor, as autograd does
+        got = [t for t in self.saved if t.grad is not None]
+        for t in self.saved:
+            if t.grad is None:
+                t.grad = self.saved[t]
+        earlier = [t for t in got if self.saved[t] is not None]
+        with torch.no_grad():   # one multi-tensor operator each (a kernel per device and dtype), not one per tensor
+            if count is not None and got:
+                torch._foreach_mul_([t.grad for t in got], 1.0 / total)
+            if earlier:   # accumulate into the caller's tensors, as autograd does
+                torch._foreach_add_([self.saved[t] for t in earlier], [t.grad for t in earlier])
+                for t in earlier:
+                    t.grad = self.saved[t]
 
 
 def total_count(counts: list[Any], device: torch.device) -> Any:

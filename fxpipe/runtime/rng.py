@@ -63,6 +63,8 @@ def is_random(gm: fx.GraphModule) -> bool:
         if node.op == "call_module":
             for sub in gm.get_submodule(node.target).modules():
                 kind = type(sub).__name__.lower()
+                if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.p == 0:
+                    continue   # nn.Dropout(0.0), as many configs build it: draws nothing
                 if sub.training and any(k in kind for k in ("dropout", "stochastic", "random", "noise", "rrelu")):
                     return True
     return False

@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["WeightPass", "backward_inputs", "full_backward"]
+__all__ = ["WeightPass", "backward_inputs", "full_backward", "leaf_nodes"]
 
 
 _Frontier = tuple[Node, list[Any], list[GradientEdge]]   # node, gradients it received, its parameter-side edges
@@ -106,15 +106,24 @@ def full_backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) 
     return WeightPass([], [], deferred=False)
 
 
+def leaf_nodes(tensors: Sequence[torch.Tensor]) -> set[Node]:
+    """The autograd nodes (``AccumulateGrad``) of leaves that require grad. Finding one costs an operator (a view,
+    inside ``get_gradient_edge``): a step finds its parameters' once per stage, not once per micro-batch; holding
+    the nodes keeps them the ones every forward of the step uses."""
+    return {get_gradient_edge(t).node for t in tensors if t.requires_grad}
+
+
 def backward_inputs(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                    inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> WeightPass:
-    """Accumulate the gradients of ``inputs`` (leaves) now; return the pass that fills ``params``' ``.grad``."""
+                    inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+                    param_nodes: set[Node] | None = None) -> WeightPass:
+    """Accumulate the gradients of ``inputs`` (leaves) now; return the pass that fills ``params``' ``.grad``.
+    ``param_nodes`` are ``leaf_nodes(params)``, where the caller keeps them (default: found here)."""
     inputs = [t for t in inputs if t.requires_grad]
     params = [p for p in params if p.requires_grad]
     if not roots:
         return WeightPass([], [], deferred=True)
-    input_nodes = {get_gradient_edge(t).node for t in inputs}
-    param_nodes = {get_gradient_edge(p).node for p in params}
+    input_nodes = leaf_nodes(inputs)
+    param_nodes = leaf_nodes(params) if param_nodes is None else param_nodes
     root_nodes = [get_gradient_edge(r).node for r in roots]
     on_path = _reach(root_nodes, input_nodes)
     feeds_params = _reach(root_nodes, param_nodes)

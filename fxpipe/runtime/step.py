@@ -43,7 +43,7 @@ from fxpipe.runtime.auto_loss import AutoLoss
 from fxpipe.runtime.losses import REDUCTIONS, LossFailure, StepGradients, total_count, weigh
 from fxpipe.runtime.microbatch import batch_size_of
 from fxpipe.runtime.rng import is_random, rng_guard, step_seed
-from fxpipe.runtime.split_backward import WeightPass, backward_inputs, full_backward
+from fxpipe.runtime.split_backward import WeightPass, backward_inputs, full_backward, leaf_nodes
 from fxpipe.runtime.streams import DeviceStreams, Event
 from fxpipe.runtime.transport import LOSS, Transport
 from fxpipe.runtime.recompute import checkpoint_stage, forward_saving_nothing
@@ -137,6 +137,8 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
     split = schedule in SPLIT_BACKWARD
     weight_passes: dict[tuple[int, int], WeightPass] = {}
     recomputations: dict[tuple[int, int], Callable[[], Any]] = {}   # checkpointed forwards of a split backward
+    params = [list(spec.module.parameters()) for spec in specs]
+    param_nodes: dict[int, Any] = {}   # stage -> its parameters' autograd nodes, found once per step
     random = [is_random(spec.module) for spec in specs] if random is None else random
     seed = step_seed(random)   # masks depend on (seed, stage, micro-batch), not on which thread ran first
     producer = {name: k for k, spec in enumerate(specs) for name in spec.outputs}
@@ -235,7 +237,9 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         stage_leaves = leaves.pop((k, i))
         if split:
             inputs = [t for t in tree_flatten(list(stage_leaves.values()))[0] if isinstance(t, torch.Tensor)]
-            weight_passes[(k, i)] = backward_inputs(roots, root_grads, inputs, list(specs[k].module.parameters()))
+            if k not in param_nodes:
+                param_nodes[k] = leaf_nodes(params[k])
+            weight_passes[(k, i)] = backward_inputs(roots, root_grads, inputs, params[k], param_nodes[k])
         else:   # checkpoint's own recomputation, replaying the forward's random numbers
             with rng_guard(devices[k], random[k] and checkpoint(k, i)):
                 weight_passes[(k, i)] = full_backward(roots, root_grads)
@@ -266,15 +270,25 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
     run_op = {"F": forward, "B": backward, "W": weights}
     pass_name = {"F": "forward", "B": "backward", "W": "weight-gradient pass"}
 
+    # New threads have torch's defaults: each worker runs in the caller's state, entered once for the whole step
+    # and keeping autocast's casts, so a weight is cast once per step, as in the plain model's one forward; per
+    # operation, clearing them, where ``around`` swaps weight versions between operations.
+    in_step, in_op = ((lambda: caller.entered(keep_casts=True)), nullcontext) if around is None \
+        else (nullcontext, caller.entered)
+
     def work(w: int) -> None:
+        with in_step():
+            work_through(w)
+
+    def work_through(w: int) -> None:
         for kind, k, i in orders[w]:
             if not board.wait(needs(kind, k, i)):
                 return
             with turns.turn(devices[k]):   # may this operation run now (fxpipe.runtime.host)
                 start = time.perf_counter()
                 try:
-                    with streams.computing(devices[k]), caller.entered(), wrap(kind, k, i):   # new threads
-                        run_op[kind](k, i)                                                 # have torch's defaults
+                    with streams.computing(devices[k]), in_op(), wrap(kind, k, i):
+                        run_op[kind](k, i)
                 except LossFailure as exc:
                     board.fail(StepFailure(k, i, "loss", exc.exc))
                     return
@@ -287,7 +301,8 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
             board.finish((kind, k, i))
 
     if reduction == "auto" and auto is None:   # replicas' token sums must all be scaled alike: by 1 / N
-        auto = AutoLoss(*loss_dims, estimate_scale=replicas is None)
+        whole = m == 1 and replicas is None   # the whole batch at once: any loss is exact as it is
+        auto = AutoLoss(*loss_dims, estimate_scale=replicas is None, check=not whole, own_mean=whole)
     # "auto" may refuse the loss at any micro-batch: the step's gradients stay apart until it ends
     step_grads = StepGradients(grad_tensors or [q for spec in specs for q in spec.module.parameters()]) \
         if reduction in ("token", "auto") else None
