@@ -16,9 +16,11 @@ import torch
 from torch.utils._pytree import tree_flatten
 from fxpipe.compression_spec import check_compression
 
-__all__ = ["COMPILE_MODES", "CONTENTION_STEPS", "EFFORTS", "CompileOptions", "ProfileOptions", "stage_compile_kwargs"]
+__all__ = ["COMPILE_MODES", "CONTENTION_STEPS", "EFFORTS", "TIMINGS", "CompileOptions", "ProfileOptions",
+           "stage_compile_kwargs"]
 
 COMPILE_MODES = ("measure", "estimate")   # cost.profile also has "analytic", for fxpipe.plan()
+TIMINGS = ("graph", "node")   # how "measure" times the nodes (fxpipe.cost.graph_timing)
 CONTENTION_STEPS = 3
 # What each effort sets, unless given explicitly. "fast" times every node once after one untimed run (about one
 # training step of the model in all) and plans on that; "thorough" adds the rounds that time whole stages, their
@@ -48,6 +50,11 @@ class ProfileOptions:
             contention: several training steps more, for stage times measured whole (per-node sums are
             10-30 % off on a CPU) and memory measured rather than estimated.
         warmup, repeats: untimed and timed runs per node (and per stage with ``stage_timing``).
+        timing: how ``mode="measure"`` times the nodes: ``"node"`` (each alone, synchronised around it) or
+            ``"graph"`` (whole-graph runs as in a step, a clock mark per node and no synchronisation between
+            them; the backward apportioned: :mod:`fxpipe.cost.graph_timing`). ``None`` (default): ``"graph"``
+            on CUDA, where per-node synchronisation counted launch latency a step never pays, ``"node"``
+            on CPU.
         stage_timing: (thorough) with ``mode="measure"``, also time every stage of the plan as a whole (a fused
             group, alone, forward and backward into ``.grad``), scale its nodes' costs to that and solve
             again until the cuts stop moving (at most 3 rounds; :mod:`fxpipe.refine.stage_profile`); then
@@ -73,6 +80,7 @@ class ProfileOptions:
     effort: str = "fast"
     warmup: int | None = None            # None: the effort's (filled in when made)
     repeats: int | None = None
+    timing: str | None = None            # None: "graph" on CUDA, "node" elsewhere
     stage_timing: bool | None = None
     contention_steps: int | None = None
     calibrate: bool = False
@@ -89,6 +97,8 @@ class ProfileOptions:
         for name, value in EFFORTS[self.effort].items():
             if name not in given:
                 object.__setattr__(self, name, value)   # frozen: filled in once, here
+        if self.timing is not None and self.timing not in TIMINGS:
+            raise ValueError(f"timing must be one of {', '.join(map(repr, TIMINGS))} or None, got {self.timing!r}")
         _whole("warmup", self.warmup, 0)
         _whole("repeats", self.repeats, 1)
         _whole("contention_steps", self.contention_steps, 0, " of steps")

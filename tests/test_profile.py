@@ -51,15 +51,20 @@ def test_shared_parameter_is_counted_once():
     assert total == sum(p.numel() * 4 for p in model.parameters())  # parameters() dedups the tie
 
 
-def test_profiling_leaves_buffers_rng_and_grads_untouched():
+@pytest.mark.parametrize("timing", ["node", "graph"])
+def test_profiling_leaves_buffers_rng_and_grads_untouched(timing):
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5)).train()
-    x = torch.randn(6, 4)
+    x = torch.randn(6, 4, requires_grad=True)
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    given = x.detach().clone()
     rng = torch.random.get_rng_state()
-    profile_graph(trace(model), (x,), torch.device("cpu"), mode="measure", warmup=1, repeats=2)
+    costs = profile_graph(trace(model), (x,), torch.device("cpu"), mode="measure", warmup=1, repeats=2,
+                          timing=timing)
+    assert costs["_0"].fwd_s > 0 and costs["_0"].bwd_s > 0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert torch.equal(rng, torch.random.get_rng_state())
     assert all(p.grad is None for p in model.parameters())
+    assert x.grad is None and torch.equal(x, given)
 
 
 def test_profiling_keeps_no_reference_to_the_graph():
@@ -95,6 +100,8 @@ def test_an_in_place_aten_operation_is_timed_on_a_clone_of_its_inputs():
     assert inplace, gm.graph
     costs = profile_graph(gm, (x,), torch.device("cpu"), mode="measure", warmup=0, repeats=1)
     assert costs[inplace[0].name].fwd_s > 0
+    costs = profile_graph(gm, (x,), torch.device("cpu"), mode="measure", warmup=0, repeats=1, timing="graph")
+    assert costs[inplace[0].name].fwd_s > 0   # in a whole-graph run it writes into its input, as in a step
     pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), frontend="export", chunks=2, stages=2)
     target = torch.randn(6)
     (model(x) * target).mean().backward()

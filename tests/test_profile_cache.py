@@ -107,3 +107,29 @@ def test_compiled_stages_are_another_key(tmp_path, monkeypatch):
                            options=fxpipe.CompileOptions(compile_stages={"backend": "eager"}))
     assert first.plan.profile["from_cache"] is True and compiled.plan.profile["from_cache"] is False
     assert again.plan.profile["from_cache"] is True
+
+
+def test_the_timing_is_part_of_a_measured_key(tmp_path):
+    """Node costs timed alone are never read for whole-graph timing (the CUDA default), nor the other way;
+    the CPU default is node timing, and the modes that time nothing have no timing in their key."""
+    x = torch.randn(8, 8)
+    gm = fxpipe.trace(_model())
+    fp = fxpipe.frontend.fingerprint.graph_fingerprint(gm)
+    cpu = torch.device("cpu")
+    node = profile_key(fp, cpu, (x[:4],), "measure", 1, 1, timing="node")
+    graph = profile_key(fp, cpu, (x[:4],), "measure", 1, 1, timing="graph")
+    assert node["timing"] == "node" and graph["timing"] == "graph" and node != graph
+    assert profile_key(fp, cpu, (x[:4],), "measure", 1, 1) == node                  # the CPU default
+    assert profile_key(fp, cpu, (x[:4],), "estimate", 1, 1, timing="graph")["timing"] is None
+    cache = ProfileCache(tmp_path)
+    assert cache.path(node) != cache.path(graph)
+    cache.store(node, fxpipe.cost.profile.profile_graph(gm, (x[:4],), cpu, warmup=0, repeats=1))
+    assert cache.load(node, gm) is not None and cache.load(graph, gm) is None
+    # through compile: a graph-timed compile misses the node-timed entry, profiles, and stores its own
+    options = fxpipe.ProfileOptions(mode="measure", cache=str(tmp_path), stage_timing=False)
+    first = fxpipe.compile(_model(), ["cpu", "cpu"], (x,), chunks=2, profile=options)
+    timed = fxpipe.compile(_model(), ["cpu", "cpu"], (x,), chunks=2,
+                           profile=fxpipe.ProfileOptions(mode="measure", cache=str(tmp_path), stage_timing=False,
+                                                         timing="graph"))
+    assert first.plan.profile["from_cache"] is True and timed.plan.profile["from_cache"] is False
+    assert cache.load(graph, gm) is not None

@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 from tqdm import tqdm
 
+from fxpipe.cost.graph_timing import default_timing
 from fxpipe.cost.profile import profile_graph
 from fxpipe.cost.profile_cache import ProfileCache, profile_key
 from fxpipe.frontend.failures import run_failure
@@ -41,9 +42,10 @@ def node_costs(gm: fx.GraphModule, fingerprint: str, first_micro_batch: tuple, d
     ``compiled``: the stages' ``torch.compile`` arguments (``None`` when eager), part of the cache key.
 
     A failure of the model on its example inputs is reported as a ``ValueError`` that says so."""
+    timing = options.timing or default_timing(device)   # "graph" on CUDA, "node" elsewhere
     cache = None if options.cache is False else ProfileCache(None if options.cache is True else options.cache)
     key = profile_key(fingerprint, device, first_micro_batch, options.mode, options.warmup, options.repeats,
-                      compiled=compiled)
+                      compiled=compiled, timing=timing)
     try:
         costs = cache.load(key, gm) if cache is not None else None
         cached = costs is not None
@@ -52,7 +54,7 @@ def node_costs(gm: fx.GraphModule, fingerprint: str, first_micro_batch: tuple, d
             progress, close = _progress(options.progress)
             try:
                 costs = profile_graph(gm, first_micro_batch, device, mode=options.mode, warmup=options.warmup,
-                                      repeats=options.repeats, progress=progress)
+                                      repeats=options.repeats, progress=progress, timing=timing)
             finally:
                 close()
             log.info("profiled %d nodes (%s, effort %s) in %.1fs", len(costs), options.mode, options.effort,

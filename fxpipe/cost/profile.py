@@ -1,11 +1,17 @@
 """Per-node costs of a traced graph at the micro-batch size.
 
-Two modes:
+Three modes:
 
-* ``"measure"``: each node's forward and backward is timed on the target
-  device (warm-up, repeats, median; CUDA is synchronised around each timing).
-  Backward is ``torch.autograd.grad`` of the node's outputs with respect to its
-  inputs and parameters, which does not touch ``.grad``.
+* ``"measure"``: times on the target device (warm-up, repeats, median). Every
+  node is timed alone (CUDA synchronised around each timing); backward is
+  ``torch.autograd.grad`` of the node's outputs with respect to its inputs and
+  parameters, which does not touch ``.grad``. With ``timing="node"`` (the default
+  on CPU) those are the costs. With ``timing="graph"`` (the default on CUDA, where
+  a synchronisation per node counts launch latency a step never pays) the whole
+  graph is run as in a step, marked per node by a :mod:`~fxpipe.cost.clock`
+  without waiting: forward costs are the gaps between marks, and the whole
+  backward is apportioned by the alone-timed backward/forward ratios
+  (:mod:`fxpipe.cost.graph_timing`).
 * ``"estimate"``: no timing; a node costs ``max(FLOPs / peak, bytes / bandwidth)``
   with FLOPs from ``torch.utils.flop_counter.FlopCounterMode``, and backward
   twice forward. Fast, for sweeps and tests; the ranking is what it is good for.
@@ -15,7 +21,7 @@ Two modes:
   this machine does not have). Attention runs as the GPU's fused kernel
   (:mod:`fxpipe.cost.fused_attention`), not the math path that saves its weights.
 
-Both modes record, from one real run of the graph: bytes that autograd saves for
+Every mode records, from one real run of the graph: bytes that autograd saves for
 backward (``saved_tensors_hooks``; each storage counted once, at the first node
 that saves it; parameters excluded), parameter bytes (each parameter counted
 once, at its first user) and output bytes. Buffers, parameters and the RNG are
@@ -38,7 +44,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.flop_counter import FlopCounterMode
 
+from fxpipe.cost.clock import Clock, clock_for
 from fxpipe.cost.fused_attention import ATTENTION, fused_attention
+from fxpipe.cost.graph_timing import TIMINGS, default_timing, time_graph
 
 if TYPE_CHECKING:
     from fxpipe.cost.devices import DeviceSpec
@@ -219,6 +227,17 @@ def _time_node(gm: fx.GraphModule, node: fx.Node, env: dict[str, Any], device: t
     return statistics.median(fwd), statistics.median(bwd)
 
 
+def _time_in_graph(gm: fx.GraphModule, micro_inputs: tuple, costs: dict[str, NodeCost], clock: Clock,
+                   warmup: int, repeats: int) -> None:
+    """Replace the alone-timed forward and backward of every call node by whole-graph timing's."""
+    calls = {n.name for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")}
+    alone = {name: (costs[name].fwd_s, costs[name].bwd_s) for name in calls}
+    timed = time_graph(gm, micro_inputs, alone, clock, warmup, repeats)
+    for name in calls:
+        costs[name].fwd_s, costs[name].bwd_s = timed.fwd_s[name], timed.bwd_s[name]
+    log.debug("graph timing: forward %.6fs, backward %.6fs", timed.fwd_total_s, timed.bwd_total_s)
+
+
 def profile_graph(
     gm: fx.GraphModule,
     micro_inputs: tuple,
@@ -228,11 +247,17 @@ def profile_graph(
     repeats: int = 3,
     progress: Callable[[int, int], None] | None = None,
     spec: "DeviceSpec | None" = None,
+    timing: str | None = None,
+    clock: Clock | None = None,
 ) -> dict[str, NodeCost]:
     """Costs of every node of ``gm`` for one micro-batch ``micro_inputs`` on ``device``
-    (``analytic``: on a device described by ``spec``; ``device`` is then unused)."""
+    (``analytic``: on a device described by ``spec``; ``device`` is then unused). ``timing`` (``"measure"``
+    only): ``"node"`` or ``"graph"``, ``None`` for the device's default (:func:`default_timing`); ``clock``:
+    what times ``"graph"`` (:func:`~fxpipe.cost.clock.clock_for` the device unless given)."""
     if mode not in PROFILE_MODES:
         raise ValueError(f"unknown profile mode {mode!r}; expected one of {', '.join(PROFILE_MODES)}")
+    if timing is not None and timing not in TIMINGS:
+        raise ValueError(f"unknown timing {timing!r}; expected one of {', '.join(TIMINGS)}")
     if mode == "analytic" and spec is None:
         raise ValueError("analytic profiling needs spec=DeviceSpec (e.g. fxpipe.cost.devices.PRESETS['h100'][0])")
     if repeats < 1 or warmup < 0:
@@ -299,6 +324,9 @@ def profile_graph(
                     cost.bwd_s = 2.0 * cost.fwd_s
             if progress is not None:
                 progress(i + 1, len(nodes))
+        if mode == "measure" and (timing or default_timing(device)) == "graph":
+            env.clear()   # the recorded values: not needed by the whole-graph runs, which make their own
+            _time_in_graph(gm, micro_inputs, costs, clock or clock_for(device), warmup, repeats)
     finally:
         with torch.no_grad():
             for name, b in gm.named_buffers():

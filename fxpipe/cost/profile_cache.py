@@ -2,7 +2,8 @@
 
 An entry is keyed by everything a cost depends on: the graph fingerprint (op
 structure and parameter shapes), the device (and the GPU's name), the
-micro-batch's shapes and dtypes, the profile mode and its settings, the
+micro-batch's shapes and dtypes, the profile mode and its settings (with
+``"measure"``, whether nodes are timed alone or in whole-graph runs), the
 number of intra-op threads, whether (and with which ``torch.compile`` options) the stages are compiled, and
 the fxpipe and torch versions. The key is
 stored inside the entry and compared in full on load, and the entry must cover
@@ -28,6 +29,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
+from fxpipe.cost.graph_timing import default_timing
 from fxpipe.cost.profile import NodeCost
 
 __all__ = ["ProfileCache", "profile_key", "default_cache_dir", "CACHE_FORMAT"]
@@ -60,11 +62,13 @@ COST_MODEL = 3   # bump when what a profile measures changes (3: view bytes, inp
 
 def profile_key(fingerprint: str, device: torch.device, micro_inputs: tuple, mode: str, warmup: int,
                 repeats: int, spec_name: str | None = None,
-                compiled: dict[str, Any] | None = None) -> dict[str, Any]:
+                compiled: dict[str, Any] | None = None, timing: str | None = None) -> dict[str, Any]:
     """Everything the costs depend on, as a JSON-able dict. ``compiled`` is the ``torch.compile`` keyword
     arguments the stages are compiled with (``None``: eager stages); a plan for compiled stages never reads the
     costs recorded for eager ones, nor those of other compile options (a ``mode`` or ``backend`` changes what the
-    stage-timing rounds measure, and what a later cost model may measure per node)."""
+    stage-timing rounds measure, and what a later cost model may measure per node). ``timing``: how
+    ``"measure"`` times the nodes, ``None`` for the device's default; the key holds the choice made (``None``
+    in the other modes, which time nothing), so node-timed costs are never read for graph timing."""
     from fxpipe._version import __version__
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -74,6 +78,7 @@ def profile_key(fingerprint: str, device: torch.device, micro_inputs: tuple, mod
         "mode": mode, "warmup": warmup, "repeats": repeats, "spec": spec_name,
         "threads": torch.get_num_threads(), "fxpipe": __version__, "torch": torch.__version__,
         "cost_model": COST_MODEL,
+        "timing": (timing or default_timing(device)) if mode == "measure" else None,
         "compiled": None if compiled is None else {k: _option(v) for k, v in sorted(compiled.items())},
     }
 
