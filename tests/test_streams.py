@@ -40,23 +40,48 @@ def test_copy_to_gpu_is_ordered_by_its_event():
     assert total.item() == host.sum().item()
 
 
-@cuda
-def test_record_stream_keeps_a_copy_from_being_reused_while_the_compute_stream_reads_it():
-    device = torch.device("cuda:0")
-    streams = DeviceStreams([device])
+def _reused_while_read(device: torch.device, streams: DeviceStreams, recorded: bool) -> bool:
+    """Copy a block in on the copy stream, read it on the busy compute stream, drop it, allocate the same size on
+    the copy stream: whether that allocation got the block back. ``recorded=False`` drops ``record_stream`` (the
+    control: the allocator then hands the block out at once, so the check can see a reuse)."""
     host = torch.randn(1 << 22)
     with streams.computing(device):
-        (moved,), event = streams.move((host,), device)
+        if recorded:
+            (moved,), event = streams.move((host,), device)
+        else:
+            with torch.cuda.stream(streams.copy[device]):
+                moved = host.to(device, non_blocking=True)
+            event = streams.copy[device].record_event()
         streams.wait(device, [event])
-        torch.cuda._sleep(200_000_000)          # keep the compute stream busy ...
+        torch.cuda._sleep(1_000_000_000)        # keep the compute stream busy (about 0.5 s) ...
         reader = moved * 2                      # ... then read the copy on it
         pointer = moved.data_ptr()
         del moved
+        busy = not streams.compute[device].query()
         with torch.cuda.stream(streams.copy[device]):   # the stream that allocated it
             fresh = torch.empty(1 << 22, device=device)
-        assert fresh.data_ptr() != pointer      # without record_stream the block would be handed out here
+        assert busy, "the compute stream finished before the allocation: nothing was tested"
+        reused = fresh.data_ptr() == pointer
     torch.cuda.synchronize()
     assert torch.equal(reader.cpu(), host * 2)
+    return reused
+
+
+@cuda
+def test_record_stream_keeps_a_copy_from_being_reused_while_the_compute_stream_reads_it():
+    """It failed once on an H200 (the block was handed out again). Not the runtime: ``moved * 2`` was the first
+    launch of that kernel in the process, and CUDA's lazy module loading may synchronise the context to load
+    it, so the 0.1 s sleep had ended, the compute stream was idle and the block was free by the time it was
+    allocated again (a reuse that is correct). The kernels are now loaded before the sleep, the sleep is longer,
+    and the test checks that the stream is still busy at the allocation, and that without ``record_stream``
+    the block *is* reused at once (so the check can fail)."""
+    device = torch.device("cuda:0")
+    streams = DeviceStreams([device])
+    warm = torch.randn(1 << 22, device=device)
+    torch.cuda._sleep(1000)
+    (warm * 2).sum().item()                     # load the kernels now, not while the stream sleeps
+    assert _reused_while_read(device, streams, recorded=False)
+    assert not _reused_while_read(device, streams, recorded=True)
 
 
 class _MLP(nn.Module):
