@@ -20,11 +20,12 @@ deterministic. What the step adds, stated and asserted here:
 from __future__ import annotations
 
 import collections
+import threading
 
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils.flop_counter import FlopCounterMode
 
 import fxpipe
@@ -195,3 +196,25 @@ def test_autocast_casts_each_weight_once_per_step(pipes, schedule, checkpoint):
     assert set(plain.casts.values()) == {1} and len(plain.casts) == len(list(model.parameters())) - norms > 0
     assert set(piped.casts) == set(plain.casts)   # the stages hold the model's own parameters
     assert set(piped.casts.values()) == {1}
+
+
+def test_workers_outlive_the_step_and_keep_no_state_of_it(pipes):
+    """The stage workers are borrowed from a pool (a fresh thread's first matrix products cost milliseconds): the
+    same threads run the next step, none is left lent out, and none keeps the step's grad mode, autocast or
+    dispatch modes."""
+    from fxpipe.runtime.worker import POOL, spawn_workers
+
+    model, pipe = _pair(pipes, 2, 2)
+    pipe.step(X, Y, _loss, chunks=2)
+    size, threads = POOL.size, threading.active_count()
+    with torch.autocast("cpu", dtype=torch.bfloat16), _Count():
+        pipe.step(X, Y, _loss, chunks=2)
+    with torch.no_grad():
+        pipe(X)
+    assert (POOL.size, threading.active_count(), POOL.busy()) == (size, threads, 0)
+    with spawn_workers(POOL.size) as workers:
+        for w in range(POOL.size):
+            workers.submit(w, w, lambda: (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"),
+                                          len(_get_current_dispatch_mode_stack())))
+        states = {workers.collect()[2] for _ in range(POOL.size)}
+    assert states == {(True, False, 0)}

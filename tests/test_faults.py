@@ -18,6 +18,14 @@ from torch import nn
 
 import fxpipe
 from equivalence import max_relative_error
+from fxpipe.runtime.worker import POOL
+
+
+def _threads() -> int:
+    """Threads running beside the idle workers that fxpipe keeps for the next call; asserts none is lent out."""
+    assert POOL.busy() == 0, "a worker still runs a task of a call that has returned"
+    return threading.active_count() - POOL.size
+
 
 ESTIMATE = fxpipe.ProfileOptions(mode="estimate")
 SCHEDULES = ["gpipe", "1f1b", "zb-h1"]
@@ -90,14 +98,14 @@ def test_a_fault_in_a_stage_names_stage_and_micro_batch_and_the_next_step_works(
     trap = model[3]
     trap_stage = next(k for k, st in enumerate(pipe.plan.stages) if any("3" == n or n.startswith("_3") for n in st.nodes))
     x, y = torch.randn(8, 6), torch.randn(8, 3)
-    threads, tensors = threading.active_count(), _tensors()
+    threads, tensors = _threads(), _tensors()
     trap.armed, trap.at, trap.seen, trap.kind = True, 2, 0, kind
     with pytest.raises(fxpipe.StageError, match=f"stage {trap_stage} .*failed in {pass_name} of micro-batch 2") as err:
         pipe.step(x, y, nn.functional.mse_loss)
     assert err.value.stage == trap_stage and err.value.micro_batch == 2
     assert "injected" in str(err.value) or "NaN" in str(err.value)
     del err
-    assert threading.active_count() == threads
+    assert _threads() == threads
     assert _tensors() <= tensors + 4           # nothing of the failed step kept alive
     trap.armed = False
     _next_step_is_right(model, pipe, x, y)
@@ -105,12 +113,12 @@ def test_a_fault_in_a_stage_names_stage_and_micro_batch_and_the_next_step_works(
 
 def test_a_fault_in_the_forward_call_names_stage_and_micro_batch():
     model, pipe = _compiled("gpipe")
-    threads = threading.active_count()
+    threads = _threads()
     model[3].armed, model[3].at, model[3].seen, model[3].kind = True, 1, 0, "forward"
     with pytest.raises(fxpipe.StageError, match="failed on micro-batch 1") as err:
         pipe(torch.randn(8, 6))
     assert err.value.micro_batch == 1
-    assert threading.active_count() == threads
+    assert _threads() == threads
     model[3].armed = False
     x = torch.randn(8, 6)
     assert max_relative_error(pipe(x), model(x)) <= 1e-6
@@ -125,12 +133,12 @@ def test_a_failing_loss_stops_the_step_and_the_next_step_works(schedule):
         if torch.equal(target, y[4:6]):          # micro-batch 2, whichever order the schedule runs them in
             raise ValueError("loss exploded")
         return nn.functional.mse_loss(out, target)
-    threads = threading.active_count()
+    threads = _threads()
     with pytest.raises(fxpipe.StageError, match="loss_fn failed on micro-batch 2 .*last stage.*loss exploded") as err:
         pipe.step(x, y, bad_loss)
     assert isinstance(err.value.__cause__, ValueError) and err.value.micro_batch == 2
     assert "autograd does not say" not in str(err.value) and "failed in backward" not in str(err.value)
-    assert threading.active_count() == threads
+    assert _threads() == threads
     _next_step_is_right(model, pipe, x, y)
 
 
@@ -148,10 +156,10 @@ def ctrl_c_raises():
 def test_ctrl_c_during_a_step_stops_the_workers_and_the_next_step_works(schedule, ctrl_c_raises):
     model, pipe = _compiled(schedule)
     x, y = torch.randn(8, 6), torch.randn(8, 3)
-    threads = threading.active_count()
+    threads = _threads()
     model[3].armed, model[3].at, model[3].seen, model[3].kind = True, 1, 0, "interrupt"
     with pytest.raises(KeyboardInterrupt):
         pipe.step(x, y, nn.functional.mse_loss)
-    assert threading.active_count() == threads   # every worker stopped before the caller got it
+    assert _threads() == threads   # every worker stopped before the caller got it
     model[3].armed = False
     _next_step_is_right(model, pipe, x, y)

@@ -101,7 +101,7 @@ def _loss(pipe: Any, spec: Any, env: dict[str, tuple[Any, bool]], device: torch.
 def _on_a_worker_thread(run: Callable[[], Any]) -> Any:
     """``run()`` on a worker thread, as the executor runs stages: glibc gives threads their own arenas, which
     map a tensor above 64 MiB afresh every time where the main thread's heap reuses it."""
-    with spawn_workers(1, "fxpipe-stage-profile") as worker:
+    with spawn_workers(1) as worker:
         worker.submit(0, None, run)
         _, ok, value = worker.collect()
     if not ok:

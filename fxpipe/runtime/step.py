@@ -46,6 +46,7 @@ from fxpipe.runtime.rng import is_random, rng_guard, step_seed
 from fxpipe.runtime.split_backward import WeightPass, backward_inputs, full_backward, leaf_nodes
 from fxpipe.runtime.streams import DeviceStreams, Event
 from fxpipe.runtime.transport import LOSS, Transport
+from fxpipe.runtime.worker import spawn_workers
 from fxpipe.runtime.recompute import checkpoint_stage, forward_saving_nothing
 from solvers.schedules import SPLIT_BACKWARD, Op, worker_orders
 
@@ -306,18 +307,9 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
     # "auto" may refuse the loss at any micro-batch: the step's gradients stay apart until it ends
     step_grads = StepGradients(grad_tensors or [q for spec in specs for q in spec.module.parameters()]) \
         if reduction in ("token", "auto") else None
-    threads = [threading.Thread(target=work, args=(w,), name=f"fxpipe-step-{w}", daemon=True)
-               for w in transport.workers(n_workers)]
-    try:   # Ctrl-C may land while the first workers already run and the last are being started
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    except BaseException as interrupt:   # Ctrl-C in the caller: stop every worker at its next operation, so
-        board.fail(StepFailure(-1, -1, "step", interrupt))   # none writes .grad after the caller got the error
-        for t in threads:
-            if t.is_alive():
-                t.join()
+    try:
+        _run_workers(work, transport.workers(n_workers), board)
+    except BaseException:   # Ctrl-C in the caller: every worker stopped first (none writes .grad after it)
         if step_grads is not None:   # a failed step leaves the gradients as they were before it
             step_grads.restore()
         raise
@@ -347,6 +339,22 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         step_grads.finish(count)
     # the loss in its own dtype: a count kept in float64 (auto's token factor) must not promote it
     return ((loss / count).to(loss.dtype) if count is not None else loss), (outputs if here else [None] * m)
+
+
+def _run_workers(work: Callable[[int], None], ids: list[int], board: _Board) -> None:
+    """``work(w)`` for every worker ``w`` of ``ids``, each on a thread of its own (:mod:`fxpipe.runtime.worker`),
+    until all have returned. Ctrl-C while they run stops every worker at its next operation before it is raised."""
+    with spawn_workers(len(ids)) as pool:
+        for lane, w in enumerate(ids):
+            pool.submit(lane, w, lambda w=w: work(w))
+        try:
+            for _ in ids:
+                w, ok, exc = pool.collect()
+                if not ok:   # outside any operation (its own failures are the board's): stop the others too
+                    board.fail(StepFailure(-1, -1, f"worker {w}", exc))
+        except BaseException as interrupt:
+            board.fail(StepFailure(-1, -1, "step", interrupt))
+            raise   # spawn_workers waits for the workers before it returns
 
 
 def _result(losses: list[Any], counts: list[Any]) -> dict[str, Any]:
