@@ -11,7 +11,10 @@ its exception, a row past the global ``--budget-s`` prints ``SKIPPED (budget)``,
   GPipe, 1F1B and ZB-V: ``pipe.step``'s loss, outputs and every parameter's gradient against the model
   run on the same micro-batches (the largest relative error of each).
 - ``bf16``: ``pipe.step`` under ``torch.autocast(bfloat16)`` against the model under the same autocast
-  (loss and gradients within a bf16 tolerance), and its step time against the same step in fp32.
+  (loss and gradients within a bf16 tolerance), and what bf16 gains: the pipeline's fp32/bf16 step time over
+  the model's (target 1 +- 0.05).
+- ``overhead:gpt``: the executor's own cost, one stage, one micro-batch, no recomputation, ``pipe.step``
+  against the model's step (target >= 0.98x).
 - ``speed:resnet101``: torchgpipe's ResNet-101 speed experiment as far as one GPU goes: naive-1 (the plain
   model, batch 118) against pipeline-1 (fxpipe, one stage, batch 220, 2 micro-batches, checkpointing all
   but the last, torchgpipe's settings), training steps with SGD, samples/s and their ratio (torchgpipe's
@@ -371,7 +374,39 @@ def row_executor(ctx: Context, stages: int, schedule: str) -> Row:
     return row
 
 
+def interleaved_medians(ctx: Context, runs: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each run, round by round (each round runs every one once, in turn: drift moves them alike)."""
+    for run in runs.values():
+        run()   # warm-up
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            times[name].append(timed(ctx, run, 1, warmup=0))
+    return times
+
+
+def gpt_steps(ctx: Context, model: nn.Module, pipe: fxpipe.Pipeline, x: torch.Tensor, y: torch.Tensor,
+              bf16: bool) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """The plain model's step (its micro-batches accumulated as the pipeline splits them) and ``pipe.step``."""
+    cast = (lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+    m = pipe.chunks
+
+    def plain() -> None:
+        model.zero_grad(set_to_none=True)
+        with cast():
+            for xi, yi in zip(x.tensor_split(m), y.tensor_split(m)):
+                (lm_loss(model(xi), yi) * (len(xi) / len(x))).backward()
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        with cast():
+            pipe.step(x, y, lm_loss)
+    return plain, step
+
+
 def row_bf16(ctx: Context) -> Row:
+    """Exactness under autocast, and its speed-up: (pipe fp32 / pipe bf16) / (model fp32 / model bf16), target
+    within 5 % of 1 (the pipeline gains from bf16 what the model gains)."""
     row = Row("bf16")
     model, x, y = gpt(ctx)
     pipe = fxpipe.compile(model, ctx.devices(2), (x,), chunks=ctx.sizes["exec_chunks"], schedule="1f1b", stages=2,
@@ -379,17 +414,33 @@ def row_bf16(ctx: Context) -> Row:
     autocast = lambda: torch.autocast(ctx.device.type, dtype=torch.bfloat16)  # noqa: E731
     errs = compare(pipe, model, x, y, lm_loss, autocast())
     judged(row, errs, {"loss_err": 2e-2, "out_err": 5e-2, "grad_err": 5e-2})
+    runs = {}
+    for bf16 in (False, True):
+        runs[f"model-{bf16}"], runs[f"pipe-{bf16}"] = gpt_steps(ctx, model, pipe, x, y, bf16)
+    t = interleaved_medians(ctx, runs, ctx.sizes["timing_steps"])
+    gain = {k: [a / b for a, b in zip(t[f"{k}-False"], t[f"{k}-True"])] for k in ("model", "pipe")}
+    ratio = statistics.median(p / m for p, m in zip(gain["pipe"], gain["model"]))
+    fp32_s, bf16_s = statistics.median(t["pipe-False"]), statistics.median(t["pipe-True"])
+    row.figures.update(fp32_step_s=fp32_s, bf16_step_s=bf16_s, model_fp32_step_s=statistics.median(t["model-False"]),
+                       model_bf16_step_s=statistics.median(t["model-True"]), gain_ratio=ratio)
+    row.detail += (f"; step {bf16_s * 1e3:.1f} ms bf16 vs {fp32_s * 1e3:.1f} ms fp32 ({fp32_s / bf16_s:.2f}x; "
+                   f"model {statistics.median(gain['model']):.2f}x): gain ratio {ratio:.3f} (target 1 +- 0.05)")
+    return row
 
-    def step(bf16: bool) -> Callable[[], Any]:
-        def run() -> None:
-            model.zero_grad(set_to_none=True)
-            with autocast() if bf16 else contextlib.nullcontext():
-                pipe.step(x, y, lm_loss)
-        return run
-    n = ctx.sizes["timing_steps"]
-    fp32_s, bf16_s = timed(ctx, step(False), n), timed(ctx, step(True), n)
-    row.figures.update(fp32_step_s=fp32_s, bf16_step_s=bf16_s)
-    row.detail += f"; step {bf16_s * 1e3:.1f} ms bf16 vs {fp32_s * 1e3:.1f} ms fp32 ({fp32_s / bf16_s:.2f}x)"
+
+def row_overhead(ctx: Context) -> Row:
+    """The executor's own cost: one stage, one micro-batch, no recomputation, ``pipe.step`` against the model's
+    ``loss.backward()`` (target >= 0.98x), medians of per-round ratios."""
+    row = Row("overhead:gpt", "INFO")
+    model, x, y = gpt(ctx)
+    pipe = fxpipe.compile(model, ctx.devices(1), (x,), chunks=1, stages=1, checkpoint="never", profile="estimate")
+    plain, step = gpt_steps(ctx, model, pipe, x, y, False)
+    t = interleaved_medians(ctx, {"model": plain, "pipe": step}, 3 * ctx.sizes["timing_steps"])
+    ratio = statistics.median(m / p for m, p in zip(t["model"], t["pipe"]))
+    row.figures.update(model_step_s=statistics.median(t["model"]), pipe_step_s=statistics.median(t["pipe"]),
+                       ratio=ratio)
+    row.detail = (f"model {statistics.median(t['model']) * 1e3:.1f} ms, pipe.step {statistics.median(t['pipe']) * 1e3:.1f}"
+                  f" ms: {ratio:.3f}x (target >= 0.98x)")
     return row
 
 
@@ -621,6 +672,7 @@ def plan_rows(ctx: Context) -> list[tuple[str, str, Callable[[], Row | list[Row]
             rows.append((f"exec:{stages}st:{schedule}", "exec",
                          lambda s=stages, k=schedule: row_executor(ctx, s, k)))
     rows.append(("bf16", "bf16", lambda: row_bf16(ctx)))
+    rows.append(("overhead:gpt", "exec", lambda: row_overhead(ctx)))
     rows.append((f"speed:{ctx.sizes['speed']['name']}", "speed", lambda: row_speed(ctx)))
     for which in ("resnet", "gpt2", "llama"):
         label = ctx.sizes["resnet"]["name"] if which == "resnet" else which

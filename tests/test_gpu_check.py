@@ -48,6 +48,9 @@ def test_small_mode_prints_every_row_and_the_correctness_rows_pass(tmp_path, cap
         assert all(s["meas_ms"] > 0 and s["pred_ms"] > 0 for s in fig["stages"])
         assert all(m["meas_MiB"] > 0 for m in fig["memory"]) and fig["compile_s"] > 0
     assert rows["compiled"]["figures"]["stages"] == 2
+    over, bf16 = rows["overhead:gpt"]["figures"], rows["bf16"]["figures"]
+    assert over["ratio"] == pytest.approx(over["model_step_s"] / over["pipe_step_s"], rel=0.5) and over["ratio"] > 0
+    assert bf16["gain_ratio"] > 0 and bf16["model_bf16_step_s"] > 0
 
 
 def test_a_failing_row_prints_fail_and_the_rest_still_run(tmp_path, monkeypatch, capsys):
