@@ -19,6 +19,7 @@ from fxpipe.checks import (auto_schedules, batch_layout, check_arguments, check_
                            warn_buffer_updates, worker_devices)
 from fxpipe.cost.cpu import CpuHost
 from fxpipe.cost.node_costs import node_costs
+from fxpipe.cost.profile import MEASURED_NOISE
 from fxpipe.frontend.capture import capture
 from fxpipe.frontend.failures import judged_by_the_model
 from fxpipe.frontend.module_hooks import check_module_hooks
@@ -184,7 +185,8 @@ def compile(
         search = plan_auto(planner, costs, profiled,
                            chunk_choices(costed.most, len(workers)) if auto_chunks else [chunks],
                            auto_schedules(compiled, checkpoint) if schedule == "auto" else (schedule,),
-                           virtual_stages=v if v > 1 else 2)
+                           virtual_stages=v if v > 1 else 2,
+                           tolerance=MEASURED_NOISE if profiling.mode == "measure" else 0.0)
         planner, costs, first_plan = search.planner, search.costs, search.plan
         if check_graph is not None and first_plan.chunks not in (1, profiled):
             check_micro_batching(check_graph, example_inputs, layout, first_plan.chunks)
@@ -199,6 +201,8 @@ def compile(
                   loss_fn=measured_loss, example_target=example_target, compiled=compiled)
     if search is not None:   # what was tried, for plan.summary() and the saved plan
         pipe.plan.solver["search"] = search_rows(search.trials, search.best)
+        if profiling.mode == "measure":   # measured costs: plans this close count as equally fast
+            pipe.plan.solver["search_tolerance"] = MEASURED_NOISE
     return predict_shared_step(pipe)
 
 

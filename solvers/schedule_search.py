@@ -121,8 +121,12 @@ def lower_bound(schedule: str, micro_batches: int, forward_s: float, backward_s:
 
 
 def search(cands: Sequence[Candidate], evaluate: Callable[[Candidate], Trial],
-           bound: Callable[[Candidate], float] | None = None) -> tuple[Trial, list[Trial]]:
+           bound: Callable[[Candidate], float] | None = None, tolerance: float = 0.0) -> tuple[Trial, list[Trial]]:
     """Evaluate the candidates; return the best feasible trial and one trial per candidate, in ``cands``' order.
+
+    ``tolerance``: times within that fraction of the fastest are taken as equal (the noise of measured costs),
+    and among them the first schedule of :data:`SCHEDULES`, then the fewest micro-batches, is chosen, so plans
+    whose costs differ by noise resolve the same way on every run (0: the fastest, ties broken alike).
 
     ``evaluate`` returns a :class:`Trial` or raises :class:`solvers.InfeasibleError` or ``MemoryError``
     (recorded as infeasible with the message). With ``bound`` (a candidate's :func:`lower_bound`) they are
@@ -135,7 +139,7 @@ def search(cands: Sequence[Candidate], evaluate: Callable[[Candidate], Trial],
     least = math.inf   # the smallest peak any candidate needed, for the error
     best_s = math.inf
     for cand in sorted(cands, key=lambda c: bounds[c]):   # stable: ties keep the looser schedule first
-        if bounds[cand] > best_s * (1 + 1e-9):
+        if bounds[cand] > best_s * (1 + tolerance + 1e-9):
             done[cand] = Trial(cand, math.inf, 0.0, "", False, f"not solved: at least {bounds[cand] * 1e3:.4g} "
                                f"ms, above the best, {best_s * 1e3:.4g} ms",
                                lower_bound_s=bounds[cand], skipped=True)
@@ -159,6 +163,10 @@ def search(cands: Sequence[Candidate], evaluate: Callable[[Candidate], Trial],
         raise InfeasibleError(f"no schedule and micro-batch count fits in memory; with the most micro-batches: "
                               f"{reasons}", min_peak_bytes=least if math.isfinite(least) else math.nan)
     rank = {s: k for k, s in enumerate(SCHEDULES)}
+    fastest = min(t.iteration_s for t in feasible)
+    if tolerance > 0:
+        near = [t for t in feasible if t.iteration_s <= fastest * (1 + tolerance)]
+        return min(near, key=lambda t: (rank[t.candidate.schedule], t.candidate.micro_batches, t.iteration_s)), trials
     best = min(feasible, key=lambda t: (t.iteration_s, t.candidate.micro_batches, rank[t.candidate.schedule]))
     return best, trials
 

@@ -110,3 +110,36 @@ def test_an_in_place_aten_operation_is_timed_on_a_clone_of_its_inputs():
     pipe.step((x,), target, lambda out, t: (out * t).mean())
     for n, p in model.named_parameters():
         assert torch.allclose(p.grad, grads[n], rtol=1e-5, atol=1e-6), n
+
+
+class _Sleeps(nn.Module):
+    def forward(self, x):
+        import time
+        time.sleep(0.003)
+        return x * 2
+
+
+class _TwoNodes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.small = nn.Linear(4, 4)
+        self.slow = _Sleeps()
+
+    def forward(self, x):
+        return self.slow(self.small(x))
+
+
+def test_a_node_of_microseconds_is_timed_until_its_runs_add_up_and_a_slow_one_as_asked():
+    """A node timed once is the noise of one reading: a node is run again until its timings add up to
+    MIN_TIMED_S (at most MAX_REPEATS runs); one slower than that runs warm-up + repeats times."""
+    from fxpipe.cost.profile import MAX_REPEATS, MIN_TIMED_S
+
+    model = _TwoNodes()
+    gm = trace(model, leaf_modules=[_Sleeps])
+    calls = {"small": 0, "slow": 0}
+    gm.get_submodule("small").register_forward_hook(lambda *_: calls.__setitem__("small", calls["small"] + 1))
+    gm.get_submodule("slow").register_forward_hook(lambda *_: calls.__setitem__("slow", calls["slow"] + 1))
+    profile_graph(gm, (torch.randn(2, 4),), torch.device("cpu"), mode="measure", warmup=1, repeats=1)
+    assert calls["slow"] == 1 + 1 + 1                      # the recording run, warm-up, one timed run (3 ms >= 1 ms)
+    assert 1 + 1 + 3 <= calls["small"] <= 1 + 1 + MAX_REPEATS   # microseconds: timed again (10 runs when idle)
+    assert MIN_TIMED_S <= 0.003

@@ -73,3 +73,36 @@ def test_bad_bound_arguments_are_refused():
         lower_bound("1f1b", 4, 1.0, 2.0, [])
     with pytest.raises(ValueError, match="micro_batches >= 1"):
         lower_bound("1f1b", 0, 1.0, 2.0, [1.0])
+
+
+@given(st.lists(st.floats(1.0, 2.0), min_size=2, max_size=6), st.floats(0.0, 0.2), st.randoms())
+@settings(max_examples=60, deadline=None)
+def test_times_within_the_tolerance_resolve_by_schedule_then_micro_batches(times, tolerance, rnd):
+    """Brute force: the choice is the first (in SCHEDULES order, then fewer micro-batches) of the trials within
+    ``tolerance`` of the fastest; noise inside the tolerance that keeps the same set near the fastest cannot
+    change it."""
+    cands = [Candidate(SCHEDULES[k % len(SCHEDULES)], 2 + 2 * (k // len(SCHEDULES))) for k in range(len(times))]
+    timed = dict(zip(cands, times))
+    best, _ = search(cands, lambda c: Trial(c, timed[c], 1.0, "never", True), None, tolerance)
+    fastest = min(times)
+    near = [c for c in cands if timed[c] <= fastest * (1 + tolerance)]
+    rank = {s: k for k, s in enumerate(SCHEDULES)}
+    assert best.candidate == min(near, key=lambda c: (rank[c.schedule], c.micro_batches, timed[c]))
+    if tolerance == 0:
+        assert best.iteration_s == fastest
+    order = list(cands)
+    rnd.shuffle(order)   # the order the candidates come in does not matter
+    again, _ = search(order, lambda c: Trial(c, timed[c], 1.0, "never", True), None, tolerance)
+    assert again.candidate == best.candidate
+
+
+def test_a_bound_within_the_tolerance_of_the_best_is_still_solved():
+    cands = [Candidate("1f1b", 4), Candidate("gpipe", 4)]
+    bounds = {cands[0]: 1.0, cands[1]: 2.05}
+
+    def evaluate(c):
+        return Trial(c, {"1f1b": 2.0, "gpipe": 2.08}[c.schedule], 1.0, "never", True)
+    best, trials = search(cands, evaluate, bounds.__getitem__, tolerance=0.05)
+    assert not trials[1].skipped and best.candidate == cands[1]   # gpipe within 5 %: the simpler schedule
+    best, trials = search(cands, evaluate, bounds.__getitem__)
+    assert trials[1].skipped and best.candidate == cands[0]

@@ -51,7 +51,7 @@ from fxpipe.cost.graph_timing import TIMINGS, default_timing, time_graph
 if TYPE_CHECKING:
     from fxpipe.cost.devices import DeviceSpec
 
-__all__ = ["NodeCost", "profile_graph", "PROFILE_MODES", "run_node", "device_sync"]
+__all__ = ["NodeCost", "profile_graph", "PROFILE_MODES", "run_node", "device_sync", "MEASURED_NOISE"]
 
 log = logging.getLogger(__name__)
 
@@ -192,8 +192,11 @@ def _time_node(gm: fx.GraphModule, node: fx.Node, env: dict[str, Any], device: t
     clone = _is_inplace(gm, node)
     params = [p for p in gm.get_submodule(node.target).parameters() if p.requires_grad] \
         if node.op == "call_module" else []
-    fwd, bwd = [], []
-    for i in range(warmup + repeats):
+    fwd: list[float] = []
+    bwd: list[float] = []
+    i = 0
+    while i < warmup + repeats or _noisy(fwd, bwd):
+        i += 1
         leaves: list[torch.Tensor] = []
 
         def prepare(v: Any) -> Any:
@@ -221,10 +224,26 @@ def _time_node(gm: fx.GraphModule, node: fx.Node, env: dict[str, Any], device: t
             torch.autograd.grad(outs, wrt, grads, allow_unused=True)
             sync()
             t3 = time.perf_counter()
-        if i >= warmup:
+        if i > warmup:
             fwd.append(t1 - t0)
             bwd.append(t3 - t2)
     return statistics.median(fwd), statistics.median(bwd)
+
+
+# A node is timed again until its runs add up to MIN_TIMED_S (at most MAX_REPEATS runs): a node of microseconds
+# timed once is mostly the noise of one reading (a plan of a tiny model changed from run to run); the median of
+# many is not. A node of milliseconds keeps the runs asked for.
+MIN_TIMED_S = 1e-3
+MAX_REPEATS = 10
+# How far apart the predicted iterations of one plan were over fresh measurements on an idle 2-core machine
+# (a tiny Qwen2 on two CPU workers: 22.0-24.3 ms); plans of measured costs closer than that are equally fast
+# (fxpipe.planning.auto), so that the same model planned twice is planned alike.
+MEASURED_NOISE = 0.05
+
+
+def _noisy(fwd: list[float], bwd: list[float]) -> bool:
+    """Whether a node's timings so far are too short in all to take their median as its time."""
+    return len(fwd) < MAX_REPEATS and sum(fwd) + sum(bwd) < MIN_TIMED_S
 
 
 def _time_in_graph(gm: fx.GraphModule, micro_inputs: tuple, costs: dict[str, NodeCost], clock: Clock,

@@ -44,10 +44,12 @@ class AutoChoice:
 
 def plan_auto(base: Planner, costs: dict[str, Any], profiled_chunks: int, counts: Sequence[int],
               schedules: Sequence[str] = SCHEDULES, virtual_stages: int = 2,
-              overhead_s: float = NODE_OVERHEAD_S) -> AutoChoice:
+              overhead_s: float = NODE_OVERHEAD_S, tolerance: float = 0.0) -> AutoChoice:
     """The best plan over ``schedules`` × ``counts`` micro-batches. ``base`` is the planner of one stage per
     device; ``costs`` were profiled on micro-batches of the batch cut in ``profiled_chunks``; ``overhead_s`` is
-    a node's forward time that does not scale with the micro-batch (:func:`fxpipe.cost.rescale.scaled_costs`)."""
+    a node's forward time that does not scale with the micro-batch (:func:`fxpipe.cost.rescale.scaled_costs`);
+    ``tolerance``: the relative noise of measured costs, within which plans count as equally fast
+    (:func:`solvers.schedule_search.search`)."""
     workers = len(base.devices)
     made: dict[Candidate, tuple[Planner, dict[str, Any]]] = {}
     solved: dict[tuple[str, int, bool], Any] = {}   # shared by the candidates' planners
@@ -99,7 +101,7 @@ def plan_auto(base: Planner, costs: dict[str, Any], profiled_chunks: int, counts
 
     try:
         best, trials = search(candidates(workers, counts, schedules, virtual_stages, stages=base.stages), evaluate,
-                              bound)
+                              bound, tolerance)
     except solvers.InfeasibleError as exc:
         raise InfeasiblePlanError(str(exc), exc.min_peak_bytes) from exc
     planner, scaled = made[best.candidate]

@@ -175,7 +175,10 @@ class Plan:
             out += mesh_table(self, aligned_table)
         if self.solver.get("search"):   # schedule="auto" / chunks="auto": every candidate, the chosen one marked *
             # (feasible None: not solved, its lower bound above the chosen plan's time)
-            out.append("schedule search (simulated iteration; * chosen):")
+            near = self.solver.get("search_tolerance")
+            out.append("schedule search (simulated iteration; * chosen" + (
+                f": the first schedule, then the fewest chunks, within {near:.0%} of the fastest" if near else "")
+                + "):")
             out += aligned_table(["schedule", "chunks", "checkpoint", "iteration ms", "peak MiB", "feasible"], [
                 [("* " if t["chosen"] else "  ") + t["schedule"], str(t["chunks"]), t["checkpoint"] or "-",
                  f"{t['iteration_s'] * 1e3:.3f}" if t["feasible"] else "-",
