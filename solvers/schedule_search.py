@@ -125,8 +125,9 @@ def search(cands: Sequence[Candidate], evaluate: Callable[[Candidate], Trial],
     """Evaluate the candidates; return the best feasible trial and one trial per candidate, in ``cands``' order.
 
     ``tolerance``: times within that fraction of the fastest are taken as equal (the noise of measured costs),
-    and among them the first schedule of :data:`SCHEDULES`, then the fewest micro-batches, is chosen, so plans
-    whose costs differ by noise resolve the same way on every run (0: the fastest, ties broken alike).
+    and among them the fewest micro-batches (the least per-micro-batch overhead), then the first schedule of
+    :data:`SCHEDULES`, is chosen, so plans whose costs differ by noise resolve the same way on every run (0: the
+    fastest, ties broken alike).
 
     ``evaluate`` returns a :class:`Trial` or raises :class:`solvers.InfeasibleError` or ``MemoryError``
     (recorded as infeasible with the message). With ``bound`` (a candidate's :func:`lower_bound`) they are
@@ -164,11 +165,8 @@ def search(cands: Sequence[Candidate], evaluate: Callable[[Candidate], Trial],
                               f"{reasons}", min_peak_bytes=least if math.isfinite(least) else math.nan)
     rank = {s: k for k, s in enumerate(SCHEDULES)}
     fastest = min(t.iteration_s for t in feasible)
-    if tolerance > 0:
-        near = [t for t in feasible if t.iteration_s <= fastest * (1 + tolerance)]
-        return min(near, key=lambda t: (rank[t.candidate.schedule], t.candidate.micro_batches, t.iteration_s)), trials
-    best = min(feasible, key=lambda t: (t.iteration_s, t.candidate.micro_batches, rank[t.candidate.schedule]))
-    return best, trials
+    near = [t for t in feasible if t.iteration_s <= fastest * (1 + tolerance)]
+    return min(near, key=lambda t: (t.candidate.micro_batches, rank[t.candidate.schedule], t.iteration_s)), trials
 
 
 def reuse(problem: Problem, looser: Solution | None) -> Solution | None:

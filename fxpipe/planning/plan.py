@@ -177,7 +177,7 @@ class Plan:
             # (feasible None: not solved, its lower bound above the chosen plan's time)
             near = self.solver.get("search_tolerance")
             out.append("schedule search (simulated iteration; * chosen" + (
-                f": the first schedule, then the fewest chunks, within {near:.0%} of the fastest" if near else "")
+                f": the fewest chunks, then the first schedule, within {near:.0%} of the fastest" if near else "")
                 + "):")
             out += aligned_table(["schedule", "chunks", "checkpoint", "iteration ms", "peak MiB", "feasible"], [
                 [("* " if t["chosen"] else "  ") + t["schedule"], str(t["chunks"]), t["checkpoint"] or "-",

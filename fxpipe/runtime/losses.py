@@ -116,14 +116,26 @@ class StepGradients:
         for t in self.saved:
             if t.grad is None:
                 t.grad = self.saved[t]
-        earlier = [t for t in got if self.saved[t] is not None]
-        with torch.no_grad():   # one multi-tensor operator each (a kernel per device and dtype), not one per tensor
-            if count is not None and got:
-                torch._foreach_mul_([t.grad for t in got], 1.0 / total)
-            if earlier:   # accumulate into the caller's tensors, as autograd does
-                torch._foreach_add_([self.saved[t] for t in earlier], [t.grad for t in earlier])
-                for t in earlier:
-                    t.grad = self.saved[t]
+        with torch.no_grad():   # one multi-tensor operator per kind of gradient, not one per tensor
+            for group in _kinds(got):
+                if count is not None:
+                    torch._foreach_mul_([t.grad for t in group], 1.0 / total)
+                earlier = [t for t in group if self.saved[t] is not None]
+                if earlier:   # accumulate into the caller's tensors, as autograd does
+                    torch._foreach_add_([self.saved[t] for t in earlier], [t.grad for t in earlier])
+                    for t in earlier:
+                        t.grad = self.saved[t]
+
+
+def _kinds(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by their gradients' kind: plain tensors together, DTensors (tensor-parallel or FSDP
+    stages) by mesh and placements, which a ``_foreach`` operator cannot mix."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for t in tensors:
+        g = t.grad
+        key = (type(g), id(getattr(g, "device_mesh", None)), tuple(map(str, getattr(g, "placements", ()))))
+        groups.setdefault(key, []).append(t)
+    return list(groups.values())
 
 
 def total_count(counts: list[Any], device: torch.device) -> Any:

@@ -138,8 +138,15 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
     split = schedule in SPLIT_BACKWARD
     weight_passes: dict[tuple[int, int], WeightPass] = {}
     recomputations: dict[tuple[int, int], Callable[[], Any]] = {}   # checkpointed forwards of a split backward
-    params = [list(spec.module.parameters()) for spec in specs]
-    param_nodes: dict[int, Any] = {}   # stage -> its parameters' autograd nodes, found once per step
+    found: dict[int, tuple[list[torch.Tensor], set[Any]]] = {}   # stage -> its parameters and their autograd nodes
+
+    def parameters_of(k: int) -> tuple[list[torch.Tensor], set[Any]]:
+        """Stage ``k``'s parameters as its forwards use them now (FSDP2 swaps in unsharded ones for the step) and
+        their autograd nodes: found again only when they are other tensors than last time (each costs a view)."""
+        now = list(specs[k].module.parameters())
+        if k not in found or len(found[k][0]) != len(now) or any(a is not b for a, b in zip(found[k][0], now)):
+            found[k] = (now, leaf_nodes(now))
+        return found[k]
     random = [is_random(spec.module) for spec in specs] if random is None else random
     seed = step_seed(random)   # masks depend on (seed, stage, micro-batch), not on which thread ran first
     producer = {name: k for k, spec in enumerate(specs) for name in spec.outputs}
@@ -238,9 +245,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
         stage_leaves = leaves.pop((k, i))
         if split:
             inputs = [t for t in tree_flatten(list(stage_leaves.values()))[0] if isinstance(t, torch.Tensor)]
-            if k not in param_nodes:
-                param_nodes[k] = leaf_nodes(params[k])
-            weight_passes[(k, i)] = backward_inputs(roots, root_grads, inputs, params[k], param_nodes[k])
+            weight_passes[(k, i)] = backward_inputs(roots, root_grads, inputs, *parameters_of(k))
         else:   # checkpoint's own recomputation, replaying the forward's random numbers
             with rng_guard(devices[k], random[k] and checkpoint(k, i)):
                 weight_passes[(k, i)] = full_backward(roots, root_grads)
