@@ -284,10 +284,21 @@ def _say(line: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    before = os.environ.get("FXPIPE_NODE")
     if args.node is not None:
         os.environ["FXPIPE_NODE"] = str(args.node)   # read by fxpipe.distributed.placement
-    elif "FXPIPE_NODE" not in os.environ:
+    elif before is None:
         os.environ["FXPIPE_NODE"] = os.environ.get("GROUP_RANK", "0")
+    try:   # called as a function (a test, a notebook), it leaves the environment as it found it: a process
+        return _main(args)   # started later from it would otherwise inherit this node
+    finally:
+        if before is None:
+            os.environ.pop("FXPIPE_NODE", None)
+        else:
+            os.environ["FXPIPE_NODE"] = before
+
+
+def _main(args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", 0))
     if args.compare is not None:
         try:

@@ -209,3 +209,18 @@ def test_an_error_line_is_written_whole_so_two_ranks_lines_never_run_together(mo
     assert launch.main(["--plan", "p.json", "--model", "m:f", "--data", "m:b"]) == 2
     assert writes == ["error: rank 0: fxpipe.launch runs under torchrun: torchrun --nproc-per-node N -m fxpipe.launch "
                       "...\n"], writes
+
+
+@pytest.mark.parametrize("given", [None, "3"])
+def test_main_called_as_a_function_leaves_the_node_variable_as_it_found_it(monkeypatch, given):
+    """``fxpipe.launch.main`` sets ``FXPIPE_NODE`` for the placement; called in a test process it kept it, and a
+    later two-node torchrun started from that process put both nodes on node 0 (README line 1025 in CI)."""
+    from fxpipe import launch
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(sys, "stderr", type("Quiet", (), {"write": lambda self, s: None, "flush": lambda self: None})())
+    if given is None:
+        monkeypatch.delenv("FXPIPE_NODE", raising=False)
+    else:
+        monkeypatch.setenv("FXPIPE_NODE", given)
+    assert launch.main(["--plan", "p.json", "--model", "m:f", "--data", "m:b", "--plan-node", "1"]) == 2
+    assert os.environ.get("FXPIPE_NODE") == given

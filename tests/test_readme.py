@@ -113,6 +113,8 @@ def shell(tmp_path):
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                FXPIPE_CACHE_DIR=str(tmp_path / "cache"))
+    for key in ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "FXPIPE_NODE"):   # as a user's shell has them
+        env.pop(key, None)
     return tmp_path, env
 
 
