@@ -218,3 +218,17 @@ def test_workers_outlive_the_step_and_keep_no_state_of_it(pipes):
                                           len(_get_current_dispatch_mode_stack())))
         states = {workers.collect()[2] for _ in range(POOL.size)}
     assert states == {(True, False, 0)}
+
+
+def test_autocast_casts_each_weight_once_in_a_call(pipes):
+    """``pipe(x)`` under autocast, as ``pipe.step``: each weight is cast once for the 4 micro-batches (its workers
+    leave autocast's cast cache to the caller's autocast)."""
+    model, pipe = _pair(pipes, 2, 2)
+    piped = _WeightCasts(model.named_parameters())
+    pipe.inputs.chunks = 4
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16), piped:
+            out = pipe(X)
+    finally:
+        pipe.inputs.chunks = 1
+    assert out.shape[0] == len(X) and piped.casts and set(piped.casts.values()) == {1}

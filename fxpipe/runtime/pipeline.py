@@ -392,7 +392,7 @@ class Pipeline(nn.Module):
                 moved = [streams.move(env[name], device, ready.get(name)) for name in spec.inputs]
                 streams.wait(device, [event for _, event in moved])
                 inputs = [value for value, _ in moved]
-                with caller.entered(), tracking(), rng_guard(device, random, seed, k, i):
+                with caller.entered(keep_casts=True), tracking(), rng_guard(device, random, seed, k, i):
                     if use_checkpoint:
                         outs = checkpoint_stage(spec.module, *inputs, preserve_rng_state=random)
                     else:
