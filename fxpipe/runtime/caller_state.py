@@ -10,10 +10,10 @@ reads the caller's state at the call; every worker enters it with
 ``torch.utils.checkpoint`` restores it for a recomputation by itself). DTensor's implicit replication
 (``torch.distributed.tensor.experimental.implicit_replication``, thread-local as well) is carried the same way:
 tensor-parallel stages (:mod:`fxpipe.distributed.parallel.tp`) run under the caller's. So is the caller's stack
-of ``TorchDispatchMode`` objects (``FlopCounterMode``, a mode that counts or logs operators): the workers' operators pass
-through it as the plain model's would, so ``with FlopCounterMode(): pipe.step(...)`` counts the step. The modes are
-pushed on each worker's own (thread-local) stack, not re-entered: entering a mode sets process-wide flags that
-threads unwinding out of order would corrupt; the caller's entry already set them.
+of ``TorchDispatchMode`` objects (``FlopCounterMode``, a mode that counts or logs operators): the workers'
+operators pass through it as the plain model's would, so ``with FlopCounterMode(): pipe.step(...)`` counts the
+step. The modes are pushed on each worker's own (thread-local) stack, not re-entered: entering a mode sets
+process-wide flags that threads unwinding out of order would corrupt; the caller's entry already set them.
 """
 
 from __future__ import annotations
