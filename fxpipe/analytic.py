@@ -36,7 +36,8 @@ from fxpipe.options import CompileOptions, ProfileOptions
 from fxpipe.errors import InfeasiblePlanError
 from fxpipe.planning.auto import plan_auto, search_rows
 from fxpipe.planning.mesh_chain import chain_pieces, levels_of, pipeline_ranks
-from fxpipe.planning.mesh_plan import mesh_costs, mesh_record, mesh_rows, parse_mesh, plan_for_choice
+from fxpipe.planning.mesh_plan import (mesh_costs, mesh_record, mesh_rows, mesh_sequence_parallel, parse_mesh,
+                                       plan_for_choice)
 from fxpipe.planning.plan import Plan
 from fxpipe.planning.planner import Planner
 from fxpipe.planning import throughput
@@ -159,7 +160,7 @@ def plan(
     options: CompileOptions | None = None,
     time_limit_s: float = 2.0,
     mesh: str | dict[str, Any] | None = "if_needed",
-    sequence_parallel: bool = False,
+    sequence_parallel: bool | None = None,
 ) -> Plan:
     """Plan ``model`` for ``devices`` (e.g. ``fxpipe.Devices.preset("h100", 8)``) from shapes alone.
 
@@ -194,10 +195,10 @@ def plan(
             best plan of every other shape. ``chunks`` is then the micro-batches of one dp replica's share,
             ``stages``/``virtual_stages`` are not taken (interleaved-1f1b runs 2 stages per device).
         sequence_parallel: with a mesh, whether tensor parallelism also shards the activations outside its
-            matmuls by sequence (Megatron-LM's sequence parallelism). Default ``False``: fxpipe's runtime does
-            not run it yet, so the plan charges what runs (the activations outside the tensor-parallel blocks
-            whole on every tp rank, whole tensors across stage boundaries); ``True`` plans as Megatron-LM and
-            torchtitan run, a what-if that ``fxpipe.launch`` runs with more memory than planned (it says so).
+            matmuls by sequence (Megatron-LM's sequence parallelism), as ``PipelineRank`` then runs it
+            (:mod:`fxpipe.distributed.parallel.sequence`). ``None`` (default): the mesh spelling's ``sp`` key, else
+            on, as torchtitan runs tensor parallelism; ``False`` plans (and runs) the activations outside the
+            tensor-parallel blocks whole on every tp rank.
 
     Raises :class:`fxpipe.InfeasiblePlanError` when nothing fits.
     """
@@ -250,7 +251,7 @@ def plan(
 
 
 def _pipeline_or_mesh(planning: Callable[..., Plan], nodes: int, stages: int | None, virtual_stages: int | None,
-                      sequence_parallel: bool) -> Plan:
+                      sequence_parallel: bool | None) -> Plan:
     """``fxpipe.plan``'s default mesh (:data:`IF_NEEDED`): one pipeline (``planning(mesh=None)``) where the
     devices are one node's and it fits, or where the pipeline's shape is fixed (``stages``, ``virtual_stages``);
     else the mesh search (``mesh="auto"``), ``plan.solver["mesh_because"]`` saying why."""
@@ -278,7 +279,7 @@ def plan_mesh(model: nn.Module, devices: Devices, example_inputs: tuple, mesh: s
               example_kwargs: dict[str, Any] | None = None, chunks: int | None = None, schedule: str = "auto",
               optimizer: str = "adam", checkpoint: str = "auto", leaf_modules: Iterable[type | str] = (),
               frontend: str = "auto", options: CompileOptions | None = None,
-              sequence_parallel: bool = False) -> Plan:
+              sequence_parallel: bool | None = None) -> Plan:
     """:func:`plan` with ``mesh=``: capture and cost as :func:`plan` does, build the chain of pieces
     (:mod:`fxpipe.planning.mesh_chain`), search (:func:`solvers.mesh_search.search_mesh`), and cost the
     choice node by node (:mod:`fxpipe.planning.mesh_plan`); a choice the node-level memory model refuses gives
@@ -292,10 +293,11 @@ def plan_mesh(model: nn.Module, devices: Devices, example_inputs: tuple, mesh: s
 
 def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[str, Any], *, chunks: int | None = None,
                      schedule: str = "auto", optimizer: str = "adam", checkpoint: str = "auto",
-                     options: CompileOptions | None = None, sequence_parallel: bool = False) -> Plan:
+                     options: CompileOptions | None = None, sequence_parallel: bool | None = None) -> Plan:
     """The second half of :func:`plan_mesh`, for a model costed once (:func:`cost_model`) and planned for several
     meshes or devices."""
     fixed = parse_mesh(mesh, len(devices))
+    sequence_parallel = mesh_sequence_parallel(mesh, sequence_parallel)
     levels = levels_of(devices)
     for m in fixed[:1]:
         if costed.batch % m.dp:

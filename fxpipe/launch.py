@@ -113,7 +113,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any wait for another process may take")
     p.add_argument("--mesh", help="run each stage data- and tensor-parallel: KEY=VALUE,... of dp_shard (FSDP2), "
                                   "dp_replicate (DDP; both: HSDP), tp, or fxpipe plan --mesh's dp, dp_mode=shard|"
-                                  "replicate, tp (pp is the plan's workers; the world must be pp x dp x tp), e.g. "
+                                  "replicate, tp, sp=0 (no sequence parallelism) (pp is the plan's workers; the "
+                                  "world must be pp x dp x tp), e.g. "
                                   "dp_shard=2,tp=2 (default: the plan's mesh, if it has one; dp=1: the pipeline alone)")
     p.add_argument("--compare", metavar="DIR",
                    help="instead of training (no torchrun): train the model on the batches the run checkpointed in "
@@ -143,10 +144,6 @@ def _train(args: argparse.Namespace, rank: int) -> None:
         prints = True
     else:   # one of the processes that return the loss prints it: every coordinate but pp's 0
         prints = all(c == 0 for n, c in zip(stage.mesh.mesh_dim_names, stage.mesh.get_coordinate()) if n != "pp")
-        if dims.tp > 1 and (plan.mesh or {}).get("sequence_parallel") and dist.get_rank() == 0:
-            sys.stdout.write("note: the plan's mesh assumed sequence parallelism, which is not run: the activations "
-                             "outside the tensor-parallel blocks are whole on every tp rank (same results, more "
-                             "memory than predicted)\n")
     if args.loss == "model" and not ranked.pipe.has_model_loss:
         raise UsageError("--loss model: the plan's model returns no loss of its own (plan it with the inputs that "
                          "make it compute one, e.g. labels); pass --loss cross_entropy, mse or pkg.module:fn")

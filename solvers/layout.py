@@ -8,7 +8,10 @@ mesh with :func:`parse_layout`, so either spelling means the same layout on both
   unsaid (the planner tries both, launch shards);
 * ``dp_shard=N`` (FSDP), ``dp_replicate=N`` (DDP), or both (HSDP: replicas of shard groups);
 * ``pp`` and ``tp`` (each 1 when left out; ``pp`` left out is :attr:`Layout.pp` ``None``), ``order``
-  (``pp-dp-tp`` or ``dp-pp-tp``).
+  (``pp-dp-tp`` or ``dp-pp-tp``);
+* ``sp`` (``1``/``0``, ``on``/``off``, ``true``/``false``): whether tensor parallelism also shards the activations
+  between its blocks by sequence (Megatron-LM's sequence parallelism; on where left out, as torchtitan runs
+  tensor parallelism).
 
 Each consumer then refuses what it cannot run (the planner: HSDP; launch: ``order=dp-pp-tp``).
 :func:`unrunnable` says which layouts fxpipe's runtime (``fxpipe.distributed.PipelineRank``) does not run, so the
@@ -25,13 +28,14 @@ __all__ = ["DP_MODES", "KEYS", "ORDERS", "Layout", "mesh_fields", "parse_layout"
 DP_MODES = ("replicate", "shard")
 ORDERS = ("pp-dp-tp", "dp-pp-tp")
 
-KEYS = ("pp", "dp", "tp", "dp_mode", "order", "dp_shard", "dp_replicate")
+KEYS = ("pp", "dp", "tp", "dp_mode", "order", "dp_shard", "dp_replicate", "sp")
 EXAMPLE = "e.g. pp=2,dp=4,dp_mode=shard, or dp_shard=4 (FSDP), dp_replicate=4 (DDP), dp_replicate=2,dp_shard=2 (HSDP)"
 
 
 @dataclass(frozen=True)
 class Layout:
-    """A mesh's degrees; ``sharded`` ``None`` where the spelling left the data-parallel mode unsaid."""
+    """A mesh's degrees; ``sharded`` ``None`` where the spelling left the data-parallel mode unsaid;
+    ``sequence_parallel`` ``None`` where it left ``sp`` unsaid (on)."""
 
     pp: Optional[int] = None
     dp_replicate: int = 1
@@ -39,6 +43,7 @@ class Layout:
     tp: int = 1
     sharded: Optional[bool] = None
     order: Optional[str] = None
+    sequence_parallel: Optional[bool] = None
 
     @property
     def dp(self) -> int:
@@ -91,7 +96,8 @@ def parse_layout(spec: Any) -> Layout:
                          "(dp_shard and dp_replicate name their mode)")
     if order is not None and order not in ORDERS:
         raise ValueError(f"mesh {spec!r}: order must be one of {', '.join(ORDERS)}, got {order!r}")
-    common = {"pp": size.get("pp"), "tp": size.get("tp", 1), "order": order}
+    common = {"pp": size.get("pp"), "tp": size.get("tp", 1), "order": order,
+              "sequence_parallel": _switch(spec, fields.get("sp"))}
     if "dp_shard" in size or "dp_replicate" in size:
         return Layout(dp_replicate=size.get("dp_replicate", 1), dp_shard=size.get("dp_shard", 1),
                       sharded="dp_shard" in size, **common)
@@ -99,6 +105,19 @@ def parse_layout(spec: Any) -> Layout:
     if mode == "replicate":
         return Layout(dp_replicate=dp, sharded=False, **common)
     return Layout(dp_shard=dp, sharded=None if mode is None else True, **common)
+
+
+_ON, _OFF = ("1", "on", "true"), ("0", "off", "false")
+
+
+def _switch(spec: Any, value: Any) -> Optional[bool]:
+    """``sp``'s value as a bool (``None`` where it is left out); ``ValueError`` naming the spellings."""
+    if value is None or isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text not in _ON + _OFF:
+        raise ValueError(f"mesh {spec!r}: sp is 1 or 0 (on/off, true/false: sequence parallelism), got {value!r}")
+    return text in _ON
 
 
 def _sizes(spec: Any, fields: dict[str, Any]) -> dict[str, int]:

@@ -201,23 +201,28 @@ class StageFigures:
 def stage_figures(problem: MeshProblem, mesh: Mesh, samples: int, recompute: bool,
                   per_block: bool = False) -> StageFigures:
     """The pieces' figures on ``mesh`` for micro-batches of ``samples`` samples (module docstring); ``recompute``
-    adds each piece's forward to its backward. With ``per_block`` only the blocks recompute, and only what the
-    selective mode recomputes (``Piece.selective_share``), while the memory kept is the whole blocks' mode's: the
-    least any per-block mode costs, a lower bound on the node-level costing, which picks the mode that fits
+    adds each piece's forward to its backward. With ``per_block`` only the blocks recompute, and per block the least
+    that the selective mode (``Piece.selective_share``) or ``"blocks:2"`` (the even positions' blocks whole)
+    recomputes, while the memory kept is the whole blocks' mode's: the least any per-block mode costs, a lower bound
+    on the node-level costing, which picks the mode that fits
     (:func:`fxpipe.planning.memory_model.choose_checkpoints`)."""
     links, t, speed = problem.links(mesh), mesh.tp, problem.speed
     sp = problem.sequence_parallel
     shard = mesh.dp_mode == "shard" and mesh.dp > 1
     state = 1.0 + problem.grad_factor + problem.optimizer_factor / (mesh.dp if shard else 1)
     fwd, bwd, weight, states, params, acts = [], [], [], [], [], []
+    position = -1   # the block's position in the model
     for piece in problem.pieces:
+        position += piece.block
         tp_s = piece.tp_collectives * allreduce_s(piece.tp_bytes * samples, t, links["tp"])
         f = piece.fwd_s * samples / (t * speed) + piece.fixed_s + tp_s
         w = problem.weight_share * piece.bwd_s * samples / (t * speed)
         b = piece.bwd_s * samples / (t * speed) + 2 * piece.fixed_s + tp_s
         fwd.append(f)
-        if per_block:   # the least a per-block mode recomputes: selective's share (memory: whole blocks')
-            again = f * piece.selective_share if recompute and piece.block else 0.0
+        if per_block:   # the least a per-block mode recomputes (memory: whole blocks'): per block the least of
+            # selective's share and "blocks:2"'s (which recomputes the even positions' blocks only), whose sum over a
+            # stage is at most any one mode's
+            again = f * piece.selective_share if recompute and piece.block and position % 2 == 0 else 0.0
         else:
             again = f if recompute else 0.0
         bwd.append(b + again)

@@ -121,7 +121,21 @@ def test_cli_plans_a_mesh_for_a_preset_and_refuses_one_for_local_devices(tmp_pat
                  "--devices", "h100@0:0-1,1:0-1", "--mesh", "pp=2,dp=1,tp=2", "--schedule", "1f1b", "-o", str(out)])
     text = capsys.readouterr().out
     assert code == 0 and text.startswith("mesh pp=2 dp=1 tp=2 on 4 devices")
-    assert fxpipe.load_plan(out).mesh["links"] == {"tp": "NV18", "dp": None, "pp": "NET"}
+    planned = fxpipe.load_plan(out)
+    assert planned.mesh["links"] == {"tp": "NV18", "dp": None, "pp": "NET"}
+    # sequence parallelism by default (as PipelineRank runs it); sp=0 plans the activations whole on each tp rank:
+    # more memory, and the whole hidden state over the pipeline's link
+    assert planned.mesh["sequence_parallel"] is True
+    off = tmp_path / "off.plan.json"
+    assert main(["plan", "hf:llama", "--config", "num_hidden_layers=2,hidden_size=64,intermediate_size=128,"
+                 "num_attention_heads=4,num_key_value_heads=2,vocab_size=256", "--seq-len", "64", "--batch", "8",
+                 "--devices", "h100@0:0-1,1:0-1", "--mesh", "pp=2,dp=1,tp=2,sp=0", "--schedule", "1f1b", "-o",
+                 str(off)]) == 0
+    capsys.readouterr()
+    whole = fxpipe.load_plan(off)
+    assert whole.mesh["sequence_parallel"] is False
+    assert max(whole.worker_peaks()) > max(planned.worker_peaks())
+    assert whole.stages[0].output_bytes == 2 * planned.stages[0].output_bytes
     code = main(["plan", "resnet18", "--mesh", "auto", "--devices", "cpu,cpu", "--batch", "4", "--image-size", "32"])
     err = capsys.readouterr().err
     assert code != 0 and err.startswith("error: --mesh plans a preset's devices")

@@ -41,6 +41,22 @@ def test_dp_without_a_mode_is_both_modes_to_the_planner_and_fsdp_to_launch():
     assert parse_layout("dp=4") == Layout(dp_shard=4, sharded=None)
 
 
+@pytest.mark.parametrize("spec, want", [("tp=2", True), ("tp=2,sp=1", True), ("tp=2,sp=off", False),
+                                        ({"tp": 2, "sp": False}, False), ("tp=2,sp=TRUE", True)])
+def test_sequence_parallelism_is_on_unless_the_spelling_says_sp_0_for_the_planner_and_launch(spec, want):
+    from fxpipe.planning.mesh_plan import mesh_sequence_parallel
+    assert ParallelDims.from_spec(spec, 2).sequence_parallel is want
+    assert mesh_sequence_parallel(spec, None) is want
+    assert mesh_sequence_parallel("auto", None) is True and mesh_sequence_parallel("auto", False) is False
+    if "sp" in spec:   # said twice, differently
+        with pytest.raises(ValueError, match=r"says sp=\d but sequence_parallel=\w+: say it once"):
+            mesh_sequence_parallel(spec, not want)
+    else:   # said once: the argument
+        assert mesh_sequence_parallel(spec, False) is False
+    with pytest.raises(ValueError, match=r"sp is 1 or 0 \(on/off, true/false: sequence parallelism\), got 'yes'"):
+        parse_layout("tp=2,sp=yes")
+
+
 def test_hsdp_is_parsed_run_by_launch_and_refused_by_the_planner_naming_the_fix():
     spec = "dp_replicate=2,dp_shard=2"
     assert parse_layout(spec).hsdp and parse_layout(spec).dp == 4
@@ -54,7 +70,7 @@ def test_hsdp_is_parsed_run_by_launch_and_refused_by_the_planner_naming_the_fix(
 
 @pytest.mark.parametrize("spec, match", [
     ("dp_shard=2,cp=2", r"unknown key\(s\) \['cp'\]; the keys are pp, dp, tp, dp_mode, order, dp_shard, "
-                        r"dp_replicate \(e\.g\. pp=2,dp=4,dp_mode=shard, or dp_shard=4 \(FSDP\)"),
+                        r"dp_replicate, sp \(e\.g\. pp=2,dp=4,dp_mode=shard, or dp_shard=4 \(FSDP\)"),
     ({"pp": 2, "cp": 1}, r"unknown key\(s\) \['cp'\]; the keys are"),
     ("dp=2,dp_shard=2", "give dp .with dp_mode. or dp_shard/dp_replicate, not both"),
     ("dp_shard=2,dp_mode=shard", "dp_mode is shard .FSDP2. or replicate .DDP., and goes with dp only"),

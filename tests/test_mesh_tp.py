@@ -1,6 +1,8 @@
 """pp × tp on a DeviceMesh (4 gloo processes: pp=2 × tp=2): each stage's attention and MLP layers sharded over its tp
 pair by PipelineRank (torch's ColwiseParallel/RowwiseParallel, the traced graph's head counts made local once at
-setup; GPT-2's fused q/k/v layer with each rank's heads of q, k and v); three AdamW steps of Llama (untied and
+setup; GPT-2's fused q/k/v layer with each rank's heads of q, k and v), and, by default, the activations between the
+blocks sharded by sequence (sequence parallelism: reduce-scatter and all-gather instead of all-reduce, the norms on
+sequence shards, 1/tp of the hidden state over the pipeline's wire); three AdamW steps of Llama (untied and
 tied embeddings) and GPT-2 give the losses and every parameter (the DTensor shards gathered) of one process
 training the whole batch (1e-5 relative), for GPipe, 1F1B and ZB-H1, the last batch split into uneven
 micro-batches; Qwen3 recomputing per block (selective, full). One ``run_ranks`` call trains every model and schedule, to start the processes (and import torch and
@@ -20,11 +22,11 @@ import torch
 import fxpipe
 from distributed_run import run_ranks
 from equivalence import max_relative_error
-from test_mesh_fsdp import (OWN, _batches, _builder, _clip, _full, _loss, _optimizer, _plan, _reference, _step,
-                            check_norms)
+from test_mesh_fsdp import (OWN, SIZES, _batches, _builder, _clip, _full, _loss, _optimizer, _plan, _reference,
+                            _step, check_norms)
 
 transformers = pytest.importorskip("transformers")
-from hf_models import build  # noqa: E402
+from hf_models import SEQ, build  # noqa: E402
 
 FAMILIES = ("llama", "llama-tied", "gpt2")
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
@@ -116,7 +118,9 @@ def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[st
                 opt.step()
                 opt.zero_grad()
             out[(family, schedule)] = {"losses": losses, "shards": shards, "seconds": seconds, "tp_shards": tp_shards,
-                                       "params": {n: _full(p) for n, p in stage.named_parameters()}}
+                                       "params": {n: _full(p) for n, p in stage.named_parameters()},
+                                       "sent": stage.pipe.last_step["bytes_moved"]["sent"],
+                                       "sequence_parallel": stage.tp.plan.sequence_parallel}
     if fail_rank >= 0:   # a model trained on a target (the failure is its loss_fn's)
         family, plan_json = next((f, p) for f, p in plans.items() if not f.endswith(OWN))
         out["failed"], out["waits"] = _failing_step(world, family, plan_json, fail_rank, timeout_s)
@@ -132,6 +136,16 @@ def _assert_gpt2_attention_sharded(family: str, stages: list[dict]) -> None:
     for i in range(4):
         assert tp_shards.get(f"transformer.h.{i}.attn.c_attn.weight") == "_StridedShard(dim=1, sf=3)", tp_shards
         assert tp_shards.get(f"transformer.h.{i}.attn.c_proj.weight") == "Shard(dim=0)", tp_shards
+
+
+def _assert_sequence_sharded(family: str, case: list[dict], last_stage: dict[int, int]) -> None:
+    """Sequence parallelism ran (the default with a tp dim): every rank's blocks read sequence shards, and each
+    last-stage rank sent back, in the last step, exactly its tp share of the hidden state's gradient for its
+    samples (``last_stage``: rank -> samples): the pipeline carries ``1 / tp`` of the bytes."""
+    assert all(c["sequence_parallel"] for c in case), family
+    hidden = build(family.removesuffix(OWN)).config.hidden_size
+    for rank, samples in last_stage.items():
+        assert case[rank]["sent"] == samples * SEQ * hidden * 4 // 2, (family, rank, case[rank]["sent"])
 
 
 @pytest.mark.slow
@@ -164,6 +178,7 @@ def test_pp2_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_batch():
             if family != "gpt2":
                 assert sum(n.endswith("self_attn.q_proj.weight") for n in shards) == 4, shards
             _assert_gpt2_attention_sharded(family, [case[0], case[2]])
+            _assert_sequence_sharded(family, case, {2: SIZES[-1], 3: SIZES[-1]})
             print(family, schedule, "step seconds (rank 0)", [round(s, 3) for s in case[0]["seconds"]])
     # then a step whose loss raises on rank 3 (stage 1, tp rank 1): every rank's step ends with an error, the
     # failing rank's own and the others' naming a rank, within the waits' timeout (10 s each)
@@ -222,6 +237,8 @@ def test_pp2_fsdp2_over_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_ba
             # every parameter a DTensor (FSDP2's dp shard, and tp's for the blocks' layers)
             assert all(len(case[r]["shards"]) == len(case[r]["params"]) for r in range(8))
             _assert_gpt2_attention_sharded(family, [case[0], case[4]])
+            # the replicas' shares of the last batch: 5 and 4 samples (ranks 4, 5 and 6, 7)
+            _assert_sequence_sharded(family, case, {4: 5, 5: 5, 6: 4, 7: 4})
             print(family, schedule, "step seconds (rank 0)", [round(s, 3) for s in case[0]["seconds"]])
     failed = [r["ok"]["failed"] for r in results]
     print("failed step:", failed)

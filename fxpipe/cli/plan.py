@@ -97,7 +97,8 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
                              "K-th repeated block) or selective (per block, keeping matrix products and attention)")
     parser.add_argument("--mesh", help="plan the devices as a pp x dp x tp mesh: auto (searched with the cuts and the "
                                        "schedule) or a shape, e.g. pp=2,dp=4,tp=1 (dp_mode=shard for FSDP, or "
-                                       "dp_shard=4 / dp_replicate=4 as fxpipe.launch --mesh spells it), or none "
+                                       "dp_shard=4 / dp_replicate=4 as fxpipe.launch --mesh spells it; sp=0 "
+                                       "turns sequence parallelism off), or none "
                                        "(one pipeline over all, whatever it costs); a preset's devices only "
                                        "(default: one pipeline where it fits on one node, else the mesh search)")
     parser.add_argument("--topology", help="FILE saved from `nvidia-smi topo -m` (links between the preset's "

@@ -25,7 +25,18 @@ from solvers.mesh import DP_MODES, ORDERS, Mesh, MeshProblem, allreduce_s
 from solvers.layout import mesh_fields, parse_layout, unrunnable
 from solvers.mesh_search import MeshChoice, MeshSearch
 
-__all__ = ["mesh_costs", "mesh_fields", "mesh_record", "mesh_rows", "parse_mesh", "plan_for_choice"]
+__all__ = ["mesh_costs", "mesh_fields", "mesh_record", "mesh_rows", "mesh_sequence_parallel", "parse_mesh",
+           "plan_for_choice"]
+
+
+def mesh_sequence_parallel(spec: Any, given: bool | None) -> bool:
+    """Whether a mesh is planned with sequence parallelism: ``given`` (``fxpipe.plan(sequence_parallel=)``), else
+    the spelling's ``sp``, else on (as torchtitan runs tensor parallelism and ``PipelineRank`` runs it by
+    default); ``ValueError`` where the two disagree."""
+    said = None if spec == "auto" or not isinstance(spec, (str, dict)) else parse_layout(spec).sequence_parallel
+    if given is not None and said is not None and bool(given) != said:
+        raise ValueError(f"mesh {spec!r} says sp={int(said)} but sequence_parallel={given}: say it once")
+    return bool(given if given is not None else (said if said is not None else True))
 
 
 def parse_mesh(spec: Any, world: int) -> list[Mesh]:
@@ -102,7 +113,7 @@ def mesh_record(choice: MeshChoice, problem: MeshProblem, ranks: Sequence[int]) 
     m = choice.mesh
     links = problem.links(m)
     return {"pp": m.pp, "dp": m.dp, "tp": m.tp, "dp_mode": m.dp_mode, "order": m.order,
-            "sequence_parallel": problem.sequence_parallel,
+            "sequence_parallel": problem.sequence_parallel and m.tp > 1,
             "dims": ["pp", "dp", "tp"] if m.order == "pp-dp-tp" else ["dp", "pp", "tp"],
             "links": {k: (v.name if v is not None else None) for k, v in links.items()},
             "pipeline_ranks": list(ranks)}

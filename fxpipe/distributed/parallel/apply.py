@@ -5,8 +5,10 @@
 (:class:`fxpipe.distributed.stages.RankStages`), then, in this fixed order:
 
 1. :func:`apply_tensor_parallel`: the stages' blocks sharded over the ``tp`` dim
-   (:func:`fxpipe.distributed.parallel.tp.shard_stages`; ``tp_plan=`` or the default plan); compiled stages
-   are refused here (tensor parallelism on compiled stages is not verified);
+   (:func:`fxpipe.distributed.parallel.tp.shard_stages`; ``tp_plan=`` or the default plan), and with
+   ``ParallelDims.sequence_parallel`` the activations between them by sequence
+   (:mod:`fxpipe.distributed.parallel.sequence`); compiled stages are refused here (tensor parallelism on
+   compiled stages is not verified);
 2. recomputation and compilation are the plan's and were applied when the stages were built (the runtime's
    ``checkpoint=`` policy, ``compile_stages=``);
 3. :func:`apply_data_parallel`: the (tensor-parallel) stages replicated with DDP, sharded with FSDP2, or both
@@ -55,7 +57,9 @@ def apply_tensor_parallel(stages: Any, mesh: Any, dims: ParallelDims, tp_plan: d
                          "'tp' mesh dim, or drop the 'tp' dim")
     tp_mesh = tp_mesh_of(mesh, timeout_s, from_root=dims.dp > 1)
     own = [stages.specs[k].module for k in stages.own]
-    planned = shard_stages(own, tp_mesh, tp_plan, model=stages.model, holders=[stages.model, stages.pipe._graph[0]])
+    pipeline = ([spec.module for spec in stages.specs], list(stages.own)) if dims.sequence_parallel else None
+    planned = shard_stages(own, tp_mesh, tp_plan, model=stages.model, holders=[stages.model, stages.pipe._graph[0]],
+                           pipeline=pipeline)
     return TensorParallel([int(r) for r in tp_mesh.mesh.flatten()], tp_mesh.get_group(), planned, [])
 
 

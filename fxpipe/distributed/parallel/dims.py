@@ -42,6 +42,9 @@ class ParallelDims:
     dp_shard: int = 1
     tp: int = 1
     sharded: bool = True
+    #: with ``tp`` > 1: the activations between the tensor-parallel blocks sharded by sequence
+    #: (:mod:`fxpipe.distributed.parallel.sequence`), as torchtitan and Megatron-LM run tensor parallelism
+    sequence_parallel: bool = True
 
     def __post_init__(self) -> None:
         for name in MESH_DIMS:
@@ -111,7 +114,8 @@ class ParallelDims:
         pipeline of ``pp`` workers, read by :func:`solvers.layout.parse_layout` as ``fxpipe plan --mesh`` reads it:
         ``pp`` (optional; the plan's), ``dp``, ``tp``, ``dp_mode`` (``shard``: FSDP2, the default;
         ``replicate``: DDP) and ``order`` (``pp-dp-tp`` only), or :class:`ParallelDims`' own ``dp_shard`` and
-        ``dp_replicate`` (both: HSDP; ``dp_replicate`` alone: DDP). ``"dp_shard=2,tp=2"`` on a 2-stage plan is
+        ``dp_replicate`` (both: HSDP; ``dp_replicate`` alone: DDP), ``sp`` (sequence parallelism, on where left
+        out). ``"dp_shard=2,tp=2"`` on a 2-stage plan is
         ``ParallelDims(pp=2, dp_shard=2, tp=2)``. Raises ``ValueError`` naming the key and the fix."""
         layout = parse_layout(spec)
         if (layout.order or "pp-dp-tp") != "pp-dp-tp":
@@ -120,9 +124,11 @@ class ParallelDims:
         if layout.pp is not None and layout.pp != pp:
             raise PlanMismatchError(f"mesh {spec!r}: pp={layout.pp} but the plan runs on {pp} workers: leave pp out "
                                     f"(it is the plan's) or plan for {layout.pp} devices")
+        sp = layout.sequence_parallel is not False
         if layout.sharded is False:
-            return cls(pp=pp, dp_replicate=layout.dp_replicate, tp=layout.tp, sharded=False)
-        return cls(pp=pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp)
+            return cls(pp=pp, dp_replicate=layout.dp_replicate, tp=layout.tp, sharded=False, sequence_parallel=sp)
+        return cls(pp=pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp,
+                   sequence_parallel=sp)
 
     @classmethod
     def planned(cls, plan: Any) -> ParallelDims | None:
@@ -136,7 +142,10 @@ class ParallelDims:
         """The mesh spelling of ``plan.mesh`` (its degrees, dp mode and order), ``None`` for a plan of one pipeline."""
         if not plan.mesh:
             return None
-        return {k: plan.mesh[k] for k in ("pp", "dp", "tp", "dp_mode", "order") if k in plan.mesh}
+        spec = {k: plan.mesh[k] for k in ("pp", "dp", "tp", "dp_mode", "order") if k in plan.mesh}
+        if plan.mesh.get("tp", 1) > 1 and "sequence_parallel" in plan.mesh:
+            spec["sp"] = bool(plan.mesh["sequence_parallel"])
+        return spec
 
     @classmethod
     def from_mesh(cls, mesh: Any) -> ParallelDims:

@@ -45,10 +45,11 @@ torch's styles act through the layer's forward hooks: the input becomes a ``DTen
       pp=2 × tp=2 step of the tiny Llama of the tests takes 0.5–1.1 s on the shared 2-core machine, exact to float
       rounding.
 
-What crosses a stage boundary stays a plain, replicated tensor: the default plan's column-wise and row-wise
-layers of one block form a group that must lie in one stage (refused otherwise, with the fix), and replicated
-layers (embeddings, norms, LM head) give plain tensors. The wire therefore carries the same full tensors as
-without ``tp``. Gradients of replicated parameters outside the blocks' sharded part are the same on every tp rank (the row-wise
+What crosses a stage boundary is a plain tensor: the default plan's column-wise and row-wise layers of one block
+form a group that must lie in one stage (refused otherwise, with the fix), and replicated layers (embeddings,
+norms, LM head) give plain tensors. Without sequence parallelism the wire carries the same full tensors as without
+``tp``; with it (``pipeline=``, :mod:`fxpipe.distributed.parallel.sequence`) the hidden state crosses on this
+rank's sequence shard, the norms between the blocks run on it, and the row-wise layers reduce-scatter into it. Gradients of replicated parameters outside the blocks' sharded part are the same on every tp rank (the row-wise
 all-reduce and the column-wise input's backward all-reduce make every activation gradient whole, and
 :func:`shard_stages` broadcasts every tensor from tp rank 0 before sharding, so the replicas start equal). A
 replicated parameter read *between* a block's column-wise and row-wise layers (a per-head norm's weight: Qwen3's
@@ -67,7 +68,7 @@ checkpoints between FSDP2, tp and plain ranks, and ``weights=`` on a ``("pp", "t
 within 1e-5. Qwen2 and BERT were checked at tp=2 in a
 scratch run (forward and gradients as one process), not in a test. The tp group's waits end after ``timeout_s``
 (under FSDP2 too: the root mesh's groups are made with it, :mod:`fxpipe.distributed.parallel.bounded`). Not offered: DDP replicas of
-tensor-parallel stages, sequence parallelism, torch.fx-traced graphs whose nodes carry no recorded shapes.
+tensor-parallel stages, torch.fx-traced graphs whose nodes carry no recorded shapes.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from fxpipe.distributed.parallel.fsdp import broadcast_states, repoint
 from fxpipe.distributed.parallel.local_shapes import localisation, localise_shapes
 from fxpipe.distributed.parallel.module_calls import called_modules, restore_module_calls
+from fxpipe.distributed.parallel.sequence import (SequenceSharding, apply_sequence_parallel, partial_styles,
+                                                 read_parameters, sequence_sharded)
 from fxpipe.distributed.parallel.tp_plans import (Conv1DFusedColwise, TPPlan, TPPlanError, default_tp_plan,
                                                   given_tp_plan)
 
@@ -100,13 +103,15 @@ def _reads(gm: nn.Module, path: str) -> bool:
 
 
 def apply_tp(stage_modules: Sequence[nn.Module], tp_mesh: Any, tp_plan: dict[str, ParallelStyle] | None = None,
-             *, model: nn.Module) -> TPPlan:
+             *, model: nn.Module, pipeline: tuple[Sequence[nn.Module], Sequence[int]] | None = None) -> TPPlan:
     """Shard the layers that ``stage_modules`` (this rank's stage graph modules) call over the 1-D ``tp_mesh``.
 
     ``tp_plan`` maps ``model.named_modules()`` path patterns to torch's styles; ``None`` derives the default
     (module doc). ``model`` is the model the stages were split from (its layers are the ones called again as
-    modules in an exported graph; their parameters become the ``DTensor`` s). Everything is checked before any
-    parameter changes: a layer a stage reads without calling it, a block cut by a stage boundary, head counts
+    modules in an exported graph; their parameters become the ``DTensor`` s). ``pipeline`` (every stage module of
+    the plan in pipeline order, and the indices of ``stage_modules`` among them) adds sequence parallelism
+    (:mod:`fxpipe.distributed.parallel.sequence`); ``None``: none. Everything is checked before any parameter
+    changes: a layer a stage reads without calling it, a block cut by a stage boundary, head counts or a sequence
     ``tp`` does not divide raise :class:`TPPlanError` naming the fix. Returns the plan applied."""
     tp = tp_mesh.size()
     plan = default_tp_plan(model, tp) if tp_plan is None else given_tp_plan(model, tp_plan)
@@ -117,14 +122,35 @@ def apply_tp(stage_modules: Sequence[nn.Module], tp_mesh: Any, tp_plan: dict[str
     walks = [localisation(gm, colwise, rowwise, tp, fused) if isinstance(gm, fx.GraphModule) else ({}, set())
              for gm in stage_modules]
     edits = [w[0] for w in walks]
-    plan.summed = _summed(stage_modules, [w[1] for w in walks], model)
+    sequence, own = _sequence(pipeline, plan, rowwise, tp, model)
+    reads = [w[1] | (read_parameters(gm, sequence.sharded[own[k]]) if sequence.active else set())
+             for k, (gm, w) in enumerate(zip(stage_modules, walks))]
+    plan.summed = _summed(stage_modules, reads, model)
+    plan.sequence_parallel = sequence.active
+    styles = partial_styles(plan.styles, rowwise) if sequence.active else plan.styles
     for k, gm in enumerate(stage_modules):
-        mine = {p: s for p, s in plan.styles.items() if located.get(p) == k}
+        mine = {p: s for p, s in styles.items() if located.get(p) == k}
         if mine:
             parallelize_module(gm, tp_mesh, mine)
         if edits[k]:
             localise_shapes(gm, edits[k])
+        if sequence.active:
+            apply_sequence_parallel(gm, sequence.sharded[own[k]], sequence.length, colwise, rowwise, tp, tp_mesh,
+                                    last=own[k] == len(sequence.sharded) - 1)
     return plan
+
+
+def _sequence(pipeline: tuple[Sequence[nn.Module], Sequence[int]] | None, plan: TPPlan, rowwise: set[str], tp: int,
+              model: nn.Module) -> tuple[SequenceSharding, list[int]]:
+    """Which nodes of every stage run on sequence shards (none without ``pipeline``), and this rank's stages'
+    indices. The other ranks' stage graphs call their planned layers as modules too, to be read alike."""
+    if pipeline is None:
+        return SequenceSharding(), []
+    graphs, own = pipeline
+    for k, gm in enumerate(graphs):
+        if k not in own and isinstance(gm, fx.GraphModule):
+            restore_module_calls(gm, model, plan.styles)
+    return sequence_sharded(graphs, rowwise, tp), list(own)
 
 
 def _summed(stage_modules: Sequence[nn.Module], reads: list[set[str]], model: nn.Module) -> list[str]:
@@ -165,14 +191,15 @@ def tp_mesh_of(mesh: Any, timeout_s: float, *, from_root: bool) -> Any:
 
 
 def shard_stages(stage_modules: Sequence[nn.Module], tp_mesh: Any, tp_plan: dict[str, ParallelStyle] | None, *,
-                 model: nn.Module, holders: Sequence[nn.Module] = ()) -> TPPlan:
+                 model: nn.Module, holders: Sequence[nn.Module] = (),
+                 pipeline: tuple[Sequence[nn.Module], Sequence[int]] | None = None) -> TPPlan:
     """:func:`apply_tp` on a pipeline rank: every parameter and buffer of ``stage_modules`` first broadcast from
     tp rank 0 (the replicated ones must be equal on every tp rank), then the ``DTensor`` parameters put wherever
     ``holders`` (the model, the traced graph) held the ones they replace."""
     group = tp_mesh.get_group()
     broadcast_states(stage_modules, dist.get_global_rank(group, 0), group)
     before = [dict(m.named_parameters()) for m in stage_modules]
-    plan = apply_tp(stage_modules, tp_mesh, tp_plan, model=model)
+    plan = apply_tp(stage_modules, tp_mesh, tp_plan, model=model, pipeline=pipeline)
     repoint(holders, {id(old[name]): new for old, m in zip(before, stage_modules)
                       for name, new in m.named_parameters() if new is not old.get(name)})
     return plan
@@ -193,7 +220,8 @@ def _kinds(plan: TPPlan) -> tuple[set[str], set[str]]:
             rowwise.add(path)
         else:
             raise TPPlanError(f"tp_plan's {path}: {type(style).__name__} is not supported on pipeline stages; use "
-                              "ColwiseParallel() and RowwiseParallel() (sequence parallelism is not offered)")
+                              "ColwiseParallel() and RowwiseParallel() (sequence parallelism is fxpipe's own: on by "
+                              "default, 'sp=0' in the mesh turns it off)")
     return colwise, rowwise
 
 

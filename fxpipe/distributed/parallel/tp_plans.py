@@ -136,6 +136,9 @@ class TPPlan:
     #: once applied: the replicated parameters (model names) that meet one rank's heads inside a block, whose
     #: gradients each step sums over the tp ranks (:func:`fxpipe.distributed.parallel.local_shapes.partial_parameters`)
     summed: list[str] = field(default_factory=list)
+    #: once applied: whether the activations between the blocks run on sequence shards
+    #: (:mod:`fxpipe.distributed.parallel.sequence`)
+    sequence_parallel: bool = False
 
 
 def _colwise(module: nn.Module) -> ParallelStyle:
