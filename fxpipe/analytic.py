@@ -321,7 +321,7 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
         raise InfeasiblePlanError(str(exc), exc.min_peak_bytes) from exc
     failures: list[str] = []
     best: tuple[Plan, MeshChoice] | None = None
-    refused: dict[Mesh, set[str]] = {}                  # mesh -> the schedules the node-level model refused on it
+    costed_on: dict[Mesh, set[str]] = {}                # mesh -> the schedules costed node by node on it
     order = itertools.count()
     # by a lower bound on the search's simulated step, fastest first: a shape's simulated step where the search
     # simulated it, else the least any schedule could take (least_step_s; the closed form over-counts uneven stages)
@@ -338,14 +338,17 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
             choice = simulate_choice(problem, choice)
             heapq.heappush(queue, (choice.iteration_s, next(order), choice))
             continue
+        # the same shape under its next schedule: it may fit where this one did not (fewer micro-batches in
+        # flight), or cost less node by node than this one does (the search ranks a shape's schedules by its own
+        # step, a lower bound)
+        costed_on.setdefault(choice.mesh, set()).add(choice.candidate.schedule)
+        other = _under_another_schedule(problem, choice.mesh, costed_on[choice.mesh])
+        if other is not None:
+            heapq.heappush(queue, (other.iteration_s, next(order), other))
         try:
             result = _node_level(costed, devices, problem, choice, piece_nodes, optimizer, checkpoint, options)
         except (MemoryError, InfeasiblePlanError) as exc:
             failures.append(f"{choice.mesh.label()} ({choice.candidate.schedule}): {str(exc).splitlines()[0][:200]}")
-            refused.setdefault(choice.mesh, set()).add(choice.candidate.schedule)
-            other = _under_another_schedule(problem, choice.mesh, refused[choice.mesh])
-            if other is not None:   # the same shape may fit under a schedule that keeps fewer micro-batches
-                heapq.heappush(queue, (other.iteration_s, next(order), other))
             continue
         if best is None or result.predicted["iteration_s"] < best[0].predicted["iteration_s"]:
             best = (result, choice)
@@ -360,10 +363,10 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
     return with_model_flops(result, costed)
 
 
-def _under_another_schedule(problem: MeshProblem, mesh: Mesh, refused: set[str]) -> MeshChoice | None:
-    """The search's best for ``mesh`` alone under the schedules not in ``refused``, or None (none left, or none
+def _under_another_schedule(problem: MeshProblem, mesh: Mesh, tried: set[str]) -> MeshChoice | None:
+    """The search's best for ``mesh`` alone under the schedules not in ``tried``, or None (none left, or none
     fits by the search's memory)."""
-    schedules = tuple(s for s in problem.schedules if s not in refused) if mesh.pp > 1 else ()
+    schedules = tuple(s for s in problem.schedules if s not in tried) if mesh.pp > 1 else ()
     if not schedules:
         return None
     try:

@@ -13,14 +13,17 @@ dp outermost); a dimension's collectives run at the slowest link of the block of
 What each part is charged (:func:`stage_figures`, :func:`dp_sync_s`):
 
 * compute: a piece's forward and backward per sample × the micro-batch's samples / ``tp`` (plus the fixed
-  per-micro-batch launch time, not divided), the backward again plus the forward when recomputing;
+  per-micro-batch launch time, not divided), the backward again plus the forward when recomputing; a piece
+  tensor parallelism does not shard (``Piece.tp_sharded`` false: fxpipe's runtime shards the blocks only, and runs
+  the embedding and the head whole on every tp rank) is not divided by ``tp``, in time, parameters, states and
+  activations;
 * tensor parallel: per piece and micro-batch ``tp_collectives`` all-reduces (or, with sequence parallelism,
   reduce-scatter + all-gather pairs: the same bytes on a ring) of ``tp_bytes`` × samples in the forward and
   as many in the backward, ring time ``2 (t - 1) / t × bytes / bandwidth`` at the ``tp`` island's link,
   not overlapped with compute;
 * the pipeline: a value crossing a cut goes forward and its gradient back, each charged to both stages
   (as :mod:`solvers.score`), at the ``pp`` dimension's link; with sequence parallelism each rank sends its
-  ``1 / tp`` of it;
+  ``1 / tp`` of what a tensor-parallel piece sends on;
 * data parallel once per step: ``replicate`` all-reduces the gradients (``2 (d - 1) / d`` × bytes);
   ``shard`` (FSDP2 with parameters kept unsharded through the step's micro-batches) all-gathers the
   parameters before the first forward and reduce-scatters the gradients after the last backward
@@ -67,6 +70,7 @@ class Piece:
     replicated_act_bytes: float = 0.0  # per sample: activations tensor parallel keeps whole without sequence par.
     block: bool = False                # a repeated block: per-block recomputation checkpoints it on its own
     selective_share: float = 1.0       # the share of a block's forward selective recomputation runs again
+    tp_sharded: bool = True            # tensor parallelism divides it (else it runs whole on every tp rank)
 
 
 @dataclass(frozen=True)
@@ -214,10 +218,11 @@ def stage_figures(problem: MeshProblem, mesh: Mesh, samples: int, recompute: boo
     position = -1   # the block's position in the model
     for piece in problem.pieces:
         position += piece.block
+        d = t if piece.tp_sharded else 1   # a piece tensor parallelism leaves whole runs whole on every tp rank
         tp_s = piece.tp_collectives * allreduce_s(piece.tp_bytes * samples, t, links["tp"])
-        f = piece.fwd_s * samples / (t * speed) + piece.fixed_s + tp_s
-        w = problem.weight_share * piece.bwd_s * samples / (t * speed)
-        b = piece.bwd_s * samples / (t * speed) + 2 * piece.fixed_s + tp_s
+        f = piece.fwd_s * samples / (d * speed) + piece.fixed_s + tp_s
+        w = problem.weight_share * piece.bwd_s * samples / (d * speed)
+        b = piece.bwd_s * samples / (d * speed) + 2 * piece.fixed_s + tp_s
         fwd.append(f)
         if per_block:   # the least a per-block mode recomputes (memory: whole blocks'): per block the least of
             # selective's share and "blocks:2"'s (which recomputes the even positions' blocks only), whose sum over a
@@ -227,11 +232,13 @@ def stage_figures(problem: MeshProblem, mesh: Mesh, samples: int, recompute: boo
             again = f if recompute else 0.0
         bwd.append(b + again)
         weight.append(w)
-        params.append(piece.param_bytes / t)
-        states.append(piece.param_bytes / t * state)
-        kept = piece.replicated_act_bytes if not sp else 0.0
-        acts.append(((piece.act_bytes - kept) / t + kept) * samples)
-    cut_bytes = [c * samples / (t if sp else 1) for c in problem.cut_bytes]
+        params.append(piece.param_bytes / d)
+        states.append(piece.param_bytes / d * state)
+        kept = piece.replicated_act_bytes if not sp and piece.tp_sharded else 0.0
+        acts.append(((piece.act_bytes - kept) / d + kept) * samples)
+    # with sequence parallelism what a tensor-parallel piece sends on is its sequence shard
+    cut_bytes = [c * samples / (t if sp and piece.tp_sharded else 1)
+                 for c, piece in zip(problem.cut_bytes, problem.pieces)]
     link = links["pp"]
     cut_s = [0.0 if link is None else c / link.bandwidth_Bps + link.latency_s for c in cut_bytes]
     blocks = [piece.block for piece in problem.pieces]

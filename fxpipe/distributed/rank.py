@@ -68,7 +68,10 @@ class PipelineRank:
     ``("pp", "dp_shard")`` (FSDP2), ``("pp", "dp_replicate", "dp_shard")`` (HSDP), each optionally with
     ``"tp"`` last. The mesh's ``pp`` size is the plan's workers. ``tp_plan`` (module path patterns → torch's
     ``ColwiseParallel``/``RowwiseParallel``) replaces the default tensor-parallel plan
-    (:mod:`fxpipe.distributed.parallel.tp`). On a mesh ``.grad`` holds the whole batch's gradients, averaged over
+    (:mod:`fxpipe.distributed.parallel.tp`). With a ``tp`` dim the activations between the blocks also run on
+    sequence shards (sequence parallelism, :mod:`fxpipe.distributed.parallel.sequence`), as the plan's mesh says
+    (``plan.mesh["sequence_parallel"]``) or, for a mesh given here, unless it says ``sp=0``
+    (``ParallelDims(sequence_parallel=False)``). On a mesh ``.grad`` holds the whole batch's gradients, averaged over
     data parallelism (FSDP2: this rank's shard of them, in ``DTensor`` parameters); the optimizer steps
     :meth:`parameters`.
 

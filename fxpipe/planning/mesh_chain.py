@@ -8,10 +8,14 @@ less the per-node launch time (which does not scale with the micro-batch: :mod:`
 parameter and saved-activation bytes; per cut between pieces, the bytes of every value crossing it (the
 hidden state, and the masks and rotary tables every layer reads). Tensor parallelism is charged as Megatron-LM
 runs it (Shoeybi et al. 2019; Korthikanti et al. 2022): a block makes two collectives of its hidden state's
-size in its forward (after attention and after the MLP) and two in its backward; a piece outside the blocks
-one (the vocabulary-parallel embedding's, the head's input gradient); without sequence parallelism five
+size in its forward (after attention and after the MLP) and two in its backward; without sequence parallelism five
 hidden-state-sized activations of each block stay whole on every tp rank (Korthikanti et al., table 2: the
-``10 s b h`` bytes of a layer's ``34 s b h`` that tensor parallelism alone does not divide).
+``10 s b h`` bytes of a layer's ``34 s b h`` that tensor parallelism alone does not divide). The pieces outside
+the blocks are charged as fxpipe's runtime runs them, whole on every tp rank (``Piece.tp_sharded`` false: the
+default tensor-parallel plan shards the blocks' layers, not the embedding or the head; Megatron-LM's
+vocabulary-parallel embedding and head are not run), with no collective of their own; the all-gather of the hidden
+state before the head under sequence parallelism (one, forward only, against four all-reduce-sized collectives
+a block) is left out.
 
 The devices become levels of links (:func:`levels_of`): the islands of the fastest link class inside a node
 (NVLink on an H100 box: all 8; PIX pairs on a PCIe box), the blocks of each slower class inside the node
@@ -68,16 +72,15 @@ def chain_pieces(gm: fx.GraphModule, costs: dict[str, Any], samples: int, launch
             calls = [n for n in members if n.op == "call_function" or n.op == "call_module"]
             hidden = costs[calls[-1].name].output_bytes / samples if calls else 0.0
             collectives, replicated = 2, 5 * hidden
-        else:
-            hidden = max(cuts[i - 1] if i > 0 else 0.0, cuts[i] if i < len(cuts) else 0.0)
-            collectives, replicated = 1, 0.0
+        else:   # run whole on every tp rank (module docstring): no collective of its own
+            hidden, collectives, replicated = 0.0, 0, 0.0
         pieces.append(Piece(
             name=key or _span(members), fwd_s=max(0.0, sum(x.fwd_s for x in c) - fixed) / samples,
             bwd_s=max(0.0, sum(x.bwd_s for x in c) - fixed_b) / samples,
             param_bytes=float(sum(x.param_bytes for x in c)), act_bytes=sum(x.act_bytes for x in c) / samples,
             fixed_s=max(fixed, fixed_b / 2), tp_collectives=collectives, tp_bytes=hidden,
             replicated_act_bytes=min(replicated, sum(x.act_bytes for x in c) / samples), block=key is not None,
-            selective_share=_selective_share(gm, members, costs)))
+            selective_share=_selective_share(gm, members, costs), tp_sharded=key is not None))
     return pieces, cuts, [[n.name for n in members] for _, members in groups]
 
 

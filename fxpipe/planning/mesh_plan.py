@@ -71,17 +71,23 @@ def mesh_costs(costs: dict[str, NodeCost], profiled_samples: float, choice: Mesh
                piece_nodes: Sequence[Sequence[str]], launch_s: float) -> dict[str, NodeCost]:
     """Each node's cost on one device of ``choice``'s mesh at its micro-batch (module docstring)."""
     mesh, samples = choice.mesh, choice.samples
-    t, f = mesh.tp, samples / profiled_samples
+    f = samples / profiled_samples
     sp = problem.sequence_parallel
     tp_link = problem.links(mesh)["tp"]
+    # a node of a piece tensor parallelism shards runs on 1 / tp; the others whole on every tp rank
+    divisor = {n: mesh.tp if piece.tp_sharded else 1 for piece, names in zip(problem.pieces, piece_nodes)
+               for n in names}
 
-    def time_of(x: float, fixed: float) -> float:
-        o = min(x, fixed)
-        return o + (x - o) * f / t
-    out = {name: dataclasses.replace(
-        c, fwd_s=time_of(c.fwd_s, launch_s), bwd_s=time_of(c.bwd_s, 2 * launch_s),
-        act_bytes=int(c.act_bytes * f / t), output_bytes=int(c.output_bytes * f / (t if sp else 1)),
-        param_bytes=int(c.param_bytes / t), flops=int(c.flops * f / t)) for name, c in costs.items()}
+    def scaled(c: NodeCost, t: int) -> NodeCost:
+        def time_of(x: float, fixed: float) -> float:
+            o = min(x, fixed)
+            return o + (x - o) * f / t
+        return dataclasses.replace(
+            c, fwd_s=time_of(c.fwd_s, launch_s), bwd_s=time_of(c.bwd_s, 2 * launch_s),
+            act_bytes=int(c.act_bytes * f / t), output_bytes=int(c.output_bytes * f / (t if sp else 1)),
+            param_bytes=int(c.param_bytes / t), flops=int(c.flops * f / t))
+    out = {name: scaled(c, divisor.get(name, mesh.tp)) for name, c in costs.items()}
+    t = mesh.tp
     for piece, names in zip(problem.pieces, piece_nodes):
         calls = [n for n in names if out[n].fwd_s > 0]
         if not calls:
