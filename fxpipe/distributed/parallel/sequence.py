@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from fxpipe.distributed.parallel.local_shapes import _name, _shape, _val   # the same reading of a node
 from fxpipe.distributed.parallel.tp_plans import TPPlanError
 
 __all__ = ["SEQ_DIM", "SequenceSharding", "apply_sequence_parallel", "partial_styles", "read_parameters",
@@ -92,25 +93,6 @@ class SequenceSharding:
     @property
     def active(self) -> bool:
         return any(self.sharded)
-
-
-def _name(node: fx.Node) -> str:
-    t = node.target
-    if node.op == "call_method":
-        return t
-    packet = getattr(t, "overloadpacket", None)
-    return getattr(packet if packet is not None else t, "__name__", str(t))
-
-
-def _val(node: Any) -> Any:
-    if not isinstance(node, fx.Node):
-        return None
-    return node.meta.get("val", node.meta.get("tensor_meta"))
-
-
-def _shape(node: Any) -> tuple | None:
-    v = _val(node)
-    return tuple(v.shape) if v is not None and hasattr(v, "shape") else None
 
 
 def _has_sequence(shape: tuple | None, length: int) -> bool:
