@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from fxpipe.distributed.parallel.local_shapes import _name, _shape, _val   # the same reading of a node
+from fxpipe.distributed.parallel.local_shapes import _VIEWS, _name, _shape, _val   # the same reading of a node
 from fxpipe.distributed.parallel.tp_plans import TPPlanError
 
 __all__ = ["SEQ_DIM", "SequenceSharding", "apply_sequence_parallel", "partial_styles", "read_parameters",
@@ -66,17 +66,15 @@ __all__ = ["SEQ_DIM", "SequenceSharding", "apply_sequence_parallel", "partial_st
 
 SEQ_DIM = 1
 
-_aten = torch.ops.aten
 _SAME = {"_to_copy", "to", "clone", "contiguous", "alias", "detach", "type_as", "dropout", "native_dropout",
          "float", "half", "bfloat16", "feature_dropout", "alpha_dropout"}
 _NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"}
 _REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std"}
-_VIEWS = {"view", "_unsafe_view", "reshape", "view_copy"}
 _CHECKS = {"_assert_tensor_metadata"}
 # a torch.fx trace: functions, methods and modules that act on each position alone
 _FUNCTIONS = {operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, torch.add, torch.sub,
               torch.mul, torch.div, torch.neg, torch.tanh, torch.sigmoid, torch.rsqrt, torch.pow, torch.exp,
-              F.gelu, F.silu, F.relu, F.dropout, torch.relu, torch.sigmoid}
+              F.gelu, F.silu, F.relu, F.dropout, torch.relu}
 _METHODS = {"add", "sub", "mul", "div", "neg", "pow", "rsqrt", "tanh", "sigmoid", "exp", "to", "float", "half",
             "bfloat16", "type_as", "contiguous", "clone"}
 _MODULES = (nn.Dropout, nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity)
@@ -96,8 +94,7 @@ class SequenceSharding:
 
 
 def _has_sequence(shape: tuple | None, length: int) -> bool:
-    return shape is not None and len(shape) > SEQ_DIM and isinstance(shape[SEQ_DIM], int) and \
-        shape[SEQ_DIM] == length
+    return shape is not None and len(shape) > SEQ_DIM and _is(shape[SEQ_DIM], length)
 
 
 def _is(size: Any, value: int) -> bool:
