@@ -94,6 +94,33 @@ def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedul
         feeds[a].append(b)
         fed_by[b].append(a)
 
+    if cores is None and slots is None:
+        timeline, busy = _dedicated(orders, length, owner, sends, feeds, fed_by)
+    else:
+        timeline, busy = _shared(orders, length, owner, sends, feeds, fed_by, cores, parallel_efficiency,
+                                 stage_efficiency, slots)
+    worker_free = [0.0] * n_workers
+    for e in timeline:
+        if e.kind in ("F", "B", "W"):
+            worker_free[owner[e.stage]] = max(worker_free[owner[e.stage]], e.end)
+    for st, ar in enumerate(allreduce_s or []):
+        if ar > 0:
+            w = owner[st]
+            timeline.append(Event(st, "allreduce", -1, worker_free[w], worker_free[w] + ar))
+            worker_free[w] += ar
+            busy[w] += ar
+    total = max(e.end for e in timeline)
+    return Simulation(total, busy, [total - b for b in busy], sorted(timeline, key=lambda e: (e.start, e.stage)))
+
+
+def _shared(orders: list[list[Op]], length: dict[str, list[float]], owner: list[int],
+            sends: dict[tuple[int, int], float], feeds: dict[int, list[int]], fed_by: dict[int, list[int]],
+            cores: float | None, parallel_efficiency: float, stage_efficiency: Sequence[Sequence[float]] | None,
+            slots: int | None) -> tuple[list[Event], list[float]]:
+    """Workers sharing ``cores`` processors or ``slots`` (:func:`simulate`): time advances to the next end or
+    arrival, and every running operation advances at its share of the processors meanwhile."""
+    n_workers = len(orders)
+
     def rate(active: int, kind: str, stage: int) -> float:
         if cores is None:
             return 1.0
@@ -166,18 +193,65 @@ def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedul
                     timeline.append(Event(s, f"send_{kind}", i, begin, begin + cost, peer=t))
             position[w] += 1
             remaining -= 1
-    worker_free = [0.0] * n_workers
-    for e in timeline:
-        if e.kind in ("F", "B", "W"):
-            worker_free[owner[e.stage]] = max(worker_free[owner[e.stage]], e.end)
-    for st, ar in enumerate(allreduce_s or []):
-        if ar > 0:
-            w = owner[st]
-            timeline.append(Event(st, "allreduce", -1, worker_free[w], worker_free[w] + ar))
-            worker_free[w] += ar
-            busy[w] += ar
-    total = max(e.end for e in timeline)
-    return Simulation(total, busy, [total - b for b in busy], sorted(timeline, key=lambda e: (e.start, e.stage)))
+    return timeline, busy
+
+def _dedicated(orders: list[list[Op]], length: dict[str, list[float]], owner: list[int],
+               sends: dict[tuple[int, int], float], feeds: dict[int, list[int]],
+               fed_by: dict[int, list[int]]) -> tuple[list[Event], list[float]]:
+    """Every worker on its own device (:func:`simulate` without ``cores`` or ``slots``): an operation starts
+    when its worker is free and its inputs are here, so the simulation goes from end to end in time order (a
+    heap) instead of stepping every worker to the next event, which :func:`_shared` needs and which took seconds
+    for the 64 micro-batches over 64 stages the mesh search simulates. Ends at one time are taken in worker
+    order, as :func:`_shared` takes them, so transfers queue on a link in the same order."""
+    n_workers = len(orders)
+    done: dict[Op, float] = {}
+    arrived: dict[tuple[str, int, int, int], float] = {}
+    link_free: dict[tuple[int, int], float] = {}
+    free, busy, position = [0.0] * n_workers, [0.0] * n_workers, [0] * n_workers
+    running = [False] * n_workers
+    ends: list[tuple[float, int, float, Op]] = []   # (end, worker, start, operation) of the running ones
+    timeline: list[Event] = []
+
+    def start_next(w: int) -> None:   # w's next operation, where its inputs' times are known
+        if running[w] or position[w] == len(orders[w]):
+            return
+        kind, s, i = op = orders[w][position[w]]
+        inputs = ([arrived.get(("F", a, s, i)) for a in fed_by[s]] if kind == "F" else
+                  [arrived.get(("B", b, s, i)) for b in feeds[s]] + [done.get(("F", s, i))] if kind == "B" else
+                  [done.get(("B", s, i))])
+        if None in inputs:
+            return
+        begin = max(free[w], *inputs) if inputs else free[w]
+        running[w] = True
+        heapq.heappush(ends, (begin + length[kind][s], w, begin, op))
+
+    for w in range(n_workers):
+        start_next(w)
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        if not ends:
+            raise RuntimeError("the schedule deadlocked: a worker waits for an operation that never runs")
+        now, w, begin, op = heapq.heappop(ends)
+        kind, s, i = op
+        running[w], free[w], done[op] = False, now, now
+        busy[w] += now - begin
+        position[w] += 1
+        remaining -= 1
+        timeline.append(Event(s, kind, i, begin, now))
+        targets = [] if kind == "W" else feeds[s] if kind == "F" else fed_by[s]
+        for t in targets:   # the activation forward, or the gradient back, over each link in turn
+            cost = sends[(s, t)] if kind == "F" else sends[(t, s)]
+            link = (owner[s], owner[t])
+            if link[0] == link[1]:
+                arrived[(kind, s, t, i)] = now
+                continue
+            sent = max(now, link_free.get(link, 0.0))
+            link_free[link] = arrived[(kind, s, t, i)] = sent + cost
+            timeline.append(Event(s, f"send_{kind}", i, sent, sent + cost, peer=t))
+        start_next(w)
+        for t in targets:
+            start_next(owner[t])
+    return timeline, busy
 
 
 def per_micro_batch(ops: list[tuple[str, int, float]]) -> tuple[list[float], list[float]]:

@@ -1,5 +1,7 @@
 """Schedules: every operation once, on its own worker, in dependency order; bubbles match the papers' formulas."""
 
+import random
+
 import pytest
 
 from solvers.schedules import SCHEDULES, check_schedule, stage_worker, worker_orders
@@ -123,3 +125,35 @@ def test_workers_sharing_cores_by_hand(schedule):
     # two operations at once each at 80%: a two-stage pipeline's overlap is stretched
     slow = simulate([f] * 2, [b] * 2, m, schedule, cores=2, parallel_efficiency=0.8)
     assert simulate([f] * 2, [b] * 2, m, schedule).iteration_s < slow.iteration_s <= 2 * m * (f + b) / 0.8
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_devices_of_their_own_simulate_as_the_shared_stepping_does(schedule):
+    """The event-ordered path for workers on devices of their own (no ``cores``, no ``slots``) gives every
+    operation and transfer the start and end the stepping path gives (``slots`` as many as the workers: it never
+    binds), on uneven stages, transfers, weight shares and gradient syncs."""
+    rng = random.Random(schedule)
+    checked = 0
+    for _ in range(40):
+        p = rng.randint(2, 5)
+        v = 2 if schedule in ("interleaved-1f1b", "zb-v") else 1
+        m = rng.randint(1, 6) * (p if schedule == "interleaved-1f1b" else 1)
+        k = p * v
+        try:
+            check_schedule(schedule, k, p, m)
+        except ValueError:
+            continue
+        args = ([rng.uniform(0.5, 2) for _ in range(k)], [rng.uniform(0.5, 4) for _ in range(k)], m, schedule)
+        kwargs = dict(sends={(s, s + 1): rng.choice([0.0, rng.uniform(0, 1)]) for s in range(k - 1)},
+                      allreduce_s=[rng.uniform(0, 1) for _ in range(k)], workers=p,
+                      weight_share=[rng.uniform(0, 1) for _ in range(k)])
+        own, stepped = simulate(*args, **kwargs), simulate(*args, **kwargs, slots=p)
+        assert own.iteration_s == pytest.approx(stepped.iteration_s, rel=1e-12)
+        assert own.busy_s == pytest.approx(stepped.busy_s, rel=1e-12)
+        events = [sorted((e.stage, e.kind, e.micro_batch, e.peer, e.start, e.end) for e in s.timeline)
+                  for s in (own, stepped)]
+        assert len(events[0]) == len(events[1])
+        for a, b in zip(*events):
+            assert a[:4] == b[:4] and a[4:] == pytest.approx(b[4:], rel=1e-12, abs=1e-12)
+        checked += 1
+    assert checked >= 20
