@@ -305,7 +305,7 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
                              f"dp={m.dp} replicas; pass a batch that is a multiple of {m.dp}")
     samples = costed.batch / costed.profiled
     launch = costed.spec.launch_s
-    pieces, cuts, piece_nodes = chain_pieces(costed.captured.graph, costed.costs, samples, launch)
+    pieces, cuts, broadcast, piece_nodes = chain_pieces(costed.captured.graph, costed.costs, samples, launch)
     factor = optimizer_state_factor(optimizer, costed.dtype)
     grad = min(1.0, factor)
     memory = (options.memory_bytes[0] if options is not None and options.memory_bytes is not None
@@ -314,7 +314,7 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
                           optimizer_factor=factor - grad,
                           schedules=SCHEDULES if schedule == "auto" else (schedule,),
                           sequence_parallel=sequence_parallel, fixed=fixed,
-                          micro_batch_counts=(chunks,) if chunks is not None else ())
+                          micro_batch_counts=(chunks,) if chunks is not None else (), broadcast_bytes=broadcast)
     try:
         search = search_mesh(problem)
     except solvers.InfeasibleError as exc:

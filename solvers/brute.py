@@ -102,7 +102,7 @@ def brute_force_replicated(problem: Problem) -> Score | None:
 
 def brute_force_mesh(problem: "MeshProblem") -> dict:
     """The best screened step of every mesh shape over every candidate of :func:`solvers.mesh_search.candidates`,
-    with and without recomputation (whole stages, each block), and every contiguous cut into its stages: mesh -> the best
+    with and without recomputation (whole stages, each block, the fastest that fits per stage), and every contiguous cut into its stages: mesh -> the best
     :class:`solvers.mesh_search.MeshChoice` (shapes where nothing fits are absent). Exponential: tiny problems."""
     from solvers.mesh import budget
     from solvers.mesh_search import Candidate, candidates, evaluate_cuts, recompute_options
@@ -111,8 +111,8 @@ def brute_force_mesh(problem: "MeshProblem") -> dict:
     best: dict = {}
     for cand in candidates(problem):
         k, _ = budget(problem, cand.schedule, cand.mesh.pp)
-        for recompute, per_block in recompute_options(problem, cand.mesh.pp):
-            c = Candidate(cand.mesh, cand.schedule, cand.micro_batches, recompute, per_block)
+        for option in recompute_options(problem, cand.mesh.pp):
+            c = Candidate(cand.mesh, cand.schedule, cand.micro_batches, *option)
             for inner in itertools.combinations(range(1, L), k - 1):
                 found = evaluate_cuts(problem, c, [0, *inner, L])
                 if found is not None and (cand.mesh not in best or found.screened_s < best[cand.mesh].screened_s):

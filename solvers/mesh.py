@@ -23,7 +23,8 @@ What each part is charged (:func:`stage_figures`, :func:`dp_sync_s`):
   not overlapped with compute;
 * the pipeline: a value crossing a cut goes forward and its gradient back, each charged to both stages
   (as :mod:`solvers.score`), at the ``pp`` dimension's link; with sequence parallelism each rank sends its
-  ``1 / tp`` of what a tensor-parallel piece sends on;
+  ``1 / tp`` of what a tensor-parallel piece sends on; what the first piece makes for every later one
+  (``broadcast_bytes``: attention masks, rotary tables) the first stage sends each later stage directly;
 * data parallel once per step: ``replicate`` all-reduces the gradients (``2 (d - 1) / d`` × bytes);
   ``shard`` (FSDP2 with parameters kept unsharded through the step's micro-batches) all-gathers the
   parameters before the first forward and reduce-scatters the gradients after the last backward
@@ -43,15 +44,16 @@ workspace buffers and allocator fragmentation.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
 from solvers.errors import InvalidProblemError
 from solvers.layout import DP_MODES, ORDERS, unrunnable
-from solvers.schedules import SCHEDULES, inflight, stage_worker, stages_per_worker
+from solvers.schedules import SCHEDULES, SPLIT_BACKWARD, inflight, stage_worker, stages_per_worker, worker_orders
 
-__all__ = ["DP_MODES", "ORDERS", "Level", "Mesh", "MeshProblem", "Piece", "StageFigures", "allreduce_s",
-           "dp_sync_s", "gather_s", "mesh_shapes", "stage_figures"]
+__all__ = ["DP_MODES", "MODES", "ORDERS", "Level", "Mesh", "MeshProblem", "Piece", "StageFigures", "allreduce_s",
+           "dp_sync_s", "gather_s", "mesh_shapes", "stage_figures", "stage_held"]
 
 
 
@@ -71,6 +73,7 @@ class Piece:
     block: bool = False                # a repeated block: per-block recomputation checkpoints it on its own
     selective_share: float = 1.0       # the share of a block's forward selective recomputation runs again
     tp_sharded: bool = True            # tensor parallelism divides it (else it runs whole on every tp rank)
+    selective_kept_bytes: float = 0.0  # per sample: the outputs selective recomputation keeps (matmuls, attention)
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,7 @@ class MeshProblem:
     micro_batch_counts: tuple[int, ...] = ()  # only these (per dp replica); empty: powers of two and the whole
     fixed: list[Mesh] = field(default_factory=list)   # only these meshes (empty: every shape)
     runnable_only: bool = True   # the search enumerates only layouts fxpipe's runtime runs (solvers.layout.unrunnable)
+    broadcast_bytes: float = 0.0  # per sample: what the first piece sends each later stage (masks, rotary tables)
 
     def __post_init__(self) -> None:
         if not self.pieces:
@@ -198,53 +202,74 @@ class StageFigures:
     act_bytes: list[float]    # per micro-batch per device
     cut_s: list[float]        # one way, one micro-batch, over the pp link: a cut after piece i
     cut_bytes: list[float]    # per micro-batch per device: what a cut after piece i keeps
-    kept_bytes: list[float] = field(default_factory=list)   # per-block recomputation: a block's input, else act
-    rebuilt_bytes: float = 0.0   # per-block recomputation: the largest block's activations, rebuilt in a backward
+    kept_bytes: list[float] = field(default_factory=list)   # per micro-batch, from forward to backward, in the mode
+    rebuilt_bytes: float = 0.0   # block modes: the largest recomputed block's activations, rebuilt in a backward
+    broadcast_s: float = 0.0     # one way, one micro-batch: the first stage's send to each later stage
 
 
-def stage_figures(problem: MeshProblem, mesh: Mesh, samples: int, recompute: bool,
-                  per_block: bool = False) -> StageFigures:
-    """The pieces' figures on ``mesh`` for micro-batches of ``samples`` samples (module docstring); ``recompute``
-    adds each piece's forward to its backward. With ``per_block`` only the blocks recompute, and per block the least
-    that the selective mode (``Piece.selective_share``) or ``"blocks:2"`` (the even positions' blocks whole)
-    recomputes, while the memory kept is the whole blocks' mode's: the least any per-block mode costs, a lower bound
-    on the node-level costing, which picks the mode that fits
-    (:func:`fxpipe.planning.memory_model.choose_checkpoints`)."""
+MODES = ("never", "stages", "blocks", "blocks:2", "selective")
+"""A stage's recomputation in the search, as :mod:`fxpipe.runtime` runs it (the names of
+:func:`fxpipe.planning.memory_model.block_mode`; ``"stages"`` is ``checkpoint="always"``)."""
+
+
+def stage_figures(problem: MeshProblem, mesh: Mesh, samples: int, mode: str = "never",
+                  split: bool = False) -> StageFigures:
+    """The pieces' figures on ``mesh`` for micro-batches of ``samples`` samples (module docstring) under the
+    recomputation ``mode`` (:data:`MODES`): ``"stages"`` adds each piece's forward to its backward; ``"blocks"``
+    each block's (a micro-batch keeps the block's input in place of its activations), ``"blocks:2"`` the blocks' at
+    even positions in the model, ``"selective"`` the share of a block's forward that is not a matrix product or
+    attention (``Piece.selective_share``; their outputs kept besides the input). Under a ``split`` backward
+    (zero-bubble schedules) a block mode recomputes a block for each of the backward's two passes
+    (:func:`fxpipe.planning.memory_model.recompute_s`) and ``"selective"`` does not run
+    (:func:`fxpipe.planning.memory_model.refuse_with_schedule`)."""
+    if mode not in MODES or (split and mode == "selective"):
+        raise InvalidProblemError(f"recomputation {mode!r} is not one of {MODES} (selective: not under a split "
+                                  "backward)")
     links, t, speed = problem.links(mesh), mesh.tp, problem.speed
     sp = problem.sequence_parallel
     shard = mesh.dp_mode == "shard" and mesh.dp > 1
     state = 1.0 + problem.grad_factor + problem.optimizer_factor / (mesh.dp if shard else 1)
-    fwd, bwd, weight, states, params, acts = [], [], [], [], [], []
+    # with sequence parallelism what a tensor-parallel piece sends on is its sequence shard
+    cut_bytes = [c * samples / (t if sp and piece.tp_sharded else 1)
+                 for c, piece in zip(problem.cut_bytes, problem.pieces)]
+    fwd, bwd, weight, states, params, acts, kept, rebuilt = [], [], [], [], [], [], [], [0.0]
     position = -1   # the block's position in the model
-    for piece in problem.pieces:
+    for x, piece in enumerate(problem.pieces):
         position += piece.block
         d = t if piece.tp_sharded else 1   # a piece tensor parallelism leaves whole runs whole on every tp rank
         tp_s = piece.tp_collectives * allreduce_s(piece.tp_bytes * samples, t, links["tp"])
         f = piece.fwd_s * samples / (d * speed) + piece.fixed_s + tp_s
-        w = problem.weight_share * piece.bwd_s * samples / (d * speed)
-        b = piece.bwd_s * samples / (d * speed) + 2 * piece.fixed_s + tp_s
+        whole = piece.replicated_act_bytes if not sp and piece.tp_sharded else 0.0
+        act = ((piece.act_bytes - whole) / d + whole) * samples
+        again, keeps = _recomputed(mode, piece, position, f, act, cut_bytes[x - 1] if x > 0 else 0.0,
+                                   piece.selective_kept_bytes * samples / d, split)
+        if again and piece.block and mode != "stages":
+            rebuilt.append(act - (keeps - (cut_bytes[x - 1] if x > 0 else 0.0)))
         fwd.append(f)
-        if per_block:   # the least a per-block mode recomputes (memory: whole blocks'): per block the least of
-            # selective's share and "blocks:2"'s (which recomputes the even positions' blocks only), whose sum over a
-            # stage is at most any one mode's
-            again = f * piece.selective_share if recompute and piece.block and position % 2 == 0 else 0.0
-        else:
-            again = f if recompute else 0.0
-        bwd.append(b + again)
-        weight.append(w)
+        bwd.append(piece.bwd_s * samples / (d * speed) + 2 * piece.fixed_s + tp_s + again)
+        weight.append(problem.weight_share * piece.bwd_s * samples / (d * speed))
         params.append(piece.param_bytes / d)
         states.append(piece.param_bytes / d * state)
-        kept = piece.replicated_act_bytes if not sp and piece.tp_sharded else 0.0
-        acts.append(((piece.act_bytes - kept) / d + kept) * samples)
-    # with sequence parallelism what a tensor-parallel piece sends on is its sequence shard
-    cut_bytes = [c * samples / (t if sp and piece.tp_sharded else 1)
-                 for c, piece in zip(problem.cut_bytes, problem.pieces)]
+        acts.append(act)
+        kept.append(keeps)
     link = links["pp"]
     cut_s = [0.0 if link is None else c / link.bandwidth_Bps + link.latency_s for c in cut_bytes]
-    blocks = [piece.block for piece in problem.pieces]
-    kept = [(cut_bytes[x - 1] if x > 0 else 0.0) if block else act for x, (block, act) in enumerate(zip(blocks, acts))]
-    rebuilt = max((act for block, act in zip(blocks, acts) if block), default=0.0)
-    return StageFigures(fwd, bwd, weight, states, params, acts, cut_s, cut_bytes, kept, rebuilt)
+    sent = problem.broadcast_bytes * samples   # made by the first piece, whole on every tp rank
+    broadcast_s = 0.0 if link is None or not sent else sent / link.bandwidth_Bps + link.latency_s
+    return StageFigures(fwd, bwd, weight, states, params, acts, cut_s, cut_bytes, kept, max(rebuilt), broadcast_s)
+
+
+def _recomputed(mode: str, piece: Piece, position: int, f: float, act: float, entering: float, selective: float,
+                split: bool) -> tuple[float, float]:
+    """(forward seconds recomputed, bytes a micro-batch keeps from forward to backward) of one piece under
+    ``mode`` (:func:`stage_figures`; ``"stages"``: the whole forward, and what the stage keeps is its input)."""
+    if mode == "stages":
+        return f, act
+    if mode == "never" or not piece.block or (mode == "blocks:2" and position % 2):
+        return 0.0, act
+    if mode == "selective":
+        return f * piece.selective_share, entering + selective
+    return (2 * f if split else f), entering
 
 
 def dp_sync_s(problem: MeshProblem, mesh: Mesh, param_bytes: float) -> tuple[float, float]:
@@ -266,6 +291,32 @@ def stage_inflight(schedule: str, stage: int, stages: int, micro_batches: int) -
     """Micro-batches ``stage`` holds at its peak (interleaved counted as the planner does: 1F1B over all
     stages)."""
     return inflight("1f1b" if schedule == "interleaved-1f1b" else schedule, stage, stages, micro_batches)
+
+
+def stage_held(schedule: str, stage: int, stages: int, micro_batches: int) -> tuple[tuple[int, int], ...]:
+    """(micro-batches between their forward and backward, micro-batches between their backward and weight pass)
+    that ``stage`` may hold at its peak: one pair, ``(stage_inflight, 0)``, without a split backward; under one,
+    every pair the stage's own operations pass through, less those another holds as many or more of both (the
+    node-level model keeps a micro-batch's activations and the gradients at the weight frontier from its input
+    pass to its weight pass: :mod:`solvers.activation_memory`)."""
+    if schedule not in SPLIT_BACKWARD or (schedule == "zb-v" and stages % 2):
+        return ((stage_inflight(schedule, stage, stages, micro_batches), 0),)
+    return _split_held(schedule, stages, micro_batches)[stage]
+
+
+@functools.lru_cache(maxsize=1024)
+def _split_held(schedule: str, stages: int, micro_batches: int) -> list[tuple[tuple[int, int], ...]]:
+    """:func:`stage_held` of every stage under a split backward, from one walk of the workers' orders."""
+    workers = stages // 2 if schedule == "zb-v" else stages
+    seen: list[set[tuple[int, int]]] = [set() for _ in range(stages)]
+    for order in worker_orders(schedule, stages, micro_batches, workers):
+        forward, pending = {}, {}
+        for kind, s, _ in order:
+            forward[s] = forward.get(s, 0) + (1 if kind == "F" else -1 if kind == "B" else 0)
+            pending[s] = pending.get(s, 0) + (1 if kind == "B" else -1 if kind == "W" else 0)
+            seen[s].add((forward[s], pending[s]))
+    return [tuple(sorted(p for p in held if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in held)))
+            for held in seen]
 
 
 def owner(schedule: str, stage: int, pp: int) -> int:

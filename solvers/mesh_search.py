@@ -33,6 +33,7 @@ candidates at 64 devices); the closed form costs microseconds after the cuts.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ import numpy as np
 
 from solvers.errors import InfeasibleError
 from solvers.mesh import Mesh, MeshProblem, StageFigures, budget, dp_sync_s, mesh_shapes, owner, stage_figures, \
-    stage_inflight
+    stage_held
 from solvers.schedules import SPLIT_BACKWARD, check_schedule, stages_per_worker
 from solvers.simulate import simulate
 
@@ -65,11 +66,30 @@ class Candidate:
     micro_batches: int
     recompute: bool = False
     per_block: bool = False   # with recompute: each repeated block checkpointed on its own, not whole stages
+    per_stage: bool = False   # with recompute: each stage the fastest of the modes that fits (:func:`modes`)
 
     @property
     def recomputation(self) -> str:
-        """``"never"``, ``"stages"`` (whole stages) or ``"blocks"`` (each block)."""
+        """``"never"``, ``"stages"`` (whole stages), ``"blocks"`` (each block) or ``"per stage"``."""
+        if self.per_stage:
+            return "per stage"
         return "blocks" if self.recompute and self.per_block else "stages" if self.recompute else "never"
+
+
+Mode = str
+"""A stage's recomputation: one of :data:`solvers.mesh.MODES`."""
+
+
+def modes(problem: MeshProblem, cand: Candidate) -> list[Mode]:
+    """The recomputation modes each stage of ``cand`` may take: its one mode, or, per stage, none, the whole stage
+    and, where there are blocks, each block, every other block and selective (not under a split backward), the
+    fastest that fits being the stage's."""
+    if not cand.per_stage:
+        return ["blocks" if cand.recompute and cand.per_block else "stages" if cand.recompute else "never"]
+    if not any(p.block for p in problem.pieces):
+        return ["never", "stages"]
+    split = cand.schedule in SPLIT_BACKWARD and cand.mesh.pp > 1
+    return ["never", "stages", "blocks", "blocks:2"] + ([] if split else ["selective"])
 
 
 @dataclass
@@ -87,10 +107,16 @@ class MeshChoice:
     pipeline_s: float = 0.0       # simulated: the last forward or backward's end (without the dp sync)
     bubble: float = 0.0           # idle share of the pipeline's devices' step
     simulated: bool = False
+    stage_modes: list[Mode] = field(default_factory=list)   # each stage's recomputation (:func:`modes`)
 
     @property
     def mesh(self) -> Mesh:
         return self.candidate.mesh
+
+    @property
+    def recomputation(self) -> str:
+        """The stages' modes, sorted and joined (``"never,selective"``), or the candidate's where unrecorded."""
+        return ",".join(sorted(set(self.stage_modes))) or self.candidate.recomputation
 
 
 @dataclass
@@ -149,80 +175,131 @@ def _screen_sync(problem: MeshProblem, cand: Candidate, fig: StageFigures) -> tu
     return dp_sync_s(problem, cand.mesh, sum(fig.param_bytes) / cand.mesh.pp)
 
 
-def recompute_options(problem: MeshProblem, pp: int) -> list[tuple[bool, bool]]:
-    """(recompute, per_block) pairs a candidate on ``pp`` stages is tried with: none, whole stages, and, for one
-    stage (``pp=1``, where recomputing the whole stage keeps as much as not recomputing) with repeated blocks, each
-    block on its own (its input kept, the largest block rebuilt at a time). With several stages the node-level
-    costing still gives each stage a per-block mode where that is the cheapest that fits
-    (:func:`fxpipe.planning.memory_model.choose_checkpoints`), but the search does not screen them: its per-block
-    memory leaves out what the node-level model adds (workspace, a split backward's pending gradients), and on
-    Llama-3-405B over 64 nodes it ranked shapes 1-4 % over memory first (auto 40.5 s against 35.2 s fixed)."""
-    blocks = pp == 1 and any(p.block for p in problem.pieces)
-    return [(False, False), (True, False)] + ([(True, True)] if blocks else [])
+def recompute_options(problem: MeshProblem, pp: int) -> list[tuple[bool, bool, bool]]:
+    """(recompute, per_block, per_stage) triples a candidate is tried with: no recomputation, and each stage in
+    the fastest of :func:`modes` that fits its memory, as the node-level costing chooses per stage
+    (:func:`fxpipe.planning.memory_model.choose_checkpoints`) from the same modes, so the search's step is close to
+    the node level's and below it where they differ (issue 47 part 6: with whole stages only, the 405B plan on 64
+    nodes ranked the layout the node level found fastest after its choice). ``pp`` is kept for callers that
+    enumerate per shape."""
+    return [(False, False, False), (True, False, True)]
 
 
-def _stage_memory(problem: MeshProblem, cand: Candidate, fig: StageFigures, j: int, k: int, a: int, i: int) -> float:
-    held = stage_inflight(cand.schedule, j, k, cand.micro_batches)
-    act = sum(fig.act_bytes[a:i])
-    if cand.per_block and cand.recompute:
-        kept = sum(fig.kept_bytes[a:i]) * held + fig.rebuilt_bytes
-    else:
-        kept = fig.cut_bytes[a - 1] * held + act if cand.recompute and a > 0 else (act if cand.recompute else act * held)
-    return sum(fig.state_bytes[a:i]) + kept
+def _held_bytes(mode: Mode, held: tuple[tuple[int, int], ...], state, act, kept, inputs, rebuilt):
+    """A stage's memory in ``mode`` holding ``held`` (:func:`solvers.mesh.stage_held`): its parameters, gradients
+    and optimizer state ``state``; per micro-batch between forward and backward its activations ``act``, or
+    recomputing, its input (``inputs``; the block inputs ``kept`` per block); per micro-batch between a split
+    backward's input and weight passes twice what the weight pass differentiates (the activations and, about as
+    large, the gradients at the weight frontier; per block, of the block inputs), and, recomputing, the one
+    micro-batch rebuilt at a time (the stage's activations, or the largest block's ``rebuilt``). Works on
+    numbers and on arrays of segments alike."""
+    forward, pending, extra = (act, 2 * act, 0.0) if mode == "never" else (inputs, 2 * act, act) \
+        if mode == "stages" else (kept, 2 * kept, rebuilt)
+    most = None
+    for f, w in held:
+        now = f * forward + w * pending
+        most = now if most is None else np.maximum(most, now)
+    return state + most + extra
+
+
+def _stage_memory(mode: Mode, fig: StageFigures, held: tuple[tuple[int, int], ...], a: int, i: int) -> float:
+    inputs = fig.cut_bytes[a - 1] if a > 0 else 0.0
+    return float(_held_bytes(mode, held, sum(fig.state_bytes[a:i]), sum(fig.act_bytes[a:i]),
+                             sum(fig.kept_bytes[a:i]), inputs, fig.rebuilt_bytes))
+
+
+def _figures(problem: MeshProblem, cand: Candidate, samples: int,
+             cache: dict | None = None) -> list[tuple[Mode, StageFigures]]:
+    """The pieces' figures under each of ``cand``'s modes (``cache``: by mesh, samples and mode)."""
+    cache = {} if cache is None else cache
+    out = []
+    for mode in modes(problem, cand):
+        key = (cand.mesh, samples, mode, cand.schedule in SPLIT_BACKWARD and cand.mesh.pp > 1)
+        if key not in cache:
+            cache[key] = stage_figures(problem, cand.mesh, samples, mode, split=key[-1])
+        out.append((mode, cache[key]))
+    return out
+
+
+def _as_chosen(figs: list[tuple[Mode, StageFigures]], cuts: list[int], chosen: list[int]) -> StageFigures:
+    """One set of figures whose pieces carry their stage's chosen mode's (``chosen[j]``: an index into ``figs``)."""
+    first = figs[chosen[0]][1]
+    per_piece = [figs[c][1] for c, a, i in zip(chosen, cuts, cuts[1:]) for _ in range(a, i)]
+    pick = {name: [getattr(f, name)[x] for x, f in enumerate(per_piece)]
+            for name in ("fwd_s", "bwd_s", "weight_s", "state_bytes", "param_bytes", "act_bytes")}
+    return StageFigures(**pick, cut_s=first.cut_s, cut_bytes=first.cut_bytes, kept_bytes=first.kept_bytes,
+                        rebuilt_bytes=first.rebuilt_bytes)
 
 
 def evaluate_cuts(problem: MeshProblem, cand: Candidate, cuts: list[int],
-                  fig: StageFigures | None = None) -> MeshChoice | None:
-    """``cand`` with stages ``cuts`` under the screening model; ``None`` when a stage does not fit its memory."""
+                  figs: list[tuple[Mode, StageFigures]] | None = None) -> MeshChoice | None:
+    """``cand`` with stages ``cuts`` under the screening model, each stage in the fastest of ``cand``'s modes that
+    fits its memory; ``None`` when a stage fits in none."""
     samples = problem.batch // (cand.mesh.dp * cand.micro_batches)
-    fig = fig or stage_figures(problem, cand.mesh, samples, cand.recompute, cand.per_block)
+    figs = figs or _figures(problem, cand, samples)
     k, room = budget(problem, cand.schedule, cand.mesh.pp)
     L = len(problem.pieces)
-    stage_s, memory = [], []
+    limit = room * (1 + 1e-12)
+    stage_s, memory, chosen = [], [], []
     for j, (a, i) in enumerate(zip(cuts, cuts[1:])):
-        comm = 2 * ((fig.cut_s[a - 1] if a > 0 else 0.0) + (fig.cut_s[i - 1] if i < L else 0.0))
-        stage_s.append(sum(fig.fwd_s[a:i]) + sum(fig.bwd_s[a:i]) + comm)
-        memory.append(_stage_memory(problem, cand, fig, j, k, a, i))
-    if any(mb > room * (1 + 1e-12) for mb in memory):
-        return None
+        held = stage_held(cand.schedule, j, k, cand.micro_batches)
+        fitting = []
+        for x, (mode, fig) in enumerate(figs):
+            comm = 2 * ((fig.cut_s[a - 1] if a > 0 else 0.0) + (fig.cut_s[i - 1] if i < L else 0.0)) \
+                + _broadcast_s(fig, a, k)
+            mb = _stage_memory(mode, fig, held, a, i)
+            if mb <= limit:
+                fitting.append((sum(fig.fwd_s[a:i]) + sum(fig.bwd_s[a:i]) + comm, x, mb))
+        if not fitting:
+            return None
+        t, x, mb = min(fitting)
+        stage_s.append(t), memory.append(mb), chosen.append(x)
+    fig = _as_chosen(figs, cuts, chosen)
     sync = _screen_sync(problem, cand, fig)
-    step = _closed_form(problem, cand, fig, max(stage_s)) + sum(sync)
+    # the zero-bubble forms' share rho from the first mode's figures (per stage: none recomputing), so the step
+    # depends on the cuts through tau alone and the least tau is the least step
+    step = _closed_form(problem, cand, figs[0][1], max(stage_s)) + sum(sync)
     peaks = [0.0] * cand.mesh.pp
     for j, mb in enumerate(memory):
         peaks[owner(cand.schedule, j, cand.mesh.pp)] += mb
-    return MeshChoice(cand, samples, list(cuts), step, step, stage_s, peaks, sync)
+    return MeshChoice(cand, samples, list(cuts), step, step, stage_s, peaks, sync,
+                      stage_modes=[figs[x][0] for x in chosen])
 
 
-def min_max_cuts(fig: StageFigures, k: int, room: float, inflight: list[int], recompute: bool,
-                 per_block: bool = False) -> list[int] | None:
+def min_max_cuts(figs: list[tuple[Mode, StageFigures]], k: int, room: float,
+                 held: list[tuple[tuple[int, int], ...]]) -> list[int] | None:
     """Cuts of the pieces into ``k`` contiguous stages minimising the largest stage time, every stage ``j`` within
-    ``room`` bytes holding ``inflight[j]`` micro-batches; ``None`` when no cuts fit. Exact (dynamic program)."""
-    L = len(fig.fwd_s)
+    ``room`` bytes holding ``held[j]`` micro-batches (:func:`solvers.mesh.stage_held`) in the fastest of the modes
+    ``figs`` that fits; ``None`` when no cuts fit. Exact (dynamic program)."""
+    L = len(figs[0][1].fwd_s)
     if k > L:
         return None
     zero = np.zeros(1)
-    T = np.concatenate([zero, np.cumsum(np.add(fig.fwd_s, fig.bwd_s))])
-    S = np.concatenate([zero, np.cumsum(fig.state_bytes)])
-    A = np.concatenate([zero, np.cumsum(fig.act_bytes)])
-    K = np.concatenate([zero, np.cumsum(fig.kept_bytes)]) if per_block and recompute else None
-    cut = np.concatenate([zero, np.asarray(fig.cut_s, dtype=float), zero])     # at position a: a cut before piece a
-    inb = np.concatenate([zero, np.asarray(fig.cut_bytes, dtype=float), zero])
     a_idx, i_idx = np.arange(L + 1)[:, None], np.arange(L + 1)[None, :]
     valid = a_idx < i_idx
-    seg_t = np.where(valid, T[None, :] - T[:, None] + 2 * (cut[:, None] + cut[None, :]), np.inf)
-    seg_s = S[None, :] - S[:, None]
-    seg_a = A[None, :] - A[:, None]
+    seg_t, seg_s, seg_a, seg_k, inb, rebuilt = [], [], [], [], [], []
+    for _, fig in figs:
+        T = np.concatenate([zero, np.cumsum(np.add(fig.fwd_s, fig.bwd_s))])
+        S = np.concatenate([zero, np.cumsum(fig.state_bytes)])
+        A = np.concatenate([zero, np.cumsum(fig.act_bytes)])
+        K = np.concatenate([zero, np.cumsum(fig.kept_bytes)])
+        cut = np.concatenate([zero, np.asarray(fig.cut_s, dtype=float), zero])  # at position a: a cut before a
+        sent = np.array([_broadcast_s(fig, a, k) for a in range(L + 1)])[:, None]
+        seg_t.append(np.where(valid, T[None, :] - T[:, None] + 2 * (cut[:, None] + cut[None, :]) + sent, np.inf))
+        seg_s.append(S[None, :] - S[:, None])
+        seg_a.append(A[None, :] - A[:, None])
+        seg_k.append(K[None, :] - K[:, None])
+        inb.append(np.concatenate([zero, np.asarray(fig.cut_bytes, dtype=float), zero])[:, None])
+        rebuilt.append(fig.rebuilt_bytes)
     best = np.full(L + 1, np.inf)
     best[0] = 0.0
     choice = []
     limit = room * (1 + 1e-12)
     for j in range(k):
-        held = inflight[j]
-        if K is not None:
-            mem = seg_s + (K[None, :] - K[:, None]) * held + fig.rebuilt_bytes
-        else:
-            mem = seg_s + (inb[:, None] * held + seg_a if recompute else seg_a * held)
-        cost = np.where(valid & (mem <= limit), seg_t, np.inf)
+        cost = np.full((L + 1, L + 1), np.inf)
+        for x, (mode, _) in enumerate(figs):
+            mem = _held_bytes(mode, held[j], seg_s[x], seg_a[x], seg_k[x], inb[x], rebuilt[x])
+            cost = np.minimum(cost, np.where(valid & (mem <= limit), seg_t[x], np.inf))
         total = np.maximum(best[:, None], cost)
         arg = np.argmin(total, axis=0)
         best = total[arg, np.arange(L + 1)]
@@ -236,23 +313,32 @@ def min_max_cuts(fig: StageFigures, k: int, room: float, inflight: list[int], re
     return cuts[::-1]
 
 
-def solve_candidate(problem: MeshProblem, cand: Candidate, fig: StageFigures) -> MeshChoice | None:
+def _broadcast_s(fig: StageFigures, a: int, k: int) -> float:
+    """A stage's share of the first piece's sends to every later stage (``MeshProblem.broadcast_bytes``): the
+    first stage sends to the ``k - 1`` others, each other receives once; forward and gradient."""
+    return 2 * fig.broadcast_s * ((k - 1) if a == 0 else 1) if k > 1 else 0.0
+
+
+def solve_candidate(problem: MeshProblem, cand: Candidate,
+                    figs: list[tuple[Mode, StageFigures]]) -> MeshChoice | None:
     """The screening model's best cuts of ``cand`` and their step; ``None`` when nothing fits."""
     k, room = budget(problem, cand.schedule, cand.mesh.pp)
-    held = [stage_inflight(cand.schedule, j, k, cand.micro_batches) for j in range(k)]
-    cuts = min_max_cuts(fig, k, room, held, cand.recompute, cand.per_block)
-    return None if cuts is None else evaluate_cuts(problem, cand, cuts, fig)
+    held = [stage_held(cand.schedule, j, k, cand.micro_batches) for j in range(k)]
+    cuts = min_max_cuts(figs, k, room, held)
+    return None if cuts is None else evaluate_cuts(problem, cand, cuts, figs)
 
 
 def simulate_choice(problem: MeshProblem, choice: MeshChoice) -> MeshChoice:
     """``choice`` with its step simulated (module docstring)."""
     cand, cuts = choice.candidate, choice.cuts
-    fig = stage_figures(problem, cand.mesh, choice.samples, cand.recompute, cand.per_block)
+    figs = _figures(problem, cand, choice.samples)
+    fig = _as_chosen(figs, cuts, [[m for m, _ in figs].index(mode) for mode in choice.stage_modes])
     p, k = cand.mesh.pp, len(cuts) - 1
     fwd = [sum(fig.fwd_s[a:i]) for a, i in zip(cuts, cuts[1:])]
     bwd = [sum(fig.bwd_s[a:i]) for a, i in zip(cuts, cuts[1:])]
     share = [min(1.0, sum(fig.weight_s[a:i]) / b) if b > 0 else 0.0 for a, i, b in zip(cuts, cuts[1:], bwd)]
-    sends = {(j, j + 1): fig.cut_s[cuts[j + 1] - 1] for j in range(k - 1)}
+    sends = {(j, j + 1): fig.cut_s[cuts[j + 1] - 1] + (fig.broadcast_s if j == 0 else 0.0) for j in range(k - 1)}
+    sends.update({(0, j): fig.broadcast_s for j in range(2, k) if fig.broadcast_s})
     params = [sum(fig.param_bytes[a:i]) for a, i in zip(cuts, cuts[1:])]
     after = [dp_sync_s(problem, cand.mesh, b)[1] for b in params]
     first = sum(b for j, b in enumerate(params) if owner(cand.schedule, j, p) == 0)
@@ -265,8 +351,8 @@ def simulate_choice(problem: MeshProblem, choice: MeshChoice) -> MeshChoice:
     pipe = sim.iteration_s
     compute_end = max((e.end for e in sim.timeline if e.kind in ("F", "B", "W")), default=0.0)
     bubble = 1.0 - sum(work) / (p * compute_end) if compute_end > 0 else 0.0
-    return MeshChoice(cand, choice.samples, cuts, choice.screened_s, pipe + before, choice.stage_s,
-                      choice.peak_bytes, (before, max(after) if after else 0.0), compute_end, bubble, simulated=True)
+    return dataclasses.replace(choice, iteration_s=pipe + before, sync_s=(before, max(after) if after else 0.0),
+                               pipeline_s=compute_end, bubble=bubble, simulated=True)
 
 
 def search_mesh(problem: MeshProblem) -> MeshSearch:
@@ -276,7 +362,7 @@ def search_mesh(problem: MeshProblem) -> MeshSearch:
     started = time.perf_counter()
     best_of: dict[Mesh, MeshChoice] = {}
     why: dict[Mesh, str] = {}
-    figures: dict[tuple[Mesh, int, bool, bool], StageFigures] = {}
+    figures: dict[tuple[Mesh, int, str, bool], StageFigures] = {}   # _figures' cache
     by_mesh: dict[Mesh, list[Candidate]] = {}
     for cand in candidates(problem):
         by_mesh.setdefault(cand.mesh, []).append(cand)
@@ -287,7 +373,7 @@ def search_mesh(problem: MeshProblem) -> MeshSearch:
         options = recompute_options(problem, mesh.pp)
         # every device of the pipeline holds its stages' parameters, gradients and optimizer state: on average
         # their sum / pp, and the fullest at least that
-        if sum(stage_figures(problem, mesh, 1, False).state_bytes) / mesh.pp > problem.memory_bytes:
+        if sum(stage_figures(problem, mesh, 1).state_bytes) / mesh.pp > problem.memory_bytes:
             why[mesh] = "parameters, gradients and optimizer state alone exceed a device's memory"
             continue
         # branch and bound inside the shape: a candidate's step is at least its closed form at the bottleneck's
@@ -296,27 +382,25 @@ def search_mesh(problem: MeshProblem) -> MeshSearch:
         bounded = []
         for cand in cands:
             samples = problem.batch // (mesh.dp * cand.micro_batches)
-            for recompute, per_block in options:
-                c = Candidate(mesh, cand.schedule, cand.micro_batches, recompute, per_block)
-                key = (mesh, samples, recompute, per_block)
-                if key not in figures:
-                    figures[key] = stage_figures(problem, mesh, samples, recompute, per_block)
-                fig = figures[key]
-                bound = _closed_form(problem, c, fig, _least_tau(problem, c, fig)) + sum(_screen_sync(problem, c, fig))
-                bounded.append((bound, c.micro_batches, recompute, per_block, c, fig))
-        bounded.sort(key=lambda b: b[:4])
+            for option in options:
+                c = Candidate(mesh, cand.schedule, cand.micro_batches, *option)
+                figs = _figures(problem, c, samples, figures)
+                bound = min(_closed_form(problem, c, fig, _least_tau(problem, c, fig)) for _, fig in figs) \
+                    + sum(_screen_sync(problem, c, figs[0][1]))
+                bounded.append((bound, c.micro_batches, *option, c, figs))
+        bounded.sort(key=lambda b: b[:5])
         best: MeshChoice | None = None
-        for bound, _, _, _, c, fig in bounded:
+        for bound, _, _, _, _, c, figs in bounded:
             if best is not None and bound >= best.screened_s:
                 break
             tried += 1
-            found = solve_candidate(problem, c, fig)
+            found = solve_candidate(problem, c, figs)
             if found is not None and (best is None or _rank(found) < _rank(best)):
                 best = found
         if best is not None:
             best_of[mesh] = best
     if not best_of:
-        least = min((sum(stage_figures(problem, m, 1, True).state_bytes) / m.pp for m in why), default=math.nan)
+        least = min((sum(stage_figures(problem, m, 1).state_bytes) / m.pp for m in why), default=math.nan)
         raise InfeasibleError(
             f"no mesh of {problem.world} devices fits memory with any schedule, micro-batch count or recomputation "
             f"({len(why)} shapes tried): parameters, gradients and optimizer state alone need "
@@ -342,8 +426,8 @@ def _estimated(c: MeshChoice) -> MeshChoice:
     p, m = c.mesh.pp, c.candidate.micro_batches
     pipe = c.screened_s - sum(c.sync_s)
     work = sum(c.stage_s) * m / p
-    return MeshChoice(c.candidate, c.samples, c.cuts, c.screened_s, c.screened_s, c.stage_s, c.peak_bytes, c.sync_s,
-                      pipe, max(0.0, 1.0 - work / pipe) if pipe > 0 else 0.0, simulated=False)
+    return dataclasses.replace(c, iteration_s=c.screened_s, pipeline_s=pipe,
+                               bubble=max(0.0, 1.0 - work / pipe) if pipe > 0 else 0.0, simulated=False)
 
 
 def least_step_s(c: MeshChoice) -> float:
@@ -365,6 +449,8 @@ def _least_tau(problem: MeshProblem, cand: Candidate, fig: StageFigures) -> floa
     return max(max(work), sum(work) / k)
 
 
-def _rank(c: MeshChoice) -> tuple[float, int, bool, bool]:
-    """Faster first; ties to fewer micro-batches, then no recomputation, then whole stages."""
-    return (c.screened_s, c.candidate.micro_batches, c.candidate.recompute, c.candidate.per_block)
+def _rank(c: MeshChoice) -> tuple[float, int, bool, bool, int]:
+    """Faster first; ties to fewer micro-batches, then no recomputation, then whole stages, then fewer stages
+    recomputing."""
+    return (c.screened_s, c.candidate.micro_batches, c.candidate.recompute, c.candidate.per_block,
+            sum(mode != "never" for mode in c.stage_modes))

@@ -41,9 +41,13 @@ _RANK = ["NV", "PIX", "PXB", "PHB", "NODE", "SYS", "HOST", "NET"]   # fastest fi
 
 
 def chain_pieces(gm: fx.GraphModule, costs: dict[str, Any], samples: int, launch_s: float
-                 ) -> tuple[list[Piece], list[float], list[list[str]]]:
-    """(pieces, bytes per sample crossing each cut, each piece's node names) of ``gm`` costed on micro-batches
-    of ``samples`` samples."""
+                 ) -> tuple[list[Piece], list[float], float, list[list[str]]]:
+    """(pieces, bytes per sample crossing each cut, bytes per sample the first piece sends every later stage,
+    each piece's node names) of ``gm`` costed on micro-batches of ``samples`` samples. A value the first piece
+    makes and pieces past the next read (a transformer's attention mask and rotary tables, read by every layer)
+    goes from the first stage to each later stage that reads it, as the runtime sends it and the node-level
+    costing charges it (:func:`solvers.score.score_assignment`): the first stage sends it once per later stage,
+    not once per cut (``MeshProblem.broadcast_bytes``)."""
     blocks = repeated_blocks(gm)
     block_of = {name: path for path, names in blocks.items() for name in names}
     order = [n for n in solver_order(gm) if n.name in costs]
@@ -56,10 +60,14 @@ def chain_pieces(gm: fx.GraphModule, costs: dict[str, Any], samples: int, launch
             groups.append((key, [n]))
     piece_of = {n.name: i for i, (_, members) in enumerate(groups) for n in members}
     crossing = [0.0] * (len(groups) - 1)   # bytes over the cut after piece i
+    broadcast = 0.0
     for n in order:
         if n.op == "get_attr":   # a parameter read in a later piece (tied): a copy there, not a transfer
             continue
         last = max((piece_of[u.name] for u in n.users if u.name in piece_of), default=piece_of[n.name])
+        if piece_of[n.name] == 0 and last > 1:
+            broadcast += costs[n.name].output_bytes
+            continue
         for i in range(piece_of[n.name], last):
             crossing[i] += costs[n.name].output_bytes
     cuts = [c / samples for c in crossing]
@@ -80,8 +88,10 @@ def chain_pieces(gm: fx.GraphModule, costs: dict[str, Any], samples: int, launch
             param_bytes=float(sum(x.param_bytes for x in c)), act_bytes=sum(x.act_bytes for x in c) / samples,
             fixed_s=max(fixed, fixed_b / 2), tp_collectives=collectives, tp_bytes=hidden,
             replicated_act_bytes=min(replicated, sum(x.act_bytes for x in c) / samples), block=key is not None,
-            selective_share=_selective_share(gm, members, costs), tp_sharded=key is not None))
-    return pieces, cuts, [[n.name for n in members] for _, members in groups]
+            selective_share=_selective_share(gm, members, costs), tp_sharded=key is not None,
+            selective_kept_bytes=sum(costs[n.name].output_bytes for n in members if kept_by_selective(gm, n))
+            / samples))
+    return pieces, cuts, broadcast / samples, [[n.name for n in members] for _, members in groups]
 
 
 def _selective_share(gm: fx.GraphModule, members: list[fx.Node], costs: dict[str, Any]) -> float:

@@ -139,7 +139,8 @@ def mesh_rows(search: MeshSearch, problem: MeshProblem, chosen: MeshChoice | Non
     for c in shapes:
         rows.append({"pp": c.mesh.pp, "dp": c.mesh.dp, "tp": c.mesh.tp, "dp_mode": c.mesh.dp_mode,
                      "order": c.mesh.order, "schedule": c.candidate.schedule, "chunks": c.candidate.micro_batches,
-                     "recompute": c.candidate.recompute, "recomputation": c.candidate.recomputation,
+                     "recompute": any(mode != "never" for mode in c.stage_modes),
+                     "recomputation": c.recomputation,
                      "iteration_s": c.iteration_s, "screened_s": c.screened_s,
                      "bubble": c.bubble, "peak_bytes": max(c.peak_bytes), "sync_s": list(c.sync_s),
                      "simulated": c.simulated,
