@@ -10,9 +10,10 @@ import pytest
 
 from solvers import InfeasibleError
 from solvers.brute import brute_force_mesh
-from solvers.mesh import Level, Mesh, MeshProblem, Piece, mesh_shapes, stage_figures
+from solvers.activation_memory import StageBytes, worker_peak_bytes
+from solvers.mesh import Level, Mesh, MeshProblem, Piece, mesh_shapes, stage_figures, stage_held
 from solvers.mesh_search import search_mesh
-from solvers.schedules import SPLIT_BACKWARD
+from solvers.schedules import SPLIT_BACKWARD, worker_orders
 
 
 def chain(rng: random.Random, pieces: int, levels: list[Level], memory: float, batch: int,
@@ -27,7 +28,8 @@ def chain(rng: random.Random, pieces: int, levels: list[Level], memory: float, b
                          replicated_act_bytes=rng.uniform(0, 1) * 2**20, block=blocks and 0 < i < pieces - 1,
                          selective_share=rng.uniform(0.2, 0.5)))
     cuts = [rng.uniform(0.2, 2) * 2**20 for _ in range(pieces - 1)]
-    return MeshProblem(out, cuts, levels, memory, batch, grad_factor=1.0, optimizer_factor=6.0)
+    return MeshProblem(out, cuts, levels, memory, batch, grad_factor=1.0, optimizer_factor=6.0,
+                       broadcast_bytes=rng.choice([0.0, rng.uniform(0.1, 1) * 2**20]))
 
 
 @pytest.mark.parametrize("seed", range(6))   # 3-5: chains of repeated blocks, recomputed per block at pp=1
@@ -90,6 +92,50 @@ def test_stages_recompute_per_block_where_whole_stages_keep_as_much(seed):
     without = {c.mesh: c for c in search_mesh(flat).shapes}
     assert all(without[m].screened_s >= c.screened_s * (1 - 1e-12) for m, c in per.items() if m in without)
     assert any(m not in without or without[m].screened_s > c.screened_s for m, c in per.items())
+
+
+def test_the_first_stage_sends_what_every_block_reads_to_each_later_stage() -> None:
+    """What the first piece makes for every later one (a mask, rotary tables: ``broadcast_bytes``) goes from the
+    first stage to each later stage, forward and gradient, as the node-level costing charges it
+    (:func:`solvers.score.score_assignment`: one transfer per receiving stage); each later stage receives it once."""
+    piece = Piece("block", 1e-3, 2e-3, param_bytes=1e6, act_bytes=1e6, block=True)
+    problem = MeshProblem([dataclasses.replace(piece, block=False)] + [piece] * 4, [1e6] * 4, [Level(4, 10e9)], 1e12,
+                          batch=4, broadcast_bytes=2e6)
+    found = search_mesh(dataclasses.replace(problem, fixed=[Mesh(4, 1, 1)], schedules=("1f1b",)))
+    choice = found.best
+    sent = 2e6 * choice.samples / 10e9
+    hidden = 1e6 * choice.samples / 10e9
+    work = choice.samples * 3e-3   # a piece's forward and backward for the micro-batch
+    for j, (a, i) in enumerate(zip(choice.cuts, choice.cuts[1:])):
+        hops = (a > 0) + (i < 5)   # the hidden state in and out
+        assert choice.stage_s[j] == pytest.approx((i - a) * work + 2 * hops * hidden + 2 * (3 if j == 0 else 1) * sent)
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+def test_what_a_split_backward_holds_is_the_memory_walk_s_peak(schedule) -> None:
+    """A stage's (forward, pending) pairs (:func:`solvers.mesh.stage_held`) give the node-level memory walk's
+    peak (:func:`solvers.activation_memory.worker_peak_bytes`) for a stage keeping ``full`` bytes from its forward
+    to its backward and ``pending`` from its backward to its weight pass: equal where a worker runs one stage
+    (ZB-H1), at least the worker's where it runs two (ZB-V: the search charges each stage its own peak)."""
+    rng = random.Random(schedule)
+    for p in (2, 3, 4):
+        for m in (1, 2, 3, 5, 8):
+            stages = 2 * p if schedule == "zb-v" else p
+            workers = worker_orders(schedule, stages, m, p)
+            for _ in range(3):
+                full, pending = rng.uniform(0.1, 2), rng.uniform(0.1, 3)
+                sizes = StageBytes(full=full, checkpointed=0.0, forward_peak=full, forward_peak_checkpointed=0.0,
+                                   backward_peak=0.0, backward_peak_checkpointed=0.0, backward_peak_split=0.0,
+                                   weight_pending=pending)
+                for w, order in enumerate(workers):
+                    walked = worker_peak_bytes(order, lambda s: sizes, lambda s, i: False, split_backward=True)
+                    mine = {s for _, s, _ in order}
+                    charged = sum(max(f * full + b * pending for f, b in stage_held(schedule, s, stages, m))
+                                  for s in mine)
+                    if len(mine) == 1:
+                        assert charged == pytest.approx(walked), (p, m, w)
+                    else:
+                        assert charged >= walked * (1 - 1e-12), (p, m, w)
 
 
 def test_costs_charged_where_the_dimensions_run() -> None:
