@@ -320,6 +320,7 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
     except solvers.InfeasibleError as exc:
         raise InfeasiblePlanError(str(exc), exc.min_peak_bytes) from exc
     failures: list[str] = []
+    costed_rows: list[dict[str, Any]] = []   # every choice costed node by node, beside the search's figures
     best: tuple[Plan, MeshChoice] | None = None
     costed_on: dict[Mesh, set[str]] = {}                # mesh -> the schedules costed node by node on it
     order = itertools.count()
@@ -345,11 +346,17 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
         other = _under_another_schedule(problem, choice.mesh, costed_on[choice.mesh])
         if other is not None:
             heapq.heappush(queue, (other.iteration_s, next(order), other))
+        row = {"mesh": choice.mesh.label(), "schedule": choice.candidate.schedule,
+               "chunks": choice.candidate.micro_batches, "searched_s": choice.iteration_s,
+               "searched_peak_bytes": max(choice.peak_bytes)}
+        costed_rows.append(row)
         try:
             result = _node_level(costed, devices, problem, choice, piece_nodes, optimizer, checkpoint, options)
         except (MemoryError, InfeasiblePlanError) as exc:
             failures.append(f"{choice.mesh.label()} ({choice.candidate.schedule}): {str(exc).splitlines()[0][:200]}")
+            row["refused"] = failures[-1]
             continue
+        row.update(iteration_s=result.predicted["iteration_s"], peak_bytes=max(result.worker_peaks()))
         if best is None or result.predicted["iteration_s"] < best[0].predicted["iteration_s"]:
             best = (result, choice)
     if best is None:
@@ -359,7 +366,7 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
     result.mesh = mesh_record(choice, problem, pipeline_ranks(choice.mesh.pp, choice.mesh.dp, choice.mesh.tp,
                                                               choice.mesh.order))
     result.solver.update(mesh_search=mesh_rows(search, problem, choice, result), mesh_search_s=search.time_s,
-                         mesh_candidates=search.tried, mesh_refused=failures)
+                         mesh_candidates=search.tried, mesh_refused=failures, mesh_costed=costed_rows)
     return with_model_flops(result, costed)
 
 

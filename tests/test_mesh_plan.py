@@ -39,6 +39,13 @@ def test_auto_mesh_plan_records_the_mesh_and_every_shape(costed, tmp_path):
                                                                     if n.op != "output")
     text = plan.summary()
     assert text.startswith(f"mesh pp={mesh['pp']}") and "mesh search (" in text and "* pp=" in text
+    # every choice costed node by node is recorded beside the search's figures; the plan is the fastest of them
+    costed = plan.solver["mesh_costed"]
+    fitted = [r for r in costed if "iteration_s" in r]
+    assert fitted and all("refused" in r for r in costed if r not in fitted)
+    assert plan.predicted["iteration_s"] == min(r["iteration_s"] for r in fitted)
+    assert all(r["searched_s"] > 0 and r["searched_peak_bytes"] > 0 for r in costed)
+    assert f"{len(costed)} choices of the search costed node by node" in text
     path = tmp_path / "mesh.plan.json"
     plan.save(path)
     again = fxpipe.load_plan(path)

@@ -44,6 +44,13 @@ def mesh_table(plan: Any, table: Callable[[list[str], list[list[str]]], list[str
         if r["chosen"] and "searched_s" in r:
             out.append(f"* as costed node by node (the plan above); the search's own estimate of it: "
                        f"{r['searched_s'] * 1e3:.1f} ms, {r['searched_peak_bytes'] / 2**30:.1f} GiB")
+    costed = [r for r in plan.solver.get("mesh_costed", []) if "iteration_s" in r]
+    if costed:
+        step = [r["iteration_s"] / r["searched_s"] for r in costed]
+        memory = [r["peak_bytes"] / r["searched_peak_bytes"] for r in costed]
+        out.append(f"{len(plan.solver['mesh_costed'])} choices of the search costed node by node ("
+                   f"{len(plan.solver['mesh_costed']) - len(costed)} refused); node level over search: step "
+                   f"{min(step):.2f}-{max(step):.2f}x, peak memory {min(memory):.2f}-{max(memory):.2f}x")
     refused = [_label(r) for r in rows if not r["feasible"]]
     if refused:
         out.append(f"no plan fits memory on: {', '.join(refused)}")
