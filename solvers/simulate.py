@@ -179,18 +179,8 @@ def _shared(orders: list[list[Op]], length: dict[str, list[float]], owner: list[
             done[op] = now
             busy[w] += now - start
             timeline.append(Event(s, kind, i, start, now))
-            if kind != "W":   # send the activation forward, or the gradient back, over each link in turn
-                for t in (feeds[s] if kind == "F" else fed_by[s]):
-                    cost = sends[(s, t)] if kind == "F" else sends[(t, s)]
-                    link = (owner[s], owner[t])
-                    if link[0] == link[1]:
-                        arrived[(kind, s, t, i)] = now
-                        continue
-                    begin = max(now, link_free.get(link, 0.0))
-                    link_free[link] = begin + cost
-                    arrived[(kind, s, t, i)] = begin + cost
-                    heapq.heappush(pending, begin + cost)
-                    timeline.append(Event(s, f"send_{kind}", i, begin, begin + cost, peer=t))
+            for when in _send(op, now, sends, feeds, fed_by, owner, link_free, arrived, timeline):
+                heapq.heappush(pending, when)
             position[w] += 1
             remaining -= 1
     return timeline, busy
@@ -238,20 +228,32 @@ def _dedicated(orders: list[list[Op]], length: dict[str, list[float]], owner: li
         position[w] += 1
         remaining -= 1
         timeline.append(Event(s, kind, i, begin, now))
-        targets = [] if kind == "W" else feeds[s] if kind == "F" else fed_by[s]
-        for t in targets:   # the activation forward, or the gradient back, over each link in turn
-            cost = sends[(s, t)] if kind == "F" else sends[(t, s)]
-            link = (owner[s], owner[t])
-            if link[0] == link[1]:
-                arrived[(kind, s, t, i)] = now
-                continue
-            sent = max(now, link_free.get(link, 0.0))
-            link_free[link] = arrived[(kind, s, t, i)] = sent + cost
-            timeline.append(Event(s, f"send_{kind}", i, sent, sent + cost, peer=t))
+        _send(op, now, sends, feeds, fed_by, owner, link_free, arrived, timeline)
         start_next(w)
-        for t in targets:
+        for t in ([] if kind == "W" else feeds[s] if kind == "F" else fed_by[s]):
             start_next(owner[t])
     return timeline, busy
+
+
+def _send(op: Op, now: float, sends: dict[tuple[int, int], float], feeds: dict[int, list[int]],
+          fed_by: dict[int, list[int]], owner: list[int], link_free: dict[tuple[int, int], float],
+          arrived: dict[tuple[str, int, int, int], float], timeline: list[Event]) -> list[float]:
+    """``op`` ended at ``now``: its activation goes forward, or its gradient back, over each link in turn (one
+    transfer at a time per link and direction; stages of one worker hand over at once). Records each arrival and
+    returns the times of those that cross a link."""
+    kind, s, i = op
+    crossing = []
+    for t in ([] if kind == "W" else feeds[s] if kind == "F" else fed_by[s]):
+        cost = sends[(s, t)] if kind == "F" else sends[(t, s)]
+        link = (owner[s], owner[t])
+        if link[0] == link[1]:
+            arrived[(kind, s, t, i)] = now
+            continue
+        begin = max(now, link_free.get(link, 0.0))
+        link_free[link] = arrived[(kind, s, t, i)] = begin + cost
+        timeline.append(Event(s, f"send_{kind}", i, begin, begin + cost, peer=t))
+        crossing.append(begin + cost)
+    return crossing
 
 
 def per_micro_batch(ops: list[tuple[str, int, float]]) -> tuple[list[float], list[float]]:
