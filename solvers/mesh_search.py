@@ -2,9 +2,10 @@
 
 For every candidate (:func:`candidates`: each mesh shape of :func:`solvers.mesh.mesh_shapes`, each schedule
 it can run, each micro-batch count that divides a dp replica's samples — powers of two and the whole local
-batch — without recomputation, recomputing whole stages, and recomputing each repeated block on its own (a
-micro-batch keeps the blocks' inputs, a backward rebuilds the largest block: torchtitan's activation
-checkpointing, :mod:`fxpipe.runtime.block_recompute`) — the step is screened by a closed form of the
+batch — without recomputation, and with each stage in the fastest recomputation mode that fits its memory
+(:func:`modes`: the whole stage, each repeated block, every other block, or selectively, as
+:mod:`fxpipe.runtime.block_recompute` runs them and the node-level costing chooses them per stage) — the step is
+screened by a closed form of the
 schedule's timeline in the bottleneck stage time ``τ`` (the largest per-micro-batch forward + backward +
 pipeline transfers of the ``pp × v`` stages):
 
@@ -13,10 +14,11 @@ pipeline transfers of the ``pp × v`` stages):
   over the model (Qi et al. 2023: the bubble is ``(p - 1)(F + B - W)``),
 
 plus data parallel's all-gather and gradient sync of the average device's parameters, charged whole. The
-closed form is increasing in ``τ`` and otherwise independent of the cuts, so the cuts that minimise ``τ``
-under each stage's memory (:func:`min_max_cuts`, an exact dynamic program over contiguous cuts, vectorised)
-minimise it: the search is exact for the screening model, which ``tests/test_mesh_search.py`` checks against
-:func:`solvers.brute.brute_force_mesh` (every mesh, candidate and cut).
+closed form is increasing in ``τ`` and otherwise independent of the cuts (the zero-bubble forms' ``ρ`` is taken
+without recomputation), so the cuts that minimise ``τ`` under each stage's memory (:func:`min_max_cuts`, an exact
+dynamic program over contiguous cuts and each stage's mode, vectorised) minimise it: the search is exact for
+the screening model, which ``tests/test_mesh_search.py`` checks against :func:`solvers.brute.brute_force_mesh`
+(every mesh, candidate and cut).
 
 Inside a shape the candidates are solved in the order of a lower bound on their step (the closed form at
 the larger of the slowest piece and the average stage), until the bound reaches the best step found
