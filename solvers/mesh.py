@@ -315,8 +315,17 @@ def _split_held(schedule: str, stages: int, micro_batches: int) -> list[tuple[tu
             forward[s] = forward.get(s, 0) + (1 if kind == "F" else -1 if kind == "B" else 0)
             pending[s] = pending.get(s, 0) + (1 if kind == "B" else -1 if kind == "W" else 0)
             seen[s].add((forward[s], pending[s]))
-    return [tuple(sorted(p for p in held if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in held)))
-            for held in seen]
+    return [_undominated(held) for held in seen]
+
+
+def _undominated(pairs: set[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """The pairs no other pair matches or exceeds in both, sorted (one sweep from the most forwards down)."""
+    out, most = [], -1
+    for f, w in sorted(pairs, key=lambda p: (-p[0], -p[1])):
+        if w > most:
+            out.append((f, w))
+            most = w
+    return tuple(sorted(out))
 
 
 def owner(schedule: str, stage: int, pp: int) -> int:

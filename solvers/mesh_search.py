@@ -199,7 +199,7 @@ def _held_bytes(mode: Mode, held: tuple[tuple[int, int], ...], state, act, kept,
         if mode == "stages" else (kept, 2 * kept, rebuilt)
     most = None
     for f, w in held:
-        now = f * forward + w * pending
+        now = f * forward + w * pending if w else f * forward
         most = now if most is None else np.maximum(most, now)
     return state + most + extra
 
@@ -297,11 +297,15 @@ def min_max_cuts(figs: list[tuple[Mode, StageFigures]], k: int, room: float,
     best[0] = 0.0
     choice = []
     limit = room * (1 + 1e-12)
+    costs: dict[tuple[tuple[int, int], ...], np.ndarray] = {}   # by what a stage holds: stages share them
     for j in range(k):
-        cost = np.full((L + 1, L + 1), np.inf)
-        for x, (mode, _) in enumerate(figs):
-            mem = _held_bytes(mode, held[j], seg_s[x], seg_a[x], seg_k[x], inb[x], rebuilt[x])
-            cost = np.minimum(cost, np.where(valid & (mem <= limit), seg_t[x], np.inf))
+        cost = costs.get(held[j])
+        if cost is None:
+            cost = np.full((L + 1, L + 1), np.inf)
+            for x, (mode, _) in enumerate(figs):
+                mem = _held_bytes(mode, held[j], seg_s[x], seg_a[x], seg_k[x], inb[x], rebuilt[x])
+                cost = np.minimum(cost, np.where(mem <= limit, seg_t[x], np.inf))   # seg_t: inf where not valid
+            costs[held[j]] = cost
         total = np.maximum(best[:, None], cost)
         arg = np.argmin(total, axis=0)
         best = total[arg, np.arange(L + 1)]
