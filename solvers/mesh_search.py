@@ -87,7 +87,7 @@ def modes(problem: MeshProblem, cand: Candidate) -> list[Mode]:
     and, where there are blocks, each block, every other block and selective (not under a split backward), the
     fastest that fits being the stage's."""
     if not cand.per_stage:
-        return ["blocks" if cand.recompute and cand.per_block else "stages" if cand.recompute else "never"]
+        return [cand.recomputation]
     if not any(p.block for p in problem.pieces):
         return ["never", "stages"]
     split = cand.schedule in SPLIT_BACKWARD and cand.mesh.pp > 1
