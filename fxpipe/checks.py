@@ -19,7 +19,7 @@ from fxpipe.frontend.batch_dims import LEAF_DIMS
 from fxpipe.frontend.capture import Captured
 from fxpipe.options import CompileOptions, ProfileOptions, stage_compile_kwargs
 from fxpipe.planning.lowering import device_memory_bytes
-from fxpipe.planning.memory_model import CHECKPOINT_SPELLINGS, is_checkpoint_mode, refuse_with_schedule
+from fxpipe.planning.memory_model import CHECKPOINT_SPELLINGS, block_mode, is_checkpoint_mode, refuse_with_schedule
 from fxpipe.planning.plan import Plan
 from fxpipe.runtime.aliasing import written_buffers
 from fxpipe.runtime.compiled import options_of
@@ -321,7 +321,7 @@ def warn_buffer_updates(gm: fx.GraphModule, chunks: int, model: nn.Module) -> No
 
 def auto_schedules(compiled: dict[str, Any] | None, checkpoint: str = "auto") -> tuple[str, ...]:
     """The schedules ``schedule="auto"`` tries: all, but those with a split backward for compiled stages
-    (:func:`fxpipe.runtime.compiled.refuse_split_backward` says why) and for ``checkpoint="selective"``
-    (:func:`fxpipe.planning.memory_model.refuse_with_schedule`)."""
-    split = compiled is not None or checkpoint == "selective"
+    (:func:`fxpipe.runtime.compiled.refuse_split_backward` says why) and for a per-block ``checkpoint``
+    (``"blocks"``, ``"blocks:K"``, ``"selective"``: :func:`fxpipe.planning.memory_model.refuse_with_schedule`)."""
+    split = compiled is not None or block_mode(checkpoint) is not None
     return tuple(s for s in SCHEDULES if not (split and s in SPLIT_BACKWARD))

@@ -219,12 +219,10 @@ def stage_figures(problem: MeshProblem, mesh: Mesh, samples: int, mode: str = "n
     each block's (a micro-batch keeps the block's input in place of its activations), ``"blocks:2"`` the blocks' at
     even positions in the model, ``"selective"`` the share of a block's forward that is not a matrix product or
     attention (``Piece.selective_share``; their outputs kept besides the input). Under a ``split`` backward
-    (zero-bubble schedules) a block mode recomputes a block for each of the backward's two passes
-    (:func:`fxpipe.planning.memory_model.recompute_s`) and ``"selective"`` does not run
-    (:func:`fxpipe.planning.memory_model.refuse_with_schedule`)."""
-    if mode not in MODES or (split and mode == "selective"):
-        raise InvalidProblemError(f"recomputation {mode!r} is not one of {MODES} (selective: not under a split "
-                                  "backward)")
+    (zero-bubble schedules) no per-block mode runs (:func:`fxpipe.planning.memory_model.refuse_with_schedule`)."""
+    if mode not in MODES or (split and mode not in ("never", "stages")):
+        raise InvalidProblemError(f"recomputation {mode!r} is not one of {MODES} (under a split backward: never or "
+                                  "stages only)")
     links, t, speed = problem.links(mesh), mesh.tp, problem.speed
     sp = problem.sequence_parallel
     shard = mesh.dp_mode == "shard" and mesh.dp > 1
@@ -242,7 +240,7 @@ def stage_figures(problem: MeshProblem, mesh: Mesh, samples: int, mode: str = "n
         whole = piece.replicated_act_bytes if not sp and piece.tp_sharded else 0.0
         act = ((piece.act_bytes - whole) / d + whole) * samples
         again, keeps = _recomputed(mode, piece, position, f, act, cut_bytes[x - 1] if x > 0 else 0.0,
-                                   piece.selective_kept_bytes * samples / d, split)
+                                   piece.selective_kept_bytes * samples / d)
         if again and piece.block and mode != "stages":
             rebuilt.append(act - (keeps - (cut_bytes[x - 1] if x > 0 else 0.0)))
         fwd.append(f)
@@ -259,8 +257,8 @@ def stage_figures(problem: MeshProblem, mesh: Mesh, samples: int, mode: str = "n
     return StageFigures(fwd, bwd, weight, states, params, acts, cut_s, cut_bytes, kept, max(rebuilt), broadcast_s)
 
 
-def _recomputed(mode: str, piece: Piece, position: int, f: float, act: float, entering: float, selective: float,
-                split: bool) -> tuple[float, float]:
+def _recomputed(mode: str, piece: Piece, position: int, f: float, act: float, entering: float,
+                selective: float) -> tuple[float, float]:
     """(forward seconds recomputed, bytes a micro-batch keeps from forward to backward) of one piece under
     ``mode`` (:func:`stage_figures`; ``"stages"``: the whole forward, and what the stage keeps is its input)."""
     if mode == "stages":
@@ -269,7 +267,7 @@ def _recomputed(mode: str, piece: Piece, position: int, f: float, act: float, en
         return 0.0, act
     if mode == "selective":
         return f * piece.selective_share, entering + selective
-    return (2 * f if split else f), entering
+    return f, entering
 
 
 def dp_sync_s(problem: MeshProblem, mesh: Mesh, param_bytes: float) -> tuple[float, float]:

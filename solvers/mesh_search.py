@@ -84,14 +84,15 @@ Mode = str
 
 def modes(problem: MeshProblem, cand: Candidate) -> list[Mode]:
     """The recomputation modes each stage of ``cand`` may take: its one mode, or, per stage, none, the whole stage
-    and, where there are blocks, each block, every other block and selective (not under a split backward), the
+    and, where there are blocks and no split backward, each block, every other block and selective (the runtime
+    runs no per-block mode under a split backward: :func:`fxpipe.planning.memory_model.refuse_with_schedule`), the
     fastest that fits being the stage's."""
     if not cand.per_stage:
         return [cand.recomputation]
-    if not any(p.block for p in problem.pieces):
-        return ["never", "stages"]
     split = cand.schedule in SPLIT_BACKWARD and cand.mesh.pp > 1
-    return ["never", "stages", "blocks", "blocks:2"] + ([] if split else ["selective"])
+    if split or not any(p.block for p in problem.pieces):
+        return ["never", "stages"]
+    return ["never", "stages", "blocks", "blocks:2", "selective"]
 
 
 @dataclass

@@ -40,7 +40,7 @@ def _assert_exact(pipe, model, reference, batch):
 # (Llama whole blocks under GPipe: the auto test below; Qwen3 selective and whole blocks on gloo ranks with tensor
 # parallelism: tests/test_mesh_tp.py; compiled stages: tests/test_compiled_stages.py)
 @pytest.mark.parametrize("family,mode,schedule,chunks", [
-    ("llama", "selective", "gpipe", 3), ("llama", "blocks:2", "zb-h1", 3), ("llama", "blocks", "zb-v", 3),
+    ("llama", "selective", "gpipe", 3), ("llama", "blocks:2", "1f1b", 3), ("llama", "blocks", "interleaved-1f1b", 4),
     ("gpt2", "selective", "interleaved-1f1b", 4), ("t5", "blocks:2", "1f1b", 3)])
 def test_per_block_recomputation_trains_as_the_whole_model(family, mode, schedule, chunks):
     model = build(family)
@@ -114,16 +114,24 @@ def test_auto_chooses_a_block_mode_when_whole_stages_do_not_fit_and_the_plan_run
     _assert_exact(pipe, model, reference, batch)
 
 
-def test_selective_under_a_split_backward_is_refused_with_the_reason_and_auto_leaves_those_schedules_out():
+@pytest.mark.parametrize("mode", ["selective", "blocks", "blocks:2"])
+def test_per_block_modes_under_a_split_backward_are_refused_with_the_reason_and_auto_leaves_those_schedules_out(mode):
+    """torch's checkpointing recomputes a block once per backward call; a split backward makes two, and held the
+    first one's recomputation until the weight pass (refuse_with_schedule's measurement): refused, naming the
+    whole-stage modes and the schedules that run per-block recomputation."""
     batch = padded_batch("llama", 8)
-    with pytest.raises(ValueError, match="checkpoint='selective' cannot run under zb-h1.*checkpoint='blocks'"):
-        _compile(build("llama"), batch, schedule="zb-h1", checkpoint="selective")
-    pipe = _compile(build("llama"), batch, schedule="auto", checkpoint="selective")
+    with pytest.raises(ValueError, match=f"checkpoint='{mode}' cannot run under zb-h1.*checkpoint='always'"):
+        _compile(build("llama"), batch, schedule="zb-h1", checkpoint=mode)
+    pipe = _compile(build("llama"), batch, schedule="auto", checkpoint=mode)
     assert pipe.plan.schedule not in ("zb-h1", "zb-v")
     before = [p.detach().clone() for p in pipe.parameters()]
-    with pytest.raises(ValueError, match="checkpoint='selective' cannot run under zb-h1"):
+    with pytest.raises(ValueError, match=f"checkpoint='{mode}' cannot run under zb-h1"):
         pipe.step(batch["input_ids"], labels=batch["labels"], schedule="zb-h1")
     assert all(p.grad is None and torch.equal(p, b) for p, b in zip(pipe.parameters(), before))
+
+
+def test_a_spelling_of_blocks_that_is_not_one_is_refused():
+    batch = padded_batch("llama", 8)
     with pytest.raises(ValueError, match="'blocks:K'"):
         _compile(build("llama"), batch, checkpoint="blocks:0")
 
