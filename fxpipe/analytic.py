@@ -31,6 +31,7 @@ from fxpipe.checks import auto_schedules, batch_layout, check_arguments, most_mi
 from fxpipe.cost.devices import ACHIEVABLE, PRESETS, Devices, DeviceSpec
 from fxpipe.cost.optimizer_state import OPTIMIZER_STATE, optimizer_state_factor, training_dtype
 from fxpipe.cost.profile import NodeCost, profile_graph
+from fxpipe.distributed.parallel.tp_plans import tp_refusal
 from fxpipe.frontend.capture import Captured, capture
 from fxpipe.options import CompileOptions, ProfileOptions
 from fxpipe.errors import InfeasiblePlanError
@@ -69,6 +70,9 @@ class AnalyticModel:
     training: bool
     model_name: str
     spec: DeviceSpec
+    #: ``tp`` -> why the runtime's default tensor-parallel plan cannot shard the model over ``tp`` ranks (``None``:
+    #: it can); :func:`plan_costed_mesh` plans no mesh of a refused ``tp``
+    tp_refusal: Callable[[int], str | None] = lambda tp: None
 
 
 def cost_model(model: nn.Module, example_inputs: tuple, spec: DeviceSpec, micro_batches: int | None = None, *,
@@ -99,7 +103,7 @@ def cost_model(model: nn.Module, example_inputs: tuple, spec: DeviceSpec, micro_
     first = tuple(scatter(list(inputs), profiled, dims)[0])
     costs = profile_graph(captured.graph, first, torch.device("cpu"), mode="analytic", spec=spec)   # 2. cost
     return AnalyticModel(captured, costs, batch, most, profiled, layout, training_dtype(model), model.training,
-                         type(model).__name__, spec)
+                         type(model).__name__, spec, functools.lru_cache(functools.partial(tp_refusal, model)))
 
 
 def with_model_flops(result: Plan, costed: AnalyticModel) -> Plan:
@@ -299,10 +303,14 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
     fixed = parse_mesh(mesh, len(devices))
     sequence_parallel = mesh_sequence_parallel(mesh, sequence_parallel)
     levels = levels_of(devices)
+    island = levels[0].size
+    refused = {t: why for t in range(2, island + 1) if island % t == 0 and (why := costed.tp_refusal(t))}
     for m in fixed[:1]:
         if costed.batch % m.dp:
             raise ValueError(f"mesh {m.label()}: the batch of {costed.batch} samples does not split evenly over "
                              f"dp={m.dp} replicas; pass a batch that is a multiple of {m.dp}")
+        if m.tp in refused:
+            raise ValueError(f"mesh {m.label()}: the runtime cannot run tp={m.tp} on this model: {refused[m.tp]}")
     samples = costed.batch / costed.profiled
     launch = costed.spec.launch_s
     pieces, cuts, broadcast, piece_nodes = chain_pieces(costed.captured.graph, costed.costs, samples, launch)
@@ -314,7 +322,8 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
                           optimizer_factor=factor - grad,
                           schedules=SCHEDULES if schedule == "auto" else (schedule,),
                           sequence_parallel=sequence_parallel, fixed=fixed,
-                          micro_batch_counts=(chunks,) if chunks is not None else (), broadcast_bytes=broadcast)
+                          micro_batch_counts=(chunks,) if chunks is not None else (), broadcast_bytes=broadcast,
+                          tp_refused=tuple(refused))
     try:
         search = search_mesh(problem)
     except solvers.InfeasibleError as exc:

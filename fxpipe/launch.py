@@ -50,6 +50,7 @@ from fxpipe.cli.launch_inputs import (LOSSES, OPTIMIZERS, UsageError, compare, d
                                       loss_function, model_factory)                      # tests import it here)
 from fxpipe.errors import FxpipeError
 from fxpipe.planning.plan import load_plan
+from solvers.layout import Layout
 
 __all__ = ["main", "parser", "step_options"]
 
@@ -220,12 +221,13 @@ def _mesh_dims(args: argparse.Namespace, plan: Any) -> Any:
         spec: Any = args.mesh
         given = f"--mesh {args.mesh}"
     elif plan.mesh:
-        spec = ParallelDims.planned_spec(plan)
-        given = f"the plan's mesh ({', '.join(f'{k}={v}' for k, v in spec.items())}; --mesh overrides it)"
+        spec = plan.layout()
+        given = f"the plan's layout ({spec}; --mesh overrides it)"
     else:
         return None
     try:
-        dims = ParallelDims.from_spec(spec, plan.workers)
+        dims = ParallelDims.of(spec, plan.workers) if isinstance(spec, Layout) else \
+            ParallelDims.from_spec(spec, plan.workers)
     except FxpipeError as exc:
         raise UsageError(f"{given}: {exc}") from exc
     except ValueError as exc:

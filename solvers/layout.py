@@ -1,4 +1,11 @@
-"""The one spelling of a mesh: ``"pp=2,dp=4,dp_mode=shard"`` or ``"dp_shard=4"``, as a string or a dict.
+"""A run's layout (:class:`Layout`), and the one spelling of a mesh: ``"pp=2,dp=4,dp_mode=shard"`` or
+``"dp_shard=4"``, as a string or a dict.
+
+:class:`Layout` is the one record of how a step runs: the degrees (pp, dp_replicate, dp_shard, tp), the data
+parallel mode, sequence parallelism, the order, the schedule with its virtual stages per device, and each stage's
+recomputation. The mesh search returns its choice as one (:func:`solvers.mesh_search.choice_layout`), a plan
+gives the one it runs (:meth:`fxpipe.Plan.layout`: its ``mesh`` record, schedule and stages) and the runtime builds
+its ``ParallelDims`` from it (:meth:`fxpipe.distributed.parallel.ParallelDims.of`).
 
 ``fxpipe plan --mesh`` / ``fxpipe.plan(mesh=...)`` (:func:`fxpipe.planning.mesh_plan.parse_mesh`) and
 ``python -m fxpipe.launch --mesh`` (:meth:`fxpipe.distributed.parallel.ParallelDims.from_spec`) both read a
@@ -34,8 +41,11 @@ EXAMPLE = "e.g. pp=2,dp=4,dp_mode=shard, or dp_shard=4 (FSDP), dp_replicate=4 (D
 
 @dataclass(frozen=True)
 class Layout:
-    """A mesh's degrees; ``sharded`` ``None`` where the spelling left the data-parallel mode unsaid;
-    ``sequence_parallel`` ``None`` where it left ``sp`` unsaid (on)."""
+    """A run's layout. From a mesh spelling (:func:`parse_layout`) only the degrees are said: ``pp`` ``None`` where
+    it was left out, ``sharded`` ``None`` where the data-parallel mode was, ``sequence_parallel`` ``None`` where
+    ``sp`` was (on). A plan's or the search's (module docstring) says everything: ``schedule``,
+    ``virtual_stages`` (stages per device) and ``recomputation``, each stage's mode in stage order (``"never"``,
+    whole stages ``"always"``/``"except_last"``, or per block ``"blocks"``, ``"blocks:K"``, ``"selective"``)."""
 
     pp: Optional[int] = None
     dp_replicate: int = 1
@@ -44,6 +54,9 @@ class Layout:
     sharded: Optional[bool] = None
     order: Optional[str] = None
     sequence_parallel: Optional[bool] = None
+    schedule: Optional[str] = None
+    virtual_stages: int = 1
+    recomputation: tuple[str, ...] = ()
 
     @property
     def dp(self) -> int:
@@ -54,6 +67,39 @@ class Layout:
     def hsdp(self) -> bool:
         """Replicas of shard groups, both more than one."""
         return self.dp_replicate > 1 and self.dp_shard > 1
+
+    @property
+    def dp_mode(self) -> str:
+        """``"replicate"`` (DDP, or no data parallelism) or ``"shard"`` (FSDP2; HSDP's shards)."""
+        return "shard" if self.sharded and self.dp_shard > 1 else "replicate"
+
+    def spec(self) -> dict[str, Any]:
+        """The degrees as a mesh spelling :func:`parse_layout` reads back to them (``sp`` where tp > 1)."""
+        out: dict[str, Any] = {} if self.pp is None else {"pp": self.pp}
+        if self.hsdp:
+            out.update(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard)
+        else:
+            out["dp"] = self.dp
+            if self.sharded is not None:
+                out["dp_mode"] = "shard" if self.sharded else "replicate"
+        out["tp"] = self.tp
+        if self.order is not None:
+            out["order"] = self.order
+        if self.tp > 1 and self.sequence_parallel is not None:
+            out["sp"] = int(self.sequence_parallel)
+        return out
+
+    def __str__(self) -> str:
+        parts = [f"pp={self.pp if self.pp is not None else '?'}"]
+        parts += ([f"dp_replicate={self.dp_replicate}", f"dp_shard={self.dp_shard}"] if self.hsdp else
+                  [f"dp={self.dp}" + ("(fsdp)" if self.dp > 1 and self.dp_mode == "shard" else "")])
+        parts.append(f"tp={self.tp}" + (" sp" if self.tp > 1 and self.sequence_parallel is not False else ""))
+        if self.schedule:
+            parts.append(self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""))
+        if self.recomputation:
+            modes = sorted(set(self.recomputation), key=self.recomputation.index)
+            parts.append("recompute " + (modes[0] if len(modes) == 1 else "/".join(self.recomputation)))
+        return " ".join(parts)
 
 
 def unrunnable(dp: int, tp: int, dp_mode: str, order: str) -> Optional[str]:

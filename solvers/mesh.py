@@ -120,6 +120,7 @@ class MeshProblem:
     fixed: list[Mesh] = field(default_factory=list)   # only these meshes (empty: every shape)
     runnable_only: bool = True   # the search enumerates only layouts fxpipe's runtime runs (solvers.layout.unrunnable)
     broadcast_bytes: float = 0.0  # per sample: what the first piece sends each later stage (masks, rotary tables)
+    tp_refused: tuple[int, ...] = ()   # tp degrees the runtime cannot shard this model over (its heads, features)
 
     def __post_init__(self) -> None:
         if not self.pieces:
@@ -161,12 +162,14 @@ class MeshProblem:
 def mesh_shapes(problem: MeshProblem) -> list[Mesh]:
     """Every pp × dp × tp = world with tp inside the innermost level and pp at most the pieces; each dp mode and
     order where they differ (dp = 1: one; pp or dp = 1: one order), of those fxpipe's runtime runs
-    (:func:`solvers.layout.unrunnable`) unless ``problem.runnable_only`` is off."""
+    (:func:`solvers.layout.unrunnable`; no ``tp`` of ``problem.tp_refused``) unless ``problem.runnable_only`` is
+    off."""
     if problem.fixed:
         return list(problem.fixed)
     world, island = problem.world, problem.levels[0].size
+    refused = set(problem.tp_refused) if problem.runnable_only else set()
     out = []
-    for t in (k for k in range(1, island + 1) if island % k == 0 and world % k == 0):
+    for t in (k for k in range(1, island + 1) if island % k == 0 and world % k == 0 and k not in refused):
         for p in (k for k in range(1, world // t + 1) if (world // t) % k == 0):
             d = world // (t * p)
             if p > len(problem.pieces) or problem.batch % d:

@@ -44,6 +44,7 @@ from typing import Iterator
 import numpy as np
 
 from solvers.errors import InfeasibleError
+from solvers.layout import Layout
 from solvers.mesh import Mesh, MeshProblem, StageFigures, budget, dp_sync_s, mesh_shapes, owner, stage_figures, \
     stage_held
 from solvers.schedules import SPLIT_BACKWARD, check_schedule, stages_per_worker
@@ -57,7 +58,7 @@ SIMULATE_MARGIN = 0.05
 closed form and the simulation differ by the transfers' overlap and uneven stages, a few per cent on the
 Llama shapes of ``benchmarks/scale.py``."""
 
-__all__ = ["Candidate", "MeshChoice", "MeshSearch", "candidates", "evaluate_cuts", "least_step_s", "min_max_cuts",
+__all__ = ["Candidate", "MeshChoice", "MeshSearch", "choice_layout", "candidates", "evaluate_cuts", "least_step_s", "min_max_cuts",
            "recompute_options", "search_mesh", "simulate_choice"]
 
 
@@ -122,6 +123,18 @@ class MeshChoice:
         return ",".join(sorted(set(self.stage_modes))) or self.candidate.recomputation
 
 
+def choice_layout(choice: MeshChoice, problem: MeshProblem) -> Layout:
+    """``choice`` as the run's layout (:class:`solvers.layout.Layout`): its mesh, ``problem``'s sequence
+    parallelism, the schedule with its stages per device, and each stage's recomputation in the plan's spelling
+    (the search's ``"stages"``: every micro-batch, ``"always"``)."""
+    m, schedule = choice.mesh, choice.candidate.schedule
+    shard = m.dp_mode == "shard" and m.dp > 1
+    return Layout(pp=m.pp, dp_replicate=1 if shard else m.dp, dp_shard=m.dp if shard else 1, tp=m.tp, sharded=shard,
+                  order=m.order, sequence_parallel=problem.sequence_parallel if m.tp > 1 else None, schedule=schedule,
+                  virtual_stages=stages_per_worker(schedule, problem.virtual_stages) if m.pp > 1 else 1,
+                  recomputation=tuple("always" if mode == "stages" else mode for mode in choice.stage_modes))
+
+
 @dataclass
 class MeshSearch:
     best: MeshChoice
@@ -160,6 +173,28 @@ def candidates(problem: MeshProblem) -> Iterator[Candidate]:
                 except ValueError:
                     continue
                 yield Candidate(mesh, schedule, m)
+
+
+def _no_candidate(problem: MeshProblem, mesh: Mesh) -> str:
+    """Why :func:`candidates` gives ``mesh`` none: per schedule, the stages it needs beyond the model's pieces or
+    the first micro-batch count it cannot run."""
+    reasons = []
+    for schedule in problem.schedules if mesh.pp > 1 else ("1f1b",):
+        k, _ = budget(problem, schedule, mesh.pp)
+        if k > len(problem.pieces):
+            reasons.append(f"{schedule} needs {k} stages of the model's {len(problem.pieces)} pieces, which are "
+                           "never cut")
+            continue
+        for m in micro_batch_counts(problem, mesh.dp):
+            try:
+                check_schedule(schedule, k, mesh.pp, m)
+            except ValueError as exc:
+                reasons.append(f"{schedule}: {exc}")
+                break
+            if mesh.pp > 1 and m == 1 and schedule != "gpipe":
+                reasons.append(f"{schedule}: one micro-batch (only gpipe runs one in a pipeline)")
+                break
+    return "; ".join(reasons)
 
 
 def _closed_form(problem: MeshProblem, cand: Candidate, fig: StageFigures, tau: float) -> float:
@@ -406,6 +441,9 @@ def search_mesh(problem: MeshProblem) -> MeshSearch:
                 best = found
         if best is not None:
             best_of[mesh] = best
+    if not by_mesh:   # not memory: no schedule and micro-batch count runs on any shape at all
+        raise InfeasibleError("no schedule runs on " + "; ".join(
+            f"{mesh.label()} ({_no_candidate(problem, mesh)})" for mesh in mesh_shapes(problem)))
     if not best_of:
         least = min((sum(stage_figures(problem, m, 1).state_bytes) / m.pp for m in why), default=math.nan)
         raise InfeasibleError(

@@ -193,7 +193,8 @@ def test_a_mesh_the_world_does_not_fit_ends_the_process_before_anything_is_built
     meshed = load_plan(plan)
     meshed.mesh = {"pp": 2, "dp": 2, "tp": 1, "dp_mode": "shard", "order": "pp-dp-tp", "sequence_parallel": True}
     meshed.save(plan)
-    assert re.search(r"^error: rank 0: the plan's mesh \(pp=2, dp=2, tp=1, dp_mode=shard, order=pp-dp-tp; --mesh "
+    # the plan's whole layout is named: degrees, schedule, recomputation
+    assert re.search(r"^error: rank 0: the plan's layout \(pp=2 dp=2\(fsdp\) tp=1 zb-h1 recompute except_last; --mesh "
                      r"overrides it\) is pp=2 x dp_shard=2 \(shard, 4 processes\) but torchrun started 1", run(), re.M)
     assert "PlanMismatchError: the plan runs 2 stages on 2 workers but the process group has 1" in run("--mesh", "dp=1")
 

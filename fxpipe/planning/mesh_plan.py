@@ -23,7 +23,7 @@ from fxpipe.planning.plan import Plan
 from fxpipe.planning.planner import Planner
 from solvers.mesh import DP_MODES, ORDERS, Mesh, MeshProblem, allreduce_s
 from solvers.layout import mesh_fields, parse_layout, unrunnable
-from solvers.mesh_search import MeshChoice, MeshSearch
+from solvers.mesh_search import MeshChoice, MeshSearch, choice_layout
 
 __all__ = ["mesh_costs", "mesh_fields", "mesh_record", "mesh_rows", "mesh_sequence_parallel", "parse_mesh",
            "plan_for_choice"]
@@ -116,10 +116,10 @@ def plan_for_choice(planner: Planner, costs: dict[str, NodeCost], choice: MeshCh
 
 def mesh_record(choice: MeshChoice, problem: MeshProblem, ranks: Sequence[int]) -> dict[str, Any]:
     """What ``plan.mesh`` holds: the shape, the dp mode, the rank order, and the links each dimension crosses."""
-    m = choice.mesh
+    m, layout = choice.mesh, choice_layout(choice, problem)
     links = problem.links(m)
-    return {"pp": m.pp, "dp": m.dp, "tp": m.tp, "dp_mode": m.dp_mode, "order": m.order,
-            "sequence_parallel": problem.sequence_parallel and m.tp > 1,
+    return {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp, "dp_mode": m.dp_mode, "order": layout.order,
+            "sequence_parallel": bool(layout.sequence_parallel),
             "dims": ["pp", "dp", "tp"] if m.order == "pp-dp-tp" else ["dp", "pp", "tp"],
             "links": {k: (v.name if v is not None else None) for k, v in links.items()},
             "pipeline_ranks": list(ranks)}

@@ -13,9 +13,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from fxpipe.planning.memory_model import predict_worker_memory
+from fxpipe.planning.memory_model import planned_mode, predict_worker_memory
 from fxpipe.planning.plan_format import PLAN_FORMAT, check_plan_document, read_plan_document
 from fxpipe.planning.throughput import throughput_line
+from solvers.layout import Layout
 from solvers.schedules import inflight, stage_worker
 
 # bytes per parameter and the memory table's short name of the dtype a plan was costed at (profile["dtype"])
@@ -193,6 +194,22 @@ class Plan:
         peaks = [w.peak_bytes for w in predict_worker_memory(self)]
         workers = len(peaks)
         return [peaks[stage_worker(self.schedule, s.index, workers)] for s in self.stages]
+
+    def layout(self) -> Layout:
+        """The layout this plan runs (:class:`solvers.layout.Layout`): its mesh's degrees, dp mode, order and
+        sequence parallelism (``plan.mesh``; one pipeline of ``workers`` without one), the schedule, the stages
+        per device and each stage's recomputation as the runtime runs it (``planned_mode``)."""
+        planned = planned_mode(self)
+        modes = tuple((st.checkpoint if planned == "auto" else planned) for st in self.stages)
+        runs = {"schedule": self.schedule, "virtual_stages": len(self.stages) // self.workers, "recomputation": modes}
+        if not self.mesh:
+            return Layout(pp=self.workers, **runs)
+        m = self.mesh
+        dp, tp, sharded = int(m.get("dp", 1)), int(m.get("tp", 1)), m.get("dp_mode") == "shard"
+        sp = m.get("sequence_parallel") if tp > 1 else None   # unsaid (an older plan): on, as the ranks run it
+        return Layout(pp=int(m["pp"]), dp_replicate=1 if sharded else dp, dp_shard=dp if sharded else 1, tp=tp,
+                      sharded=sharded, order=m.get("order", "pp-dp-tp"),
+                      sequence_parallel=None if sp is None else bool(sp), **runs)
 
     def recomputation(self) -> str:
         """The checkpoint mode as the stages run it: ``"auto (never)"``, ``"auto (stage 0: always, 1: never)"``

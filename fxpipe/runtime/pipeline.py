@@ -225,7 +225,9 @@ class Pipeline(nn.Module):
         batch of fewer samples than the micro-batches (a data loader's short last batch) runs one per sample.
         ``measure_memory`` records each worker's peak memory for :meth:`report`
         (``torch.cuda.max_memory_allocated`` on GPUs; on CPU a profiled replay of each
-        worker after the step, :mod:`fxpipe.runtime.memory_probe`, which costs about one more step).
+        worker after the step, :mod:`fxpipe.runtime.memory_probe`, which costs about one more step; a rank of
+        ``fxpipe.distributed`` on CPU runs its one worker on the calling thread under ``torch.profiler``:
+        ``last_step["memory"]`` is then that rank's peak above what it held before the step).
         """
         schedule = schedule or self.schedule
         if schedule not in STEP_SCHEDULES:
@@ -283,9 +285,12 @@ class Pipeline(nn.Module):
         timings: list[OpTiming] = []
         cuda = sorted({d for d in self.devices if d.type == "cuda"}, key=str)
         on_gpu = measure_memory and len(cuda) == len(set(self.devices))
+        transport = self.transport or Transport()
+        # a rank's one CPU worker, run on this thread under the profiler: the rank's peak above what it held
+        rank_cpu = measure_memory and not on_gpu and transport.remote
         with ExitStack() as measuring:   # each GPU's peak above what it held before the step
             gpu_memory = {d: measuring.enter_context(allocations(d)) for d in (cuda if on_gpu else [])}
-            transport = self.transport or Transport()
+            rank_memory = measuring.enter_context(allocations(torch.device("cpu"))) if rank_cpu else None
             transport.compression = self.compression
             started = time.perf_counter()
             try:
@@ -293,7 +298,7 @@ class Pipeline(nn.Module):
                                       loss_fn, schedule, ckpt, reduction, timings, workers=self._workers(schedule),
                                       random=self._random_stages(), host=self.host, caller=caller, sizes=sizes,
                                       grad_tensors=list(self.parameters()) + grad_leaves, transport=transport,
-                                      loss_dims=(self.layout.output, self.layout.target))
+                                      loss_dims=(self.layout.output, self.layout.target), inline=rank_cpu)
             except BaseException as failure:
                 commit_statistics(self.modules(), discard=True)
                 self.tied.clear()
@@ -310,6 +315,9 @@ class Pipeline(nn.Module):
             owner = [self.devices[w] for w in range(self._workers(schedule))]
             self.last_step.update(memory=[gpu_memory[d].peak_bytes for d in owner],
                                   memory_method="torch.cuda.max_memory_allocated")
+        elif rank_memory is not None:
+            self.last_step.update(memory=[rank_memory.peak_bytes],
+                                  memory_method="torch.profiler over this rank's worker, run on the calling thread")
         elif measure_memory:
             if self._model_loss is not None:   # the replay needs the gradients' shapes only
                 leaf = self._model_loss.leaf

@@ -106,7 +106,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
              grad_tensors: list[torch.Tensor] | None = None,
              transport: Transport | None = None, orders: list[list[Op]] | None = None,
              around: Callable[[str, int, int], ContextManager[None]] | None = None,
-             loss_dims: tuple[int, int] = (0, 0), auto: AutoLoss | None = None,
+             loss_dims: tuple[int, int] = (0, 0), auto: AutoLoss | None = None, inline: bool = False,
              ) -> tuple[torch.Tensor | None, list[Any]]:
     """Run forward and backward of every micro-batch; return the weighted loss and per-micro-batch outputs.
 
@@ -126,7 +126,8 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
     wraps each operation on its worker (asynchronous training swaps weight versions and steps optimizers in it,
     :mod:`fxpipe.runtime.asynchronous`). ``reduction="auto"`` (:mod:`fxpipe.runtime.auto_loss`) reads the
     outputs' and targets' batch dimensions from ``loss_dims``; ``auto`` is its state (default: a new one; given
-    with another ``reduction``, it computes the losses and the step does not divide by their counts).
+    with another ``reduction``, it computes the losses and the step does not divide by their counts). ``inline``:
+    a process running one worker runs it on the calling thread (a profiler started there sees its allocations).
 
     Raises :class:`StepFailure` for the first operation that failed (all workers stop).
     """
@@ -313,7 +314,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
     step_grads = StepGradients(grad_tensors or [q for spec in specs for q in spec.module.parameters()]) \
         if reduction in ("token", "auto") else None
     try:
-        _run_workers(work, transport.workers(n_workers), board)
+        _run_workers(work, transport.workers(n_workers), board, inline)
     except BaseException:   # Ctrl-C in the caller: every worker stopped first (none writes .grad after it)
         if step_grads is not None:   # a failed step leaves the gradients as they were before it
             step_grads.restore()
@@ -346,9 +347,16 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
     return ((loss / count).to(loss.dtype) if count is not None else loss), (outputs if here else [None] * m)
 
 
-def _run_workers(work: Callable[[int], None], ids: list[int], board: _Board) -> None:
+def _run_workers(work: Callable[[int], None], ids: list[int], board: _Board, inline: bool = False) -> None:
     """``work(w)`` for every worker ``w`` of ``ids``, each on a thread of its own (:mod:`fxpipe.runtime.worker`),
-    until all have returned. Ctrl-C while they run stops every worker at its next operation before it is raised."""
+    until all have returned; ``inline`` with one worker: on the calling thread (what a profiler started there
+    sees). Ctrl-C while they run stops every worker at its next operation before it is raised."""
+    if inline and len(ids) == 1:
+        try:
+            work(ids[0])
+        except Exception as exc:   # outside any operation (its own failures are the board's)
+            board.fail(StepFailure(-1, -1, f"worker {ids[0]}", exc))
+        return
     with spawn_workers(len(ids)) as pool:
         for lane, w in enumerate(ids):
             pool.submit(lane, w, lambda w=w: work(w))

@@ -51,6 +51,7 @@ class Transport:
 
     compression: BoundaryCompression | None = None   # set by the pipeline (fxpipe.CompileOptions.compression)
     replicas: Replicas | None = None   # dp copies of the pipeline (fxpipe.distributed.mesh): how losses combine
+    remote = False   # whether other processes run some of the stages (fxpipe.distributed.transport.P2P)
 
     def local(self, stage: int) -> bool:
         """Whether ``stage`` (or :data:`LOSS`) runs in this process."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fxpipe.errors import PlanMismatchError
-from solvers.layout import parse_layout
+from solvers.layout import Layout, parse_layout
 
 __all__ = ["DATA_PARALLEL", "MESH_DIMS", "ParallelDims"]
 
@@ -117,8 +117,15 @@ class ParallelDims:
         ``dp_replicate`` (both: HSDP; ``dp_replicate`` alone: DDP), ``sp`` (sequence parallelism, on where left
         out). ``"dp_shard=2,tp=2"`` on a 2-stage plan is
         ``ParallelDims(pp=2, dp_shard=2, tp=2)``. Raises ``ValueError`` naming the key and the fix."""
-        layout = parse_layout(spec)
-        if (layout.order or "pp-dp-tp") != "pp-dp-tp":
+        return cls.of(parse_layout(spec), pp, spec)
+
+    @classmethod
+    def of(cls, layout: Layout, pp: int, spec: Any = None) -> ParallelDims:
+        """The degrees of ``layout`` (:class:`solvers.layout.Layout`: a mesh spelling's, ``spec``, or a plan's) around
+        a pipeline of ``pp`` workers; ``ValueError`` for an order the runtime does not run, or a ``pp`` that is
+        not the plan's."""
+        spec = spec if spec is not None else layout.spec()
+        if (layout.order or "pp-dp-tp") != "pp-dp-tp" and layout.dp > 1:
             raise ValueError(f"mesh {spec!r}: order={layout.order}: fxpipe runs the pipeline outermost (pp-dp-tp: "
                              "each pipeline's ranks apart, each tp group's ranks adjacent); pass order=pp-dp-tp")
         if layout.pp is not None and layout.pp != pp:
@@ -134,18 +141,7 @@ class ParallelDims:
     def planned(cls, plan: Any) -> ParallelDims | None:
         """The degrees of the mesh ``plan`` was made for (``plan.mesh``: ``fxpipe.plan(mesh=...)``), ``None`` for a
         plan of one pipeline. A ``ValueError`` names what the runtime cannot run of it."""
-        spec = cls.planned_spec(plan)
-        return None if spec is None else cls.from_spec(spec, plan.workers)
-
-    @staticmethod
-    def planned_spec(plan: Any) -> dict[str, Any] | None:
-        """The mesh spelling of ``plan.mesh`` (its degrees, dp mode and order), ``None`` for a plan of one pipeline."""
-        if not plan.mesh:
-            return None
-        spec = {k: plan.mesh[k] for k in ("pp", "dp", "tp", "dp_mode", "order") if k in plan.mesh}
-        if plan.mesh.get("tp", 1) > 1 and "sequence_parallel" in plan.mesh:
-            spec["sp"] = bool(plan.mesh["sequence_parallel"])
-        return spec
+        return cls.of(plan.layout(), plan.workers) if plan.mesh else None
 
     @classmethod
     def from_mesh(cls, mesh: Any) -> ParallelDims:

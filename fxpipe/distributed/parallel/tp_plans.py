@@ -234,6 +234,16 @@ def default_tp_plan(model: nn.Module, tp: int) -> TPPlan:
     return plan
 
 
+def tp_refusal(model: nn.Module, tp: int) -> str | None:
+    """Why the default plan cannot shard ``model`` over ``tp`` ranks (:class:`TPPlanError`'s message), ``None``
+    where it can: what the planner asks before it plans a mesh with ``tp`` (the runtime asks the same)."""
+    try:
+        default_tp_plan(model, tp)
+    except TPPlanError as exc:
+        return str(exc)
+    return None
+
+
 def _add(plan: TPPlan, names: list[str], layers: list[nn.Module], tp: int) -> None:
     """The last layer of ``names`` row-wise, the others column-wise; one group."""
     for name, layer in zip(names[:-1], layers[:-1]):
