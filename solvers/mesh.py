@@ -248,7 +248,9 @@ def stage_figures(problem: MeshProblem, mesh: Mesh, samples: int, mode: str = "n
             rebuilt.append(act - (keeps - (cut_bytes[x - 1] if x > 0 else 0.0)))
         fwd.append(f)
         bwd.append(piece.bwd_s * samples / (d * speed) + 2 * piece.fixed_s + tp_s + again)
-        weight.append(problem.weight_share * piece.bwd_s * samples / (d * speed))
+        # the weight pass's share of the backward proper, its launches too (half the kernels are weight gradients:
+        # the node-level costing's split, solvers.simulate.weight_shares)
+        weight.append(problem.weight_share * (piece.bwd_s * samples / (d * speed) + 2 * piece.fixed_s))
         params.append(piece.param_bytes / d)
         states.append(piece.param_bytes / d * state)
         acts.append(act)
