@@ -105,13 +105,14 @@ def brute_force_mesh(problem: "MeshProblem") -> dict:
     with and without recomputation (whole stages, each block, the fastest that fits per stage), and every contiguous cut into its stages: mesh -> the best
     :class:`solvers.mesh_search.MeshChoice` (shapes where nothing fits are absent). Exponential: tiny problems."""
     from solvers.mesh import budget
-    from solvers.mesh_search import Candidate, candidates, evaluate_cuts, recompute_options
+    from solvers.mesh_candidates import Candidate, candidates, recompute_options
+    from solvers.mesh_search import evaluate_cuts
 
     L = len(problem.pieces)
     best: dict = {}
     for cand in candidates(problem):
         k, _ = budget(problem, cand.schedule, cand.mesh.pp)
-        for option in recompute_options(problem, cand.mesh.pp):
+        for option in recompute_options():
             c = Candidate(cand.mesh, cand.schedule, cand.micro_batches, *option)
             for inner in itertools.combinations(range(1, L), k - 1):
                 found = evaluate_cuts(problem, c, [0, *inner, L])

@@ -1,9 +1,9 @@
 """The search over meshes (pp × dp × tp), schedules, micro-batch counts, recomputation and stage cuts.
 
-For every candidate (:func:`candidates`: each mesh shape of :func:`solvers.mesh.mesh_shapes`, each schedule
+For every candidate (:func:`solvers.mesh_candidates.candidates`: each mesh shape of :func:`solvers.mesh.mesh_shapes`, each schedule
 it can run, each micro-batch count that divides a dp replica's samples — powers of two and the whole local
 batch — without recomputation, and with each stage in the fastest recomputation mode that fits its memory
-(:func:`modes`: the whole stage, each repeated block, every other block, or selectively, as
+(:func:`solvers.mesh_candidates.modes`: the whole stage, each repeated block, every other block, or selectively, as
 :mod:`fxpipe.runtime.block_recompute` runs them and the node-level costing chooses them per stage) — the step is
 screened by a closed form of the
 schedule's timeline in the bottleneck stage time ``τ`` (the largest per-micro-batch forward + backward +
@@ -39,7 +39,6 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import numpy as np
 
@@ -47,7 +46,9 @@ from solvers.errors import InfeasibleError
 from solvers.layout import Layout
 from solvers.mesh import Mesh, MeshProblem, StageFigures, budget, dp_sync_s, mesh_shapes, owner, stage_figures, \
     stage_held
-from solvers.schedules import SPLIT_BACKWARD, check_schedule, stages_per_worker
+from solvers.mesh_candidates import (Candidate, Mode, as_chosen, candidates, figures, held_bytes, no_candidate,
+                                     recompute_options, stage_memory)
+from solvers.schedules import SPLIT_BACKWARD, stages_per_worker
 from solvers.simulate import simulate
 
 SIMULATE_MOST = 6
@@ -60,40 +61,6 @@ Llama shapes of ``benchmarks/scale.py``."""
 
 __all__ = ["Candidate", "MeshChoice", "MeshSearch", "choice_layout", "candidates", "evaluate_cuts", "least_step_s", "min_max_cuts",
            "recompute_options", "search_mesh", "simulate_choice"]
-
-
-@dataclass(frozen=True)
-class Candidate:
-    mesh: Mesh
-    schedule: str
-    micro_batches: int
-    recompute: bool = False
-    per_block: bool = False   # with recompute: each repeated block checkpointed on its own, not whole stages
-    per_stage: bool = False   # with recompute: each stage the fastest of the modes that fits (:func:`modes`)
-
-    @property
-    def recomputation(self) -> str:
-        """``"never"``, ``"stages"`` (whole stages), ``"blocks"`` (each block) or ``"per stage"``."""
-        if self.per_stage:
-            return "per stage"
-        return "blocks" if self.recompute and self.per_block else "stages" if self.recompute else "never"
-
-
-Mode = str
-"""A stage's recomputation: one of :data:`solvers.mesh.MODES`."""
-
-
-def modes(problem: MeshProblem, cand: Candidate) -> list[Mode]:
-    """The recomputation modes each stage of ``cand`` may take: its one mode, or, per stage, none, the whole stage
-    and, where there are blocks and no split backward, each block, every other block and selective (the runtime
-    runs no per-block mode under a split backward: :func:`fxpipe.planning.memory_model.refuse_with_schedule`), the
-    fastest that fits being the stage's."""
-    if not cand.per_stage:
-        return [cand.recomputation]
-    split = cand.schedule in SPLIT_BACKWARD and cand.mesh.pp > 1
-    if split or not any(p.block for p in problem.pieces):
-        return ["never", "stages"]
-    return ["never", "stages", "blocks", "blocks:2", "selective"]
 
 
 @dataclass
@@ -144,59 +111,6 @@ class MeshSearch:
     time_s: float = 0.0
 
 
-def micro_batch_counts(problem: MeshProblem, dp: int) -> list[int]:
-    """Micro-batch counts of one dp replica's ``batch / dp`` samples: the problem's own, or powers of two that
-    divide it and the whole (one sample each), at most ``most_micro_batches``."""
-    local = problem.batch // dp
-    if problem.micro_batch_counts:
-        return [m for m in problem.micro_batch_counts if 1 <= m <= local and local % m == 0]
-    most = min(local, problem.most_micro_batches or local)
-    counts = {m for m in (2 ** k for k in range(int(math.log2(most)) + 1)) if local % m == 0}
-    if local <= most:
-        counts.add(local)
-    return sorted(counts)
-
-
-def candidates(problem: MeshProblem) -> Iterator[Candidate]:
-    """Every (mesh, schedule, micro-batches) the search screens, without recomputation (module docstring)."""
-    for mesh in mesh_shapes(problem):
-        schedules = problem.schedules if mesh.pp > 1 else ("1f1b",)   # one stage: accumulation, one in flight
-        for schedule in schedules:
-            k, _ = budget(problem, schedule, mesh.pp)
-            if k > len(problem.pieces):
-                continue
-            for m in micro_batch_counts(problem, mesh.dp):
-                if mesh.pp > 1 and m == 1 and schedule != "gpipe":
-                    continue
-                try:
-                    check_schedule(schedule, k, mesh.pp, m)
-                except ValueError:
-                    continue
-                yield Candidate(mesh, schedule, m)
-
-
-def _no_candidate(problem: MeshProblem, mesh: Mesh) -> str:
-    """Why :func:`candidates` gives ``mesh`` none: per schedule, the stages it needs beyond the model's pieces or
-    the first micro-batch count it cannot run."""
-    reasons = []
-    for schedule in problem.schedules if mesh.pp > 1 else ("1f1b",):
-        k, _ = budget(problem, schedule, mesh.pp)
-        if k > len(problem.pieces):
-            reasons.append(f"{schedule} needs {k} stages of the model's {len(problem.pieces)} pieces, which are "
-                           "never cut")
-            continue
-        for m in micro_batch_counts(problem, mesh.dp):
-            try:
-                check_schedule(schedule, k, mesh.pp, m)
-            except ValueError as exc:
-                reasons.append(f"{schedule}: {exc}")
-                break
-            if mesh.pp > 1 and m == 1 and schedule != "gpipe":
-                reasons.append(f"{schedule}: one micro-batch (only gpipe runs one in a pipeline)")
-                break
-    return "; ".join(reasons)
-
-
 def _closed_form(problem: MeshProblem, cand: Candidate, fig: StageFigures, tau: float) -> float:
     p, m = cand.mesh.pp, cand.micro_batches
     s = cand.schedule
@@ -213,68 +127,12 @@ def _screen_sync(problem: MeshProblem, cand: Candidate, fig: StageFigures) -> tu
     return dp_sync_s(problem, cand.mesh, sum(fig.param_bytes) / cand.mesh.pp)
 
 
-def recompute_options(problem: MeshProblem, pp: int) -> list[tuple[bool, bool, bool]]:
-    """(recompute, per_block, per_stage) triples a candidate is tried with: no recomputation, and each stage in
-    the fastest of :func:`modes` that fits its memory, as the node-level costing chooses per stage
-    (:func:`fxpipe.planning.memory_model.choose_checkpoints`) from the same modes, so the search's step is close to
-    the node level's and below it where they differ (issue 47 part 6: with whole stages only, the 405B plan on 64
-    nodes ranked the layout the node level found fastest after its choice). ``pp`` is kept for callers that
-    enumerate per shape."""
-    return [(False, False, False), (True, False, True)]
-
-
-def _held_bytes(mode: Mode, held: tuple[tuple[int, int], ...], state, act, kept, inputs, rebuilt):
-    """A stage's memory in ``mode`` holding ``held`` (:func:`solvers.mesh.stage_held`): its parameters, gradients
-    and optimizer state ``state``; per micro-batch between forward and backward its activations ``act``, or
-    recomputing, its input (``inputs``; the block inputs ``kept`` per block); per micro-batch between a split
-    backward's input and weight passes twice what the weight pass differentiates (the activations and, about as
-    large, the gradients at the weight frontier; per block, of the block inputs), and, recomputing, the one
-    micro-batch rebuilt at a time (the stage's activations, or the largest block's ``rebuilt``). Works on
-    numbers and on arrays of segments alike."""
-    forward, pending, extra = (act, 2 * act, 0.0) if mode == "never" else (inputs, 2 * act, act) \
-        if mode == "stages" else (kept, 2 * kept, rebuilt)
-    most = None
-    for f, w in held:
-        now = f * forward + w * pending if w else f * forward
-        most = now if most is None else np.maximum(most, now)
-    return state + most + extra
-
-
-def _stage_memory(mode: Mode, fig: StageFigures, held: tuple[tuple[int, int], ...], a: int, i: int) -> float:
-    inputs = fig.cut_bytes[a - 1] if a > 0 else 0.0
-    return float(_held_bytes(mode, held, sum(fig.state_bytes[a:i]), sum(fig.act_bytes[a:i]),
-                             sum(fig.kept_bytes[a:i]), inputs, fig.rebuilt_bytes))
-
-
-def _figures(problem: MeshProblem, cand: Candidate, samples: int,
-             cache: dict | None = None) -> list[tuple[Mode, StageFigures]]:
-    """The pieces' figures under each of ``cand``'s modes (``cache``: by mesh, samples and mode)."""
-    cache = {} if cache is None else cache
-    out = []
-    for mode in modes(problem, cand):
-        key = (cand.mesh, samples, mode, cand.schedule in SPLIT_BACKWARD and cand.mesh.pp > 1)
-        if key not in cache:
-            cache[key] = stage_figures(problem, cand.mesh, samples, mode, split=key[-1])
-        out.append((mode, cache[key]))
-    return out
-
-
-def _as_chosen(figs: list[tuple[Mode, StageFigures]], cuts: list[int], chosen: list[int]) -> StageFigures:
-    """One set of figures whose pieces carry their stage's chosen mode's (``chosen[j]``: an index into ``figs``)."""
-    first = figs[chosen[0]][1]
-    per_piece = [figs[c][1] for c, a, i in zip(chosen, cuts, cuts[1:]) for _ in range(a, i)]
-    pick = {name: [getattr(f, name)[x] for x, f in enumerate(per_piece)]
-            for name in ("fwd_s", "bwd_s", "weight_s", "state_bytes", "param_bytes", "act_bytes")}
-    return StageFigures(**pick, cut_s=first.cut_s, cut_bytes=first.cut_bytes, kept_bytes=first.kept_bytes,
-                        rebuilt_bytes=first.rebuilt_bytes)
-
-
 def evaluate_cuts(problem: MeshProblem, cand: Candidate, cuts: list[int],
                   figs: list[tuple[Mode, StageFigures]] | None = None) -> MeshChoice | None:
     """``cand`` with stages ``cuts`` under the screening model, each stage in the fastest of ``cand``'s modes that
     fits its memory; ``None`` when a stage fits in none."""
     samples = problem.batch // (cand.mesh.dp * cand.micro_batches)
-    figs = figs or _figures(problem, cand, samples)
+    figs = figs or figures(problem, cand, samples)
     k, room = budget(problem, cand.schedule, cand.mesh.pp)
     L = len(problem.pieces)
     limit = room * (1 + 1e-12)
@@ -285,14 +143,14 @@ def evaluate_cuts(problem: MeshProblem, cand: Candidate, cuts: list[int],
         for x, (mode, fig) in enumerate(figs):
             comm = 2 * ((fig.cut_s[a - 1] if a > 0 else 0.0) + (fig.cut_s[i - 1] if i < L else 0.0)) \
                 + _broadcast_s(fig, a, k)
-            mb = _stage_memory(mode, fig, held, a, i)
+            mb = stage_memory(mode, fig, held, a, i)
             if mb <= limit:
                 fitting.append((sum(fig.fwd_s[a:i]) + sum(fig.bwd_s[a:i]) + comm, x, mb))
         if not fitting:
             return None
         t, x, mb = min(fitting)
         stage_s.append(t), memory.append(mb), chosen.append(x)
-    fig = _as_chosen(figs, cuts, chosen)
+    fig = as_chosen(figs, cuts, chosen)
     sync = _screen_sync(problem, cand, fig)
     # the zero-bubble forms' share rho from the first mode's figures (per stage: none recomputing), so the step
     # depends on the cuts through tau alone and the least tau is the least step
@@ -339,7 +197,7 @@ def min_max_cuts(figs: list[tuple[Mode, StageFigures]], k: int, room: float,
         if cost is None:
             cost = np.full((L + 1, L + 1), np.inf)
             for x, (mode, _) in enumerate(figs):
-                mem = _held_bytes(mode, held[j], seg_s[x], seg_a[x], seg_k[x], inb[x], rebuilt[x])
+                mem = held_bytes(mode, held[j], seg_s[x], seg_a[x], seg_k[x], inb[x], rebuilt[x])
                 cost = np.minimum(cost, np.where(mem <= limit, seg_t[x], np.inf))   # seg_t: inf where not valid
             costs[held[j]] = cost
         total = np.maximum(best[:, None], cost)
@@ -373,8 +231,8 @@ def solve_candidate(problem: MeshProblem, cand: Candidate,
 def simulate_choice(problem: MeshProblem, choice: MeshChoice) -> MeshChoice:
     """``choice`` with its step simulated (module docstring)."""
     cand, cuts = choice.candidate, choice.cuts
-    figs = _figures(problem, cand, choice.samples)
-    fig = _as_chosen(figs, cuts, [[m for m, _ in figs].index(mode) for mode in choice.stage_modes])
+    figs = figures(problem, cand, choice.samples)
+    fig = as_chosen(figs, cuts, [[m for m, _ in figs].index(mode) for mode in choice.stage_modes])
     p, k = cand.mesh.pp, len(cuts) - 1
     fwd = [sum(fig.fwd_s[a:i]) for a, i in zip(cuts, cuts[1:])]
     bwd = [sum(fig.bwd_s[a:i]) for a, i in zip(cuts, cuts[1:])]
@@ -404,7 +262,7 @@ def search_mesh(problem: MeshProblem) -> MeshSearch:
     started = time.perf_counter()
     best_of: dict[Mesh, MeshChoice] = {}
     why: dict[Mesh, str] = {}
-    figures: dict[tuple[Mesh, int, str, bool], StageFigures] = {}   # _figures' cache
+    cache: dict[tuple[Mesh, int, str, bool], StageFigures] = {}   # figures' cache
     by_mesh: dict[Mesh, list[Candidate]] = {}
     for cand in candidates(problem):
         by_mesh.setdefault(cand.mesh, []).append(cand)
@@ -412,7 +270,7 @@ def search_mesh(problem: MeshProblem) -> MeshSearch:
         why[mesh] = "no schedule, micro-batch count or recomputation fits memory"
     tried = 0
     for mesh, cands in by_mesh.items():
-        options = recompute_options(problem, mesh.pp)
+        options = recompute_options()
         # every device of the pipeline holds its stages' parameters, gradients and optimizer state: on average
         # their sum / pp, and the fullest at least that
         if sum(stage_figures(problem, mesh, 1).state_bytes) / mesh.pp > problem.memory_bytes:
@@ -426,7 +284,7 @@ def search_mesh(problem: MeshProblem) -> MeshSearch:
             samples = problem.batch // (mesh.dp * cand.micro_batches)
             for option in options:
                 c = Candidate(mesh, cand.schedule, cand.micro_batches, *option)
-                figs = _figures(problem, c, samples, figures)
+                figs = figures(problem, c, samples, cache)
                 bound = min(_closed_form(problem, c, fig, _least_tau(problem, c, fig)) for _, fig in figs) \
                     + sum(_screen_sync(problem, c, figs[0][1]))
                 bounded.append((bound, c.micro_batches, *option, c, figs))
@@ -443,7 +301,7 @@ def search_mesh(problem: MeshProblem) -> MeshSearch:
             best_of[mesh] = best
     if not by_mesh:   # not memory: no schedule and micro-batch count runs on any shape at all
         raise InfeasibleError("no schedule runs on " + "; ".join(
-            f"{mesh.label()} ({_no_candidate(problem, mesh)})" for mesh in mesh_shapes(problem)))
+            f"{mesh.label()} ({no_candidate(problem, mesh)})" for mesh in mesh_shapes(problem)))
     if not best_of:
         least = min((sum(stage_figures(problem, m, 1).state_bytes) / m.pp for m in why), default=math.nan)
         raise InfeasibleError(
