@@ -30,6 +30,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fxpipe
 
+# Run in a process of their own (CI's ``-m alone`` run): after some other modules in the same process (seen with
+# test_caller_state, test_module_hooks and test_profile before it, none of them alone) autograd copies some
+# parameters' first gradients instead of taking them (``new_empty_strided`` + ``copy_`` in place of ``detach``),
+# and these exact counts differ; the cause is not found.
+pytestmark = pytest.mark.alone
+
 PER_STEP = {"aten.stack.default": 1, "aten.sum.default": 1}
 PER_MICRO_BATCH = {"aten.detach.default": 4, "aten.view.default": 2, "aten.mul.Tensor": 1}
 # the batch split into one micro-batch (a view of the input and of the target), no weight to multiply by

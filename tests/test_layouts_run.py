@@ -32,9 +32,8 @@ from hf_models import build, padded_batch  # noqa: E402
 # mesh spelling, schedule, checkpoint
 CASES = (
     ("pp=4", "1f1b", "never"),
-    ("pp=2,dp=2,dp_mode=replicate", "gpipe", "except_last"),
+    ("pp=2,dp=2,dp_mode=replicate", "zb-h1", "except_last"),
     ("pp=2,dp=2,dp_mode=shard", "interleaved-1f1b", "never"),
-    ("pp=2,dp=2,dp_mode=shard", "zb-h1", "always"),
     ("pp=2,tp=2", "1f1b", "selective"),
     ("pp=2,tp=2,sp=0", "gpipe", "blocks"),
     ("pp=1,dp=2,tp=2,dp_mode=shard", "1f1b", "blocks:2"),
@@ -133,7 +132,7 @@ def test_the_cases_cover_every_kind_of_layout_the_search_returns():
         {True, False}
 
 
-@pytest.mark.slow   # ~2 min on the shared 2-core machine: 9 layouts on 4 processes, two steps each
+@pytest.mark.slow   # ~2.5 min on the shared 2-core machine: 8 layouts on 4 processes, two steps each
 def test_every_kind_of_layout_runs_as_planned_exact_with_the_planned_memory():
     from fxpipe.distributed.parallel import ParallelDims
     from fxpipe.planning.memory_model import predict_worker_memory
