@@ -50,7 +50,6 @@ from fxpipe.cli.launch_inputs import (LOSSES, OPTIMIZERS, UsageError, compare, d
                                       loss_function, model_factory)                      # tests import it here)
 from fxpipe.errors import FxpipeError
 from fxpipe.planning.plan import load_plan
-from solvers.layout import Layout
 
 __all__ = ["main", "parser", "step_options"]
 
@@ -218,16 +217,15 @@ def _mesh_dims(args: argparse.Namespace, plan: Any) -> Any:
     ``None`` for the pipeline alone (no mesh, or one of ``dp=1`` with ``tp=1``)."""
     from fxpipe.distributed.parallel import ParallelDims
     if args.mesh is not None:
-        spec: Any = args.mesh
-        given = f"--mesh {args.mesh}"
+        planned, given = None, f"--mesh {args.mesh}"
     elif plan.mesh:
-        spec = plan.layout()
-        given = f"the plan's layout ({spec}; --mesh overrides it)"
+        planned = plan.layout()
+        given = f"the plan's layout ({planned}; --mesh overrides it)"
     else:
         return None
     try:
-        dims = ParallelDims.of(spec, plan.workers) if isinstance(spec, Layout) else \
-            ParallelDims.from_spec(spec, plan.workers)
+        dims = ParallelDims.from_spec(args.mesh, plan.workers) if planned is None else \
+            ParallelDims.of(planned, plan.workers)
     except FxpipeError as exc:
         raise UsageError(f"{given}: {exc}") from exc
     except ValueError as exc:

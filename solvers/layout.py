@@ -97,8 +97,8 @@ class Layout:
         if self.schedule:
             parts.append(self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""))
         if self.recomputation:
-            modes = sorted(set(self.recomputation), key=self.recomputation.index)
-            parts.append("recompute " + (modes[0] if len(modes) == 1 else "/".join(self.recomputation)))
+            one = len(set(self.recomputation)) == 1
+            parts.append("recompute " + (self.recomputation[0] if one else "/".join(self.recomputation)))
         return " ".join(parts)
 
 

@@ -70,42 +70,46 @@ def micro_batch_counts(problem: MeshProblem, dp: int) -> list[int]:
     return sorted(counts)
 
 
+def _schedules(problem: MeshProblem, mesh: Mesh) -> tuple[str, ...]:
+    return problem.schedules if mesh.pp > 1 else ("1f1b",)   # one stage: accumulation, one in flight
+
+
+def _refusal(problem: MeshProblem, mesh: Mesh, schedule: str, m: int | None) -> str | None:
+    """Why ``schedule`` does not run ``m`` micro-batches on ``mesh`` (``None``: it does): more stages than the
+    model's pieces, or (``m`` given) a count the schedule cannot group, or one micro-batch in a pipeline but under
+    GPipe."""
+    k, _ = budget(problem, schedule, mesh.pp)
+    if k > len(problem.pieces):
+        return f"{schedule} needs {k} stages of the model's {len(problem.pieces)} pieces, which are never cut"
+    if m is None:
+        return None
+    try:
+        check_schedule(schedule, k, mesh.pp, m)
+    except ValueError as exc:
+        return f"{schedule}: {exc}"
+    if mesh.pp > 1 and m == 1 and schedule != "gpipe":
+        return f"{schedule}: one micro-batch (only gpipe runs one in a pipeline)"
+    return None
+
+
 def candidates(problem: MeshProblem) -> Iterator[Candidate]:
     """Every (mesh, schedule, micro-batches) the search screens, without recomputation (module docstring)."""
     for mesh in mesh_shapes(problem):
-        schedules = problem.schedules if mesh.pp > 1 else ("1f1b",)   # one stage: accumulation, one in flight
-        for schedule in schedules:
-            k, _ = budget(problem, schedule, mesh.pp)
-            if k > len(problem.pieces):
-                continue
+        for schedule in _schedules(problem, mesh):
             for m in micro_batch_counts(problem, mesh.dp):
-                if mesh.pp > 1 and m == 1 and schedule != "gpipe":
-                    continue
-                try:
-                    check_schedule(schedule, k, mesh.pp, m)
-                except ValueError:
-                    continue
-                yield Candidate(mesh, schedule, m)
+                if _refusal(problem, mesh, schedule, m) is None:
+                    yield Candidate(mesh, schedule, m)
 
 
 def no_candidate(problem: MeshProblem, mesh: Mesh) -> str:
-    """Why :func:`candidates` gives ``mesh`` none: per schedule, the stages it needs beyond the model's pieces or
-    the first micro-batch count it cannot run."""
+    """Why :func:`candidates` gives ``mesh`` none: per schedule, its stages beyond the model's pieces, else the
+    refusal of its first micro-batch count."""
     reasons = []
-    for schedule in problem.schedules if mesh.pp > 1 else ("1f1b",):
-        k, _ = budget(problem, schedule, mesh.pp)
-        if k > len(problem.pieces):
-            reasons.append(f"{schedule} needs {k} stages of the model's {len(problem.pieces)} pieces, which are "
-                           "never cut")
-            continue
-        for m in micro_batch_counts(problem, mesh.dp):
-            try:
-                check_schedule(schedule, k, mesh.pp, m)
-            except ValueError as exc:
-                reasons.append(f"{schedule}: {exc}")
-                break
-            if mesh.pp > 1 and m == 1 and schedule != "gpipe":
-                reasons.append(f"{schedule}: one micro-batch (only gpipe runs one in a pipeline)")
+    for schedule in _schedules(problem, mesh):
+        for m in [None, *micro_batch_counts(problem, mesh.dp)]:
+            refused = _refusal(problem, mesh, schedule, m)
+            if refused:
+                reasons.append(refused)
                 break
     return "; ".join(reasons)
 

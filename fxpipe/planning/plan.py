@@ -8,6 +8,7 @@ and checks fields; it never executes code.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any, Callable
 from fxpipe.planning.memory_model import planned_mode, predict_worker_memory
 from fxpipe.planning.plan_format import PLAN_FORMAT, check_plan_document, read_plan_document
 from fxpipe.planning.throughput import throughput_line
-from solvers.layout import Layout
+from solvers.layout import Layout, parse_layout
 from solvers.schedules import inflight, stage_worker
 
 # bytes per parameter and the memory table's short name of the dtype a plan was costed at (profile["dtype"])
@@ -204,12 +205,12 @@ class Plan:
         runs = {"schedule": self.schedule, "virtual_stages": len(self.stages) // self.workers, "recomputation": modes}
         if not self.mesh:
             return Layout(pp=self.workers, **runs)
-        m = self.mesh
-        dp, tp, sharded = int(m.get("dp", 1)), int(m.get("tp", 1)), m.get("dp_mode") == "shard"
-        sp = m.get("sequence_parallel") if tp > 1 else None   # unsaid (an older plan): on, as the ranks run it
-        return Layout(pp=int(m["pp"]), dp_replicate=1 if sharded else dp, dp_shard=dp if sharded else 1, tp=tp,
-                      sharded=sharded, order=m.get("order", "pp-dp-tp"),
-                      sequence_parallel=None if sp is None else bool(sp), **runs)
+        # plan.mesh in the one mesh spelling (solvers.layout.parse_layout); sp unsaid (an older plan): on, as the
+        # ranks run it
+        spec = {k: self.mesh[k] for k in ("pp", "dp", "tp", "dp_mode", "order") if k in self.mesh}
+        if self.mesh.get("tp", 1) > 1 and self.mesh.get("sequence_parallel") is not None:
+            spec["sp"] = bool(self.mesh["sequence_parallel"])
+        return dataclasses.replace(parse_layout(spec), **runs)
 
     def recomputation(self) -> str:
         """The checkpoint mode as the stages run it: ``"auto (never)"``, ``"auto (stage 0: always, 1: never)"``
