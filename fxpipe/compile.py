@@ -42,7 +42,6 @@ from fxpipe.runtime.losses import scalar_of
 from fxpipe.runtime.microbatch import scatter
 from fxpipe.runtime.pipeline import Pipeline
 from fxpipe.runtime.structure import FlatInputs, flat_inputs, model_output
-from solvers.schedules import SPLIT_BACKWARD
 from solvers.schedule_search import chunk_choices
 
 __all__ = ["compile", "parse_devices"]
@@ -274,8 +273,7 @@ def predict_shared_step(pipe: Pipeline) -> Pipeline:
         return pipe
     plan, m = pipe.plan, pipe.plan.chunks
     # a checkpointed micro-batch's backward recomputes its forward (a block mode: its blocks), as the report counts it
-    split = pipe.schedule in SPLIT_BACKWARD
-    again = [recompute_s(st, pipe.stage_checkpoint(st.index), m, split) for st in plan.stages]
+    again = [recompute_s(st, pipe.stage_checkpoint(st.index), m) for st in plan.stages]
     fwd = [st.fwd_s for st in plan.stages]
     plan.predicted["iteration_shared_s"], _ = predicted_times(fwd, [st.bwd_s for st in plan.stages], m, pipe.schedule,
                                                               plan.workers, sharing, again)

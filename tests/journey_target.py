@@ -21,10 +21,3 @@ for _family in FAMILIES:
     globals()[_name] = (lambda f: lambda: build(f))(_family)
     globals()[f"data_{_name}"] = (lambda f: lambda: batches(f))(_family)
 
-
-# Plans made for GPUs one does not have (presets), launched here: the models, batches and losses of the cases that
-# tests/test_journey.py adds to its torchrun beside the journeys.
-def qwen2_bfloat16() -> Any:
-    """Qwen2 built in bfloat16, as ``fxpipe plan hf:qwen2`` plans it for a preset (``--dtype auto``)."""
-    import torch
-    return build("qwen2").to(torch.bfloat16)

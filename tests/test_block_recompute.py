@@ -91,7 +91,6 @@ def test_the_memory_and_time_model_orders_the_modes():
     seconds = {mode: recompute_s(st, mode, m) for mode in ("never", "selective", "blocks:2", "blocks", "always")}
     assert seconds["never"] == 0 < seconds["selective"] < seconds["blocks"] <= seconds["always"]
     assert seconds["blocks:2"] < seconds["blocks"]
-    assert recompute_s(st, "blocks", m, split_backward=True) == pytest.approx(2 * seconds["blocks"])
     charged = _compile(build("llama"), padded_batch("llama", 8), checkpoint="blocks").plan   # the time as run
     assert [s.nodes for s in charged.stages] == [s.nodes for s in pipe.plan.stages]
     assert charged.predicted["iteration_s"] > pipe.plan.predicted["iteration_s"]

@@ -119,6 +119,17 @@ def _journeys(world: int) -> list[tuple[str, str]]:
 
 QWEN2 = ("num_hidden_layers=4,hidden_size=32,intermediate_size=64,num_attention_heads=4,num_key_value_heads=2,"
          "vocab_size=96,max_position_embeddings=64")   # hf_models' Qwen2, as `fxpipe plan hf:qwen2 --config` takes it
+LLAMA = QWEN2   # the same shape of Llama (hf:llama)
+
+
+def _from_config(kind: str, config: str, dtype: torch.dtype) -> torch.nn.Module:
+    """What a Hugging Face user builds for ``hf:KIND --config CONFIG`` in ``dtype`` (transformers' own
+    ``from_config(dtype=...)``, its rotary frequencies kept in float32), seeded as ``fxpipe.launch --seed 0``."""
+    import transformers
+    torch.manual_seed(0)
+    settings = {k: int(v) for k, v in (kv.split("=") for kv in config.split(","))}
+    return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(kind, **settings),
+                                                         dtype=dtype).train()
 
 
 def _one_process(model: torch.nn.Module, data: list, loss_fn: Any = None) -> list[float]:
@@ -137,21 +148,21 @@ def _one_process(model: torch.nn.Module, data: list, loss_fn: Any = None) -> lis
 def _preset_cases(world: int, tmp_path: Path) -> list[dict[str, Any]]:
     """Plans made for H100s from shapes (nothing allocated, as on a laptop) that the journeys do not make, each
     launched as written beside them (one command, ``steps`` steps) and checked against one process: on 2 ranks a
-    torch.fx-traced model (``fxpipe.plan``, and ``fxpipe.compile``'s measured plan of it) and ``fxpipe plan hf:qwen2``'s bfloat16 plan of a model built in
-    bfloat16 (the model in float32 refused, naming both fixes); on 4, a pp x FSDP2 mesh (``fxpipe.plan(mesh=...)``;
-    the tensor-parallel meshes are :data:`MESH_JOURNEYS`')."""
+    torch.fx-traced model (``fxpipe.plan``, and ``fxpipe.compile``'s measured plan of it) and ``fxpipe plan
+    hf:qwen2``'s bfloat16 plan launched with the same ``--model hf:qwen2 --config`` (the model in float32 refused,
+    naming both fixes); on 4, ``fxpipe plan hf:llama --mesh pp=2,tp=2``'s plan launched the same way, and a pp x
+    FSDP2 mesh (``fxpipe.plan(mesh=...)``; the journeys on meshes are :data:`MESH_JOURNEYS`')."""
     from fxpipe.__main__ import main as cli
-    from journey_target import qwen2_bfloat16
     from launch_target import batches as pairs, make_model
     cases: list[dict[str, Any]] = []
 
     def case(name: str, plan: Any, model: str, data: str, steps: int, want: list[float], rel: float = 1e-5,
-             loss: str | None = None) -> None:
+             loss: str | None = None, more: list[str] = ()) -> None:
         path = tmp_path / f"{name}.json"
         if plan is not None:
             plan.save(path)
         argv = ["--plan", str(path), "--model", model, "--data", data, "--lr", str(LR), "--steps", str(steps),
-                "--timeout", "120", *(["--loss", loss] if loss else [])]
+                "--timeout", "120", *(["--loss", loss] if loss else []), *more]
         cases.append({"name": name, "plan": str(path), "argv": argv, "out": str(tmp_path / name), "want": want,
                       "rel": rel})
     with torch.device("meta"):
@@ -171,8 +182,9 @@ def _preset_cases(world: int, tmp_path: Path) -> list[dict[str, Any]]:
              _one_process(make_model(), pairs()[:4], ce))
         assert cli(["plan", "hf:qwen2", "--config", QWEN2, "--seq-len", "12", "--batch", "8", "--devices", "h100x2",
                     "--schedule", "1f1b", "--chunks", "2", "-q", "-o", str(tmp_path / "bf16-cli.json")]) == 0
-        case("bf16-cli", None, "journey_target:qwen2_bfloat16", "journey_target:data_qwen2", STEPS,
-             _one_process(qwen2_bfloat16(), batches("qwen2")), rel=1e-3)   # bfloat16's own rounding, not the pipeline's
+        case("bf16-cli", None, "hf:qwen2", "journey_target:data_qwen2", STEPS,   # launched as planned: hf:, --config
+             _one_process(_from_config("qwen2", QWEN2, torch.bfloat16), batches("qwen2")), rel=1e-3,
+             more=["--config", QWEN2])   # rel: bfloat16's own rounding, not the pipeline's
         # the same model in float32 traces to another graph (its float32 casts are no-ops): refused, with both fixes
         first = batches("qwen2")[0]
         with pytest.raises(fxpipe.PlanMismatchError, match=r"the plan was made for training in bfloat16 and the "
@@ -180,7 +192,13 @@ def _preset_cases(world: int, tmp_path: Path) -> list[dict[str, Any]]:
                            r"\(fxpipe plan --dtype float32"):
             fxpipe.compile(build("qwen2"), ["cpu", "cpu"], (first["input_ids"],),
                            example_kwargs={"labels": first["labels"]}, plan=fxpipe.load_plan(tmp_path / "bf16-cli.json"))
-    else:
+    else:   # the shell's preset plan of a mesh (pp x tp), launched with the same hf: and --config
+        assert cli(["plan", "hf:llama", "--config", LLAMA, "--seq-len", "12", "--batch", "8", "--devices", "h100x4",
+                    "--mesh", "pp=2,tp=2", "--schedule", "1f1b", "--chunks", "2", "-q",
+                    "-o", str(tmp_path / "bf16-mesh-cli.json")]) == 0
+        case("bf16-mesh-cli", None, "hf:llama", "journey_target:data_llama", 3,
+             _one_process(_from_config("llama", LLAMA, torch.bfloat16), batches("llama")[:3]), rel=1e-3,
+             more=["--config", LLAMA])
         case("fx-fsdp-preset", fxpipe.plan(tied, h100, (x,), mesh="pp=2,dp=2,dp_mode=shard", schedule="1f1b"),
              "launch_target:make_model", "launch_target:batches", 4, _one_process(make_model(), pairs()[:4], ce))
     return cases

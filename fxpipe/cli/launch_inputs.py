@@ -40,20 +40,18 @@ def model_factory(args: argparse.Namespace, plan: Any) -> Callable[[], torch.nn.
     from fxpipe.cli.hf import parse_config
     from fxpipe.cli.models import ModelSpec
     planned = (plan.profile or {}).get("dtype")
-    hf = args.model.startswith("hf:")
     try:
         spec = ModelSpec(args.model, parse_config(args.config) if args.config else None,
-                         getattr(torch, planned) if hf and planned else None)
+                         getattr(torch, planned) if planned else None)
     except ValueError as exc:
         raise UsageError(f"--model {args.model}: {exc}") from exc
 
     def build() -> torch.nn.Module:
         torch.manual_seed(args.seed)
-        made = spec.factory()
-        model = made[0] if isinstance(made, tuple) else made
-        if not isinstance(model, torch.nn.Module):
-            raise UsageError(f"--model {args.model} returned {type(model).__name__}, not an nn.Module")
-        return model
+        try:
+            return spec.make()[0]
+        except ValueError as exc:
+            raise UsageError(f"--model {args.model}: {exc}") from exc
     return build
 
 

@@ -76,22 +76,39 @@ class ModelSpec:
                              "name a function that returns an nn.Module (or (module, example_inputs))")
         return factory
 
-    def build(self, device: str | torch.device = "cpu") -> tuple[nn.Module, tuple | None]:
-        """The module (in train mode) and the factory's example inputs, if it gave any; on ``meta`` nothing is
-        allocated (a model that cannot be built there is built on the CPU and moved)."""
-        try:
-            with torch.device(device):
-                made = self.factory()
-        except (NotImplementedError, RuntimeError):
-            if str(device) != "meta" or self.source == "hf":   # a language model built for real: gigabytes
-                raise
-            made = self.factory()   # e.g. an initialiser that reads values; built for real, then dropped
+    def make(self) -> tuple[nn.Module, tuple | None]:
+        """The module and the factory's example inputs (if it gave any), built on the current default device and
+        in ``dtype``: the one way MODEL becomes a module, for ``fxpipe plan`` and for every rank of
+        ``fxpipe.launch`` alike (the same graph, so the plan's fingerprint). ``hf:TYPE`` takes the dtype as
+        transformers does (``from_config(dtype=...)``: the parameters in it, buffers such as rotary frequencies
+        kept in float32); any other model with no floating parameter in ``dtype`` is cast whole
+        (``model.to(dtype)``), its floating example inputs too (a model already holding some is taken as built,
+        as :meth:`fxpipe.frontend.capture.Captured.dtype_mismatch` takes it). Other failures name what was given."""
+        made = self.factory()
         model, inputs = made if isinstance(made, tuple) else (made, None)
         if not isinstance(model, nn.Module):
             raise ValueError(f"{self.text} returned {type(model).__name__}, not an nn.Module "
                              "(or a tuple (module, example_inputs))")
         if inputs is not None and not isinstance(inputs, tuple):
             inputs = (inputs,)
+        floats = {p.dtype for p in model.parameters() if p.is_floating_point()}
+        if self.dtype is not None and floats and self.dtype not in floats:
+            model = model.to(self.dtype)
+            if inputs is not None:
+                inputs = tuple(t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                               for t in inputs)
+        return model, inputs
+
+    def build(self, device: str | torch.device = "cpu") -> tuple[nn.Module, tuple | None]:
+        """:meth:`make` on ``device``, the module in train mode; on ``meta`` nothing is allocated (a model that
+        cannot be built there is built on the CPU and moved)."""
+        try:
+            with torch.device(device):
+                model, inputs = self.make()
+        except (NotImplementedError, RuntimeError):
+            if str(device) != "meta" or self.source == "hf":   # a language model built for real: gigabytes
+                raise
+            model, inputs = self.make()   # e.g. an initialiser that reads values; built for real, then dropped
         return model.to(device).train(), inputs
 
     def input_shape(self, model: nn.Module, image_size: int) -> tuple[int, ...]:
@@ -114,13 +131,8 @@ def load_model(text: str, batch: int, shape: tuple[int, ...] | None, image_size:
         if shape is not None:
             raise ValueError(f"{text} takes token ids: give --seq-len (and --batch), not --input-shape")
         inputs = token_inputs(model, batch, seq_len, device)
-    if dtype is not None:
-        model = model.to(dtype)
-        if inputs is not None:
-            inputs = tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-                           for t in inputs)
     if inputs is None:
-        inputs = (torch.randn(batch, *(shape or spec.input_shape(model, image_size)), device=device),)
+        inputs = (torch.randn(batch, *(shape or spec.input_shape(model, image_size)), device=device, dtype=dtype),)
     elif str(device) == "meta":
         inputs = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in inputs)
     return model, inputs

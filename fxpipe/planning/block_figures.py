@@ -73,12 +73,11 @@ def block_figures(gm: fx.GraphModule, costs: dict[str, Any], plan: Plan, blocks:
                 "kept_fwd_s": total("fwd_s", kept)})
 
 
-def recompute_fractions(gm: fx.GraphModule, plan: Plan, blocks: dict[str, list[str]],
-                        split_backward: bool = False) -> dict[str, float]:
+def recompute_fractions(gm: fx.GraphModule, plan: Plan, blocks: dict[str, list[str]]) -> dict[str, float]:
     """Node name -> the share of its forward its backward recomputes on average, under its stage's mode:
     the checkpointed share of micro-batches for a whole-stage mode; 1 for the operations of the blocks (of
-    ``blocks``, the graph's repeated blocks) a block mode recomputes (``"selective"``: those it does not keep), 2
-    under a split backward (one per pass)."""
+    ``blocks``, the graph's repeated blocks) a block mode recomputes (``"selective"``: those it does not keep;
+    block modes are refused under a split backward)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     out: dict[str, float] = {}
     for st in plan.stages:
@@ -96,5 +95,5 @@ def recompute_fractions(gm: fx.GraphModule, plan: Plan, blocks: dict[str, list[s
             for name in names:
                 node = nodes[name]
                 if name in mine and node.op in OPERATIONS and not (selective and kept_by_selective(gm, node)):
-                    out[name] = 2.0 if split_backward else 1.0
+                    out[name] = 1.0
     return out

@@ -88,16 +88,15 @@ def _chosen_blocks(st: StageView, mode: str) -> list[dict[str, float]]:
     return [b for b in (getattr(st, "blocks", None) or []) if int(b["position"]) % every == 0]
 
 
-def recompute_s(st: StageView, mode: str, micro_batches: int, split_backward: bool = False) -> float:
+def recompute_s(st: StageView, mode: str, micro_batches: int) -> float:
     """Seconds of forward that ``mode`` recomputes per micro-batch of stage ``st``, on average: the whole stage
     for the checkpointed share of micro-batches, the chosen blocks (less what ``"selective"`` keeps) for the
-    block modes, twice under a split backward (checkpoint recomputes a block for each of its two passes)."""
+    block modes (refused under a split backward, :func:`refuse_with_schedule`: once)."""
     parsed = block_mode(mode)
     if parsed is None:
         return st.fwd_s * sum(checkpointed(mode, i, micro_batches) for i in range(micro_batches)) / micro_batches
     selective = parsed[1]
-    once = sum(b["fwd_s"] - (b["kept_fwd_s"] if selective else 0.0) for b in _chosen_blocks(st, mode))
-    return once * (2 if split_backward else 1)
+    return sum(b["fwd_s"] - (b["kept_fwd_s"] if selective else 0.0) for b in _chosen_blocks(st, mode))
 
 
 def checkpointed(mode: str, micro_batch: int, micro_batches: int) -> bool:
@@ -204,7 +203,7 @@ def choose_checkpoints(plan: PlanView, memory_bytes: list[float] | None = None) 
     chosen = []
     for w in range(workers):
         mine = [st for st in plan.stages if stage_worker(plan.schedule, st.index, workers) == w]
-        cost = {mode: (sum(recompute_s(st, mode, plan.chunks, split) for st in mine), i)
+        cost = {mode: (sum(recompute_s(st, mode, plan.chunks) for st in mine), i)
                 for i, mode in enumerate(modes)}
         fits = [mode for mode in modes if predictions[mode][w].peak_bytes <= memory_bytes[w]]
         if not fits:

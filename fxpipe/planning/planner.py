@@ -192,7 +192,7 @@ class Planner:
                        share: float) -> tuple[solvers.Problem, float]:
         """The plan's predictions with each node's backward paying what its stage's chosen mode recomputes
         (the solve charged ``share`` of every forward alike); the problem and share to simulate with."""
-        fractions = recompute_fractions(self.gm, plan, self.blocks or {}, self.schedule in SPLIT_BACKWARD)
+        fractions = recompute_fractions(self.gm, plan, self.blocks or {})
         if all(abs(fractions.get(n.id, 0.0) - share) < 1e-12 for n in problem.nodes):
             return problem, share
         # the solved problem's backwards, each moved from the share to its own fraction of the forward

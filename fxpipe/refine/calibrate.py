@@ -29,7 +29,6 @@ from fxpipe.errors import FxpipeError
 from fxpipe.runtime.no_trace import leaving_no_trace
 from fxpipe.planning.memory_model import recompute_s
 from fxpipe.planning.plan import Plan
-from solvers.schedules import SPLIT_BACKWARD
 from solvers.simulate import per_micro_batch
 
 __all__ = ["stage_time_factors", "step_stage_times", "predicted_backward_s", "scale_costs"]
@@ -77,8 +76,7 @@ def predicted_backward_s(pipe: Any, stage: Any, micro_batches: int) -> float:
     """A plan stage's backward per micro-batch as a step runs it: ``bwd_s``, plus what its mode recomputes
     (:func:`fxpipe.planning.memory_model.recompute_s`: the forward again for the share of its micro-batches that
     are checkpointed, or the recomputed blocks)."""
-    return stage.bwd_s + recompute_s(stage, pipe.stage_checkpoint(stage.index), micro_batches,
-                                     pipe.schedule in SPLIT_BACKWARD)
+    return stage.bwd_s + recompute_s(stage, pipe.stage_checkpoint(stage.index), micro_batches)
 
 
 def stage_time_factors(pipe: Any, example_inputs: tuple, steps: int = 2, target: Any = None,
