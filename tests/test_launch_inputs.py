@@ -95,16 +95,21 @@ def _tiny_llama() -> nn.Module:
                               "max_position_embeddings": 32})
 
 
-def _published_run(root, steps: int, lr: float, record_losses: bool = True) -> None:
+def _published_run(root, steps: int, lr: float, record_losses: bool = True, dtype: torch.dtype | None = None,
+                   halves: bool = False) -> None:
     """What fxpipe.launch --checkpoint leaves after ``steps`` steps: the parameters under ``model.``, in a
-    published snapshot whose metadata holds every step's loss."""
+    published snapshot whose metadata holds every step's loss. ``halves``: each batch's gradient summed over its
+    two halves, each weighted by its share of the counted tokens (a pipeline's micro-batches: the same step, its
+    sums in another order)."""
     import torch.distributed.checkpoint as dcp
     from fxpipe.distributed import snapshots
-    model, data = _tiny_llama(), MockTokens(4, 8, 50, batches=steps, last=3)
+    model, data = _tiny_llama().to(dtype or torch.float32), MockTokens(4, 8, 50, batches=steps, last=3)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for batch in data:
-        loss = model(**batch).loss
+        parts = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}] if halves else [batch]
+        counted = [(p["labels"][:, 1:] != -100).sum().item() for p in parts]
+        loss = sum(model(**p).loss * (n / sum(counted)) for p, n in zip(parts, counted))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -134,3 +139,20 @@ def test_compare_says_match_for_the_run_it_repeats_and_differ_for_another(tmp_pa
     _published_run(tmp_path / "old", 3, 0.1, record_losses=False)
     with pytest.raises(ValueError, match="records no loss for each of its 3 steps"):
         compare_run(str(tmp_path / "old"), _tiny_llama(), data, sgd, None)
+
+
+def test_compare_takes_the_tolerance_of_the_model_s_dtype(tmp_path):
+    """A bfloat16 run whose sums went in another order (micro-batches) matches one process at bfloat16's
+    tolerance (torch.testing's rtol 1.6e-2), which float32's 1e-5 would call DIFFER; another learning rate still
+    differs."""
+    _published_run(tmp_path / "ckpt", 3, 0.1, dtype=torch.bfloat16, halves=True)
+    data = MockTokens(4, 8, 50, batches=3, last=3)
+    bf16 = lambda: _tiny_llama().to(torch.bfloat16)   # noqa: E731
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    lines: list[str] = []
+    assert compare_run(str(tmp_path / "ckpt"), bf16(), data, sgd, None, write=lines.append) == 0, lines
+    assert lines[-1] == "MATCH: the launched run trained as one process does (rtol 0.016, atol 1e-05)", lines
+    assert compare_run(str(tmp_path / "ckpt"), bf16(), data, sgd, None, rtol=1e-5, write=lines.append) == 1
+    other = functools.partial(torch.optim.SGD, lr=0.3)
+    assert compare_run(str(tmp_path / "ckpt"), bf16(), data, other, None, write=lines.append) == 1
+    assert lines[-1].startswith("DIFFER"), lines

@@ -7,6 +7,10 @@ of ``--data``, whole, with the same optimizer, learning rate and loss, in this p
 series and the largest differences; it returns 0 when every loss and parameter agrees within ``rtol`` (relative,
 with ``atol`` for values near zero), else 1. No process group: run it with ``python -m fxpipe.launch``, the same
 arguments as the launch, ``--compare DIR`` added.
+
+The tolerance follows the dtype the model trains in (:func:`tolerance`): a pipeline adds the same numbers in
+another order, which float32 rounds at 1e-7 and bfloat16 at 4e-3 of the tensor's largest value, so a bfloat16
+plan (``fxpipe plan`` on a preset) compared at float32's tolerance would say DIFFER of a run that is right.
 """
 
 from __future__ import annotations
@@ -46,10 +50,32 @@ def _saved_parameters(path: str) -> dict[str, torch.Tensor]:
     return {k.removeprefix("model."): v for k, v in saved.items() if k.startswith("model.")}
 
 
+# torch.testing.assert_close's relative tolerances for the low-precision dtypes; float32's is looser than its
+# (1.3e-6) because a pipeline's sums are reordered over several steps of training
+RTOL = {torch.bfloat16: 1.6e-2, torch.float16: 1e-3}
+
+
+def tolerance(model: nn.Module) -> tuple[float, float]:
+    """``(rtol, atol)`` for the dtype of ``model``'s floating parameters (the lowest in precision where they
+    mix): float32's (1e-5, 1e-5), else ``rtol`` from :data:`RTOL`, ``atol`` 1e-5."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    return max((RTOL.get(d, 1e-5) for d in dtypes), default=1e-5), 1e-5
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool:
+    """Elementwise within ``atol + rtol * |a|``, where ``atol`` is at least ``rtol`` of ``a``'s largest value:
+    an element near zero in a tensor of large ones carries its sums' rounding too."""
+    scale = a.abs().max().item() if a.numel() else 0.0
+    return torch.allclose(a, b, rtol=rtol, atol=max(atol, rtol * scale))
+
+
 def compare_run(checkpoint: str, model: nn.Module, batches: Iterable[Any], optimizer: Callable[..., Any],
-                loss_fn: Callable[[Any, Any], torch.Tensor], *, rtol: float = 1e-5,
-                atol: float = 1e-5, write: Callable[[str], None] = print) -> int:
-    """Train ``model`` on the first batches the checkpoint's run trained and compare (module doc)."""
+                loss_fn: Callable[[Any, Any], torch.Tensor], *, rtol: float | None = None,
+                atol: float | None = None, write: Callable[[str], None] = print) -> int:
+    """Train ``model`` on the first batches the checkpoint's run trained and compare (module doc); ``rtol`` and
+    ``atol`` default to :func:`tolerance`'s for the model's dtype."""
+    auto_rtol, auto_atol = tolerance(model)
+    rtol, atol = auto_rtol if rtol is None else rtol, auto_atol if atol is None else atol
     from fxpipe.distributed import snapshots
     found = snapshots.latest(checkpoint)
     if found is None:
@@ -79,7 +105,7 @@ def compare_run(checkpoint: str, model: nn.Module, batches: Iterable[Any], optim
     loss_gap = max(abs(a - b) for a, b in zip(losses, launched))
     worst = max(((saved[n].float() - p.detach().float()).abs().max().item(), n) for n, p in named.items())
     close = all(abs(a - b) <= atol + rtol * abs(a) for a, b in zip(losses, launched)) and all(
-        torch.allclose(saved[n].float(), p.detach().float(), rtol=rtol, atol=atol) for n, p in named.items())
+        _close(saved[n].float(), p.detach().float(), rtol, atol) for n, p in named.items())
     write(f"one process: losses {' '.join(f'{x:.6f}' for x in losses)}")
     write(f"launched:    losses {' '.join(f'{x:.6f}' for x in launched)}")
     write(f"largest loss difference {loss_gap:.1e}, largest parameter difference {worst[0]:.1e} ({worst[1]}) over "
