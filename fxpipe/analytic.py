@@ -303,14 +303,18 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
     fixed = parse_mesh(mesh, len(devices))
     sequence_parallel = mesh_sequence_parallel(mesh, sequence_parallel)
     levels = levels_of(devices)
-    island = levels[0].size
-    refused = {t: why for t in range(2, island + 1) if island % t == 0 and (why := costed.tp_refusal(t))}
+    world = len(devices)   # a fixed mesh may put tp past the island (the search does not)
+    refused = {t: why for t in range(2, world + 1) if world % t == 0 and (why := costed.tp_refusal(t))}
     for m in fixed[:1]:
         if costed.batch % m.dp:
             raise ValueError(f"mesh {m.label()}: the batch of {costed.batch} samples does not split evenly over "
                              f"dp={m.dp} replicas; pass a batch that is a multiple of {m.dp}")
         if m.tp in refused:
-            raise ValueError(f"mesh {m.label()}: the runtime cannot run tp={m.tp} on this model: {refused[m.tp]}")
+            runnable = [t for t in range(1, world + 1) if world % t == 0 and t not in refused]
+            raise ValueError(f"mesh {m.label()}: the runtime cannot run tp={m.tp} on this model: {refused[m.tp]}; "
+                             f"plan a tp of {', '.join(map(str, runnable))} (the default tensor-parallel plan "
+                             "shards whole heads and features), or let the planner choose (mesh='auto', "
+                             "fxpipe plan --mesh auto)")
     samples = costed.batch / costed.profiled
     launch = costed.spec.launch_s
     pieces, cuts, broadcast, piece_nodes = chain_pieces(costed.captured.graph, costed.costs, samples, launch)

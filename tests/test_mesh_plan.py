@@ -98,6 +98,12 @@ def test_bad_meshes_are_refused_with_the_fix(costed):
         analytic.plan_costed_mesh(dataclasses.replace(c, batch=12), devices, "pp=1,dp=8,tp=1")
     with pytest.raises(ValueError, match="unknown key"):
         analytic.plan_costed_mesh(c, devices, {"pp": 8, "cp": 1})
+    # a tp the runtime's tensor-parallel plan refuses (4 heads over 8, past a node): the planner's own fix, not a rank's
+    with pytest.raises(ValueError, match=r"^mesh pp=1 dp=1 tp=8: the runtime cannot run tp=8 on this model: "
+                       r"model.layers.0.self_attn has 4 attention heads, which tp=8 does not divide; plan a tp of "
+                       r"1, 2, 4 \(the default tensor-parallel plan shards whole heads and features\), or let the "
+                       r"planner choose \(mesh='auto', fxpipe plan --mesh auto\)$"):
+        analytic.plan_costed_mesh(c, devices, "pp=1,dp=1,tp=8")
     with pytest.raises(ValueError, match="leave stages and virtual_stages unset"):
         fxpipe.plan(model, devices, (ids,), mesh="auto", stages=4)
     mixed = Devices([PRESETS["h100"][0], PRESETS["a100"][0]], [["X", "NV12"], ["NV12", "X"]])

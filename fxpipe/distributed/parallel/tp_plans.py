@@ -56,7 +56,12 @@ __all__ = ["TPPlan", "TPPlanError", "Conv1DColwise", "Conv1DFusedColwise", "Conv
 
 
 class TPPlanError(FxpipeError, ValueError):
-    """A tensor-parallel plan that cannot be applied exactly (the message names the module and the fix)."""
+    """A tensor-parallel plan that cannot be applied exactly (the message names the module and the fix);
+    ``cause``: the module and what tp does not divide, without a rank's fix (for the planner's own)."""
+
+    def __init__(self, message: str, cause: str | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause or message
 
 
 def _distribute_conv1d(style: ColwiseParallel | RowwiseParallel, module: nn.Module, device_mesh,
@@ -173,9 +178,9 @@ def _divisible(path: str, what: str, count: int | None, tp: int) -> None:
         raise TPPlanError(f"{path}: fxpipe cannot find its number of {what} to check that tp={tp} divides it; "
                           "pass tp_plan={path pattern: style} for this model")
     if count % tp:
-        raise TPPlanError(f"{path} has {count} {what}, which tp={tp} does not divide: tensor parallelism shards "
-                          f"whole heads and features; use a tp that divides {count}, or pass tp_plan=... "
-                          "that leaves this module replicated")
+        cause = f"{path} has {count} {what}, which tp={tp} does not divide"
+        raise TPPlanError(f"{cause}: tensor parallelism shards whole heads and features; use a tp that divides "
+                          f"{count}, or pass tp_plan=... that leaves this module replicated", cause)
 
 
 def default_tp_plan(model: nn.Module, tp: int) -> TPPlan:
@@ -235,12 +240,12 @@ def default_tp_plan(model: nn.Module, tp: int) -> TPPlan:
 
 
 def tp_refusal(model: nn.Module, tp: int) -> str | None:
-    """Why the default plan cannot shard ``model`` over ``tp`` ranks (:class:`TPPlanError`'s message), ``None``
+    """Why the default plan cannot shard ``model`` over ``tp`` ranks (:class:`TPPlanError`'s cause), ``None``
     where it can: what the planner asks before it plans a mesh with ``tp`` (the runtime asks the same)."""
     try:
         default_tp_plan(model, tp)
     except TPPlanError as exc:
-        return str(exc)
+        return exc.cause
     return None
 
 
