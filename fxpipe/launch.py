@@ -128,6 +128,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace, rank: int) -> None:
     from fxpipe.distributed import PipelineRank, checkpoint, snapshots
+    from fxpipe.distributed.parallel.tp_plans import TPPlanError
     plan = load_plan(args.plan)
     model_fn, data_fn, loss_fn = model_factory(args, plan), data_source(args), loss_function(args)
     if args.resume and not args.checkpoint:
@@ -138,8 +139,12 @@ def _train(args: argparse.Namespace, rank: int) -> None:
         raise UsageError("--checkpoint-every and --total-steps must be 0 or more")
     options = step_options(args)
     dims = _mesh_dims(args, plan)
-    stage = PipelineRank(plan, model_fn, loss_fn, mesh="dp=1" if dims is None else dims, weights=args.weights,
-                         timeout_s=args.timeout, compression=args.compression)
+    try:
+        stage = PipelineRank(plan, model_fn, loss_fn, mesh="dp=1" if dims is None else dims, weights=args.weights,
+                             timeout_s=args.timeout, compression=args.compression)
+    except TPPlanError as exc:   # the rank's fix (tp_plan=) is not a flag here
+        raise UsageError(f"{exc.cause}; fxpipe.launch runs the default tensor-parallel plan: give --mesh a tp that "
+                         "it divides (PipelineRank(tp_plan=...) takes a plan of your own)") from exc
     ranked = stage.ranked
     if dims is None:
         prints = True

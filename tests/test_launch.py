@@ -161,6 +161,18 @@ def test_bad_arguments_end_every_process_with_one_error_line(tmp_path):
                               "--compression", "zstd"])
     assert rc != 0
     assert re.search(r"^error: rank [01]: ValueError: unknown compression 'zstd': use one of 'fp16'", err, re.M), err
+    # a tp the default tensor-parallel plan refuses (3 heads over 2): the launch's own fix (--mesh), not tp_plan=
+    config = ("num_hidden_layers=2,hidden_size=48,intermediate_size=64,num_attention_heads=3,num_key_value_heads=3,"
+              "vocab_size=64,max_position_embeddings=32")
+    from fxpipe.__main__ import main as cli
+    assert cli(["plan", "hf:llama", "--config", config, "--seq-len", "8", "--batch", "4", "--devices", "h100x1",
+                "-q", "-o", str(tmp_path / "one.json")]) == 0
+    out, err, rc = _torchrun(["--plan", str(tmp_path / "one.json"), "--model", "hf:llama", "--config", config,
+                              "--data", "mock", "--mesh", "tp=2"])
+    assert rc != 0
+    assert re.search(r"^error: rank [01]: model.layers.0.self_attn has 3 attention heads, which tp=2 does not "
+                     r"divide; fxpipe.launch runs the default tensor-parallel plan: give --mesh a tp that it divides "
+                     r"\(PipelineRank\(tp_plan=...\) takes a plan of your own\)$", err, re.M), err
 
 
 def test_help_shows_a_real_example():
