@@ -43,6 +43,7 @@ from fxpipe.planning.plan import Plan
 from fxpipe.planning.planner import Planner
 from fxpipe.planning import throughput
 from fxpipe.planning.topology import links_from_classes
+from fxpipe.runtime.guards import input_signature
 from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, scatter
 from fxpipe.runtime.structure import FlatInputs, flat_inputs
 import solvers
@@ -73,6 +74,9 @@ class AnalyticModel:
     #: ``tp`` -> why the runtime's default tensor-parallel plan cannot shard the model over ``tp`` ranks (``None``:
     #: it can); :func:`plan_costed_mesh` plans no mesh of a refused ``tp``
     tp_refusal: Callable[[int], str | None] = lambda tp: None
+    #: the example inputs' names, dtypes and shapes (:func:`fxpipe.runtime.guards.input_signature`): a call of
+    #: another dtype or rank is refused before its step, as for a compiled plan
+    signature: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 def cost_model(model: nn.Module, example_inputs: tuple, spec: DeviceSpec, micro_batches: int | None = None, *,
@@ -103,7 +107,8 @@ def cost_model(model: nn.Module, example_inputs: tuple, spec: DeviceSpec, micro_
     first = tuple(scatter(list(inputs), profiled, dims)[0])
     costs = profile_graph(captured.graph, first, torch.device("cpu"), mode="analytic", spec=spec)   # 2. cost
     return AnalyticModel(captured, costs, batch, most, profiled, layout, training_dtype(model), model.training,
-                         type(model).__name__, spec, functools.lru_cache(functools.partial(tp_refusal, model)))
+                         type(model).__name__, spec, functools.lru_cache(functools.partial(tp_refusal, model)),
+                         input_signature(captured.graph, tuple(inputs)))
 
 
 def with_model_flops(result: Plan, costed: AnalyticModel) -> Plan:
@@ -141,7 +146,8 @@ def planner_for(costed: AnalyticModel, devices: Devices, *, schedule: str = "1f1
                    optimizer_state_factor=factor, batch=costed.batch, profile="analytic", training=costed.training,
                    batch_dims=costed.layout.to_dict(), frontend=costed.captured.frontend,
                    keep_blocks_whole=options.keep_blocks_whole,
-                   profile_extra={"device": costed.spec.name, "dtype": dtype, "optimizer": optimizer},
+                   profile_extra={"device": costed.spec.name, "dtype": dtype, "optimizer": optimizer,
+                                  "inputs": costed.signature},
                    links=links_from_classes([row[:n] for row in devices.link_classes[:n]], devices.bandwidth_Bps),
                    speeds=[rate(s) / rate(specs[0]) for s in specs], hosts=list(devices.nodes[:n]),
                    time_limit_s=time_limit_s)

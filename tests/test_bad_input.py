@@ -55,8 +55,24 @@ def test_a_batch_smaller_than_chunks_says_what_would_work():
 # ---------------------------------------------------------------- run-time inputs
 def test_an_input_of_another_dtype_is_refused_before_any_stage_runs(compiled):
     _, pipe = compiled
-    with pytest.raises(fxpipe.FxpipeError, match=r"is float64 but the pipeline was compiled for float32; cast it"):
+    with pytest.raises(fxpipe.FxpipeError, match=r"is float64 but the plan was made for float32 inputs; cast it"):
         pipe(torch.randn(8, 8, dtype=torch.float64))
+
+
+def test_a_plan_made_from_shapes_refuses_inputs_of_another_dtype_too():
+    """fxpipe.plan (a preset, bfloat16) records its inputs as compile does: a rank given float32 images for the
+    bfloat16 model is told to cast them before any stage runs, rather than failing inside one."""
+    from fxpipe.frontend.capture import capture_as_planned
+    from fxpipe.runtime.call_inputs import CallInputs
+    model = _mlp().to(torch.bfloat16)
+    plan = fxpipe.plan(model, fxpipe.Devices.preset("h100", 2), (torch.randn(8, 8, dtype=torch.bfloat16),),
+                       schedule="1f1b", chunks=2)
+    assert plan.profile["inputs"] == [{"name": "input_1", "dtype": "bfloat16", "shape": [8, 8]}], plan.profile
+    calls = CallInputs(capture_as_planned(model, plan.frontend).graph, plan)
+    assert len(calls.micro_batches((torch.randn(8, 8, dtype=torch.bfloat16),), {})) == 2
+    with pytest.raises(fxpipe.FxpipeError, match=r"input 'input_1' is float32 but the plan was made for bfloat16 "
+                       r"inputs; cast it \(x.to\(torch.bfloat16\)\) or plan again"):
+        calls.micro_batches((torch.randn(8, 8),), {})
 
 
 def test_an_input_of_another_rank_is_refused_instead_of_broadcast(compiled):

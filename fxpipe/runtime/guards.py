@@ -45,8 +45,9 @@ def check_inputs(signature: list[dict[str, Any]], bound: dict[str, Any], batch_d
         got_dtype = str(value.dtype).removeprefix("torch.")
         if got_dtype != expected["dtype"]:
             raise FxpipeError(
-                f"input {name!r} is {got_dtype} but the pipeline was compiled for {expected['dtype']}; "
-                f"cast it (x.to(torch.{expected['dtype']})) or compile again with inputs of this dtype")
+                f"input {name!r} is {got_dtype} but the plan was made for {expected['dtype']} inputs; cast it "
+                f"(x.to(torch.{expected['dtype']})) or plan again with inputs of this dtype (fxpipe.compile or "
+                "fxpipe.plan with them; fxpipe plan --dtype)")
         if value.dim() != len(shape):
             raise FxpipeError(
                 f"input {name!r} has {value.dim()} dimensions {tuple(value.shape)} but the pipeline was compiled "
