@@ -76,9 +76,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", required=True, help="the plan file (plan.save)")
     p.add_argument("--model", required=True,
                    help="the model, as fxpipe plan takes MODEL: hf:TYPE (a Hugging Face model from its config, with "
-                        "--config; built in the dtype the plan was made for), torchvision:NAME, timm:NAME, "
-                        "pkg.module:factory or path/to/file.py:factory (called with no argument, returning the "
-                        "model); built after torch.manual_seed(--seed) on every process")
+                        "--config), torchvision:NAME, timm:NAME, pkg.module:factory or path/to/file.py:factory "
+                        "(called with no argument, returning the model); built as fxpipe plan built it, in the dtype "
+                        "the plan was made for, after torch.manual_seed(--seed) on every process")
     p.add_argument("--config", default="", metavar="KEY=VALUE,...",
                    help="the Hugging Face config of --model hf:TYPE, as fxpipe plan --config takes it")
     p.add_argument("--seed", type=int, default=0, help="the seed every process builds the model with (default 0)")
