@@ -52,7 +52,8 @@ def test_a_meta_model_is_planned_without_allocating_and_the_plan_accounts_every_
         "2.0 MiB per step" in plan.summary()
     assert all(s.act_bytes > 0 for s in plan.stages)
     assert plan.profile == {"mode": "analytic", "device": "H100-SXM5-80GB", "dtype": "float32", "optimizer": "adam",
-                            "peak_flops": 67e12}   # the H100's dense float32 peak: fxpipe.planning.throughput's MFU
+                            "peak_flops": 67e12,   # the H100's dense float32 peak: fxpipe.planning.throughput's MFU
+                            "inputs": [{"name": "tokens", "dtype": "int64", "shape": [16, 32]}]}   # checked each call
     table = plan.memory_table()
     assert "param+grad+opt GiB" in table and f"{unique / 4 / 1e9:.2f}B parameters" in table
     assert fxpipe.Plan.from_dict(plan.to_dict()).stage_of() == plan.stage_of()
