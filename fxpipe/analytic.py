@@ -309,14 +309,17 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
     fixed = parse_mesh(mesh, len(devices))
     sequence_parallel = mesh_sequence_parallel(mesh, sequence_parallel)
     levels = levels_of(devices)
-    world = len(devices)   # a fixed mesh may put tp past the island (the search does not)
-    refused = {t: why for t in range(2, world + 1) if world % t == 0 and (why := costed.tp_refusal(t))}
+    island = levels[0].size
+    # the tps the search tries (inside the island) and a fixed mesh's own, which may lie past it
+    tps = sorted({t for t in range(2, island + 1) if island % t == 0} | {m.tp for m in fixed[:1] if m.tp > 1})
+    refused = {t: why for t in tps if (why := costed.tp_refusal(t))}
     for m in fixed[:1]:
         if costed.batch % m.dp:
             raise ValueError(f"mesh {m.label()}: the batch of {costed.batch} samples does not split evenly over "
                              f"dp={m.dp} replicas; pass a batch that is a multiple of {m.dp}")
         if m.tp in refused:
-            runnable = [t for t in range(1, world + 1) if world % t == 0 and t not in refused]
+            world = len(devices)
+            runnable = [t for t in range(1, world + 1) if world % t == 0 and (t == 1 or not costed.tp_refusal(t))]
             raise ValueError(f"mesh {m.label()}: the runtime cannot run tp={m.tp} on this model: {refused[m.tp]}; "
                              f"plan a tp of {', '.join(map(str, runnable))} (the default tensor-parallel plan "
                              "shards whole heads and features), or let the planner choose (mesh='auto', "
