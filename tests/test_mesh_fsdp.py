@@ -181,7 +181,7 @@ def test_pp2_fsdp2_trains_llama_and_gpt2_as_one_process_on_the_whole_batch():
 # tests, parametrized by the data-parallel dim (dp_shard: FSDP2)
 
 
-def _hsdp_ranks(rank: int, world: int, plan_json: str) -> dict:
+def _hsdp_ranks(rank: int, world: int, plan_json: str, llama_json: str) -> dict:
     from test_mesh import _batches as small_batches, _loss as small_loss, _make as make_small
     from fxpipe.distributed import PipelineRank
     from fxpipe.distributed.parallel import ParallelDims
@@ -195,16 +195,65 @@ def _hsdp_ranks(rank: int, world: int, plan_json: str) -> dict:
         norms.append(_clip(stage))   # HSDP: each shard held by dp_replicate ranks, counted once
         opt.step()
         opt.zero_grad()
-    return {"losses": losses, "norms": norms, "params": {n: _full(p) for n, p in stage.named_parameters()}}
+    return {"losses": losses, "norms": norms, "params": {n: _full(p) for n, p in stage.named_parameters()},
+            "llama": _units_on_one_stage(mesh, llama_json)}
+
+
+def _units_on_one_stage(mesh: Any, plan_json: str) -> dict:
+    """Llama as one stage over the HSDP mesh, each block its own FSDP2 unit (resharded after every pass but under
+    a split backward), recomputing nothing and then selectively per block: losses and parameters per mode."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from fxpipe.distributed import PipelineRank
+    from fxpipe.distributed.parallel.fsdp import ShardedStages
+    from fxpipe.runtime.block_units import units_of
+    calls: list[str] = []   # this process's reduce-scatters and end-of-step reductions, in order
+    scatter, reduce = dist.reduce_scatter_single, ShardedStages.reduce
+
+    def counted_scatter(*args, **kwargs):
+        calls.append("reduce-scatter")
+        return scatter(*args, **kwargs)
+
+    def counted_reduce(self):
+        calls.append("end")
+        return reduce(self)
+    dist.reduce_scatter_single, ShardedStages.reduce = counted_scatter, counted_reduce
+    out = {}
+    for mode, schedules in UNIT_CASES.items():
+        plan = fxpipe.Plan.from_dict(json.loads(plan_json))
+        plan.stages[0].checkpoint = mode
+        stage = PipelineRank(plan, _builder("llama"), _loss, mesh=mesh, timeout_s=120)
+        units = units_of(stage.specs[0].module)
+        opt = _optimizer(stage.parameters())
+        for schedule in schedules:
+            losses = []
+            for i, b in enumerate(_batches("llama")):
+                calls.clear()
+                losses.append(_step(stage, "llama", b, schedule, i).item())
+                _clip(stage)
+                opt.step()
+                opt.zero_grad()
+            out[(mode, schedule)] = {"losses": losses, "units": [isinstance(u, FSDPModule) for u in units],
+                                     "scattered_in_backward": calls.index("end"),
+                                     "recompute": [u.recompute for u in units],
+                                     "params": {n: _full(p) for n, p in stage.named_parameters()}}
+    return out
+
+
+UNIT_CASES = {"never": ("1f1b", "zb-h1"), "selective": ("gpipe",)}
 
 
 @pytest.mark.slow
 def test_hsdp_two_replicas_of_two_shards_train_as_one_process():
-    """pp=1 × dp_replicate=2 × dp_shard=2: reduce-scatter within a replica, all-reduce across them (72 s on the loaded 2-core machine)."""
+    """pp=1 × dp_replicate=2 × dp_shard=2: reduce-scatter within a replica, all-reduce across them; a small model,
+    then Llama whose blocks are FSDP2 units of their own (resharded after each pass), without recomputation (1F1B,
+    ZB-H1) and with selective recomputation inside each unit (GPipe)."""
     from test_mesh import _batches as small_batches, _loss as small_loss, _make as make_small
     x = small_batches(8)[0][0]
     plan = copy.deepcopy(fxpipe.compile(make_small(), ["cpu"], (x,), chunks=2, profile=EST).plan)
-    results = run_ranks(4, _hsdp_ranks, plan.to_json(), deadline_s=300)
+    ids = padded_batch("llama")["input_ids"]
+    llama = fxpipe.compile(_builder("llama")(), ["cpu"], (ids,), chunks=2, profile=EST, schedule="1f1b").plan
+    results = run_ranks(4, _hsdp_ranks, plan.to_json(), llama.to_json(), deadline_s=300)
     errors = [r["text"] for r in results if "ok" not in r]
     assert not errors, errors
     model = make_small()
@@ -222,3 +271,19 @@ def test_hsdp_two_replicas_of_two_shards_train_as_one_process():
         assert r["ok"]["losses"] == pytest.approx(want, rel=1e-5)
         check_norms(r["ok"]["norms"], norms, "hsdp")
         assert max(max_relative_error(r["ok"]["params"][n], p.detach()) for n, p in model.named_parameters()) <= 1e-5
+    # Llama's four blocks, each an FSDP2 unit of its own (one stage, HSDP), train as one process
+    for mode, schedules in UNIT_CASES.items():
+        reference = _reference("llama", schedules)
+        for schedule in schedules:
+            want_losses, want_params = reference[schedule]
+            for r in results:
+                got = r["ok"]["llama"][(mode, schedule)]
+                assert got["units"] == [True] * 4, got["units"]
+                assert got["recompute"] == [None if mode == "never" else mode] * 4
+                # each block's gradients reduce-scattered in the last backward, before the step's end (but the
+                # root's); under a split backward all of them after the last weight pass
+                assert got["scattered_in_backward"] == (0 if schedule == "zb-h1" else 4), got["scattered_in_backward"]
+                assert got["losses"] == pytest.approx(want_losses, rel=1e-5), (mode, schedule)
+                assert set(got["params"]) == set(want_params)
+                worst = max((max_relative_error(got["params"][n], want_params[n]), n) for n in want_params)
+                assert worst[0] <= 1e-5, (mode, schedule, worst)

@@ -46,6 +46,7 @@ from fxpipe.errors import FxpipeError, PlanMismatchError
 from fxpipe.planning.memory_model import planned_mode
 from fxpipe.planning.plan import Plan, load_plan
 from fxpipe.runtime.block_recompute import apply_recompute
+from fxpipe.runtime.block_units import apply_units
 from fxpipe.runtime.losses import REDUCTIONS
 
 __all__ = ["PipelineRank"]
@@ -137,7 +138,11 @@ class PipelineRank:
         grid = ParallelDims.dp_ranks(mesh)   # this rank's dp ranks: rows are replicas, columns shards
         group = DataParallelStep.group_of(grid, timeout_s)
         self.tp = apply_tensor_parallel(stages, mesh, dims, tp_plan, timeout_s)
-        self._recompute()
+        if dims.sharded and dims.dp > 1 and stages.pipe.compiled is None:   # FSDP2 per block (.parallel.fsdp)
+            pipe = stages.pipe
+            apply_units(pipe._graph[0], [(stages.specs[k].module, pipe.stage_checkpoint(k)) for k in self.own])
+        else:
+            self._recompute()
         data = apply_data_parallel(stages, mesh, dims, grid, group, timeout_s)
         # a global gradient norm (fxd.clip_grad_norm_) counts each piece once: the sharded parameters replaced the
         # ones a tied weight's marks were on

@@ -46,7 +46,7 @@ from fxpipe.planning.blocks import repeated_blocks
 from fxpipe.planning.memory_model import block_mode
 from fxpipe.runtime.recompute import checkpoint_stage
 
-__all__ = ["recompute_blocks", "apply_recompute", "KEPT_BY_SELECTIVE"]
+__all__ = ["recompute_blocks", "apply_recompute", "block_spans", "selective_policy", "KEPT_BY_SELECTIVE"]
 
 _DONE = "fxpipe_block_recompute"   # the stage module's meta key: the mode it was rewritten for
 _PREFIX = "fxpipe_recomputed_block_"
@@ -63,7 +63,7 @@ KEPT_BY_SELECTIVE = frozenset(op for op in (
 ) if op is not None)
 
 
-def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """torch's selective checkpoint policy: keep :data:`KEPT_BY_SELECTIVE`, recompute the rest."""
     return CheckpointPolicy.MUST_SAVE if op in KEPT_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -79,25 +79,26 @@ class _Recomputed(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         return checkpoint_stage(self.__dict__["block"], *args, preserve_rng_state=True,
-                                policy=_policy if self.selective else None)
+                                policy=selective_policy if self.selective else None)
 
 
-def _blocks_in(stage: fx.GraphModule, blocks: list[list[str]]) -> list[dict[fx.Node, None]]:
+def block_spans(stage: fx.GraphModule, blocks: list[list[str]]) -> list[tuple[int, dict[fx.Node, None]]]:
     """Each block's span of the stage's operations, in the model's block order: every operation from the block's
     first to its last in graph order (``get_attr`` reads left outside). A span of a topological order is convex,
     so fusing it makes no cycle, also where a pass after tracing (tensor parallelism's module calls) added nodes
-    inside a block under new names; spans never overlap."""
+    inside a block under new names; spans never overlap. Each span with the index of its block in ``blocks``;
+    blocks this stage does not run are left out."""
     order = list(stage.graph.nodes)
     where = {n.name: i for i, n in enumerate(order)}
     parts, end = [], -1
-    for names in blocks:
+    for b, names in enumerate(blocks):
         found = [where[name] for name in names if name in where and order[where[name]].op in OPERATIONS]
         if not found:
             continue
         first, last = max(min(found), end + 1), max(found)
         part = {n: None for n in order[first:last + 1] if n.op in OPERATIONS}
         if part:
-            parts.append(part)
+            parts.append((b, part))
         end = max(end, last)
     return parts
 
@@ -115,7 +116,7 @@ def recompute_blocks(stage: fx.GraphModule, blocks: dict[str, list[str]], mode: 
         return stage
     every, selective = parsed
     chosen = [names for i, names in enumerate(blocks.values()) if i % every == 0]
-    parts = _blocks_in(stage, chosen)
+    parts = [part for _, part in block_spans(stage, chosen)]
     stage.meta[_DONE] = mode
     if not parts:
         return stage

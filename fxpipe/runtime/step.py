@@ -230,9 +230,14 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
             torch.autograd.backward([t for t, _ in pushed], [g for _, g in pushed])
         send_back({name: leaf for name, leaf in final.items() if name in producer}, LOSS, i, streams.record(device))
 
+    backwards = [0] * p   # each stage's backwards run so far
+
     def backward(k: int, i: int) -> None:
         if k == p - 1:
             loss_backward(i)
+        backwards[k] += 1   # after the loss (which may fail), before the stage's own backward
+        if backwards[k] == m and not split and transport.before_last_backward is not None:
+            transport.before_last_backward(k)
         received = transport.received(k, i)
         stage_outs = outs[(k, i)]
         if (k, i) in recomputations:   # the same random numbers as its forward drew

@@ -51,6 +51,9 @@ class Transport:
 
     compression: BoundaryCompression | None = None   # set by the pipeline (fxpipe.CompileOptions.compression)
     replicas: Replicas | None = None   # dp copies of the pipeline (fxpipe.distributed.mesh): how losses combine
+    # called with a stage before its last backward of a step (not under a split backward): FSDP2 reduces each
+    # block's gradients from there, as the blocks' backwards end (fxpipe.distributed.parallel.replicas)
+    before_last_backward: Callable[[int], None] | None = None
     remote = False   # whether other processes run some of the stages (fxpipe.distributed.transport.P2P)
 
     def local(self, stage: int) -> bool:

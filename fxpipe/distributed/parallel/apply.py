@@ -76,4 +76,4 @@ def apply_data_parallel(stages: Any, mesh: Any, dims: ParallelDims, grid: list[l
         return ReplicatedStages(own, group)
     dp_sub = mesh[ParallelDims.dp_names(mesh)] if dims.tp > 1 else None
     return ShardedStages(own, grid, group, mesh.device_type, timeout_s, [stages.model, stages.pipe._graph[0]],
-                         dp_sub)
+                         dp_sub, pipelined=len(stages.specs) > 1, stage_ids=list(stages.own))

@@ -32,7 +32,7 @@ class ReplicatedStages:
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.modules.parameters()
 
-    def begin(self) -> None:
+    def begin(self, split: bool = False) -> None:
         """Nothing to set: DDP's hooks are armed only by :meth:`reduce`."""
 
     def reduce(self) -> None:
@@ -57,7 +57,7 @@ class SoloStages:
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.modules.parameters()
 
-    def begin(self) -> None:
+    def begin(self, split: bool = False) -> None:
         """Nothing to set."""
 
     def reduce(self) -> None:

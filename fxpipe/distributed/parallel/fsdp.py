@@ -1,12 +1,19 @@
-"""FSDP2 per pipeline stage: each of this rank's stage modules ``fully_shard``-ed over the data-parallel mesh.
+"""FSDP2 per pipeline stage and per block: this rank's stage modules ``fully_shard``-ed over the data-parallel mesh.
 
-:func:`apply_fsdp` wraps every stage module of this rank with ``torch.distributed.fsdp.fully_shard`` over the
-``dp`` sub-mesh (1-D ``dp_shard``: FSDP; 2-D ``dp_replicate`` x ``dp_shard``: HSDP), each module its own FSDP
-root. :class:`ShardedStages` drives it through a pipeline step the way ``torch.distributed.pipelining`` drives
-FSDP2 (``stage.py``: ``backward_maybe_with_nosync``, ``start_gradient_reduction``):
+:func:`apply_fsdp` shards, as torchtitan's ``apply_fsdp`` does, each repeated block of a stage (its
+:class:`fxpipe.runtime.block_units.BlockUnit`, one FSDP2 unit each) and then the stage module itself, the root
+unit of what lies outside the blocks (the embedding, the head, a stage without blocks), over the ``dp`` sub-mesh
+(1-D ``dp_shard``: FSDP; 2-D ``dp_replicate`` x ``dp_shard``: HSDP). A block's parameters are all-gathered by its
+own forward pre-hook, so on a GPU the next block's all-gather overlaps this block's compute (FSDP2's all-gather
+stream), and only the root's all-gather stands before the first operation. :class:`ShardedStages` drives the
+units through a pipeline step the way ``torch.distributed.pipelining`` drives FSDP2 (``stage.py``:
+``backward_maybe_with_nosync``, ``start_gradient_reduction``):
 
-- parameters are all-gathered once, by the step's first forward, and stay unsharded over every micro-batch
-  (``reshard_after_forward=False``, ``set_reshard_after_backward(False)``): no all-gather per micro-batch;
+- with a pipeline (``pp`` > 1), or under a split backward, parameters are all-gathered once, by the step's first
+  forward, and stay unsharded over every micro-batch (torchtitan's ``reshard_after_forward=False`` with
+  pipelining): no all-gather per micro-batch; without one (``pp=1``: FSDP alone, torchtitan's default) each
+  block reshards after its forward and after its backward and is gathered again for its backward, so a rank
+  holds one or two blocks unsharded at a time (:meth:`ShardedStages.begin`);
 - every backward, the split passes of ZB-H1/ZB-V too, only accumulates into the unsharded gradients
   (``set_requires_gradient_sync(False)``); with ``set_manual_backward_finalization(True)`` FSDP2's own hooks
   never end the backward iteration. fxpipe's runtime splits a backward by hand
@@ -14,10 +21,11 @@ FSDP2 (``stage.py``: ``backward_maybe_with_nosync``, ``start_gradient_reduction`
   post-backward hook before the weight gradients exist, and the weight pass a later ``autograd.backward`` into
   the unsharded parameters (``module.parameters()`` at that time): neither reduces anything here;
 - :meth:`ShardedStages.reduce` (called once this rank's last backward and weight pass are over: the
-  transport's ``when_local_done``, so while the other stages still drain) turns gradient sync and resharding
-  on and calls ``finalize_backward()``: one reduce-scatter per parameter group per step (plus, under HSDP, one
-  all-reduce over the replicas), leaving each rank's shard of the averaged gradient in the sharded
-  parameters' ``.grad`` and the parameters sharded again until the next step's first forward.
+  transport's ``when_local_done``, so while the other stages still drain, and after the replicas agreed that
+  none failed) turns gradient sync and resharding on and calls ``finalize_backward()``: one reduce-scatter per
+  unit per step (plus, under HSDP, one all-reduce over the replicas), leaving each rank's shard of the averaged
+  gradient in the sharded parameters' ``.grad`` and the parameters sharded again until the next step's first
+  forward.
 
 The reduction averages over every data-parallel rank (FSDP2's default ``ReduceOp.AVG`` over the shard group and,
 under HSDP, over the replicate group; no custom divide factor), exactly what ``DistributedDataParallel`` does on
@@ -35,6 +43,8 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from fxpipe.runtime.block_units import units_of
 
 __all__ = ["ShardedStages", "apply_fsdp", "broadcast_states", "dp_mesh", "repoint"]
 
@@ -57,12 +67,14 @@ def dp_mesh(grid: list[list[int]], device_type: str, timeout_s: float) -> Any:
 
 
 def apply_fsdp(modules: Iterable[nn.Module], mesh: Any) -> list[Any]:
-    """``fully_shard`` each module over ``mesh`` (1-D: FSDP, 2-D replicate x shard: HSDP), parameters kept
-    unsharded from a step's first forward to its :meth:`ShardedStages.reduce`; returns the ``FSDPModule`` s.
-    Called after tensor parallelism (whose DTensor parameters FSDP2 then shards along ``dp``)."""
+    """``fully_shard`` each module's block units (:func:`fxpipe.runtime.block_units.units_of`), then the module,
+    over ``mesh`` (1-D: FSDP, 2-D replicate x shard: HSDP); returns the ``FSDPModule`` s (the roots). Called after
+    tensor parallelism (whose DTensor parameters FSDP2 then shards along ``dp``) and the block units' rewrite."""
     from torch.distributed.fsdp import fully_shard
     out = []
     for module in modules:
+        for unit in units_of(module):
+            fully_shard(unit, mesh=mesh, reshard_after_forward=False)
         fully_shard(module, mesh=mesh, reshard_after_forward=False)
         module.set_manual_backward_finalization(True)   # this rank's schedule says when the step's backward ends
         out.append(module)
@@ -96,13 +108,16 @@ class ShardedStages:
     its last backward is over. ``group`` (every data-parallel rank, replica-major) broadcasts dp rank 0's weights."""
 
     def __init__(self, modules: list[nn.Module], grid: list[list[int]], group: Any, device_type: str,
-                 timeout_s: float, holders: Iterable[nn.Module] = (), mesh: Any = None) -> None:
+                 timeout_s: float, holders: Iterable[nn.Module] = (), mesh: Any = None, pipelined: bool = True,
+                 stage_ids: list[int] | None = None) -> None:
         broadcast_states(modules, grid[0][0], group)   # every replica starts from the same weights, as DDP's do
         # ``mesh``: the dp dims sliced from the mesh that tensor parallelism's ``tp`` is sliced from (FSDP2 needs one
         # root for both); else groups of their own with ``timeout_s``
         self.mesh = mesh if mesh is not None else dp_mesh(grid, device_type, timeout_s)
         before = [dict(m.named_parameters()) for m in modules]
         self.modules = apply_fsdp(modules, self.mesh)
+        self.pipelined = pipelined   # a pipeline of several stages: blocks stay unsharded through the step
+        self.stage_ids = list(range(len(self.modules))) if stage_ids is None else list(stage_ids)
         repoint(holders, {id(old[name]): new for old, m in zip(before, self.modules)
                           for name, new in m.named_parameters()})
 
@@ -110,11 +125,30 @@ class ShardedStages:
         for module in self.modules:
             yield from module.parameters()
 
-    def begin(self) -> None:
-        """Before a step: gradients only accumulate, parameters stay unsharded, until :meth:`reduce`."""
+    def begin(self, split: bool = False) -> None:
+        """Before a step (``split``: under a split backward): gradients only accumulate until :meth:`reduce`;
+        parameters stay unsharded through the step in a pipeline and under a split backward (whose weight pass
+        needs the parameters its input pass saw), and are resharded after each block's forward and backward
+        otherwise (module docstring). The root unit stays unsharded from its forward to the reduction."""
+        keep = self.pipelined or split
         for module in self.modules:
             module.set_requires_gradient_sync(False)
-            module.set_reshard_after_backward(False)
+            module.set_reshard_after_forward(not keep)
+            module.set_reshard_after_forward(False, recurse=False)
+            module.set_reshard_after_backward(not keep)
+            module.set_reshard_after_backward(False, recurse=False)
+
+    #: the step may reduce each block's gradients as its last backward ends (:meth:`reduce_from_here`)
+    reduces_in_backward = True
+
+    def reduce_from_here(self, stage: int) -> None:
+        """Before ``stage``'s last backward of the step (not under a split backward): each of its units
+        reduce-scatters its accumulated gradients and reshards as its backward ends (FSDP2's post-backward hook),
+        overlapping the backwards of the blocks before it; :meth:`reduce` then waits for them and reduces the root's."""
+        module = self.modules[self.stage_ids.index(stage)]
+        module.set_requires_gradient_sync(True)
+        module.set_reshard_after_backward(True)
+        module.set_reshard_after_backward(False, recurse=False)
 
     def reduce(self) -> None:
         """After this rank's last backward and weight pass of the step: reduce-scatter (HSDP: and all-reduce) the

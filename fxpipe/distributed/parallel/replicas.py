@@ -31,6 +31,7 @@ from fxpipe.distributed.parallel.tp import sum_partial_grads
 from fxpipe.errors import FxpipeError, LossReductionError
 from fxpipe.runtime.losses import Replicas
 from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, scatter
+from solvers.schedules import SPLIT_BACKWARD
 
 __all__ = ["DataParallelStep", "STEP_OPTIONS"]
 
@@ -50,6 +51,10 @@ class DataParallelStep:
         self.layout = BatchLayout.of(stages.plan.batch_dims)
         self._rank_done = stages.pipe.transport.when_local_done
         stages.pipe.transport.when_local_done = self._reduce_when_done
+        if getattr(data, "reduces_in_backward", False):
+            stages.pipe.transport.before_last_backward = self._reduce_from_here
+        self._agreed: bool | None = None   # this step's replicas' agreement that none failed, once exchanged
+        self._early = False   # this step's agreement comes before the last backward (_reduce_from_here)
         self._reduced: BaseException | str | None = None
         # (start, end) wall-clock times of the last step's gradient reduction, comparable across processes
         self.all_reduce_s: tuple[float, float] | None = None
@@ -89,8 +94,11 @@ class DataParallelStep:
         inputs, target, kwargs, total = self.share(inputs, target, kwargs)
         stages = self.stages
         stages.pipe.transport.replicas = Replicas(self.dp, total, self._sum_counts, self._tie if stages.last else None)
-        self._reduced, self.all_reduce_s = "not run", None
-        self.data.begin()
+        self._reduced, self.all_reduce_s, self._agreed = "not run", None, None
+        split = (kwargs.get("schedule") or stages.pipe.schedule) in SPLIT_BACKWARD
+        # the replicas agree that none failed before the last backward (FSDP2 reducing in it), else at the end
+        self._early = getattr(self.data, "reduces_in_backward", False) and not split
+        self.data.begin(split)
         try:
             loss = stages.step(inputs, target, **kwargs)   # its transport reduces when this rank is done
         except Exception as exc:
@@ -131,6 +139,8 @@ class DataParallelStep:
         """On a last stage's rank: every replica's reference sample against replica 0's (``"auto"``'s check).
         All the last stages' replicas call it once per step, failed or not. Never raises: returns the refusal."""
         try:
+            if self._early and self._agreed is None:   # a replica that failed before its last backward: the
+                self._agreed = self._exchange(failed)    # others' agreement comes first there (_reduce_from_here)
             checker = auto.checker
             ref = None if failed or checker is None or auto.kind != "sample" else checker.references.get(None)
             gathered: list[Any] = [None] * self.dp
@@ -154,13 +164,31 @@ class DataParallelStep:
             raise FxpipeError(f"rank {dist.get_rank()}: the step ended without this rank's dp reduction "
                               f"({self._reduced})")
 
+    def _exchange(self, failed: bool) -> bool:
+        """Every replica's word on whether its step failed, once a step (an all-reduce of one flag): ``True`` where
+        none did."""
+        flag = torch.tensor([1.0 if failed else 0.0], device=self._wire_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return flag.item() == 0
+
+    def _reduce_from_here(self, stage: int) -> None:
+        """The transport's call before ``stage``'s last backward of the step (FSDP2, not under a split backward):
+        the replicas agree that none failed (the exchange :meth:`_reduce_when_done` makes otherwise; a replica
+        that failed before makes its own there, which meets this one), and then each of the stage's blocks
+        reduce-scatters its gradients as its backward ends, overlapping the backwards before it. A replica that
+        fails after agreeing leaves the others' reduce-scatters to end at ``timeout_s``, with an error."""
+        if self._agreed is None:
+            self._agreed = self._exchange(False)
+        if self._agreed:
+            self.data.reduce_from_here(stage)
+
     def _reduce_when_done(self, failed: bool) -> None:
         """The transport's call once this rank's operations are over: reduce the gradients over ``dp``
         unless a replica's step failed. Never raises (the transport is ending its step); :meth:`step` does."""
         try:
-            flag = torch.tensor([1.0 if failed else 0.0], device=self._wire_device())
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-            if flag.item() > 0:
+            if self._agreed is None:
+                self._agreed = self._exchange(failed)
+            if not self._agreed or failed:
                 self._reduced = "failed"
             else:
                 started = time.time()
