@@ -207,6 +207,7 @@ def _units_on_one_stage(mesh: Any, plan_json: str) -> dict:
     from fxpipe.distributed import PipelineRank
     from fxpipe.distributed.parallel.fsdp import ShardedStages
     from fxpipe.runtime.block_units import units_of
+    from torch.distributed.tensor import DTensor
     calls: list[str] = []   # this process's reduce-scatters and end-of-step reductions, in order
     scatter, reduce = dist.reduce_scatter_single, ShardedStages.reduce
 
@@ -224,17 +225,24 @@ def _units_on_one_stage(mesh: Any, plan_json: str) -> dict:
         plan.stages[0].checkpoint = mode
         stage = PipelineRank(plan, _builder("llama"), _loss, mesh=mesh, timeout_s=120)
         units = units_of(stage.specs[0].module)
+        whole: list[int] = []   # at each block's forward, how many blocks hold their parameters unsharded
+
+        def count(*_: Any) -> None:
+            whole.append(sum(not isinstance(next(u.parameters()), DTensor) for u in units))
+        for unit in units:   # after FSDP2's own pre-hook, which gathers the block
+            unit.register_forward_pre_hook(count)
         opt = _optimizer(stage.parameters())
         for schedule in schedules:
             losses = []
             for i, b in enumerate(_batches("llama")):
                 calls.clear()
+                whole.clear()
                 losses.append(_step(stage, "llama", b, schedule, i).item())
                 _clip(stage)
                 opt.step()
                 opt.zero_grad()
             out[(mode, schedule)] = {"losses": losses, "units": [isinstance(u, FSDPModule) for u in units],
-                                     "scattered_in_backward": calls.index("end"),
+                                     "scattered_in_backward": calls.index("end"), "most_whole": max(whole),
                                      "recompute": [u.recompute for u in units],
                                      "params": {n: _full(p) for n, p in stage.named_parameters()}}
     return out
@@ -283,6 +291,8 @@ def test_hsdp_two_replicas_of_two_shards_train_as_one_process():
                 # each block's gradients reduce-scattered in the last backward, before the step's end (but the
                 # root's); under a split backward all of them after the last weight pass
                 assert got["scattered_in_backward"] == (0 if schedule == "zb-h1" else 4), got["scattered_in_backward"]
+                # one block whole at a time (resharded after each pass); under a split backward all four are kept
+                assert got["most_whole"] == (4 if schedule == "zb-h1" else 1), got["most_whole"]
                 assert got["losses"] == pytest.approx(want_losses, rel=1e-5), (mode, schedule)
                 assert set(got["params"]) == set(want_params)
                 worst = max((max_relative_error(got["params"][n], want_params[n]), n) for n in want_params)
