@@ -47,10 +47,10 @@ from fxpipe.runtime.guards import input_signature
 from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, scatter
 from fxpipe.runtime.structure import FlatInputs, flat_inputs
 import solvers
-from solvers.mesh import Mesh, MeshProblem
+from solvers.mesh import Mesh, MeshProblem, state_bytes
 from solvers.mesh_search import MeshChoice, least_step_s, search_mesh, simulate_choice
 from solvers.schedule_search import chunk_choices
-from solvers.schedules import SCHEDULES, stages_per_worker
+from solvers.schedules import SCHEDULES, SPLIT_BACKWARD, stages_per_worker
 
 IF_NEEDED = "if_needed"   # fxpipe.plan's default mesh: one pipeline where it holds the model on one node, else "auto"
 
@@ -419,9 +419,12 @@ def _node_level(costed: AnalyticModel, devices: Devices, problem: MeshProblem, c
     planner = planner_for(dataclasses.replace(costed, profiled=choice.candidate.micro_batches), sub,
                           schedule=choice.candidate.schedule if m.pp > 1 else "1f1b",
                           virtual_stages=v, optimizer=optimizer, checkpoint=checkpoint, options=options)
-    shard = m.dp_mode == "shard" and m.dp > 1
+    # the search's state per parameter byte (FSDP2 without a pipeline reshards its blocks: solvers.mesh.state_bytes)
+    whole = sum(piece.param_bytes / (m.tp if piece.tp_sharded else 1) for piece in problem.pieces)
+    held = sum(state_bytes(problem, m, choice.candidate.micro_batches,
+                           choice.candidate.schedule in SPLIT_BACKWARD and m.pp > 1))
     planner = dataclasses.replace(planner, chunks=choice.candidate.micro_batches,
-                                  optimizer_state_factor=grad + optimizer_state / (m.dp if shard else 1),
+                                  optimizer_state_factor=held / whole - 1.0 if whole > 0 else grad + optimizer_state,
                                   memory_bytes=[problem.memory_bytes] * len(planner.devices))
     scaled = mesh_costs(costed.costs, costed.batch / costed.profiled, choice, problem, piece_nodes,
                         costed.spec.launch_s)

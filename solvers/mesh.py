@@ -26,11 +26,19 @@ What each part is charged (:func:`stage_figures`, :func:`dp_sync_s`):
   ``1 / tp`` of what a tensor-parallel piece sends on; what the first piece makes for every later one
   (``broadcast_bytes``: attention masks, rotary tables) the first stage sends each later stage directly;
 * data parallel once per step: ``replicate`` all-reduces the gradients (``2 (d - 1) / d`` × bytes);
-  ``shard`` (FSDP2 with parameters kept unsharded through the step's micro-batches) all-gathers the
-  parameters before the first forward and reduce-scatters the gradients after the last backward
-  (``(d - 1) / d`` × bytes each), at the ``dp`` dimension's link;
-* memory per device: parameters and gradients of its stages / ``tp`` (kept whole on each dp rank through
-  the step), the optimizer's state / ``tp`` and, sharded, / ``dp``; activations / ``tp`` (with sequence
+  ``shard`` (FSDP2, one unit per repeated block and the stage's root for the rest, as fxpipe's runtime shards:
+  :mod:`fxpipe.distributed.parallel.fsdp`) all-gathers the parameters and reduce-scatters the gradients
+  (``(d - 1) / d`` × bytes each) block by block, at the ``dp`` dimension's link: each block's gather overlaps
+  the compute before it, so what stands before the first forward is the gather of the root's parameters (the
+  pieces that are not blocks) and of the first block (:func:`gathered_first`); each block's reduce-scatter
+  starts as its last backward of the step ends and overlaps the backwards of the blocks before it, so what
+  stands after the last backward is the root's and the first block's, and whatever the others take beyond that
+  backward (under a split backward, every reduce-scatter stands after the last weight pass); without a pipeline
+  (``pp=1``) the blocks are gathered again for every micro-batch's forward and backward, charged where they
+  take longer than the compute they overlap;
+* memory per device (:func:`state_bytes`): parameters and gradients of its stages / ``tp`` (kept whole on
+  each dp rank through the step; without a pipeline, FSDP2's blocks / ``dp`` but two), the optimizer's state /
+  ``tp`` and, sharded, / ``dp``; activations / ``tp`` (with sequence
   parallelism; without it ``replicated_act_bytes`` stay whole, Korthikanti et al. 2022, table 2) times the
   schedule's micro-batches in flight (:func:`solvers.schedules.inflight`), or, recomputing, each in-flight
   micro-batch's stage input plus one micro-batch's activations. Interleaved stages share a device's memory
@@ -53,7 +61,7 @@ from solvers.layout import DP_MODES, ORDERS, unrunnable
 from solvers.schedules import SCHEDULES, SPLIT_BACKWARD, inflight, stage_worker, stages_per_worker, worker_orders
 
 __all__ = ["DP_MODES", "MODES", "ORDERS", "Level", "Mesh", "MeshProblem", "Piece", "StageFigures", "allreduce_s",
-           "dp_sync_s", "gather_s", "mesh_shapes", "stage_figures", "stage_held"]
+           "dp_sync_s", "gather_s", "gathered_first", "reduced_after_s", "regather_s", "state_bytes", "mesh_shapes", "stage_figures", "stage_held"]
 
 
 
@@ -74,6 +82,8 @@ class Piece:
     selective_share: float = 1.0       # the share of a block's forward selective recomputation runs again
     tp_sharded: bool = True            # tensor parallelism divides it (else it runs whole on every tp rank)
     selective_kept_bytes: float = 0.0  # per sample: the outputs selective recomputation keeps (matmuls, attention)
+    work_bytes: float = 0.0            # per sample: a backward's transient, an operation's output and its gradient
+    loss_bytes: float = 0.0            # per sample: the loss's transient on the piece making the model's output
 
 
 @dataclass(frozen=True)
@@ -208,6 +218,8 @@ class StageFigures:
     kept_bytes: list[float] = field(default_factory=list)   # per micro-batch, from forward to backward, in the mode
     rebuilt_bytes: float = 0.0   # block modes: the largest recomputed block's activations, rebuilt in a backward
     broadcast_s: float = 0.0     # one way, one micro-batch: the first stage's send to each later stage
+    work_bytes: float = 0.0      # the largest piece's backward transient (an operation's output and its gradient)
+    loss_bytes: float = 0.0      # the loss's transient, on the stage holding the last piece
 
 
 MODES = ("never", "stages", "blocks", "blocks:2", "selective")
@@ -228,12 +240,11 @@ def stage_figures(problem: MeshProblem, mesh: Mesh, samples: int, mode: str = "n
                                   "stages only)")
     links, t, speed = problem.links(mesh), mesh.tp, problem.speed
     sp = problem.sequence_parallel
-    shard = mesh.dp_mode == "shard" and mesh.dp > 1
-    state = 1.0 + problem.grad_factor + problem.optimizer_factor / (mesh.dp if shard else 1)
+    states = state_bytes(problem, mesh, max(1, round(problem.batch / (mesh.dp * samples))), split)
     # with sequence parallelism what a tensor-parallel piece sends on is its sequence shard
     cut_bytes = [c * samples / (t if sp and piece.tp_sharded else 1)
                  for c, piece in zip(problem.cut_bytes, problem.pieces)]
-    fwd, bwd, weight, states, params, acts, kept, rebuilt = [], [], [], [], [], [], [], [0.0]
+    fwd, bwd, weight, params, acts, kept, rebuilt = [], [], [], [], [], [], [0.0]
     position = -1   # the block's position in the model
     for x, piece in enumerate(problem.pieces):
         position += piece.block
@@ -252,14 +263,38 @@ def stage_figures(problem: MeshProblem, mesh: Mesh, samples: int, mode: str = "n
         # the node-level costing's split, solvers.simulate.weight_shares)
         weight.append(problem.weight_share * (piece.bwd_s * samples / (d * speed) + 2 * piece.fixed_s))
         params.append(piece.param_bytes / d)
-        states.append(piece.param_bytes / d * state)
         acts.append(act)
         kept.append(keeps)
     link = links["pp"]
     cut_s = [0.0 if link is None else c / link.bandwidth_Bps + link.latency_s for c in cut_bytes]
     sent = problem.broadcast_bytes * samples   # made by the first piece, whole on every tp rank
     broadcast_s = 0.0 if link is None or not sent else sent / link.bandwidth_Bps + link.latency_s
-    return StageFigures(fwd, bwd, weight, states, params, acts, cut_s, cut_bytes, kept, max(rebuilt), broadcast_s)
+    work = max(piece.work_bytes * samples / (t if piece.tp_sharded else 1) for piece in problem.pieces)
+    loss = problem.pieces[-1].loss_bytes * samples
+    return StageFigures(fwd, bwd, weight, states, params, acts, cut_s, cut_bytes, kept, max(rebuilt), broadcast_s,
+                        work, loss)
+
+
+def state_bytes(problem: MeshProblem, mesh: Mesh, micro_batches: int, split: bool = False) -> list[float]:
+    """Per piece, the bytes of parameters, gradients and optimizer state a device holds at its peak (module
+    docstring): each piece's parameters and gradients whole through the step and its optimizer state / ``dp``
+    under FSDP2 (``shard``), all of them whole under ``replicate``; without a pipeline (``pp=1``, no split backward)
+    FSDP2 reshards each block after its passes, so a block's parameters count / ``dp`` (its gradients too where
+    one micro-batch's backward reduces them as it goes; over several they accumulate whole until the last), with
+    two blocks unsharded at a time (the one running and the one gathered next), charged to the first block."""
+    shard = mesh.dp_mode == "shard" and mesh.dp > 1
+    dp, grad, opt = mesh.dp, problem.grad_factor, problem.optimizer_factor
+    whole = 1.0 + grad + opt / (dp if shard else 1)
+    resharded = shard and mesh.pp == 1 and not split
+    block = (1.0 + opt) / dp + grad * (1.0 / dp if micro_batches == 1 else 1.0)
+    out = [piece.param_bytes / (mesh.tp if piece.tp_sharded else 1) * (block if resharded and piece.block else whole)
+           for piece in problem.pieces]
+    blocks = [x for x, piece in enumerate(problem.pieces) if piece.block]
+    if resharded and blocks:
+        largest = max(problem.pieces[x].param_bytes / (mesh.tp if problem.pieces[x].tp_sharded else 1)
+                      for x in blocks)
+        out[blocks[0]] += 2 * largest * (1.0 + grad)
+    return out
 
 
 def _recomputed(mode: str, piece: Piece, position: int, f: float, act: float, entering: float,
@@ -275,13 +310,49 @@ def _recomputed(mode: str, piece: Piece, position: int, f: float, act: float, en
     return f, entering
 
 
-def dp_sync_s(problem: MeshProblem, mesh: Mesh, param_bytes: float) -> tuple[float, float]:
+def dp_sync_s(problem: MeshProblem, mesh: Mesh, param_bytes: float,
+              first_bytes: float | None = None) -> tuple[float, float]:
     """(before the first forward, after the last backward): data parallel's per-step collectives for a device
-    holding ``param_bytes`` of parameters (gradients of the same bytes)."""
+    holding ``param_bytes`` of parameters (gradients of the same bytes), of which FSDP2 gathers ``first_bytes``
+    (default all) before its first operation (:func:`gathered_first`)."""
     link = problem.links(mesh)["dp"]
     if mesh.dp_mode == "shard":
-        return gather_s(param_bytes, mesh.dp, link), gather_s(param_bytes * problem.grad_factor, mesh.dp, link)
+        first = param_bytes if first_bytes is None else min(first_bytes, param_bytes)
+        return gather_s(first, mesh.dp, link), gather_s(param_bytes * problem.grad_factor, mesh.dp, link)
     return 0.0, allreduce_s(param_bytes * problem.grad_factor, mesh.dp, link)
+
+
+def gathered_first(problem: MeshProblem, param_bytes: list[float], a: int, i: int) -> float:
+    """The parameter bytes FSDP2 gathers before the first operation of the stage of pieces ``a:i``: its root's (the
+    pieces that are not repeated blocks) and its first block's; each later block's gather overlaps the compute of
+    the blocks before it."""
+    blocks = [x for x in range(a, i) if problem.pieces[x].block]
+    root = sum(param_bytes[x] for x in range(a, i) if not problem.pieces[x].block)
+    return root + (param_bytes[blocks[0]] if blocks else 0.0)
+
+
+def reduced_after_s(problem: MeshProblem, mesh: Mesh, param_bytes: list[float], a: int, i: int, backward_s: float,
+                    split: bool) -> float:
+    """The seconds of data parallel's gradient reduction that stand after the last backward (weight pass) of the
+    stage of pieces ``a:i``, whose last backward takes ``backward_s``: the whole reduction but under FSDP2 without
+    a split backward, where only the root's and the first block's reduce-scatter do, with what the other blocks'
+    take beyond that backward (module docstring)."""
+    whole = sum(param_bytes[a:i])
+    if mesh.dp_mode != "shard" or mesh.dp == 1 or split:
+        return dp_sync_s(problem, mesh, whole)[1]
+    link = problem.links(mesh)["dp"]
+    last = gathered_first(problem, param_bytes, a, i)
+    rest = gather_s((whole - last) * problem.grad_factor, mesh.dp, link)
+    return gather_s(last * problem.grad_factor, mesh.dp, link) + max(0.0, rest - backward_s)
+
+
+def regather_s(problem: MeshProblem, mesh: Mesh, block_bytes: float, compute_s: float) -> float:
+    """Without a pipeline (``pp=1``), the seconds a micro-batch's forward or backward (``compute_s``) waits for the
+    all-gathers of its blocks (``block_bytes``, resharded after each pass): what they take beyond the compute
+    they overlap."""
+    if mesh.dp_mode != "shard" or mesh.dp == 1 or mesh.pp > 1:
+        return 0.0
+    return max(0.0, gather_s(block_bytes, mesh.dp, problem.links(mesh)["dp"]) - compute_s)
 
 
 def budget(problem: MeshProblem, schedule: str, pp: int) -> tuple[int, float]:

@@ -123,27 +123,30 @@ def recompute_options() -> list[tuple[bool, bool, bool]]:
     return [(False, False, False), (True, False, True)]
 
 
-def held_bytes(mode: Mode, held: tuple[tuple[int, int], ...], state, act, kept, inputs, rebuilt):
+def held_bytes(mode: Mode, held: tuple[tuple[int, int], ...], state, act, kept, inputs, rebuilt, work=0.0, loss=0.0):
     """A stage's memory in ``mode`` holding ``held`` (:func:`solvers.mesh.stage_held`): its parameters, gradients
     and optimizer state ``state``; per micro-batch between forward and backward its activations ``act``, or
     recomputing, its input (``inputs``; the block inputs ``kept`` per block); per micro-batch between a split
     backward's input and weight passes twice what the weight pass differentiates (the activations and, about as
     large, the gradients at the weight frontier; per block, of the block inputs), and, recomputing, the one
-    micro-batch rebuilt at a time (the stage's activations, or the largest block's ``rebuilt``). Works on
-    numbers and on arrays of segments alike."""
+    micro-batch rebuilt at a time (the stage's activations, or the largest block's ``rebuilt``), with a backward's
+    transient on top, as the node-level memory model charges it (:meth:`solvers.activation_memory.StageBytes.estimate`):
+    an operation's output and its gradient (``work``) and, on the stage computing it, the loss's buffers
+    (``loss``) or the rebuilt activations, whichever is larger. Works on numbers and on arrays of segments alike."""
     forward, pending, extra = (act, 2 * act, 0.0) if mode == "never" else (inputs, 2 * act, act) \
         if mode == "stages" else (kept, 2 * kept, rebuilt)
     most = None
     for f, w in held:
         now = f * forward + w * pending if w else f * forward
         most = now if most is None else np.maximum(most, now)
-    return state + most + extra
+    return state + most + work + np.maximum(loss, extra)
 
 
 def stage_memory(mode: Mode, fig: StageFigures, held: tuple[tuple[int, int], ...], a: int, i: int) -> float:
     inputs = fig.cut_bytes[a - 1] if a > 0 else 0.0
     return float(held_bytes(mode, held, sum(fig.state_bytes[a:i]), sum(fig.act_bytes[a:i]),
-                             sum(fig.kept_bytes[a:i]), inputs, fig.rebuilt_bytes))
+                             sum(fig.kept_bytes[a:i]), inputs, fig.rebuilt_bytes, fig.work_bytes,
+                             fig.loss_bytes if i == len(fig.act_bytes) else 0.0))
 
 
 def figures(problem: MeshProblem, cand: Candidate, samples: int,
@@ -166,4 +169,5 @@ def as_chosen(figs: list[tuple[Mode, StageFigures]], cuts: list[int], chosen: li
     pick = {name: [getattr(f, name)[x] for x, f in enumerate(per_piece)]
             for name in ("fwd_s", "bwd_s", "weight_s", "state_bytes", "param_bytes", "act_bytes")}
     return StageFigures(**pick, cut_s=first.cut_s, cut_bytes=first.cut_bytes, kept_bytes=first.kept_bytes,
-                        rebuilt_bytes=first.rebuilt_bytes)
+                        rebuilt_bytes=first.rebuilt_bytes, broadcast_s=first.broadcast_s, work_bytes=first.work_bytes,
+                        loss_bytes=first.loss_bytes)

@@ -44,7 +44,8 @@ import numpy as np
 
 from solvers.errors import InfeasibleError
 from solvers.layout import Layout
-from solvers.mesh import Mesh, MeshProblem, StageFigures, budget, dp_sync_s, mesh_shapes, owner, stage_figures, \
+from solvers.mesh import Mesh, MeshProblem, StageFigures, budget, dp_sync_s, gathered_first, mesh_shapes, owner, \
+    reduced_after_s, regather_s, state_bytes, \
     stage_held
 from solvers.mesh_candidates import (Candidate, Mode, as_chosen, candidates, figures, held_bytes, no_candidate,
                                      recompute_options, stage_memory)
@@ -124,7 +125,15 @@ def _closed_form(problem: MeshProblem, cand: Candidate, fig: StageFigures, tau: 
 
 
 def _screen_sync(problem: MeshProblem, cand: Candidate, fig: StageFigures) -> tuple[float, float]:
-    return dp_sync_s(problem, cand.mesh, sum(fig.param_bytes) / cand.mesh.pp)
+    """Data parallel's exposed sync before the cuts are known: a device's share of the parameters, of which its
+    share of the root's and one block are gathered before its first forward (:func:`solvers.mesh.gathered_first`)."""
+    blocks = [b for b, piece in zip(fig.param_bytes, problem.pieces) if piece.block]
+    root = sum(fig.param_bytes) - sum(blocks)
+    first = root / cand.mesh.pp + max(blocks, default=0.0)
+    before, after = dp_sync_s(problem, cand.mesh, sum(fig.param_bytes) / cand.mesh.pp, first)
+    if cand.mesh.dp_mode == "shard" and cand.schedule not in SPLIT_BACKWARD:   # the blocks' reduce-scatters overlap
+        after = dp_sync_s(problem, cand.mesh, first)[1]
+    return before, after
 
 
 def evaluate_cuts(problem: MeshProblem, cand: Candidate, cuts: list[int],
@@ -197,7 +206,8 @@ def min_max_cuts(figs: list[tuple[Mode, StageFigures]], k: int, room: float,
         if cost is None:
             cost = np.full((L + 1, L + 1), np.inf)
             for x, (mode, _) in enumerate(figs):
-                mem = held_bytes(mode, held[j], seg_s[x], seg_a[x], seg_k[x], inb[x], rebuilt[x])
+                mem = held_bytes(mode, held[j], seg_s[x], seg_a[x], seg_k[x], inb[x], rebuilt[x], figs[x][1].work_bytes,
+                                 np.where(i_idx == L, figs[x][1].loss_bytes, 0.0))
                 cost = np.minimum(cost, np.where(mem <= limit, seg_t[x], np.inf))   # seg_t: inf where not valid
             costs[held[j]] = cost
         total = np.maximum(best[:, None], cost)
@@ -240,10 +250,15 @@ def simulate_choice(problem: MeshProblem, choice: MeshChoice) -> MeshChoice:
     sends = {(j, j + 1): fig.cut_s[cuts[j + 1] - 1] + (fig.broadcast_s if j == 0 else 0.0) for j in range(k - 1)}
     sends.update({(0, j): fig.broadcast_s for j in range(2, k) if fig.broadcast_s})
     params = [sum(fig.param_bytes[a:i]) for a, i in zip(cuts, cuts[1:])]
-    after = [dp_sync_s(problem, cand.mesh, b)[1] for b in params]
-    first = sum(b for j, b in enumerate(params) if owner(cand.schedule, j, p) == 0)
-    before = dp_sync_s(problem, cand.mesh, first)[0]
     schedule = cand.schedule if p > 1 else "1f1b"
+    after = [reduced_after_s(problem, cand.mesh, fig.param_bytes, a, i, bwd[j], schedule in SPLIT_BACKWARD)
+             for j, (a, i) in enumerate(zip(cuts, cuts[1:]))]
+    first = sum(b for j, b in enumerate(params) if owner(cand.schedule, j, p) == 0)
+    before = dp_sync_s(problem, cand.mesh, first, gathered_first(problem, fig.param_bytes, cuts[0], cuts[1]))[0]
+    if p == 1:   # FSDP alone: the blocks resharded after each pass, gathered again for every micro-batch's passes
+        blocks = sum(b for b, piece in zip(fig.param_bytes, problem.pieces) if piece.block)
+        before += cand.micro_batches * (regather_s(problem, cand.mesh, blocks, fwd[0])
+                                        + regather_s(problem, cand.mesh, blocks, bwd[0]))
     sim = simulate(fwd, bwd, cand.micro_batches, schedule, sends=sends, allreduce_s=after, workers=p,
                    weight_share=share if schedule in SPLIT_BACKWARD else 0.5)
     work = [sum(fwd[j] + bwd[j] for j in range(k) if owner(schedule, j, p) == w) * cand.micro_batches
@@ -273,7 +288,7 @@ def search_mesh(problem: MeshProblem) -> MeshSearch:
         options = recompute_options()
         # every device of the pipeline holds its stages' parameters, gradients and optimizer state: on average
         # their sum / pp, and the fullest at least that
-        if sum(stage_figures(problem, mesh, 1).state_bytes) / mesh.pp > problem.memory_bytes:
+        if sum(state_bytes(problem, mesh, 1)) / mesh.pp > problem.memory_bytes:
             why[mesh] = "parameters, gradients and optimizer state alone exceed a device's memory"
             continue
         # branch and bound inside the shape: a candidate's step is at least its closed form at the bottleneck's
@@ -303,7 +318,7 @@ def search_mesh(problem: MeshProblem) -> MeshSearch:
         raise InfeasibleError("no schedule runs on " + "; ".join(
             f"{mesh.label()} ({no_candidate(problem, mesh)})" for mesh in mesh_shapes(problem)))
     if not best_of:
-        least = min((sum(stage_figures(problem, m, 1).state_bytes) / m.pp for m in why), default=math.nan)
+        least = min((sum(state_bytes(problem, m, 1)) / m.pp for m in why), default=math.nan)
         raise InfeasibleError(
             f"no mesh of {problem.world} devices fits memory with any schedule, micro-batch count or recomputation "
             f"({len(why)} shapes tried): parameters, gradients and optimizer state alone need "

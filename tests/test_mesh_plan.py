@@ -222,4 +222,6 @@ def test_the_automatic_mesh_is_no_slower_by_its_own_costing_than_any_layout_the_
                 continue
             compared += 1
             assert auto.predicted["iteration_s"] <= fixed.predicted["iteration_s"] * (1 + 1e-9), (row, fixed.mesh)
-    assert compared >= 3   # the shapes of the layouts the runtime runs, each under every schedule that fits (12 MB: 3)
+    # the shapes of the layouts the runtime runs, each under every schedule that fits (12 MB: 2, since the search
+    # charges a backward's transient as the node level does)
+    assert compared >= 2

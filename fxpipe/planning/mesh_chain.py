@@ -90,6 +90,11 @@ def chain_pieces(gm: fx.GraphModule, costs: dict[str, Any], samples: int, launch
             replicated_act_bytes=min(replicated, sum(x.act_bytes for x in c) / samples), block=key is not None,
             selective_share=_selective_share(gm, members, costs), tp_sharded=key is not None,
             selective_kept_bytes=sum(costs[n.name].output_bytes for n in members if kept_by_selective(gm, n))
+            / samples,
+            # as the node-level model charges a stage (fxpipe.planning.planner): an operation's output and its
+            # gradient on top of a backward; on the piece making the model's output, the loss's two of it
+            work_bytes=2 * max((x.output_bytes for x in c), default=0) / samples,
+            loss_bytes=2 * sum(costs[n.name].output_bytes for n in members if any(u.op == "output" for u in n.users))
             / samples))
     return pieces, cuts, broadcast / samples, [[n.name for n in members] for _, members in groups]
 
