@@ -240,7 +240,7 @@ def stage_figures(problem: MeshProblem, mesh: Mesh, samples: int, mode: str = "n
                                   "stages only)")
     links, t, speed = problem.links(mesh), mesh.tp, problem.speed
     sp = problem.sequence_parallel
-    states = state_bytes(problem, mesh, max(1, round(problem.batch / (mesh.dp * samples))), split)
+    states = state_bytes(problem, mesh, max(1, round(problem.batch / (mesh.dp * samples))), split, mode)
     # with sequence parallelism what a tensor-parallel piece sends on is its sequence shard
     cut_bytes = [c * samples / (t if sp and piece.tp_sharded else 1)
                  for c, piece in zip(problem.cut_bytes, problem.pieces)]
@@ -275,13 +275,15 @@ def stage_figures(problem: MeshProblem, mesh: Mesh, samples: int, mode: str = "n
                         work, loss)
 
 
-def state_bytes(problem: MeshProblem, mesh: Mesh, micro_batches: int, split: bool = False) -> list[float]:
+def state_bytes(problem: MeshProblem, mesh: Mesh, micro_batches: int, split: bool = False,
+                mode: str = "never") -> list[float]:
     """Per piece, the bytes of parameters, gradients and optimizer state a device holds at its peak (module
     docstring): each piece's parameters and gradients whole through the step and its optimizer state / ``dp``
     under FSDP2 (``shard``), all of them whole under ``replicate``; without a pipeline (``pp=1``, no split backward)
     FSDP2 reshards each block after its passes, so a block's parameters count / ``dp`` (its gradients too where
     one micro-batch's backward reduces them as it goes; over several they accumulate whole until the last), with
-    two blocks unsharded at a time (the one running and the one gathered next), charged to the first block."""
+    two blocks unsharded at a time (the one running and the one gathered next), charged to the first block, or, where
+    the whole stage is recomputed (``mode="stages"``), every block (its recomputation gathers them all)."""
     shard = mesh.dp_mode == "shard" and mesh.dp > 1
     dp, grad, opt = mesh.dp, problem.grad_factor, problem.optimizer_factor
     whole = 1.0 + grad + opt / (dp if shard else 1)
@@ -291,9 +293,8 @@ def state_bytes(problem: MeshProblem, mesh: Mesh, micro_batches: int, split: boo
            for piece in problem.pieces]
     blocks = [x for x, piece in enumerate(problem.pieces) if piece.block]
     if resharded and blocks:
-        largest = max(problem.pieces[x].param_bytes / (mesh.tp if problem.pieces[x].tp_sharded else 1)
-                      for x in blocks)
-        out[blocks[0]] += 2 * largest * (1.0 + grad)
+        sizes = [problem.pieces[x].param_bytes / (mesh.tp if problem.pieces[x].tp_sharded else 1) for x in blocks]
+        out[blocks[0]] += (sum(sizes) if mode == "stages" else 2 * max(sizes)) * (1.0 + grad)
     return out
 
 

@@ -2,8 +2,9 @@
 
 :mod:`~fxpipe.distributed.parallel.dims` says the degrees (:class:`ParallelDims`: ``pp``, ``dp_replicate``,
 ``dp_shard``, ``tp``), checks them against the world and the plan, builds the named mesh and reads one back;
-:mod:`~fxpipe.distributed.parallel.fsdp` shards each of this rank's stage modules with FSDP2 (``fully_shard``)
-over the data-parallel dims and reduce-scatters their gradients once per step;
+:mod:`~fxpipe.distributed.parallel.fsdp` shards each transformer block of this rank's stage modules, then each
+stage module, with FSDP2 (``fully_shard``) over the data-parallel dims and reduce-scatters their gradients once
+per step, each block's as its last backward of the step ends;
 :mod:`~fxpipe.distributed.parallel.ddp` replicates them with ``DistributedDataParallel`` and all-reduces once
 per step; :mod:`~fxpipe.distributed.parallel.tp` (with :mod:`~fxpipe.distributed.parallel.tp_plans` and
 :mod:`~fxpipe.distributed.parallel.module_calls`) derives and applies a tensor-parallel plan to a rank's stage

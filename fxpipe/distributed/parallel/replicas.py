@@ -15,7 +15,12 @@ refused on every rank even where each replica's own samples weigh alike.
 The reduction (all-reduce, or reduce-scatter) overlaps the pipeline's drain: it starts the moment this rank's own
 operations of the step are over (the transport's ``when_local_done``), not when the whole pipeline's are. Before
 the gradients, the replicas all-reduce one flag saying whether any of their steps failed, so no replica waits in
-the gradients' all-reduce for one that will never join it, and every replica of a failed step raises.
+the gradients' all-reduce for one that will never join it, and every replica of a failed step raises. Under FSDP2
+(not under a split backward) the gradients are reduced earlier, block by block inside each stage's last backward
+(:meth:`fxpipe.distributed.parallel.fsdp.ShardedStages.reduce_from_here`), so the flag is exchanged before that
+backward (the transport's ``before_last_backward``); a replica that failed before makes its own exchange there
+(its last stage's before the replicas' sample check), which meets the others'. A replica that fails inside its
+last backward, after agreeing, leaves the others' reduce-scatters to end at ``timeout_s``, with an error.
 """
 
 from __future__ import annotations
