@@ -181,7 +181,38 @@ def test_pp2_fsdp2_trains_llama_and_gpt2_as_one_process_on_the_whole_batch():
 # tests, parametrized by the data-parallel dim (dp_shard: FSDP2)
 
 
-def _hsdp_ranks(rank: int, world: int, plan_json: str, llama_json: str) -> dict:
+def _skip_tied() -> torch.nn.Module:
+    from models import SkipTied
+    torch.manual_seed(0)
+    return SkipTied()
+
+
+def _skip_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, 13, (8, 5), generator=g), torch.randint(0, 13, (8, 5), generator=g)) for _ in range(3)]
+
+
+def _skip_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), target.flatten())
+
+
+def _fx_units(mesh: Any, plan_json: str) -> dict:
+    """A ModuleList model captured by torch.fx (its layers called whole), tied head, over the HSDP mesh: each block an
+    FSDP2 unit; losses and parameters after three SGD steps."""
+    from fxpipe.distributed import PipelineRank
+    from fxpipe.runtime.block_units import units_of
+    stage = PipelineRank(fxpipe.Plan.from_dict(json.loads(plan_json)), _skip_tied, _skip_loss, mesh=mesh, timeout_s=60)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    losses = []
+    for x, y in _skip_batches():
+        losses.append(stage.step(x, y, schedule="1f1b").item())
+        opt.step()
+        opt.zero_grad()
+    return {"units": len(units_of(stage.specs[0].module)), "losses": losses,
+            "params": {n: _full(p) for n, p in stage.named_parameters()}}
+
+
+def _hsdp_ranks(rank: int, world: int, plan_json: str, llama_json: str, fx_json: str) -> dict:
     from test_mesh import _batches as small_batches, _loss as small_loss, _make as make_small
     from fxpipe.distributed import PipelineRank
     from fxpipe.distributed.parallel import ParallelDims
@@ -196,7 +227,7 @@ def _hsdp_ranks(rank: int, world: int, plan_json: str, llama_json: str) -> dict:
         opt.step()
         opt.zero_grad()
     return {"losses": losses, "norms": norms, "params": {n: _full(p) for n, p in stage.named_parameters()},
-            "llama": _units_on_one_stage(mesh, llama_json)}
+            "llama": _units_on_one_stage(mesh, llama_json), "fx": _fx_units(mesh, fx_json)}
 
 
 def _units_on_one_stage(mesh: Any, plan_json: str) -> dict:
@@ -262,7 +293,10 @@ def test_hsdp_two_replicas_of_two_shards_train_as_one_process():
     plan = copy.deepcopy(fxpipe.compile(make_small(), ["cpu"], (x,), chunks=2, profile=EST).plan)
     ids = padded_batch("llama")["input_ids"]
     llama = fxpipe.compile(_builder("llama")(), ["cpu"], (ids,), chunks=2, profile=EST, schedule="1f1b").plan
-    results = run_ranks(4, _hsdp_ranks, plan.to_json(), llama.to_json(), deadline_s=300)
+    skip = fxpipe.compile(_skip_tied(), ["cpu"], (_skip_batches()[0][0],), chunks=2, frontend="fx", profile=EST,
+                          schedule="1f1b").plan
+    assert skip.frontend["name"] == "fx"
+    results = run_ranks(4, _hsdp_ranks, plan.to_json(), llama.to_json(), skip.to_json(), deadline_s=300)
     errors = [r["text"] for r in results if "ok" not in r]
     assert not errors, errors
     model = make_small()
@@ -280,6 +314,20 @@ def test_hsdp_two_replicas_of_two_shards_train_as_one_process():
         assert r["ok"]["losses"] == pytest.approx(want, rel=1e-5)
         check_norms(r["ok"]["norms"], norms, "hsdp")
         assert max(max_relative_error(r["ok"]["params"][n], p.detach()) for n, p in model.named_parameters()) <= 1e-5
+    # a torch.fx capture's blocks (layers called whole, the head tied to the embedding in the root) are units too
+    model = _skip_tied()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    want = []
+    for x, y in _skip_batches():
+        loss = _skip_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    for r in results:
+        got = r["ok"]["fx"]
+        assert got["units"] == 6 and got["losses"] == pytest.approx(want, rel=1e-5), got["losses"]
+        assert max(max_relative_error(got["params"][n], p.detach()) for n, p in model.named_parameters()) <= 1e-5
     # Llama's four blocks, each an FSDP2 unit of its own (one stage, HSDP), train as one process
     for mode, schedules in UNIT_CASES.items():
         reference = _reference("llama", schedules)

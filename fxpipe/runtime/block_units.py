@@ -79,8 +79,12 @@ def _unit_part(stage: fx.GraphModule, path: str, part: dict[fx.Node, None]) -> d
         return None
     if any(n.op == "call_module" and not str(n.target).startswith(prefix) for n in part):
         return None
-    reads = [n for n in stage.graph.nodes if n.op == "get_attr" and str(n.target).startswith(prefix)]
-    if not reads or any(u not in part for n in reads for u in n.users):
+    # what the stage reads of the block: parameters and buffers (torch.export), layers called whole (torch.fx)
+    under = [n for n in stage.graph.nodes if n.op in ("get_attr", "call_module") and str(n.target).startswith(prefix)]
+    if not under or any(n.op == "call_module" and n not in part for n in under):
+        return None
+    reads = [n for n in under if n.op == "get_attr"]
+    if any(u not in part for n in reads for u in n.users):
         return None
     return {**{n: None for n in reads}, **part}
 

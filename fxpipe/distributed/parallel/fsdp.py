@@ -14,16 +14,19 @@ units through a pipeline step the way ``torch.distributed.pipelining`` drives FS
   pipelining): no all-gather per micro-batch; without one (``pp=1``: FSDP alone, torchtitan's default) each
   block reshards after its forward and after its backward and is gathered again for its backward, so a rank
   holds one or two blocks unsharded at a time (:meth:`ShardedStages.begin`);
-- every backward, the split passes of ZB-H1/ZB-V too, only accumulates into the unsharded gradients
-  (``set_requires_gradient_sync(False)``); with ``set_manual_backward_finalization(True)`` FSDP2's own hooks
-  never end the backward iteration. fxpipe's runtime splits a backward by hand
+- every backward but a stage's last of the step, and every pass of ZB-H1/ZB-V, only accumulates into the
+  unsharded gradients (``set_requires_gradient_sync(False)``); before a stage's last backward under the other
+  schedules :meth:`ShardedStages.reduce_from_here` turns sync on, so each block's post-backward hook
+  reduce-scatters its gradients as its backward ends, while the blocks before it still run theirs (as
+  ``torch.distributed.pipelining`` syncs a stage's last backward); with ``set_manual_backward_finalization(True)``
+  FSDP2's own hooks never end the backward iteration. fxpipe's runtime splits a backward by hand
   (:mod:`fxpipe.runtime.split_backward`): the input pass is an ``autograd.grad`` that fires FSDP2's
   post-backward hook before the weight gradients exist, and the weight pass a later ``autograd.backward`` into
   the unsharded parameters (``module.parameters()`` at that time): neither reduces anything here;
 - :meth:`ShardedStages.reduce` (called once this rank's last backward and weight pass are over: the
   transport's ``when_local_done``, so while the other stages still drain, and after the replicas agreed that
-  none failed) turns gradient sync and resharding on and calls ``finalize_backward()``: one reduce-scatter per
-  unit per step (plus, under HSDP, one all-reduce over the replicas), leaving each rank's shard of the averaged
+  none failed) turns gradient sync and resharding on and calls ``finalize_backward()``: it waits for the blocks'
+  reduce-scatters and makes the rest (the root's; every unit's under a split backward), one per unit per step (plus, under HSDP, one all-reduce over the replicas), leaving each rank's shard of the averaged
   gradient in the sharded parameters' ``.grad`` and the parameters sharded again until the next step's first
   forward.
 

@@ -182,6 +182,8 @@ class DataParallelStep:
         that failed before makes its own there, which meets this one), and then each of the stage's blocks
         reduce-scatters its gradients as its backward ends, overlapping the backwards before it. A replica that
         fails after agreeing leaves the others' reduce-scatters to end at ``timeout_s``, with an error."""
+        if not self._early:   # (a step under a split backward never calls it)
+            return
         if self._agreed is None:
             self._agreed = self._exchange(False)
         if self._agreed:
