@@ -2,6 +2,7 @@
 
 import gc
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -129,17 +130,31 @@ class _TwoNodes(nn.Module):
         return self.slow(self.small(x))
 
 
-def test_a_node_of_microseconds_is_timed_until_its_runs_add_up_and_a_slow_one_as_asked():
+def test_a_node_of_microseconds_is_timed_until_its_runs_add_up_and_a_slow_one_as_asked(monkeypatch):
     """A node timed once is the noise of one reading: a node is run again until its timings add up to
-    MIN_TIMED_S (at most MAX_REPEATS runs); one slower than that runs warm-up + repeats times."""
+    MIN_TIMED_S (at most MAX_REPEATS runs); one slower than that runs warm-up + repeats times. The profiler's clock
+    is the test's (each forward of ``small`` takes 0.3 ms of it, of ``slow`` 3 ms, of anything else nothing), so the
+    counts do not depend on how loaded the machine is (on a loaded one a real microsecond node took long enough that
+    fewer runs added up)."""
+    import types
+
+    import fxpipe.cost.profile as profile
     from fxpipe.cost.profile import MAX_REPEATS, MIN_TIMED_S
 
+    now = [0.0]
+    monkeypatch.setattr(profile, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     model = _TwoNodes()
     gm = trace(model, leaf_modules=[_Sleeps])
     calls = {"small": 0, "slow": 0}
-    gm.get_submodule("small").register_forward_hook(lambda *_: calls.__setitem__("small", calls["small"] + 1))
-    gm.get_submodule("slow").register_forward_hook(lambda *_: calls.__setitem__("slow", calls["slow"] + 1))
+
+    def ran(name: str, seconds: float) -> Any:
+        def hook(*_: Any) -> None:
+            calls[name] += 1
+            now[0] += seconds
+        return hook
+    gm.get_submodule("small").register_forward_hook(ran("small", 0.3e-3))
+    gm.get_submodule("slow").register_forward_hook(ran("slow", 3e-3))
     profile_graph(gm, (torch.randn(2, 4),), torch.device("cpu"), mode="measure", warmup=1, repeats=1)
-    assert calls["slow"] == 1 + 1 + 1                      # the recording run, warm-up, one timed run (3 ms >= 1 ms)
-    assert 1 + 1 + 3 <= calls["small"] <= 1 + 1 + MAX_REPEATS   # microseconds: timed again (10 runs when idle)
-    assert MIN_TIMED_S <= 0.003
+    assert calls["slow"] == 1 + 1 + 1     # the recording run, warm-up, one timed run (3 ms >= MIN_TIMED_S)
+    assert calls["small"] == 1 + 1 + 4    # timed until 4 runs of 0.3 ms add up to MIN_TIMED_S (1 ms)
+    assert MIN_TIMED_S == 1e-3 and MAX_REPEATS >= 4
