@@ -289,11 +289,11 @@ def state_bytes(problem: MeshProblem, mesh: Mesh, micro_batches: int, split: boo
     whole = 1.0 + grad + opt / (dp if shard else 1)
     resharded = shard and mesh.pp == 1 and not split
     block = (1.0 + opt) / dp + grad * (1.0 / dp if micro_batches == 1 else 1.0)
-    out = [piece.param_bytes / (mesh.tp if piece.tp_sharded else 1) * (block if resharded and piece.block else whole)
-           for piece in problem.pieces]
+    params = [piece.param_bytes / (mesh.tp if piece.tp_sharded else 1) for piece in problem.pieces]
+    out = [b * (block if resharded and piece.block else whole) for b, piece in zip(params, problem.pieces)]
     blocks = [x for x, piece in enumerate(problem.pieces) if piece.block]
     if resharded and blocks:
-        sizes = [problem.pieces[x].param_bytes / (mesh.tp if problem.pieces[x].tp_sharded else 1) for x in blocks]
+        sizes = [params[x] for x in blocks]
         out[blocks[0]] += (sum(sizes) if mode == "stages" else 2 * max(sizes)) * (1.0 + grad)
     return out
 

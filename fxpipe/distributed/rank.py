@@ -125,11 +125,14 @@ class PipelineRank:
         else:
             self._recompute()
 
-    def _recompute(self) -> None:
+    def _recompute(self, units: bool = False) -> None:
         """Per-block recomputation of this rank's stages, where the plan or ``checkpoint`` asks for it
-        (:mod:`fxpipe.runtime.block_recompute`): after tensor parallelism, before data parallelism."""
+        (:mod:`fxpipe.runtime.block_recompute`), or with ``units`` every block made a module of its own that
+        recomputes as asked (:mod:`fxpipe.runtime.block_units`): after tensor parallelism, before data
+        parallelism."""
         pipe = self.ranked.pipe
-        apply_recompute(pipe._graph[0], [(self.ranked.specs[k].module, pipe.stage_checkpoint(k)) for k in self.own])
+        (apply_units if units else apply_recompute)(
+            pipe._graph[0], [(self.ranked.specs[k].module, pipe.stage_checkpoint(k)) for k in self.own])
 
     def _parallelise(self, tp_plan: dict[str, Any] | None, timeout_s: float) -> None:
         """Tensor parallelism, then data parallelism over it, on this rank's stages (:mod:`.parallel.apply`)."""
@@ -138,11 +141,8 @@ class PipelineRank:
         grid = ParallelDims.dp_ranks(mesh)   # this rank's dp ranks: rows are replicas, columns shards
         group = DataParallelStep.group_of(grid, timeout_s)
         self.tp = apply_tensor_parallel(stages, mesh, dims, tp_plan, timeout_s)
-        if dims.sharded and dims.dp > 1 and stages.pipe.compiled is None:   # FSDP2 per block (.parallel.fsdp)
-            pipe = stages.pipe
-            apply_units(pipe._graph[0], [(stages.specs[k].module, pipe.stage_checkpoint(k)) for k in self.own])
-        else:
-            self._recompute()
+        # FSDP2 shards each block as a unit of its own (.parallel.fsdp), whose recomputation then runs inside it
+        self._recompute(units=dims.sharded and dims.dp > 1 and stages.pipe.compiled is None)
         data = apply_data_parallel(stages, mesh, dims, grid, group, timeout_s)
         # a global gradient norm (fxd.clip_grad_norm_) counts each piece once: the sharded parameters replaced the
         # ones a tied weight's marks were on
