@@ -360,10 +360,12 @@ def row_tests(ctx: Context, limit_s: float) -> list[Row]:
 
 
 def row_executor(ctx: Context, stages: int, schedule: str) -> Row:
+    from solvers.schedules import get_schedule
+
     row = Row(f"exec:{stages}st:{schedule}")
     model, x, y = gpt(ctx)
-    workers = stages // 2 if schedule == "zb-v" else stages
-    extra = {} if schedule == "zb-v" else {"stages": stages}
+    workers = get_schedule(schedule).workers(stages)
+    extra = {} if get_schedule(schedule).multi_stage else {"stages": stages}
     pipe = fxpipe.compile(model, ctx.devices(workers), (x,), chunks=ctx.sizes["exec_chunks"], schedule=schedule,
                           checkpoint="never", **extra, profile=ctx.profile)
     if len(pipe.plan.stages) != stages:
@@ -533,7 +535,7 @@ def worker_peaks(pipe: fxpipe.Pipeline, inputs: tuple, target: Any, loss: Callab
     ``device``: ``torch.cuda.max_memory_allocated`` above what the GPU held before, on a GPU. (fxpipe's own
     ``measure_worker_memory`` counts the replay's allocations with the profiler, as on CPU workers.)"""
     from fxpipe.runtime.memory_probe import Replay, allocations, replaying
-    from solvers.schedules import SPLIT_BACKWARD, worker_orders
+    from solvers.schedules import get_schedule, worker_orders
 
     micro = pipe.inputs.micro_batches(inputs, {})
     targets, m = pipe.inputs.micro_targets(target), len(micro)
@@ -542,7 +544,7 @@ def worker_peaks(pipe: fxpipe.Pipeline, inputs: tuple, target: Any, loss: Callab
     with replaying(pipe, micro) as seen:
         for order in orders:
             replay = Replay(pipe, seen, targets, loss, lambda k, i: pipe._checkpointed(k, i, m),
-                            split_backward=schedule in SPLIT_BACKWARD)
+                            split_backward=get_schedule(schedule).split_backward)
             with allocations(device) as found:
                 for op in order:
                     replay.run(*op)

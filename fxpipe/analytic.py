@@ -50,7 +50,7 @@ import solvers
 from solvers.mesh import Mesh, MeshProblem, state_bytes
 from solvers.mesh_search import MeshChoice, least_step_s, search_mesh, simulate_choice
 from solvers.schedule_search import chunk_choices
-from solvers.schedules import SCHEDULES, SPLIT_BACKWARD, stages_per_worker
+from solvers.schedules import ONE_STAGE, SCHEDULES, get_schedule, stages_per_worker
 
 IF_NEEDED = "if_needed"   # fxpipe.plan's default mesh: one pipeline where it holds the model on one node, else "auto"
 
@@ -417,12 +417,12 @@ def _node_level(costed: AnalyticModel, devices: Devices, problem: MeshProblem, c
                   [devices.ids[r] for r in ranks], [devices.nodes[r] for r in ranks], dict(devices.bandwidth_Bps))
     v = stages_per_worker(choice.candidate.schedule, problem.virtual_stages) if m.pp > 1 else 1
     planner = planner_for(dataclasses.replace(costed, profiled=choice.candidate.micro_batches), sub,
-                          schedule=choice.candidate.schedule if m.pp > 1 else "1f1b",
+                          schedule=choice.candidate.schedule if m.pp > 1 else ONE_STAGE,
                           virtual_stages=v, optimizer=optimizer, checkpoint=checkpoint, options=options)
     # the search's state per parameter byte (FSDP2 without a pipeline reshards its blocks: solvers.mesh.state_bytes)
     whole = sum(piece.param_bytes / (m.tp if piece.tp_sharded else 1) for piece in problem.pieces)
     held = sum(state_bytes(problem, m, choice.candidate.micro_batches,
-                           choice.candidate.schedule in SPLIT_BACKWARD and m.pp > 1, (choice.stage_modes or ["never"])[0]))
+                           get_schedule(choice.candidate.schedule).split_backward and m.pp > 1, (choice.stage_modes or ["never"])[0]))
     planner = dataclasses.replace(planner, chunks=choice.candidate.micro_batches,
                                   optimizer_state_factor=held / whole - 1.0 if whole > 0 else grad + optimizer_state,
                                   memory_bytes=[problem.memory_bytes] * len(planner.devices))

@@ -24,7 +24,7 @@ from fxpipe.planning.plan import Plan
 from fxpipe.runtime.aliasing import written_buffers
 from fxpipe.runtime.compiled import options_of
 from fxpipe.runtime.microbatch import BatchLayout, batch_size_of
-from solvers.schedules import SCHEDULES, SPLIT_BACKWARD, check_schedule, stages_per_worker
+from solvers.schedules import REGISTRY, SCHEDULES, check_schedule, get_schedule
 
 __all__ = ["auto_schedules", "batch_layout", "check_arguments", "check_batch", "check_call", "check_plan", "check_plan_layout", "compiled_model", "memory_limits",
            "parse_devices", "stage_compilation", "unwrap_compiled", "warn_batch_norm", "worker_devices"]
@@ -164,9 +164,11 @@ def check_arguments(checkpoint: str, schedule: str, virtual_stages: int | None, 
         raise ValueError(f"schedule {schedule!r} is not supported by the embedded executor; use 'auto' (the "
                          f"default: the planner picks) or one of {SCHEDULES}")
     refuse_with_schedule(checkpoint, schedule)
-    if virtual_stages is not None and schedule != "interleaved-1f1b":
-        raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved-1f1b' (got {schedule!r})")
-    v = stages_per_worker(schedule, virtual_stages or 2)
+    record = None if schedule == "auto" else get_schedule(schedule)
+    if virtual_stages is not None and (record is None or record.placement != "looped"):
+        looped = " or ".join(repr(n) for n, r in REGISTRY.items() if r.placement == "looped")
+        raise ValueError(f"virtual_stages={virtual_stages} needs schedule={looped} (got {schedule!r})")
+    v = 1 if record is None else record.stages_per_worker(virtual_stages or 2)
     if v < 1:
         raise ValueError(f"virtual_stages must be at least 1, got {v}")
     if (loss_fn is None) != (example_target is None):
@@ -324,4 +326,4 @@ def auto_schedules(compiled: dict[str, Any] | None, checkpoint: str = "auto") ->
     (:func:`fxpipe.runtime.compiled.refuse_split_backward` says why) and for a per-block ``checkpoint``
     (``"blocks"``, ``"blocks:K"``, ``"selective"``: :func:`fxpipe.planning.memory_model.refuse_with_schedule`)."""
     split = compiled is not None or block_mode(checkpoint) is not None
-    return tuple(s for s in SCHEDULES if not (split and s in SPLIT_BACKWARD))
+    return tuple(s for s in SCHEDULES if not (split and get_schedule(s).split_backward))

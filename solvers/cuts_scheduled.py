@@ -24,6 +24,7 @@ import time
 
 from solvers.cuts import minmax_cuts, node_weights, uniform_cuts
 from solvers.problem import Problem
+from solvers.schedules import get_schedule
 from solvers.score import score_assignment
 from solvers.simulate import simulate
 from solvers.solution import assignment_from_cuts
@@ -49,9 +50,6 @@ def _scalar_comm_s(problem: Problem) -> float:
     return 2.0 * (nbytes / bw + lat)
 
 
-ONE_STAGE_PER_WORKER = {"interleaved-1f1b": "1f1b", "zb-v": "zb-h1"}
-
-
 def _simulated_s(fwd: list[float], bwd: list[float], cuts: list[int], comm: float, problem: Problem) -> float:
     bounds = [0] + cuts + [len(fwd)]
     p = len(bounds) - 1
@@ -60,7 +58,7 @@ def _simulated_s(fwd: list[float], bwd: list[float], cuts: list[int], comm: floa
     sends = {(k, k + 1): comm / 2 for k in range(p - 1)}
     # one stage per worker here: a schedule with several stages per worker (interleaved, ZB-V) is judged by
     # its one-stage-per-worker form, since the anchor's cuts do not know which worker holds which stage
-    schedule = ONE_STAGE_PER_WORKER.get(problem.schedule, problem.schedule)
+    schedule = get_schedule(problem.schedule).one_stage
     return simulate(f, b, problem.micro_batches, schedule, sends=sends).iteration_s
 
 

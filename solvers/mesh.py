@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 
 from solvers.errors import InvalidProblemError
 from solvers.layout import DP_MODES, ORDERS, unrunnable
-from solvers.schedules import SCHEDULES, SPLIT_BACKWARD, inflight, stage_worker, stages_per_worker, worker_orders
+from solvers.schedules import SCHEDULES, get_schedule, inflight, stage_worker, stages_per_worker, worker_orders
 
 __all__ = ["DP_MODES", "MODES", "ORDERS", "Level", "Mesh", "MeshProblem", "Piece", "StageFigures", "allreduce_s",
            "dp_sync_s", "gather_s", "gathered_first", "reduced_after_s", "regather_s", "state_bytes", "mesh_shapes", "stage_figures", "stage_held"]
@@ -365,7 +365,7 @@ def budget(problem: MeshProblem, schedule: str, pp: int) -> tuple[int, float]:
 def stage_inflight(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
     """Micro-batches ``stage`` holds at its peak (interleaved counted as the planner does: 1F1B over all
     stages)."""
-    return inflight("1f1b" if schedule == "interleaved-1f1b" else schedule, stage, stages, micro_batches)
+    return inflight(get_schedule(schedule).memory_model, stage, stages, micro_batches)
 
 
 def stage_held(schedule: str, stage: int, stages: int, micro_batches: int) -> tuple[tuple[int, int], ...]:
@@ -374,7 +374,8 @@ def stage_held(schedule: str, stage: int, stages: int, micro_batches: int) -> tu
     every pair the stage's own operations pass through, less those another holds as many or more of both (the
     node-level model keeps a micro-batch's activations and the gradients at the weight frontier from its input
     pass to its weight pass: :mod:`solvers.activation_memory`)."""
-    if schedule not in SPLIT_BACKWARD or (schedule == "zb-v" and stages % 2):
+    record = get_schedule(schedule)
+    if not record.split_backward or stages % record.stages_per_worker():
         return ((stage_inflight(schedule, stage, stages, micro_batches), 0),)
     return _split_held(schedule, stages, micro_batches)[stage]
 
@@ -382,7 +383,7 @@ def stage_held(schedule: str, stage: int, stages: int, micro_batches: int) -> tu
 @functools.lru_cache(maxsize=1024)
 def _split_held(schedule: str, stages: int, micro_batches: int) -> list[tuple[tuple[int, int], ...]]:
     """:func:`stage_held` of every stage under a split backward, from one walk of the workers' orders."""
-    workers = stages // 2 if schedule == "zb-v" else stages
+    workers = get_schedule(schedule).workers(stages)
     seen: list[set[tuple[int, int]]] = [set() for _ in range(stages)]
     for order in worker_orders(schedule, stages, micro_batches, workers):
         forward, pending = {}, {}

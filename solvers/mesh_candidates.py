@@ -17,7 +17,7 @@ from typing import Iterator
 import numpy as np
 
 from solvers.mesh import Mesh, MeshProblem, StageFigures, budget, mesh_shapes, stage_figures
-from solvers.schedules import SPLIT_BACKWARD, check_schedule
+from solvers.schedules import ONE_STAGE, REGISTRY, check_schedule, get_schedule
 
 __all__ = ["Candidate", "Mode", "as_chosen", "candidates", "figures", "held_bytes", "micro_batch_counts", "modes",
            "no_candidate", "recompute_options", "stage_memory"]
@@ -51,7 +51,7 @@ def modes(problem: MeshProblem, cand: Candidate) -> list[Mode]:
     fastest that fits being the stage's."""
     if not cand.per_stage:
         return [cand.recomputation]
-    split = cand.schedule in SPLIT_BACKWARD and cand.mesh.pp > 1
+    split = get_schedule(cand.schedule).split_backward and cand.mesh.pp > 1
     if split or not any(p.block for p in problem.pieces):
         return ["never", "stages"]
     return ["never", "stages", "blocks", "blocks:2", "selective"]
@@ -71,7 +71,7 @@ def micro_batch_counts(problem: MeshProblem, dp: int) -> list[int]:
 
 
 def _schedules(problem: MeshProblem, mesh: Mesh) -> tuple[str, ...]:
-    return problem.schedules if mesh.pp > 1 else ("1f1b",)   # one stage: accumulation, one in flight
+    return problem.schedules if mesh.pp > 1 else (ONE_STAGE,)   # one stage: accumulation, one in flight
 
 
 def _refusal(problem: MeshProblem, mesh: Mesh, schedule: str, m: int | None) -> str | None:
@@ -87,8 +87,9 @@ def _refusal(problem: MeshProblem, mesh: Mesh, schedule: str, m: int | None) -> 
         check_schedule(schedule, k, mesh.pp, m)
     except ValueError as exc:
         return f"{schedule}: {exc}"
-    if mesh.pp > 1 and m == 1 and schedule != "gpipe":
-        return f"{schedule}: one micro-batch (only gpipe runs one in a pipeline)"
+    if mesh.pp > 1 and m == 1 and not get_schedule(schedule).single_batch:
+        alone = ", ".join(n for n, r in REGISTRY.items() if r.single_batch)
+        return f"{schedule}: one micro-batch (only {alone} runs one in a pipeline)"
     return None
 
 
@@ -155,7 +156,7 @@ def figures(problem: MeshProblem, cand: Candidate, samples: int,
     cache = {} if cache is None else cache
     out = []
     for mode in modes(problem, cand):
-        key = (cand.mesh, samples, mode, cand.schedule in SPLIT_BACKWARD and cand.mesh.pp > 1)
+        key = (cand.mesh, samples, mode, get_schedule(cand.schedule).split_backward and cand.mesh.pp > 1)
         if key not in cache:
             cache[key] = stage_figures(problem, cand.mesh, samples, mode, split=key[-1])
         out.append((mode, cache[key]))

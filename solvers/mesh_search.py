@@ -49,7 +49,7 @@ from solvers.mesh import Mesh, MeshProblem, StageFigures, budget, dp_sync_s, gat
     stage_held
 from solvers.mesh_candidates import (Candidate, Mode, as_chosen, candidates, figures, held_bytes, no_candidate,
                                      recompute_options, stage_memory)
-from solvers.schedules import SPLIT_BACKWARD, stages_per_worker
+from solvers.schedules import ONE_STAGE, get_schedule, stages_per_worker
 from solvers.simulate import simulate
 
 SIMULATE_MOST = 6
@@ -114,14 +114,12 @@ class MeshSearch:
 
 def _closed_form(problem: MeshProblem, cand: Candidate, fig: StageFigures, tau: float) -> float:
     p, m = cand.mesh.pp, cand.micro_batches
-    s = cand.schedule
-    if s in ("gpipe", "1f1b") or p == 1:
-        return (m + p - 1) * tau
-    if s == "interleaved-1f1b":
-        return (stages_per_worker(s, problem.virtual_stages) * m + p - 1) * tau
+    if p == 1:
+        return m * tau
+    record = get_schedule(cand.schedule)
     f, b, w = sum(fig.fwd_s), sum(fig.bwd_s), sum(fig.weight_s)
     rho = max(0.0, f + b - 2 * w) / (f + b) if f + b > 0 else 0.0
-    return ((2 if s == "zb-v" else 1) * m + (p - 1) * rho) * tau
+    return record.step_units(p, m, record.stages_per_worker(problem.virtual_stages), rho) * tau
 
 
 def _screen_sync(problem: MeshProblem, cand: Candidate, fig: StageFigures) -> tuple[float, float]:
@@ -131,7 +129,7 @@ def _screen_sync(problem: MeshProblem, cand: Candidate, fig: StageFigures) -> tu
     root = sum(fig.param_bytes) - sum(blocks)
     first = root / cand.mesh.pp + max(blocks, default=0.0)
     before, after = dp_sync_s(problem, cand.mesh, sum(fig.param_bytes) / cand.mesh.pp, first)
-    if cand.mesh.dp_mode == "shard" and cand.schedule not in SPLIT_BACKWARD:   # the blocks' reduce-scatters overlap
+    if cand.mesh.dp_mode == "shard" and not get_schedule(cand.schedule).split_backward:   # the blocks' reduce-scatters overlap
         after = dp_sync_s(problem, cand.mesh, first)[1]
     return before, after
 
@@ -250,8 +248,8 @@ def simulate_choice(problem: MeshProblem, choice: MeshChoice) -> MeshChoice:
     sends = {(j, j + 1): fig.cut_s[cuts[j + 1] - 1] + (fig.broadcast_s if j == 0 else 0.0) for j in range(k - 1)}
     sends.update({(0, j): fig.broadcast_s for j in range(2, k) if fig.broadcast_s})
     params = [sum(fig.param_bytes[a:i]) for a, i in zip(cuts, cuts[1:])]
-    schedule = cand.schedule if p > 1 else "1f1b"
-    after = [reduced_after_s(problem, cand.mesh, fig.param_bytes, a, i, bwd[j], schedule in SPLIT_BACKWARD)
+    schedule = cand.schedule if p > 1 else ONE_STAGE
+    after = [reduced_after_s(problem, cand.mesh, fig.param_bytes, a, i, bwd[j], get_schedule(schedule).split_backward)
              for j, (a, i) in enumerate(zip(cuts, cuts[1:]))]
     first = sum(b for j, b in enumerate(params) if owner(cand.schedule, j, p) == 0)
     before = dp_sync_s(problem, cand.mesh, first, gathered_first(problem, fig.param_bytes, cuts[0], cuts[1]))[0]
@@ -260,7 +258,7 @@ def simulate_choice(problem: MeshProblem, choice: MeshChoice) -> MeshChoice:
         before += cand.micro_batches * (regather_s(problem, cand.mesh, blocks, fwd[0])
                                         + regather_s(problem, cand.mesh, blocks, bwd[0]))
     sim = simulate(fwd, bwd, cand.micro_batches, schedule, sends=sends, allreduce_s=after, workers=p,
-                   weight_share=share if schedule in SPLIT_BACKWARD else 0.5)
+                   weight_share=share if get_schedule(schedule).split_backward else 0.5)
     work = [sum(fwd[j] + bwd[j] for j in range(k) if owner(schedule, j, p) == w) * cand.micro_batches
             for w in range(p)]
     pipe = sim.iteration_s

@@ -20,13 +20,14 @@ from typing import Any
 import networkx as nx
 
 from solvers.errors import InvalidProblemError
+from solvers.schedules import MEMORY_MODELS
 from solvers.schedules import inflight as schedule_inflight
 
 __all__ = ["Node", "Edge", "Device", "Problem", "SCHEDULES", "PROBLEM_FORMAT", "PROBLEM_FORMATS"]
 
 PROBLEM_FORMAT = "fxpipe-problem/1"
 PROBLEM_FORMATS = ("fxpipe-problem/1", "fxpipe-problem/2")
-SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-v")   # the memory models (interleaved-1f1b plans as 1f1b)
+SCHEDULES = MEMORY_MODELS   # the memory models the cut solver plans under (interleaved-1f1b plans as 1f1b)
 
 
 @dataclass(frozen=True)

@@ -29,14 +29,13 @@ from solvers.errors import InfeasibleError
 from solvers.problem import Problem
 from solvers.score import score
 from solvers.solution import Solution
-from solvers.schedules import MULTI_STAGE, SCHEDULES, SPLIT_BACKWARD, check_schedule, stages_per_worker
+from solvers.schedules import REGISTRY, SCHEDULES, check_schedule, get_schedule, stages_per_worker
 
-__all__ = ["Candidate", "Trial", "LOOSER", "chunk_choices", "candidates", "lower_bound", "search", "format_trials",
+__all__ = ["Candidate", "Trial", "chunk_choices", "candidates", "lower_bound", "search", "format_trials",
            "reuse"]
 
 # the schedule whose memory model holds at most as many micro-batches on every stage: 1F1B's p - s is at most
 # ZB-H1's p and GPipe's m, and the reference score's time does not depend on the schedule
-LOOSER = {"gpipe": "1f1b", "zb-h1": "1f1b"}
 
 
 @dataclass(frozen=True)
@@ -77,12 +76,14 @@ def candidates(workers: int, counts: Sequence[int], schedules: Sequence[str] = S
     worker, or a fixed ``stages`` the schedule cannot have) are left out."""
     out = []
     # the looser memory model first (its plan may be reused, :func:`reuse`); the choice's ties use SCHEDULES
-    for schedule in sorted(schedules, key=lambda s: s not in LOOSER.values()):
-        v = stages_per_worker(schedule, virtual_stages)
-        if schedule in MULTI_STAGE and (workers < 2 or (stages is not None and stages != v * workers)):
+    looser = {r.looser for r in REGISTRY.values()}
+    for schedule in sorted(schedules, key=lambda s: s not in looser):
+        record = get_schedule(schedule)
+        v = record.stages_per_worker(virtual_stages)
+        if record.multi_stage and (workers < 2 or (stages is not None and stages != v * workers)):
             continue   # on one worker it is a single-worker schedule with more hand-overs
         for m in counts:
-            if m == 1 and schedule != "gpipe":   # one micro-batch: every schedule runs the stages in turn
+            if m == 1 and not record.single_batch:   # one micro-batch: every schedule runs the stages in turn
                 continue
             try:
                 check_schedule(schedule, v * workers, workers, m)
@@ -112,9 +113,10 @@ def lower_bound(schedule: str, micro_batches: int, forward_s: float, backward_s:
         raise ValueError(f"need micro_batches >= 1 and positive speeds, got {micro_batches} and {list(speeds)}")
     m, total, fastest = micro_batches, forward_s + backward_s, max(speeds)
     everyone = sum(speeds)
-    deferred = 0.5 if schedule in SPLIT_BACKWARD else 0.0
+    record = get_schedule(schedule)
+    deferred = 0.5 if record.split_backward else 0.0
     bound = max(m * total / everyone, (forward_s + (1.0 - deferred) * backward_s) / fastest)
-    if schedule in ("gpipe", "1f1b"):
+    if record.fill_drain:
         r = (m - 1) / m
         bound = max(bound, m * total / sum(v * r ** s for s, v in enumerate(sorted(speeds, reverse=True))))
     return bound
@@ -170,7 +172,7 @@ def search(cands: Sequence[Candidate], evaluate: Callable[[Candidate], Trial],
 
 
 def reuse(problem: Problem, looser: Solution | None) -> Solution | None:
-    """``looser`` — the exact solution of the same problem under the :data:`LOOSER` schedule's memory model —
+    """``looser`` — the exact solution of the same problem under the looser schedule (:attr:`solvers.schedules.Schedule.looser`)'s memory model —
     if it fits ``problem``'s memory too: then it is optimal for ``problem`` as well (same objective, a feasible
     set that contains ``problem``'s), with the same certificate. ``None`` when it does not fit."""
     if looser is None:

@@ -23,7 +23,7 @@ from typing import Sequence
 from solvers.problem import Problem
 from solvers.groups import GroupTable
 from solvers.groups import allreduce_s as allreduce
-from solvers.schedules import SPLIT_BACKWARD, Op, stage_worker, worker_orders
+from solvers.schedules import Op, get_schedule, stage_worker, worker_orders
 from solvers.solution import Solution
 
 __all__ = ["Event", "Simulation", "simulate", "simulate_solution", "per_micro_batch", "stage_medians", "weight_shares"]
@@ -78,7 +78,7 @@ def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedul
     p, m = len(fwd_s), micro_batches
     n_workers = p if workers is None else workers
     orders = worker_orders(schedule, p, m, n_workers)
-    split = schedule in SPLIT_BACKWARD
+    split = get_schedule(schedule).split_backward
     shares = [weight_share] * p if isinstance(weight_share, (int, float)) else list(weight_share)
     if len(shares) != p or not all(0.0 <= w <= 1.0 for w in shares):
         raise ValueError(f"weight_share must be a share in [0, 1], or one per stage ({p}), got {weight_share!r}")

@@ -23,6 +23,7 @@ import dataclasses
 
 from solvers.errors import InfeasibleError, SolverError
 from solvers.problem import Problem
+from solvers.schedules import get_schedule
 
 __all__ = ["heaviest_path", "spine_lower_bound"]
 
@@ -55,7 +56,7 @@ def spine_lower_bound(problem: Problem, time_limit_s: float) -> float:
 
     path = heaviest_path(problem)
     # ZB-V's in-flight count is read off its V-shaped order and may rise when a stage is dropped
-    if len(path) == len(problem.nodes) or problem.max_replicas > 1 or problem.schedule == "zb-v":
+    if len(path) == len(problem.nodes) or problem.max_replicas > 1 or not get_schedule(problem.schedule).monotone_inflight:
         return 0.0
     kept = set(path)
     nodes = problem.node_map()

@@ -13,7 +13,7 @@ from solvers.brute import brute_force_mesh
 from solvers.activation_memory import StageBytes, worker_peak_bytes
 from solvers.mesh import Level, Mesh, MeshProblem, Piece, mesh_shapes, stage_figures, stage_held
 from solvers.mesh_search import search_mesh
-from solvers.schedules import SPLIT_BACKWARD, worker_orders
+from solvers.schedules import get_schedule, worker_orders
 
 
 def chain(rng: random.Random, pieces: int, levels: list[Level], memory: float, batch: int,
@@ -86,7 +86,7 @@ def test_stages_recompute_per_block_where_whole_stages_keep_as_much(seed):
         assert c.screened_s == pytest.approx(brute[c.mesh].screened_s, rel=1e-9)
         assert max(c.peak_bytes) <= problem.memory_bytes * (1 + 1e-9)
         assert len(c.stage_modes) == len(c.cuts) - 1
-        if c.mesh.pp > 1 and c.candidate.schedule in SPLIT_BACKWARD:
+        if c.mesh.pp > 1 and get_schedule(c.candidate.schedule).split_backward:
             assert "selective" not in c.stage_modes
     flat = dataclasses.replace(problem, pieces=[dataclasses.replace(p, block=False) for p in problem.pieces])
     without = {c.mesh: c for c in search_mesh(flat).shapes}

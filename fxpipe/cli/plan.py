@@ -62,7 +62,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, auto: bool = False) -> 
     parser.add_argument("--leaf-modules", default="", help="module classes kept whole, comma-separated "
                                                            "(e.g. Bottleneck: stages cut between blocks; "
                                                            "default: none)")
-    schedules = ("gpipe", "1f1b", "zb-h1", "zb-v", "interleaved-1f1b")
+    from solvers.schedules import SCHEDULES as schedules
+
     parser.add_argument("--schedule", choices=(("auto",) if auto else ()) + schedules,
                         default="auto" if auto else "1f1b",
                         help="the schedule whose time and memory the plan is for (default: "

@@ -32,11 +32,11 @@ from fxpipe.frontend.capture import capture_as_planned
 from fxpipe.planning import plan as plan_module
 from fxpipe.planning.plan import Plan
 from fxpipe.runtime.codegen import StageSpec, move_stage, split_graph
-from solvers.schedules import SPLIT_BACKWARD, stage_worker, worker_orders
+from solvers.schedules import REGISTRY, get_schedule, stage_worker, worker_orders
 
 __all__ = ["NotAdjacentError", "TORCH_SCHEDULES", "adjacent_stages", "compute_actions_csv", "to_torch_pipelining"]
 
-TORCH_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "fxpipe")
+TORCH_SCHEDULES = tuple(n for n, s in REGISTRY.items() if s.torch_class) + ("fxpipe",)   # "fxpipe": its own order
 
 
 class NotAdjacentError(FxpipeError, ValueError):
@@ -101,7 +101,7 @@ def compute_actions_csv(plan: Plan, schedule: str | None = None) -> str:
     """fxpipe's per-worker order of ``schedule`` (default the plan's) as torch's compute-only action CSV: one
     row per rank, ``<stage><F|B|I|W><micro-batch>`` per cell (a split backward's input pass is torch's ``I``)."""
     schedule = schedule or plan.schedule
-    split = schedule in SPLIT_BACKWARD
+    split = get_schedule(schedule).split_backward
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     for order in worker_orders(schedule, len(plan.stages), plan.chunks, plan.workers):
@@ -112,11 +112,10 @@ def compute_actions_csv(plan: Plan, schedule: str | None = None) -> str:
 def _schedule(stages: list[Any], plan: Plan, schedule: str, loss_fn: Callable | None, **kwargs: Any) -> Any:
     from torch.distributed.pipelining import schedules as tds
     m = plan.chunks
-    if schedule in ("gpipe", "1f1b"):
-        kind = tds.ScheduleGPipe if schedule == "gpipe" else tds.Schedule1F1B
-        return kind(stages[0], n_microbatches=m, loss_fn=loss_fn, **kwargs)
-    if schedule == "interleaved-1f1b":
-        return tds.ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn, **kwargs)
+    record = REGISTRY.get(schedule)
+    if record is not None and record.torch_class is not None:   # torch's own class (one stage a rank, or looped)
+        kind = getattr(tds, record.torch_class)
+        return kind(stages if record.multi_stage else stages[0], n_microbatches=m, loss_fn=loss_fn, **kwargs)
     # fxpipe's order: torch's runtime schedule reads it from a CSV file (its only entry point for an order)
     runner = tds._PipelineScheduleRuntime(stages, n_microbatches=m, loss_fn=loss_fn, **kwargs)
     with tempfile.TemporaryDirectory(prefix="fxpipe-tdp-") as where:

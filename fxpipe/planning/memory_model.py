@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from fxpipe.planning.plan_view import PlanView, StageView
 from solvers.activation_memory import StageBytes, worker_peak_bytes
-from solvers.schedules import MULTI_STAGE, SPLIT_BACKWARD, Op, stage_worker, worker_orders
+from solvers.schedules import Op, get_schedule, stage_worker, worker_orders
 
 __all__ = ["WorkerPrediction", "predict_worker_memory", "checkpointed", "stage_bytes", "choose_checkpoints",
            "worker_memory", "check_fits", "block_mode", "refuse_with_schedule", "is_checkpoint_mode", "recompute_s",
@@ -55,7 +55,7 @@ def refuse_with_schedule(mode: str, schedule: str) -> None:
     without any recomputation. Selective checkpointing allows one backward through a region at all. A whole
     stage (``"always"``, ``"except_last"``) is recomputed by hand once, before the input pass
     (:mod:`fxpipe.runtime.split_backward`), and runs as planned."""
-    if block_mode(mode) is not None and schedule in SPLIT_BACKWARD:
+    if block_mode(mode) is not None and get_schedule(schedule).split_backward:
         why = ("torch's selective checkpointing allows one backward through a region" if mode == "selective" else
                "torch's checkpointing recomputes each block in both passes and holds the first recomputation until "
                "the weight pass, more memory than no recomputation at all")
@@ -172,13 +172,13 @@ def predict_worker_memory(plan: PlanView, schedule: str | None = None, checkpoin
     def mode(stage: int) -> str:   # the given mode for all stages, else each stage's own (checkpoint="auto")
         return checkpoint or plan.stages[stage].checkpoint or plan.checkpoint
     m, p = micro_batches or plan.chunks, len(plan.stages)
-    workers = plan.workers if schedule in MULTI_STAGE else p
+    workers = get_schedule(schedule).workers(p, plan.workers)
     factor = 1.0 + float((plan.problem or {}).get("optimizer_state_factor", 0.0))
     sizes = [stage_bytes(st, mode(st.index)) for st in plan.stages]
     out = []
     for w, order in enumerate(orders or worker_orders(schedule, p, m, workers)):
         act = worker_peak_bytes(order, lambda s: sizes[s], lambda s, i: checkpointed(mode(s), i, m),
-                                split_backward=schedule in SPLIT_BACKWARD)
+                                split_backward=get_schedule(schedule).split_backward)
         params = sum(st.param_bytes * (factor + (weight_versions[st.index] if weight_versions else 0))
                      for st in plan.stages if stage_worker(schedule, st.index, workers) == w)
         out.append(WorkerPrediction(w, params, act))
@@ -193,10 +193,10 @@ def choose_checkpoints(plan: PlanView, memory_bytes: list[float] | None = None) 
 
     Raises ``MemoryError`` naming the worker, its least need and its memory when no mode fits.
     """
-    workers = plan.workers if plan.schedule in MULTI_STAGE else len(plan.stages)
+    workers = get_schedule(plan.schedule).workers(len(plan.stages), plan.workers)
     memory_bytes = memory_bytes if memory_bytes is not None else worker_memory(plan)
     has_blocks = any(getattr(st, "blocks", None) for st in plan.stages)
-    split = plan.schedule in SPLIT_BACKWARD
+    split = get_schedule(plan.schedule).split_backward
     modes = [mode for mode in CANDIDATES if (has_blocks or block_mode(mode) is None)
              and not (split and block_mode(mode) is not None)]   # (refuse_with_schedule)
     predictions = {mode: predict_worker_memory(plan, checkpoint=mode) for mode in modes}
@@ -220,7 +220,7 @@ def choose_checkpoints(plan: PlanView, memory_bytes: list[float] | None = None) 
 
 def worker_memory(plan: PlanView) -> list[float]:
     """The memory the plan gives each worker: the sum over its stages (an interleaved worker's share each)."""
-    workers = plan.workers if plan.schedule in MULTI_STAGE else len(plan.stages)
+    workers = get_schedule(plan.schedule).workers(len(plan.stages), plan.workers)
     return [sum(st.memory_bytes for st in plan.stages if stage_worker(plan.schedule, st.index, workers) == w)
             for w in range(workers)]
 

@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from fxpipe.planning.plan_view import PlanView
-from solvers.schedules import MULTI_STAGE, stage_worker
+from solvers.schedules import get_schedule, stage_worker
 from solvers.simulate import simulate
 
 __all__ = ["plot_stages", "plot_timeline", "plot_topology", "plot_graph", "KIND_COLOURS"]
@@ -69,7 +69,7 @@ def plot_timeline(plan: PlanView, measured: Sequence[Any] | None = None) -> Figu
     """The plan's schedule as the simulator predicts it, a Gantt chart per worker (F/B/W coloured, bubbles
     grey, the predicted iteration marked); with ``measured`` (``pipe.last_step["timings"]``: objects with
     ``kind``, ``stage``, ``micro_batch``, ``start_s``, ``end_s``), the measured step below it."""
-    workers = plan.workers if plan.schedule in MULTI_STAGE else len(plan.stages)
+    workers = get_schedule(plan.schedule).workers(len(plan.stages), plan.workers)
     p = len(plan.stages)
     sim = simulate([st.fwd_s for st in plan.stages], [st.bwd_s for st in plan.stages], plan.chunks, plan.schedule,
                    sends={(s, s + 1): plan.stages[s].comm_s for s in range(p - 1)}, workers=workers)

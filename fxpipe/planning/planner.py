@@ -42,8 +42,8 @@ from fxpipe.planning.plan import Plan, PlanStage
 from fxpipe.planning.tied_cost import charge_copies, tied_weights
 from fxpipe.planning.topology import Links, links_for_devices, links_from_classes
 from solvers.dp import solve_dp
-from solvers.schedule_search import LOOSER, reuse
-from solvers.schedules import SPLIT_BACKWARD, stage_worker
+from solvers.schedule_search import reuse
+from solvers.schedules import get_schedule, stage_worker
 from solvers.simulate import simulate_solution
 
 __all__ = ["Planner", "give_stage_memory", "plan_from_solution", "recompute_attempts", "recompute_share",
@@ -121,7 +121,7 @@ class Planner:
                                 [mem[w] / v for w in self._owner],
                                 stages=v * len(devs) if v > 1 else self.stages,
                                 optimizer_state_factor=self.optimizer_state_factor,
-                                schedule="1f1b" if self.schedule == "interleaved-1f1b" else self.schedule,
+                                schedule=get_schedule(self.schedule).memory_model,
                                 name=self.model_name,
                                 output_bytes=self._charged(costs),
                                 speeds=None if self.speeds is None else [self.speeds[w] for w in self._owner])
@@ -142,8 +142,9 @@ class Planner:
             problem = self._problem(costs, recompute)
         except solvers.InvalidProblemError as exc:   # said in the solvers' JSON words: say it in compile's
             raise ValueError(f"{str(exc).replace('use null', 'pass stages=None')}") from exc
-        if self.solved is not None and self.schedule in LOOSER:
-            found = reuse(problem, self.solved.get((LOOSER[self.schedule], self.chunks, recompute)))
+        looser = get_schedule(self.schedule).looser
+        if self.solved is not None and looser is not None:
+            found = reuse(problem, self.solved.get((looser, self.chunks, recompute)))
             if found is not None:
                 return problem, found
 
@@ -238,7 +239,7 @@ class Planner:
         elif problem.recompute or block_mode(self.checkpoint) is not None:
             check_fits(plan)             # MemoryError: the solver's model left the kept inputs (or blocks) out
         problem, share = self._charge_chosen(plan, problem, solution, share)
-        if v > 1 or self.schedule in SPLIT_BACKWARD:   # the solver's formula is 1F1B's bubble; simulated last, once
+        if v > 1 or get_schedule(self.schedule).split_backward:   # the solver's formula is 1F1B's bubble; simulated last, once
             # the memory fits (a shape refused above costs no simulation)
             simulated = simulate_solution(problem, solution, self.schedule, workers=workers if v > 1 else None,
                                           recompute_share=share)

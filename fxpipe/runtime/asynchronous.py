@@ -44,6 +44,7 @@ from fxpipe.runtime.input_grads import InputGraphs
 from fxpipe.runtime.step import StepFailure, run_step
 from fxpipe.runtime.transport import Transport
 from solvers.asynchronous import ASYNC_MODES, async_orders, check_orders, stashed_versions
+from solvers.schedules import REGISTRY
 
 __all__ = ["AsyncTrainer", "ASYNC_MODES"]
 
@@ -138,10 +139,12 @@ class AsyncTrainer:
         p = len(pipe.specs)
         if mode not in ASYNC_MODES:
             raise ValueError(f"unknown asynchronous mode {mode!r}; allowed: {', '.join(map(repr, ASYNC_MODES))}")
-        if schedule != "1f1b":
-            raise ValueError(f"asynchronous modes run the 1f1b schedule (PipeDream's one-forward-one-backward), "
-                             f"got schedule={schedule!r}; allowed: '1f1b' (gpipe, interleaved-1f1b and zb-h1 "
-                             "are synchronous schedules of pipe.step)")
+        if schedule not in REGISTRY or not REGISTRY[schedule].asynchronous:
+            allowed = [n for n, r in REGISTRY.items() if r.asynchronous]
+            others = ", ".join(n for n in REGISTRY if n not in allowed)
+            raise ValueError(f"asynchronous modes run the {' or '.join(allowed)} schedule (PipeDream's one-forward-"
+                             f"one-backward), got schedule={schedule!r}; allowed: {', '.join(map(repr, allowed))} "
+                             f"({others} are synchronous schedules of pipe.step)")
         if pipe.plan.workers != p:
             raise ValueError(f"asynchronous modes need one stage per worker, and this plan puts {p} stages on "
                              f"{pipe.plan.workers} workers (interleaved-1f1b): compile with schedule='1f1b'")

@@ -34,7 +34,7 @@ from fxpipe.runtime.losses import scalar_of
 from fxpipe.runtime.no_trace import leaving_no_trace
 from fxpipe.runtime.split_backward import WeightPass, backward_inputs, full_backward
 from fxpipe.runtime.recompute import checkpoint_stage, forward_saving_nothing
-from solvers.schedules import SPLIT_BACKWARD, worker_orders
+from solvers.schedules import get_schedule, worker_orders
 
 # Kineto, the profiler's backend, writes two lines to stderr ("profiler_start", "profiler_stop") for every
 # session, and compile opens hundreds; level 6 is above all its messages. Read once, when the profiler first
@@ -135,7 +135,7 @@ def measure_worker_memory(pipe: Any, inputs: Any, target: Any, loss_fn: Callable
     with replaying(pipe, micro) as seen:
         for w in range(workers) if worker is None else [worker]:
             replay = Replay(pipe, seen, targets, loss_fn, lambda k, i: pipe._checkpointed(k, i, m),
-                            split_backward=schedule in SPLIT_BACKWARD)
+                            split_backward=get_schedule(schedule).split_backward)
             with allocations(torch.device("cpu")) as found:
                 for op in orders[w]:
                     replay.run(*op)

@@ -54,7 +54,7 @@ from fxpipe.runtime.compression import BoundaryCompression
 from fxpipe.runtime.transport import Transport
 from fxpipe.runtime.worker import spawn_workers
 from fxpipe.runtime.recompute import checkpoint_stage
-from solvers.schedules import MULTI_STAGE, SCHEDULES, worker_orders
+from solvers.schedules import SCHEDULES, get_schedule, worker_orders
 
 __all__ = ["Pipeline", "CHECKPOINT_MODES", "STEP_SCHEDULES"]
 
@@ -369,7 +369,7 @@ class Pipeline(nn.Module):
         return self.host.sharing(self.plan, self.devices)
 
     def _workers(self, schedule: str) -> int:
-        return self.plan.workers if schedule in MULTI_STAGE else len(self.specs)
+        return get_schedule(schedule).workers(len(self.specs), self.plan.workers)
 
     def schedule_table(self, schedule: str | None = None, micro_batches: int | None = None) -> str:
         """The operations of every worker in order, one line per worker.

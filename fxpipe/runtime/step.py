@@ -48,7 +48,7 @@ from fxpipe.runtime.streams import DeviceStreams, Event
 from fxpipe.runtime.transport import LOSS, Transport
 from fxpipe.runtime.worker import spawn_workers
 from fxpipe.runtime.recompute import checkpoint_stage, forward_saving_nothing
-from solvers.schedules import SPLIT_BACKWARD, Op, worker_orders
+from solvers.schedules import Op, get_schedule, worker_orders
 
 __all__ = ["run_step", "StepFailure", "REDUCTIONS", "OpTiming"]
 
@@ -136,7 +136,7 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
     n_workers = p if workers is None else workers
     if orders is None:
         orders = worker_orders(schedule, p, m, n_workers)   # raises ValueError for a shape it cannot run
-    split = schedule in SPLIT_BACKWARD
+    split = get_schedule(schedule).split_backward
     weight_passes: dict[tuple[int, int], WeightPass] = {}
     recomputations: dict[tuple[int, int], Callable[[], Any]] = {}   # checkpointed forwards of a split backward
     found: dict[int, tuple[list[torch.Tensor], set[Any]]] = {}   # stage -> its parameters and their autograd nodes

@@ -36,7 +36,7 @@ from fxpipe.distributed.parallel.tp import sum_partial_grads
 from fxpipe.errors import FxpipeError, LossReductionError
 from fxpipe.runtime.losses import Replicas
 from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, scatter
-from solvers.schedules import SPLIT_BACKWARD
+from solvers.schedules import get_schedule
 
 __all__ = ["DataParallelStep", "STEP_OPTIONS"]
 
@@ -100,7 +100,7 @@ class DataParallelStep:
         stages = self.stages
         stages.pipe.transport.replicas = Replicas(self.dp, total, self._sum_counts, self._tie if stages.last else None)
         self._reduced, self.all_reduce_s, self._agreed = "not run", None, None
-        split = (kwargs.get("schedule") or stages.pipe.schedule) in SPLIT_BACKWARD
+        split = get_schedule(kwargs.get("schedule") or stages.pipe.schedule).split_backward
         # the replicas agree that none failed before the last backward (FSDP2 reducing in it), else at the end
         self._early = getattr(self.data, "reduces_in_backward", False) and not split
         self.data.begin(split)
