@@ -223,18 +223,7 @@ class AsyncTrainer:
             raise FxpipeError(f"AsyncTrainer.train computes gradients, but it is called under {caller.describe()}")
         loss_fn = pipe.structured_loss(loss_fn)
         graphs = InputGraphs()   # inputs carrying the caller's graph: one backward into each, after the stream
-        micro, targets, sizes, batch_of = [], [], [], []
-        for b, (inputs, target) in enumerate(batches):
-            inputs = graphs.detach(inputs if isinstance(inputs, tuple) else (inputs,))
-            mb = pipe.inputs.micro_batches(inputs, {})
-            n = pipe.inputs.sizes(mb)
-            tg = pipe.inputs.micro_targets(target, len(mb))
-            if not pipe.inputs.targets_fit(tg, n):
-                raise ValueError(f"mini-batch {b}: the target must have the inputs' batch size, {sum(n)}")
-            micro += mb
-            targets += tg
-            sizes += n
-            batch_of += [b] * len(mb)
+        micro, targets, sizes, batch_of = self._stream(batches, graphs)
         if not micro:
             return []
         groups = self._groups(batch_of)
@@ -317,6 +306,30 @@ class AsyncTrainer:
             st.max_versions, st.max_lag, st.lags = 0, 0, []
         if not self.transport.local(len(self.stages) - 1):
             return None   # the losses are computed on the last stage's rank
+        return self._losses(auto, raw, sizes, batch_of, batch_samples)
+
+    def _stream(self, batches: Iterable[tuple[Any, Any]], graphs: InputGraphs) -> tuple[list, list, list, list[int]]:
+        """The stream's micro-batches, their targets, sample counts and mini-batch of each; inputs carrying the
+        caller's graph are detached into ``graphs``."""
+        pipe = self.pipe
+        micro, targets, sizes, batch_of = [], [], [], []
+        for b, (inputs, target) in enumerate(batches):
+            inputs = graphs.detach(inputs if isinstance(inputs, tuple) else (inputs,))
+            mb = pipe.inputs.micro_batches(inputs, {})
+            n = pipe.inputs.sizes(mb)
+            tg = pipe.inputs.micro_targets(target, len(mb))
+            if not pipe.inputs.targets_fit(tg, n):
+                raise ValueError(f"mini-batch {b}: the target must have the inputs' batch size, {sum(n)}")
+            micro += mb
+            targets += tg
+            sizes += n
+            batch_of += [b] * len(mb)
+        return micro, targets, sizes, batch_of
+
+    def _losses(self, auto: "_StreamLoss | None", raw: list[float], sizes: list[int], batch_of: list[int],
+                batch_samples: list[int]) -> list[float]:
+        """Each mini-batch's loss from its micro-batches' (their share of its samples; summed for ``"sum"``;
+        the per-token mean of a token loss)."""
         if auto is not None and auto.kind == "token":   # each mini-batch's per-token mean
             sums, counts = [0.0] * (batch_of[-1] + 1), [0.0] * (batch_of[-1] + 1)
             for j, b in enumerate(batch_of):
@@ -324,7 +337,7 @@ class AsyncTrainer:
                 counts[b] += float(auto.records[j][1])
             return [x / c if c else math.nan for x, c in zip(sums, counts)]
         if auto is not None:
-            raw = [float(auto.records[j][0]) for j in range(len(micro))]
+            raw = [float(auto.records[j][0]) for j in range(len(raw))]
         per_batch = [0.0] * (batch_of[-1] + 1)
         for j, b in enumerate(batch_of):
             per_batch[b] += raw[j] * (sizes[j] / batch_samples[b] if self.reduction != "sum" else 1.0)

@@ -131,225 +131,268 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
 
     Raises :class:`StepFailure` for the first operation that failed (all workers stop).
     """
-    p, m = len(specs), len(micro_inputs)
-    caller = CallerState.capture() if caller is None else caller
-    n_workers = p if workers is None else workers
-    if orders is None:
-        orders = worker_orders(schedule, p, m, n_workers)   # raises ValueError for a shape it cannot run
-    split = get_schedule(schedule).split_backward
-    weight_passes: dict[tuple[int, int], WeightPass] = {}
-    recomputations: dict[tuple[int, int], Callable[[], Any]] = {}   # checkpointed forwards of a split backward
-    found: dict[int, tuple[list[torch.Tensor], set[Any]]] = {}   # stage -> its parameters and their autograd nodes
+    step = _Step(specs, devices, output_arg, micro_inputs, micro_targets, loss_fn, schedule, checkpoint, reduction,
+                 timings, workers, random, host, caller, sizes, transport, orders, around)
+    step.prepare_loss(reduction, loss_dims, auto)
+    step_grads = StepGradients(grad_tensors or [q for spec in specs for q in spec.module.parameters()]) \
+        if reduction in ("token", "auto") else None   # "auto" may refuse the loss at any micro-batch
+    try:
+        step.run(inline)
+        return step.result(step_grads)
+    except BaseException:   # a failed step (or Ctrl-C) leaves the gradients as they were before it
+        if step_grads is not None:
+            step_grads.restore()
+        raise
 
-    def parameters_of(k: int) -> tuple[list[torch.Tensor], set[Any]]:
+
+class _Step:
+    """One step's state and its operations (:func:`run_step` says what each argument is): the forward, the
+    loss, the backward and the weight pass of a stage's micro-batch, what each waits for, and each worker's walk
+    through its order. The workers share it; each operation touches only its own stage's and micro-batch's
+    entries."""
+
+    def __init__(self, specs: list[StageSpec], devices: list[torch.device], output_arg: Any,
+                 micro_inputs: list[dict[str, Any]], micro_targets: list[Any], loss_fn: Callable[[Any, Any], Any],
+                 schedule: str, checkpoint: Callable[[int, int], bool], reduction: str,
+                 timings: list[OpTiming] | None, workers: int | None, random: list[bool] | None, host: Host,
+                 caller: CallerState | None, sizes: list[int] | None, transport: Transport | None,
+                 orders: list[list[Op]] | None, around: Callable[[str, int, int], ContextManager[None]] | None) -> None:
+        p, m = len(specs), len(micro_inputs)
+        self.specs, self.devices, self.output_arg, self.p, self.m = specs, devices, output_arg, p, m
+        self.micro_targets, self.loss_fn, self.checkpoint, self.reduction = micro_targets, loss_fn, checkpoint, reduction
+        self.timings, self.around = timings, around
+        self.caller = CallerState.capture() if caller is None else caller
+        self.n_workers = p if workers is None else workers
+        # worker_orders raises ValueError for a shape the schedule cannot run
+        self.orders = worker_orders(schedule, p, m, self.n_workers) if orders is None else orders
+        self.split = get_schedule(schedule).split_backward
+        self.weight_passes: dict[tuple[int, int], WeightPass] = {}
+        self.recomputations: dict[tuple[int, int], Callable[[], Any]] = {}   # checkpointed forwards, split backward
+        self.found: dict[int, tuple[list[torch.Tensor], set[Any]]] = {}   # stage -> parameters, autograd nodes
+        self.random = [is_random(spec.module) for spec in specs] if random is None else random
+        self.seed = step_seed(self.random)   # masks depend on (seed, stage, micro-batch), not on the thread
+        self.producer = {name: k for k, spec in enumerate(specs) for name in spec.outputs}
+        self.consumers: dict[int, set[int]] = {k: set() for k in range(p)}
+        for k, spec in enumerate(specs):
+            for name in spec.inputs:
+                if name in self.producer:
+                    self.consumers[self.producer[name]].add(k)
+        self.sizes = [batch_size_of(list(mb.values())) for mb in micro_inputs] if sizes is None else sizes
+        self.transport = Transport() if transport is None else transport
+        self.replicas = self.transport.replicas   # dp copies of this pipeline (pp x dp): gradients averaged after
+        self.total = sum(self.sizes) if self.replicas is None else self.replicas.samples / self.replicas.count
+        self.leaves: dict[tuple[int, int], dict[str, Any]] = {}  # (stage, mb) -> its input leaves by name
+        self.outs: dict[tuple[int, int], dict[str, Any]] = {}    # (stage, mb) -> its outputs by name
+        self.streams = DeviceStreams(devices)
+        self.final_nodes = _output_nodes(output_arg)
+        self.transport.begin(specs, devices, self.streams, micro_inputs, [n.name for n in self.final_nodes])
+        self.turns = host.turns(devices, self.n_workers)
+        self.losses: list[torch.Tensor | None] = [None] * m
+        self.counts: list[Any] = [None] * m
+        self.outputs: list[Any] = [None] * m
+        self.board = _Board()
+        self.backwards = [0] * p   # each stage's backwards run so far
+        self.in_output = {self.producer[n.name] for n in self.final_nodes if n.name in self.producer}
+        self.run_op = {"F": self.forward, "B": self.backward, "W": self.weights}
+        self.auto: AutoLoss | None = None
+
+    def prepare_loss(self, reduction: str, loss_dims: tuple[int, int], auto: AutoLoss | None) -> None:
+        """The automatic loss's state: ``auto``, or a new one for ``reduction="auto"`` (replicas' token sums must
+        all be scaled alike: by 1 / N; the whole batch at once is exact as it is)."""
+        if reduction == "auto" and auto is None:
+            whole = self.m == 1 and self.replicas is None
+            auto = AutoLoss(*loss_dims, estimate_scale=self.replicas is None, check=not whole, own_mean=whole)
+        self.auto = auto
+
+    def parameters_of(self, k: int) -> tuple[list[torch.Tensor], set[Any]]:
         """Stage ``k``'s parameters as its forwards use them now (FSDP2 swaps in unsharded ones for the step) and
         their autograd nodes: found again only when they are other tensors than last time (each costs a view)."""
-        now = list(specs[k].module.parameters())
-        if k not in found or len(found[k][0]) != len(now) or any(a is not b for a, b in zip(found[k][0], now)):
-            found[k] = (now, leaf_nodes(now))
-        return found[k]
-    random = [is_random(spec.module) for spec in specs] if random is None else random
-    seed = step_seed(random)   # masks depend on (seed, stage, micro-batch), not on which thread ran first
-    producer = {name: k for k, spec in enumerate(specs) for name in spec.outputs}
-    consumers: dict[int, set[int]] = {k: set() for k in range(p)}
-    for k, spec in enumerate(specs):
-        for name in spec.inputs:
-            if name in producer:
-                consumers[producer[name]].add(k)
-    sizes = [batch_size_of(list(mb.values())) for mb in micro_inputs] if sizes is None else sizes
-    transport = Transport() if transport is None else transport
-    replicas = transport.replicas   # dp copies of this pipeline (pp x dp): their gradients are averaged after
-    total = sum(sizes) if replicas is None else replicas.samples / replicas.count
-    leaves: dict[tuple[int, int], dict[str, Any]] = {}  # (stage, mb) -> its input leaves by name
-    outs: dict[tuple[int, int], dict[str, Any]] = {}    # (stage, mb) -> its outputs by name
-    streams = DeviceStreams(devices)
-    transport.begin(specs, devices, streams, micro_inputs, [n.name for n in _output_nodes(output_arg)])
-    turns = host.turns(devices, n_workers)
-    losses: list[torch.Tensor | None] = [None] * m
-    counts: list[Any] = [None] * m
-    outputs: list[Any] = [None] * m
-    board = _Board()
+        now = list(self.specs[k].module.parameters())
+        known = self.found.get(k)
+        if known is None or len(known[0]) != len(now) or any(a is not b for a, b in zip(known[0], now)):
+            self.found[k] = (now, leaf_nodes(now))
+        return self.found[k]
 
-    def send_back(stage_inputs: dict[str, Any], consumer: int, i: int, ready: Event) -> None:
+    def send_back(self, stage_inputs: dict[str, Any], consumer: int, i: int, ready: Event) -> None:
         for name, value in stage_inputs.items():
-            if name in producer:
-                transport.send_grads(name, consumer, i, value, ready)
+            if name in self.producer:
+                self.transport.send_grads(name, consumer, i, value, ready)
 
-    def stage_inputs(k: int, i: int) -> dict[str, Any]:
+    def stage_inputs(self, k: int, i: int) -> dict[str, Any]:
         """Stage ``k``'s inputs for micro-batch ``i`` on its device, its compute stream waiting for their copies."""
-        device, copies = devices[k], []
+        device, copies = self.devices[k], []
         inputs = {}
-        for name in specs[k].inputs:
-            if name in producer:
-                inputs[name], event = transport.fetch(name, k, i, device)
+        for name in self.specs[k].inputs:
+            if name in self.producer:
+                inputs[name], event = self.transport.fetch(name, k, i, device)
             else:
-                inputs[name], event = transport.placeholder(name, i, device)
+                inputs[name], event = self.transport.placeholder(name, i, device)
             copies.append(event)
-        streams.wait(device, copies)
+        self.streams.wait(device, copies)
         return inputs
 
-    def forward(k: int, i: int) -> None:
-        spec, device = specs[k], devices[k]
-        inputs = stage_inputs(k, i)
+    def forward(self, k: int, i: int) -> None:
+        spec, device = self.specs[k], self.devices[k]
+        inputs = self.stage_inputs(k, i)
         args = [inputs[name] for name in spec.inputs]
         # deferred BatchNorm counts this forward (not a checkpoint's recomputation)
-        with tracking(), rng_guard(device, random[k], seed, k, i):
-            if checkpoint(k, i) and split:   # its backward recomputes by hand, so that it can split too
-                result, recomputations[(k, i)] = forward_saving_nothing(spec.module, *args)
-            elif checkpoint(k, i):
-                result = checkpoint_stage(spec.module, *args, preserve_rng_state=random[k])
+        with tracking(), rng_guard(device, self.random[k], self.seed, k, i):
+            if self.checkpoint(k, i) and self.split:   # its backward recomputes by hand, so that it can split too
+                result, self.recomputations[(k, i)] = forward_saving_nothing(spec.module, *args)
+            elif self.checkpoint(k, i):
+                result = checkpoint_stage(spec.module, *args, preserve_rng_state=self.random[k])
             else:
                 result = spec.module(*args)
-        leaves[(k, i)] = inputs
-        outs[(k, i)] = dict(zip(spec.outputs, result))
-        transport.publish(k, i, outs[(k, i)], streams.record(device))
+        self.leaves[(k, i)] = inputs
+        self.outs[(k, i)] = dict(zip(spec.outputs, result))
+        self.transport.publish(k, i, self.outs[(k, i)], self.streams.record(device))
 
-    def loss_backward(i: int) -> None:
-        device = devices[-1]
+    def model_outputs(self, i: int) -> dict[str, Any]:
+        """Micro-batch ``i``'s model outputs on the last stage's device (where the loss runs), by name."""
+        device, transport = self.devices[-1], self.transport
         final, copies = {}, []
-        for n in _output_nodes(output_arg):
-            fetch = transport.fetch if n.name in producer else lambda name, _, i, d: transport.placeholder(name, i, d)
+        for n in self.final_nodes:
+            fetch = transport.fetch if n.name in self.producer else \
+                lambda name, _, i, d: transport.placeholder(name, i, d)
             final[n.name], event = fetch(n.name, LOSS, i, device)
             copies.append(event)
-        target, event = streams.move(micro_targets[i], device)   # the loss runs on the last stage's device
-        streams.wait(device, copies + [event])
-        structure = fx.node.map_arg(output_arg, lambda n: final[n.name])
-        outputs[i] = fx.node.map_arg(output_arg, lambda n: final[n.name].detach()
-                                     if isinstance(final[n.name], torch.Tensor) else final[n.name])
+        self.streams.wait(device, copies)
+        return final
+
+    def loss_backward(self, i: int) -> None:
+        device = self.devices[-1]
+        final = self.model_outputs(i)
+        target, event = self.streams.move(self.micro_targets[i], device)
+        self.streams.wait(device, [event])
+        structure = fx.node.map_arg(self.output_arg, lambda n: final[n.name])
+        self.outputs[i] = fx.node.map_arg(self.output_arg, lambda n: final[n.name].detach()
+                                          if isinstance(final[n.name], torch.Tensor) else final[n.name])
+        auto, replicas = self.auto, self.replicas
         try:
             if auto is not None:   # loss_fn and its backward on copies of the outputs; pushed into the stages below
-                pushed, losses[i], counts[i] = auto(loss_fn, structure, target, i, sizes[i] / total, 1.0 / total)
+                pushed, self.losses[i], self.counts[i] = auto(self.loss_fn, structure, target, i,
+                                                              self.sizes[i] / self.total, 1.0 / self.total)
             else:
-                root, losses[i], counts[i] = weigh(loss_fn(structure, target), reduction, sizes[i], total,
-                                                   1.0 if replicas is None else replicas.count)
+                root, self.losses[i], self.counts[i] = weigh(self.loss_fn(structure, target), self.reduction,
+                                                             self.sizes[i], self.total,
+                                                             1.0 if replicas is None else replicas.count)
         except Exception as exc:   # the user's loss, not a stage: reported as such (fxpipe.runtime.pipeline)
             raise LossFailure(exc) from exc
         if auto is None:
             root.backward()
         elif pushed:
             torch.autograd.backward([t for t, _ in pushed], [g for _, g in pushed])
-        send_back({name: leaf for name, leaf in final.items() if name in producer}, LOSS, i, streams.record(device))
+        self.send_back({name: leaf for name, leaf in final.items() if name in self.producer}, LOSS, i,
+                       self.streams.record(device))
 
-    backwards = [0] * p   # each stage's backwards run so far
-
-    def backward(k: int, i: int) -> None:
-        if k == p - 1:
-            loss_backward(i)
-        backwards[k] += 1   # after the loss (which may fail), before the stage's own backward
-        if backwards[k] == m and not split and transport.before_last_backward is not None:
-            transport.before_last_backward(k)
-        received = transport.received(k, i)
-        stage_outs = outs[(k, i)]
-        if (k, i) in recomputations:   # the same random numbers as its forward drew
-            with rng_guard(devices[k], random[k], seed, k, i):
-                stage_outs = dict(zip(specs[k].outputs, recomputations.pop((k, i))()))
+    def backward(self, k: int, i: int) -> None:
+        if k == self.p - 1:
+            self.loss_backward(i)
+        self.backwards[k] += 1   # after the loss (which may fail), before the stage's own backward
+        if self.backwards[k] == self.m and not self.split and self.transport.before_last_backward is not None:
+            self.transport.before_last_backward(k)
+        received = self.transport.received(k, i)
+        stage_outs = self.outs[(k, i)]
+        if (k, i) in self.recomputations:   # the same random numbers as its forward drew
+            with rng_guard(self.devices[k], self.random[k], self.seed, k, i):
+                stage_outs = dict(zip(self.specs[k].outputs, self.recomputations.pop((k, i))()))
         pairs = []
         for name, by_pos in received.items():
             flat = tree_flatten(stage_outs[name])[0]
             pairs += [(flat[pos], _with_standard_strides(g)) for pos, g in by_pos.items() if flat[pos].requires_grad]
         roots, root_grads = [t for t, _ in pairs], [g for _, g in pairs]
-        stage_leaves = leaves.pop((k, i))
-        if split:
+        stage_leaves = self.leaves.pop((k, i))
+        if self.split:
             inputs = [t for t in tree_flatten(list(stage_leaves.values()))[0] if isinstance(t, torch.Tensor)]
-            weight_passes[(k, i)] = backward_inputs(roots, root_grads, inputs, *parameters_of(k))
+            self.weight_passes[(k, i)] = backward_inputs(roots, root_grads, inputs, *self.parameters_of(k))
         else:   # checkpoint's own recomputation, replaying the forward's random numbers
-            with rng_guard(devices[k], random[k] and checkpoint(k, i)):
-                weight_passes[(k, i)] = full_backward(roots, root_grads)
-        send_back(stage_leaves, k, i, streams.record(devices[k]))
-        del outs[(k, i)]
+            with rng_guard(self.devices[k], self.random[k] and self.checkpoint(k, i)):
+                self.weight_passes[(k, i)] = full_backward(roots, root_grads)
+        self.send_back(stage_leaves, k, i, self.streams.record(self.devices[k]))
+        del self.outs[(k, i)]
 
-    def weights(k: int, i: int) -> None:
-        weight_passes.pop((k, i)).run()
+    def weights(self, k: int, i: int) -> None:
+        self.weight_passes.pop((k, i)).run()
 
-    in_output = {producer[n.name] for n in _output_nodes(output_arg) if n.name in producer}
-
-    def needs(kind: str, k: int, i: int) -> list[tuple[str, int, int]]:
+    def needs(self, kind: str, k: int, i: int) -> list[tuple[str, int, int]]:
         """The operations here that ``(kind, k, i)`` waits for; another process's arrive through the transport."""
         if kind == "W":
             return []          # its B ran earlier on the same worker
+        p = self.p
         if kind == "F":
-            found = [("F", producer[name], i) for name in specs[k].inputs if name in producer]
+            found = [("F", self.producer[name], i) for name in self.specs[k].inputs if name in self.producer]
         else:
-            found = [("B", c, i) for c in consumers[k]] + [("F", k, i)]
-            if k in in_output and k != p - 1:
+            found = [("B", c, i) for c in self.consumers[k]] + [("F", k, i)]
+            if k in self.in_output and k != p - 1:
                 found.append(("B", p - 1, i))   # the loss's gradient for this stage's model outputs
             found += [("F", s, i) for s in range(p)] if k == p - 1 else []
-        return [op for op in found if transport.local(op[1])]
+        return [op for op in found if self.transport.local(op[1])]
 
-    origin = time.perf_counter()
+    def run(self, inline: bool) -> None:
+        """Every worker of this process through its order; an interrupt stops them all before it is raised."""
+        self.origin = time.perf_counter()
+        _run_workers(self.work, self.transport.workers(self.n_workers), self.board, inline)
 
-    wrap = around or (lambda kind, k, i: nullcontext())
-    run_op = {"F": forward, "B": backward, "W": weights}
-    pass_name = {"F": "forward", "B": "backward", "W": "weight-gradient pass"}
+    def work(self, w: int) -> None:
+        """Worker ``w``'s operations in its order. New threads have torch's defaults: each worker runs in the
+        caller's state, entered once for the whole step and keeping autocast's casts, so a weight is cast once
+        per step, as in the plain model's one forward; per operation, clearing them, where ``around`` swaps
+        weight versions between operations."""
+        if self.around is None:
+            with self.caller.entered(keep_casts=True):
+                self.work_through(w, nullcontext, lambda kind, k, i: nullcontext())
+        else:
+            self.work_through(w, self.caller.entered, self.around)
 
-    # New threads have torch's defaults: each worker runs in the caller's state, entered once for the whole step
-    # and keeping autocast's casts, so a weight is cast once per step, as in the plain model's one forward; per
-    # operation, clearing them, where ``around`` swaps weight versions between operations.
-    in_step, in_op = ((lambda: caller.entered(keep_casts=True)), nullcontext) if around is None \
-        else (nullcontext, caller.entered)
-
-    def work(w: int) -> None:
-        with in_step():
-            work_through(w)
-
-    def work_through(w: int) -> None:
-        for kind, k, i in orders[w]:
-            if not board.wait(needs(kind, k, i)):
+    def work_through(self, w: int, in_op: Callable[[], ContextManager[Any]],
+                     wrap: Callable[[str, int, int], ContextManager[None]]) -> None:
+        board = self.board
+        for kind, k, i in self.orders[w]:
+            if not board.wait(self.needs(kind, k, i)):
                 return
-            with turns.turn(devices[k]):   # may this operation run now (fxpipe.runtime.host)
+            with self.turns.turn(self.devices[k]):   # may this operation run now (fxpipe.runtime.host)
                 start = time.perf_counter()
                 try:
-                    with streams.computing(devices[k]), in_op(), wrap(kind, k, i):
-                        run_op[kind](k, i)
+                    with self.streams.computing(self.devices[k]), in_op(), wrap(kind, k, i):
+                        self.run_op[kind](k, i)
                 except LossFailure as exc:
                     board.fail(StepFailure(k, i, "loss", exc.exc))
                     return
                 except BaseException as exc:  # handed to the caller
-                    board.fail(StepFailure(k, i, pass_name[kind], exc))
+                    board.fail(StepFailure(k, i, PASS_NAMES[kind], exc))
                     return
                 end = time.perf_counter()
-            if timings is not None:
-                timings.append(OpTiming(kind, k, i, start - origin, end - origin, checkpoint(k, i)))
+            if self.timings is not None:
+                self.timings.append(OpTiming(kind, k, i, start - self.origin, end - self.origin, self.checkpoint(k, i)))
             board.finish((kind, k, i))
 
-    if reduction == "auto" and auto is None:   # replicas' token sums must all be scaled alike: by 1 / N
-        whole = m == 1 and replicas is None   # the whole batch at once: any loss is exact as it is
-        auto = AutoLoss(*loss_dims, estimate_scale=replicas is None, check=not whole, own_mean=whole)
-    # "auto" may refuse the loss at any micro-batch: the step's gradients stay apart until it ends
-    step_grads = StepGradients(grad_tensors or [q for spec in specs for q in spec.module.parameters()]) \
-        if reduction in ("token", "auto") else None
-    try:
-        _run_workers(work, transport.workers(n_workers), board, inline)
-    except BaseException:   # Ctrl-C in the caller: every worker stopped first (none writes .grad after it)
-        if step_grads is not None:   # a failed step leaves the gradients as they were before it
-            step_grads.restore()
-        raise
-    here = transport.local(p - 1)
-    if here and replicas is not None and replicas.tie is not None and auto is not None:
-        tied = replicas.tie(auto, board.failure is not None)   # the last stages' replicas, all of them, every step
-        if tied is not None and board.failure is None:
-            board.fail(StepFailure(p - 1, -1, "loss", tied))
-    failure, result = transport.end(board.failure, lambda: _result(losses, counts) if here else None)
-    if failure is not None:
-        if step_grads is not None:
-            step_grads.restore()
-        raise failure
-    if here:
-        loss, count = torch.stack([x.to(devices[-1]) for x in losses]).sum(), total_count(counts, devices[-1])
-    else:   # the process of the last stage sent them with its end of the step
-        assert result is not None
-        loss, count = torch.tensor(result["loss"], dtype=getattr(torch, result["dtype"])), result["count"]
-    if replicas is not None and reduction in ("auto", "token"):
-        try:   # the whole batch's count, over the replicas (DDP then averages what each divides by it)
-            count = replicas.sum_counts(count)
-        except BaseException:
-            if step_grads is not None:
-                step_grads.restore()
-            raise
-    if step_grads is not None:   # None: the micro-batches were weighted by their samples
-        step_grads.finish(count)
-    # the loss in its own dtype: a count kept in float64 (auto's token factor) must not promote it
-    return ((loss / count).to(loss.dtype) if count is not None else loss), (outputs if here else [None] * m)
+    def result(self, step_grads: StepGradients | None) -> tuple[torch.Tensor | None, list[Any]]:
+        """The step's loss and outputs once every worker returned, or its first failure raised; the replicas'
+        last stages agree on the loss first, and the gradients are divided by the whole batch's count."""
+        p, m, board, replicas = self.p, self.m, self.board, self.replicas
+        here = self.transport.local(p - 1)
+        if here and replicas is not None and replicas.tie is not None and self.auto is not None:
+            tied = replicas.tie(self.auto, board.failure is not None)   # every step, on all last-stage replicas
+            if tied is not None and board.failure is None:
+                board.fail(StepFailure(p - 1, -1, "loss", tied))
+        failure, sent = self.transport.end(board.failure, lambda: _result(self.losses, self.counts) if here else None)
+        if failure is not None:
+            raise failure
+        if here:
+            loss = torch.stack([x.to(self.devices[-1]) for x in self.losses]).sum()
+            count = total_count(self.counts, self.devices[-1])
+        else:   # the process of the last stage sent them with its end of the step
+            assert sent is not None
+            loss, count = torch.tensor(sent["loss"], dtype=getattr(torch, sent["dtype"])), sent["count"]
+        if replicas is not None and self.reduction in ("auto", "token"):
+            count = replicas.sum_counts(count)   # the whole batch's, over the replicas (DDP averages the rest)
+        if step_grads is not None:   # None: the micro-batches were weighted by their samples
+            step_grads.finish(count)
+        # the loss in its own dtype: a count kept in float64 (auto's token factor) must not promote it
+        return ((loss / count).to(loss.dtype) if count is not None else loss), (self.outputs if here else [None] * m)
+
+
+PASS_NAMES = {"F": "forward", "B": "backward", "W": "weight-gradient pass"}
 
 
 def _run_workers(work: Callable[[int], None], ids: list[int], board: _Board, inline: bool = False) -> None:
