@@ -1,5 +1,7 @@
 """``plan.to_torch_pipelining``: a plan's stages run by torch.distributed.pipelining's own schedules (2 processes,
-gloo) train exactly as fxpipe's runtime on the same plan; a plan with a value that skips a stage is refused
+gloo) train exactly as fxpipe's runtime on the same plan; every schedule of fxpipe's registry, as its order's
+action CSV, runs on torch's own ``_PipelineScheduleRuntime`` exactly (torch's runtime checks fxpipe's orders:
+it validates each and derives the stages' placement from it); a plan with a value that skips a stage is refused
 with an error naming the value and fxpipe's runtime, before any communication."""
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from equivalence import max_relative_error
 from forced_cuts import compile_with_cuts
 from models import SkipCNN
 from fxpipe.distributed.torch_pipelining import NotAdjacentError, compute_actions_csv
+from solvers.schedules import SCHEDULES, get_schedule
 
 STEPS, BATCH, CHUNKS = 3, 8, 4
 
@@ -73,10 +76,9 @@ def _torch_ranks(rank: int, world: int, plan_json: str, schedule: str, kind: str
     losses, grads = [], None
     for x, y in _batches(kind):
         found: list[torch.Tensor] = []
-        if any(s.is_first for s in stages):
-            runner.step(x)
-        else:
-            runner.step(target=y, losses=found)
+        first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)   # both in a V's rank 0
+        runner.step(*([x] if first else []), **({"target": y, "losses": found} if last else {}))
+        if last:
             losses.append(torch.stack(found).mean().item())
         grads = grads or {n: p.grad.clone() for n, p in params.items()}
         opt.step()
@@ -101,27 +103,49 @@ def _fxpipe_run(plan: fxpipe.Plan, schedule: str, kind: str = "cnn") -> tuple[li
     return losses, grads, {n: p.detach() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("schedule,ours", [("gpipe", "gpipe"), ("1f1b", "1f1b"), ("fxpipe", "zb-h1"),
-                                           ("interleaved-1f1b", "interleaved-1f1b")])
-def test_torch_schedules_on_fxpipe_stages_train_as_fxpipe(schedule, ours):
-    kind = "chain" if ours == "interleaved-1f1b" else "cnn"
+def _schedule_plan(schedule: str) -> tuple[fxpipe.Plan, str]:
+    """A plan of ``schedule`` whose values go from each stage to the next: the CNN in two stages, or the chain in
+    four on two workers for a schedule of several stages a worker."""
+    kind = "chain" if get_schedule(schedule).multi_stage else "cnn"
     plan = _interleaved_plan() if kind == "chain" else _plan(["convs_2"])
-    plan.schedule = ours   # "fxpipe": the plan's own order (ZB-H1, as torch's I and W actions)
-    results = run_ranks(2, _torch_ranks, plan.to_json(), schedule, kind)
+    plan.schedule = schedule
+    return plan, kind
+
+
+def _all_ranks(rank: int, world: int, cases: list[tuple[str, str, str, str]]) -> dict:
+    """Every case of one process group in turn: ``(name, plan JSON, torch schedule, model kind)``."""
+    return {name: _torch_ranks(rank, world, plan_json, schedule, kind) for name, plan_json, schedule, kind in cases}
+
+
+def test_torch_schedules_and_every_fxpipe_order_on_torchs_runtime_train_as_fxpipe():
+    """torch's own classes (GPipe, 1F1B, interleaved 1F1B) on fxpipe's stages, and every schedule of the registry
+    as its action CSV on ``_PipelineScheduleRuntime`` ("fxpipe"; a split backward as torch's I and W actions),
+    in one process group: each trains as fxpipe's runtime does on the same plan."""
+    cases = [(f"{s}:{s}", s, s) for s in SCHEDULES if get_schedule(s).torch_class] + \
+            [(f"fxpipe:{s}", "fxpipe", s) for s in SCHEDULES]
+    plans = {name: _schedule_plan(ours) for name, _, ours in cases}
+    results = run_ranks(2, _all_ranks, [(name, plans[name][0].to_json(), schedule, plans[name][1])
+                                        for name, schedule, _ in cases])
     errors = [r["trace"] for r in results if "ok" not in r]
     assert not errors, errors[0]
-    want_losses, want_grads, want_params = _fxpipe_run(plan, ours, kind)
-    got = [r["ok"] for r in results]
-    assert got[0]["losses"] == [] and len(got[1]["losses"]) == STEPS
-    for a, b in zip(got[1]["losses"], want_losses):
-        assert abs(a - b) <= 1e-5 * abs(b), (got[1]["losses"], want_losses)
+    for name, _, ours in cases:
+        plan, kind = plans[name]
+        _check_as_fxpipe(name, [r["ok"][name] for r in results], _fxpipe_run(plan, ours, kind))
+
+
+def _check_as_fxpipe(name: str, got: list[dict], want: tuple[list[float], dict, dict]) -> None:
+    want_losses, want_grads, want_params = want
+    last = [r["losses"] for r in got if r["losses"]]   # the rank of the last stage (rank 0 in a V)
+    assert len(last) == 1 and len(last[0]) == STEPS, (name, got)
+    for a, b in zip(last[0], want_losses):
+        assert abs(a - b) <= 1e-5 * abs(b), (name, last[0], want_losses)
     grads = {**got[0]["grads"], **got[1]["grads"]}
     params = {**got[0]["params"], **got[1]["params"]}
     assert set(params) == set(want_params) and not set(got[0]["params"]) & set(got[1]["params"])
     worst = max((max_relative_error(grads[n], want_grads[n]), n) for n in want_grads)
-    assert worst[0] <= 1e-5, worst
+    assert worst[0] <= 1e-5, (name, worst)
     worst = max((max_relative_error(params[n], want_params[n]), n) for n in want_params)
-    assert worst[0] <= 1e-5, worst
+    assert worst[0] <= 1e-5, (name, worst)
 
 
 def test_a_value_that_skips_a_stage_is_refused_naming_it_and_fxpipes_runtime():
