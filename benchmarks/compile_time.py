@@ -9,7 +9,7 @@ work, seconds drift with the load; the ratio drifts less), the plan's predicted 
 (``pipe.report()``) and the measured median step. The load average is printed with each row.
 
 The process keeps freed memory mapped (``--allocator keep``, the default, as ``benchmarks/speed.py``; the
-README's advice for training on CPU workers): under glibc's defaults every step faults its activations back
+advice of docs/semantics.md for training on CPU workers): under glibc's defaults every step faults its activations back
 in, and the measured step drifts by 10-20 % from one compile to the next (``--allocator default`` shows it).
 
     python benchmarks/compile_time.py                       # ResNet-50, two CPU workers, batch 32, chunks 4

@@ -1,4 +1,4 @@
-"""The command lines documented in the README and in --help run.
+"""The command lines documented in the README, in docs/ and in --help run.
 
 The commands run in this process (``run``: ``main(argv)`` as ``python -m`` calls it, its exit code, stdout and
 stderr): a fresh interpreter costs an import of torch each, 5-15 s on the CI machine. Two tests start real
@@ -127,16 +127,18 @@ def test_files_that_cannot_be_read_or_written_are_named_without_a_traceback(tmp_
     assert out.stderr.startswith("error: ") and f"{unwritable}: No such file or directory" in out.stderr
 
 
-def test_the_readme_compare_command_names_files_that_exist():
-    """The README once sent users to problems/*.json, which does not exist (the corpus is benchmarks/problems/)."""
+def test_the_documented_compare_command_names_files_that_exist():
+    """The README once sent users to problems/*.json, which does not exist (the corpus is benchmarks/problems/);
+    the command now lives in docs/solvers.md, and every page that shows it is read."""
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
-    lines = [line.split("#")[0].split() for line in (root / "README.md").read_text().splitlines()
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    lines = [(page.name, line.split("#")[0].split()) for page in pages for line in page.read_text().splitlines()
              if line.startswith("python -m solvers compare")]
-    assert lines
-    for words in lines:
+    assert any(name == "solvers.md" for name, _ in lines), lines
+    for name, words in lines:
         for pattern in [w for w in words[4:] if not w.startswith("-")]:
-            assert sorted(root.glob(pattern)), f"README: {' '.join(words)}: {pattern} matches nothing"
+            assert sorted(root.glob(pattern)), f"{name}: {' '.join(words)}: {pattern} matches nothing"
 
 
 def test_topo_prints_the_classes_and_the_bandwidths_used(tmp_path):

@@ -196,7 +196,7 @@ def test_the_automatic_mesh_is_no_slower_by_its_own_costing_than_any_layout_the_
     shape that fitted was returned (45.1 ms a step) though pp=4 dp=2 tp=1 fits under another (25.9 ms). With
     30 MB the layout whose search estimate ranked its schedules otherwise than the node-level costing (pp=2
     dp=2(fsdp) tp=2 with dp outside pp) is one the runtime does not run, and is no longer searched; the two step
-    models still differ (README: Llama-3-405B on 64 nodes). With every tp the runtime runs (4 key/value heads) and
+    models still differ (docs/benchmarks.md: Llama-3-405B on 64 nodes). With every tp the runtime runs (4 key/value heads) and
     no memory bound, the automatic choice was pp=1 dp=4(fsdp) tp=2 at 5.10 ms though pp=4 dp=2 under ZB-H1 costs
     4.70 ms: the search gave the weight pass half of a backward's compute but none of its kernel launches, which
     dominate this small model on an H100, and put that ZB-H1 choice at 6.11 ms (now 4.74 ms, as the node level)."""
@@ -204,7 +204,7 @@ def test_the_automatic_mesh_is_no_slower_by_its_own_costing_than_any_layout_the_
     options = None if memory is None else fxpipe.CompileOptions(memory_bytes=[memory] * len(devices))
     auto = analytic.plan_costed_mesh(c, devices, "auto", options=options)
     # the search's step and peak for each choice it had costed node by node agree with that costing within the
-    # README's stated tolerance, 15 % and 20 % (seen: step 0.99-1.06x, memory 1.00-1.04x)
+    # tolerance docs/benchmarks.md states, 15 % and 20 % (seen: step 0.99-1.06x, memory 1.00-1.04x)
     costed_rows = [r for r in auto.solver["mesh_costed"] if "iteration_s" in r]
     assert costed_rows
     for r in costed_rows:

@@ -1,18 +1,22 @@
-"""Every code block of the README runs, and what it shows is what it prints.
+"""Every code block of the README and of every page in docs/ runs, and what it shows is what it prints.
 
-Each fenced block is one of: ``python`` (executed in order in one namespace, as a reader pasting them into one
-session; ``<!-- separate -->`` starts a fresh one), ``bash`` (each line run in a shell with this checkout's
-``fxpipe``; ``<!-- ci -->`` blocks are the install and test commands ``.ci/run`` runs), ``<!-- output -->``
-(what the block before it prints: the same lines, numbers and names aside), ``<!-- console -->`` (``$ command``
-lines run, several at once when there are several (``<!-- console: in order -->``: one after another, in
-a scratch directory), their output compared the same way), ``<!-- fragment: FILE
+Each page is read the same way. Each fenced block is one of: ``python`` (executed in order in one namespace per
+page, as a reader pasting them into one session; ``<!-- separate -->`` starts a fresh one; a page's first python
+block imports and defines what the page needs, never a name of another page), ``bash`` (each line run in a shell
+with this checkout's ``fxpipe``; ``<!-- ci -->`` blocks, in the README only, are the install and test commands
+``.ci/run`` runs), ``<!-- output -->`` (what the block before it prints: the same lines, numbers and names aside),
+``<!-- console -->`` (``$ command`` lines run, several at once when there are several (``<!-- console: in order
+-->``: one after another, in a scratch directory), their output compared the same way), ``<!-- fragment: FILE
 ... -->`` (a piece of FILE, which a test or example runs: it must compile and every call in it must be in FILE),
-``<!-- shown: ... -->`` (a long benchmark's recorded output) or ``<!-- text -->`` (a diagram).
+``<!-- shown: ... -->`` (a long benchmark's recorded output) or ``<!-- text -->`` (a diagram, a signature).
+
+The README links every docs page, and every relative link of every page names a file (and a heading) that exists.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import re
@@ -25,10 +29,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [README, *DOCS]
 FENCE = re.compile(r"(?:^[ \t]*<!-- (?P<marker>.*?) -->\n)?^(?P<indent>[ \t]*)```(?P<lang>\w*)\n(?P<body>.*?)^(?P=indent)```$",
                    re.M | re.S)
 KINDS = {"ci", "output", "console", "fragment", "shown", "text", "separate"}
+
+
+def name(page: Path) -> str:
+    return page.relative_to(ROOT).as_posix()
 
 
 @dataclass
@@ -38,18 +48,29 @@ class Block:
     body: str
     line: int
     marker: str = ""
+    page: str = "README.md"
+
+    @property
+    def where(self) -> str:
+        return f"{self.page} line {self.line}"
 
 
-def blocks() -> list[Block]:
+@functools.cache
+def blocks(page: Path = README) -> list[Block]:
+    text = page.read_text()
     found = []
-    for m in FENCE.finditer(README):
+    for m in FENCE.finditer(text):
         marker = (m.group("marker") or "").split(":")[0].split()
         kind = marker[0] if marker and marker[0] != "separate" else m.group("lang")
         if marker and marker[0] == "separate":
             kind = "python-separate"
-        found.append(Block(kind, m.group("lang"), textwrap.dedent(m.group("body")), README[:m.start()].count("\n") + 1,
-                           m.group("marker") or ""))
+        found.append(Block(kind, m.group("lang"), textwrap.dedent(m.group("body")), text[:m.start()].count("\n") + 1,
+                           m.group("marker") or "", name(page)))
     return found
+
+
+def pages_with(*kinds: str) -> list[Path]:
+    return [page for page in PAGES if any(b.kind in kinds for b in blocks(page))]
 
 
 def heads(text: str) -> list[str]:
@@ -71,41 +92,86 @@ def assert_same_shape(shown: str, printed: str, where: str) -> None:
     it = iter(got)
     missing = [w for w in want if w not in it]   # subsequence: shown lines appear in order
     assert not missing and len(got) - len(want) <= 2, (
-        f"README line {where}: the shown output does not match what the block prints.\n"
+        f"{where}: the shown output does not match what the block prints.\n"
         f"missing: {missing}\nprinted:\n{printed}")
 
 
-def test_every_block_is_run_or_marked():
-    found = blocks()
-    assert len(found) > 15 and len(CONSOLES) >= 4   # (an empty CONSOLES would parametrize no console test)
+@pytest.mark.parametrize("page", PAGES, ids=name)
+def test_every_block_is_run_or_marked(page):
+    found = blocks(page)
     for b in found:
         assert b.kind in {"python", "python-separate", "bash"} | KINDS, (
-            f"README line {b.line}: a ```{b.lang} block with no marker; mark it <!-- output -->, <!-- console -->, "
+            f"{b.where}: a ```{b.lang} block with no marker; mark it <!-- output -->, <!-- console -->, "
             "<!-- shown: ... --> or <!-- text --> (or make it python/bash that runs)")
         if b.kind == "fragment":
             file = ROOT / b.marker.split("fragment:")[1].split()[0]
-            assert file.is_file(), f"README line {b.line}: {file} does not exist"
-            compile(b.body, f"README:{b.line}", "exec")
+            assert file.is_file(), f"{b.where}: {file} does not exist"
+            compile(b.body, f"{b.page}:{b.line}", "exec")
             source = file.read_text()
             # the library calls it makes (fxd.PipelineRank, torch.optim.SGD, F.cross_entropy) are the file's too
             calls = set(re.findall(r"\b(?:fxd|torch(?:\.\w+)*|F|nn|fxpipe)\.(\w+)\(", b.body))
             assert calls and all(c in source for c in calls), (
-                f"README line {b.line}: {sorted(c for c in calls if c not in source)} not in {file.name}")
+                f"{b.where}: {sorted(c for c in calls if c not in source)} not in {file.name}")
         if b.kind == "output":
             previous = found[found.index(b) - 1]
-            assert previous.kind in {"python", "python-separate", "bash"}, f"README line {b.line}: output of what?"
+            assert previous.kind in {"python", "python-separate", "bash"}, f"{b.where}: output of what?"
+
+
+def test_the_pages_hold_the_blocks_the_tests_run():
+    found = [b for page in PAGES for b in blocks(page)]
+    assert len(found) > 15 and len(CONSOLES) >= 4   # (an empty CONSOLES would parametrize no console test)
+    assert len(blocks(README)) >= 5 and DOCS, [name(p) for p in PAGES]
 
 
 def test_ci_blocks_are_the_install_and_test_commands():
-    ci = [b.body for b in blocks() if b.kind == "ci"]
+    ci = [b.body for b in blocks(README) if b.kind == "ci"]
     assert any("pip install -e" in c for c in ci) and any("pytest" in c for c in ci), ci
+    # .ci/run reads README.md alone: a <!-- ci --> block on another page would never run
+    elsewhere = [b.where for page in DOCS for b in blocks(page) if b.kind == "ci"]
+    assert not elsewhere, f"<!-- ci --> blocks outside README.md, which .ci/run does not read: {elsewhere}"
+
+
+def test_the_readme_links_every_docs_page():
+    text = README.read_text()
+    unlinked = [name(p) for p in DOCS if not re.search(rf"\]\({re.escape(name(p))}(#[^)]*)?\)", text)]
+    assert not unlinked, f"README.md links no [...]({unlinked[0]}): a docs page a newcomer cannot find"
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors of the page's headings: lower case, punctuation dropped, spaces as hyphens, a repeated
+    one numbered (the second ``plan`` is ``plan-1``)."""
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", FENCE.sub("", page.read_text()), re.M):
+        base = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        out.add(base if base not in seen else f"{base}-{seen[base]}")
+        seen[base] = seen.get(base, 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("page", PAGES, ids=name)
+def test_relative_links_name_files_and_headings_that_exist(page):
+    """Text moved between pages keeps its links working: ``[...](path)`` relative to the page, ``#heading``
+    one of the target page's headings."""
+    prose = FENCE.sub("", page.read_text())
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+        if re.match(r"[a-z]+:", target):   # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(f"{target} (no {file.relative_to(ROOT) if file.is_relative_to(ROOT) else file})")
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+            broken.append(f"{target} (no heading #{anchor} in {name(file)})")
+    assert not broken, f"{name(page)}: broken links: {broken}"
 
 
 @pytest.fixture
 def shell(tmp_path):
     """A directory with the repository's data, and this checkout's fxpipe first on PATH."""
-    for name in ("tests", "benchmarks", "examples"):
-        (tmp_path / name).symlink_to(ROOT / name)
+    for folder in ("tests", "benchmarks", "examples"):
+        (tmp_path / folder).symlink_to(ROOT / folder)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "fxpipe").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m fxpipe "$@"\n')
@@ -118,11 +184,14 @@ def shell(tmp_path):
     return tmp_path, env
 
 
-@pytest.mark.slow   # compiles ResNet-18 three times and GPT-2 once: 1-3 minutes with the load average at 10-15
-def test_python_blocks_run_and_print_what_the_readme_shows(tmp_path, monkeypatch):
+# compiles ResNet-18 three times, GPT-2 and a Llama once, plans a meta model and an 8-GPU MLP: 1-3 minutes in all
+# with the load average at 10-15
+@pytest.mark.slow
+@pytest.mark.parametrize("page", pages_with("python", "python-separate"), ids=name)
+def test_python_blocks_run_and_print_what_the_page_shows(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FXPIPE_CACHE_DIR", str(tmp_path / "cache"))
-    found = blocks()
+    found = blocks(page)
     scope: dict = {}
     for i, b in enumerate(found):
         if b.kind not in ("python", "python-separate"):
@@ -131,23 +200,24 @@ def test_python_blocks_run_and_print_what_the_readme_shows(tmp_path, monkeypatch
             scope = {}
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            exec(compile(b.body, f"README.md:{b.line}", "exec"), scope)
+            exec(compile(b.body, f"{b.page}:{b.line}", "exec"), scope)
         if i + 1 < len(found) and found[i + 1].kind == "output":
-            assert_same_shape(found[i + 1].body, out.getvalue(), str(found[i + 1].line))
+            assert_same_shape(found[i + 1].body, out.getvalue(), found[i + 1].where)
 
 
 @pytest.mark.slow   # plans ResNet-101 twice from shapes, times ResNet-18 steps, solves corpus problems: 1-3 minutes
-def test_bash_blocks_run(shell):
+@pytest.mark.parametrize("page", pages_with("bash"), ids=name)
+def test_bash_blocks_run(page, shell):
     cwd, env = shell
-    found = blocks()
+    found = blocks(page)
     for i, b in enumerate(found):
         if b.kind != "bash":
             continue
         for n, line in enumerate(line for line in b.body.splitlines() if line.strip()):
             done = subprocess.run(["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-            assert done.returncode == 0, f"README line {b.line}: {line}\n{done.stdout}\n{done.stderr}"
+            assert done.returncode == 0, f"{b.where}: {line}\n{done.stdout}\n{done.stderr}"
             if n == 0 and i + 1 < len(found) and found[i + 1].kind == "output":
-                assert_same_shape(found[i + 1].body, done.stdout, str(found[i + 1].line))
+                assert_same_shape(found[i + 1].body, done.stdout, found[i + 1].where)
 
 
 def commands(body: str) -> list[tuple[str, str]]:
@@ -170,12 +240,12 @@ def commands(body: str) -> list[tuple[str, str]]:
     return out
 
 
-CONSOLES = [b for b in blocks() if b.kind == "console"]
+CONSOLES = [b for page in PAGES for b in blocks(page) if b.kind == "console"]
 
 
 @pytest.mark.slow   # torchrun: 2 to 4 processes a command; one test a block, so that the test workers share them
-@pytest.mark.parametrize("b", CONSOLES, ids=[f"line{b.line}" for b in CONSOLES])
-def test_console_blocks_run_and_print_what_the_readme_shows(shell, b):
+@pytest.mark.parametrize("b", CONSOLES, ids=[f"{b.page}:line{b.line}" for b in CONSOLES])
+def test_console_blocks_run_and_print_what_the_page_shows(shell, b):
     scratch, env = shell
     # "in order": each command waits for the one before (it reads what that one wrote), in a scratch
     # directory (the repository's examples beside it), or "from an empty directory" (nothing beside it: the
@@ -193,7 +263,6 @@ def test_console_blocks_run_and_print_what_the_readme_shows(shell, b):
         runs.append((process, shown, process.communicate(timeout=300) if in_order else None))
     for process, shown, done in runs:
         stdout, stderr = done or process.communicate(timeout=300)
-        assert process.returncode == 0, f"README line {b.line}:\n{stdout}\n{stderr}"
+        assert process.returncode == 0, f"{b.where}:\n{stdout}\n{stderr}"
         # ranks print in either order: compare the sorted lines
-        assert_same_shape("\n".join(sorted(shown.splitlines())), "\n".join(sorted(stdout.splitlines())),
-                          str(b.line))
+        assert_same_shape("\n".join(sorted(shown.splitlines())), "\n".join(sorted(stdout.splitlines())), b.where)
