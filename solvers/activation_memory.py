@@ -11,7 +11,7 @@ follows the worker's operations in order and returns the largest total:
 
 - ``F(i)``: ``forward_peak`` on top of what is held while it runs, then ``+ full``
   (``checkpointed`` variants for a checkpointed micro-batch);
-- ``B(i)``: ``backward_peak`` on top while it runs (the loss first, on the stage that computes it;
+- ``B(i)`` (``I(i)`` under a split backward): ``backward_peak`` on top while it runs (the loss first, on the stage that computes it;
   the recomputation too when checkpointed; ``backward_peak_split`` for a split backward's input
   pass); then what ``F`` added is released, and a split backward keeps ``weight_pending``
   until ``W(i)`` (``weight_peak`` on top while it runs). A checkpointed micro-batch's split ``B``
@@ -64,8 +64,9 @@ class StageBytes:
 
 
 def worker_peak_bytes(order: Sequence[Op], stage_bytes: Callable[[int], StageBytes],
-                      checkpointed: Callable[[int, int], bool], split_backward: bool = False) -> float:
-    """Peak bytes a worker holds while it runs ``order``."""
+                      checkpointed: Callable[[int, int], bool]) -> float:
+    """Peak bytes a worker holds while it runs ``order`` (a whole backward ``B``, or a split one's ``I`` and
+    ``W``, read off each operation's kind)."""
     live = peak = 0.0
     pending: dict[tuple[int, int], float] = {}
     for kind, stage, i in order:
@@ -73,7 +74,8 @@ def worker_peak_bytes(order: Sequence[Op], stage_bytes: Callable[[int], StageByt
         if kind == "F":
             peak = max(peak, live + (b.forward_peak_checkpointed if ckpt else b.forward_peak))
             live += b.checkpointed if ckpt else b.full
-        elif kind == "B":
+        elif kind in ("B", "I"):
+            split_backward = kind == "I"
             if split_backward and ckpt:   # the recomputed activations, then the input gradients on top
                 during = b.backward_peak_split_checkpointed
                 if during is None:

@@ -49,7 +49,7 @@ from solvers.mesh import Mesh, MeshProblem, StageFigures, budget, dp_sync_s, gat
     stage_held
 from solvers.mesh_candidates import (Candidate, Mode, as_chosen, candidates, figures, held_bytes, no_candidate,
                                      recompute_options, stage_memory)
-from solvers.schedules import ONE_STAGE, get_schedule, stages_per_worker
+from solvers.schedules import KINDS, ONE_STAGE, get_schedule, stages_per_worker
 from solvers.simulate import simulate
 
 SIMULATE_MOST = 6
@@ -262,7 +262,7 @@ def simulate_choice(problem: MeshProblem, choice: MeshChoice) -> MeshChoice:
     work = [sum(fwd[j] + bwd[j] for j in range(k) if owner(schedule, j, p) == w) * cand.micro_batches
             for w in range(p)]
     pipe = sim.iteration_s
-    compute_end = max((e.end for e in sim.timeline if e.kind in ("F", "B", "W")), default=0.0)
+    compute_end = max((e.end for e in sim.timeline if e.kind in KINDS), default=0.0)
     bubble = 1.0 - sum(work) / (p * compute_end) if compute_end > 0 else 0.0
     return dataclasses.replace(choice, iteration_s=pipe + before, sync_s=(before, max(after) if after else 0.0),
                                pipeline_s=compute_end, bubble=bubble, simulated=True)

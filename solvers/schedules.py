@@ -1,8 +1,8 @@
 """Pipeline schedules: the order of operations each worker runs.
 
-An operation is ``(kind, stage, micro_batch)``. ``"F"`` is a forward; ``"B"`` a
-backward; schedules that split the backward (zero-bubble) run ``"B"`` as the
-input-gradient pass only and ``"W"`` as the weight-gradient pass. A worker is a
+An operation is ``(kind, stage, micro_batch)``, its kind spelled as torch.distributed.pipelining's actions:
+``"F"`` is a forward; ``"B"`` a whole backward; schedules that split the backward (zero-bubble) run ``"I"``,
+the input-gradient pass, and ``"W"``, the weight-gradient pass, so a split backward is read off the order. A worker is a
 device: ``gpipe``, ``1f1b`` and ``zb-h1`` have one stage per worker, while
 ``interleaved-1f1b`` puts ``v`` stages on each of ``p`` workers (stage ``s`` on
 worker ``s % p``, Megatron-LM's layout).
@@ -47,10 +47,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-__all__ = ["Schedule", "REGISTRY", "SCHEDULES", "MEMORY_MODELS", "ONE_STAGE", "PLACEMENTS", "Op", "get_schedule",
+__all__ = ["Schedule", "REGISTRY", "SCHEDULES", "MEMORY_MODELS", "ONE_STAGE", "PLACEMENTS", "Op", "KINDS", "BACKWARDS", "get_schedule",
            "worker_orders", "stage_worker", "check_schedule", "inflight", "stages_per_worker"]
 
 Op = tuple[str, int, int]
+KINDS = ("F", "B", "I", "W")   # forward, whole backward, input-gradient pass, weight-gradient pass
+BACKWARDS = ("B", "I")         # the kinds that send gradients back to the stages that fed this one
 
 PLACEMENTS = ("one", "looped", "v")   # stage s on worker s; on worker s % p; worker w holds w and 2p-1-w
 
@@ -64,8 +66,9 @@ class Schedule:
     """One pipeline schedule: everything the planner, the solvers, the simulator and the runtimes ask of it.
 
     ``placement`` (:data:`PLACEMENTS`) puts stages on workers; ``orders`` makes every worker's operations (the
-    shape already checked); ``split_backward``: its ``"B"`` is the input-gradient pass and ``"W"`` the weight
-    pass; ``inflight`` the micro-batches a stage holds at its peak; ``plans_as`` the one-stage memory model the
+    shape already checked); ``split_backward``: its orders run ``"I"`` (input gradients) and ``"W"`` (weight
+    gradients) in place of a whole backward ``"B"``; ``inflight`` the micro-batches a stage holds at its peak;
+    ``plans_as`` the one-stage memory model the
     cut solver plans it under (:attr:`solvers.Problem.schedule`, :data:`MEMORY_MODELS`); ``one_stage_form`` the
     one-stage-per-worker schedule the anchor partitioners judge it by; ``looser`` a schedule whose memory model
     holds at most as much (its feasible set contains this one's), whose plan is solved first and reused where it
@@ -248,12 +251,12 @@ def _zb_h1(s: int, p: int, m: int) -> list[Op]:
     w = 0
     for f in range(warm, m):
         b = f - warm
-        order += [("F", s, f), ("B", s, b)]
+        order += [("F", s, f), ("I", s, b)]
         if b - w >= delay:
             order.append(("W", s, w))
             w += 1
     for b in range(m - warm, m):   # drain: each B, then the oldest pending W fills the wait for the next B
-        order.append(("B", s, b))
+        order.append(("I", s, b))
         if w <= b:
             order.append(("W", s, w))
             w += 1
@@ -263,7 +266,7 @@ def _zb_h1(s: int, p: int, m: int) -> list[Op]:
 def _zb_v(w: int, p: int, m: int) -> list[Op]:
     n = max(m, 2 * p - 1)   # enough micro-batches to fill the V; the extra ones' operations are dropped
     first, second = w, 2 * p - 1 - w
-    count = {(kind, s): 0 for kind in "FBW" for s in (first, second)}
+    count = {(kind, s): 0 for kind in "FIW" for s in (first, second)}
     order: list[Op] = []
 
     def add(kind: str, s: int, i: int | None = None) -> None:
@@ -278,26 +281,26 @@ def _zb_v(w: int, p: int, m: int) -> list[Op]:
         add("F", first)
     for _ in range(p - w):   # the second stage starts its backwards (the loss is at the V's end)
         add("F", second)
-        add("B", second)
+        add("I", second)
         add("W", second)
     while count[("F", second)] < count[("F", first)] or count[("F", first)] < n:   # steady state
         if count[("F", first)] < n:
             add("F", first)
-        add("B", first)
+        add("I", first)
         add("W", first)
         add("F", second)
-        add("B", second)
+        add("I", second)
         add("W", second)
     for _ in range(w):   # cool-down: the remaining input gradients first, the weight passes fill the waits
-        add("B", first)
-        add("B", second)
+        add("I", first)
+        add("I", second)
     for _ in range(p - w):
-        add("B", first)
+        add("I", first)
         add("W", first)
     for s in (second, first):
-        while count[("W", s)] < count[("B", s)]:
+        while count[("W", s)] < count[("I", s)]:
             add("W", s)
-    assert all(count[("F", s)] == count[("B", s)] == count[("W", s)] for s in (first, second))
+    assert all(count[("F", s)] == count[("I", s)] == count[("W", s)] for s in (first, second))
     return [op for op in order if op[2] < m]
 
 

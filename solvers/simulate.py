@@ -23,7 +23,7 @@ from typing import Sequence
 from solvers.problem import Problem
 from solvers.groups import GroupTable
 from solvers.groups import allreduce_s as allreduce
-from solvers.schedules import Op, get_schedule, stage_worker, worker_orders
+from solvers.schedules import BACKWARDS, KINDS, Op, stage_worker, worker_orders
 from solvers.solution import Solution
 
 __all__ = ["Event", "Simulation", "simulate", "simulate_solution", "per_micro_batch", "stage_medians", "weight_shares"]
@@ -32,7 +32,7 @@ __all__ = ["Event", "Simulation", "simulate", "simulate_solution", "per_micro_ba
 @dataclass(frozen=True)
 class Event:
     stage: int          # for transfers: the sending stage
-    kind: str           # "F", "B", "send_F" or "send_B"
+    kind: str           # "F", "B", "I", "W", "send_F" or "send_B"
     micro_batch: int
     start: float
     end: float
@@ -77,12 +77,11 @@ def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedul
     """
     p, m = len(fwd_s), micro_batches
     n_workers = p if workers is None else workers
-    orders = worker_orders(schedule, p, m, n_workers)
-    split = get_schedule(schedule).split_backward
+    orders = worker_orders(schedule, p, m, n_workers)   # a split backward's I and W are read off the kinds
     shares = [weight_share] * p if isinstance(weight_share, (int, float)) else list(weight_share)
     if len(shares) != p or not all(0.0 <= w <= 1.0 for w in shares):
         raise ValueError(f"weight_share must be a share in [0, 1], or one per stage ({p}), got {weight_share!r}")
-    length = {"F": list(fwd_s), "B": [b * (1 - w) if split else b for b, w in zip(bwd_s, shares)],
+    length = {"F": list(fwd_s), "B": list(bwd_s), "I": [b * (1 - w) for b, w in zip(bwd_s, shares)],
               "W": [b * w for b, w in zip(bwd_s, shares)]}
     owner = [stage_worker(schedule, s, n_workers) for s in range(p)]
     sends = dict(sends or {})
@@ -101,7 +100,7 @@ def simulate(fwd_s: list[float], bwd_s: list[float], micro_batches: int, schedul
                                  stage_efficiency, slots)
     worker_free = [0.0] * n_workers
     for e in timeline:
-        if e.kind in ("F", "B", "W"):
+        if e.kind in KINDS:
             worker_free[owner[e.stage]] = max(worker_free[owner[e.stage]], e.end)
     for st, ar in enumerate(allreduce_s or []):
         if ar > 0:
@@ -146,8 +145,8 @@ def _shared(orders: list[list[Op]], length: dict[str, list[float]], owner: list[
                 continue
             kind, s, i = orders[w][position[w]]
             deps = ([("F", a, s, i) for a in fed_by[s]] if kind == "F" else
-                    [("B", b, s, i) for b in feeds[s]] if kind == "B" else [])
-            local = [] if kind == "F" else [("F", s, i)] if kind == "B" else [("B", s, i)]
+                    [("B", b, s, i) for b in feeds[s]] if kind in BACKWARDS else [])
+            local = [] if kind == "F" else [("F", s, i)] if kind in BACKWARDS else [("I", s, i)]
             if all(arrived.get(d, float("inf")) <= now for d in deps) and all(d in done for d in local):
                 ready_since[w] = now
         # start them: all at once, or while a slot is free, first come first served
@@ -207,8 +206,8 @@ def _dedicated(orders: list[list[Op]], length: dict[str, list[float]], owner: li
             return
         kind, s, i = op = orders[w][position[w]]
         inputs = ([arrived.get(("F", a, s, i)) for a in fed_by[s]] if kind == "F" else
-                  [arrived.get(("B", b, s, i)) for b in feeds[s]] + [done.get(("F", s, i))] if kind == "B" else
-                  [done.get(("B", s, i))])
+                  [arrived.get(("B", b, s, i)) for b in feeds[s]] + [done.get(("F", s, i))] if kind in BACKWARDS
+                  else [done.get(("I", s, i))])
         if None in inputs:
             return
         begin = max(free[w], *inputs) if inputs else free[w]
@@ -242,23 +241,24 @@ def _send(op: Op, now: float, sends: dict[tuple[int, int], float], feeds: dict[i
     transfer at a time per link and direction; stages of one worker hand over at once). Records each arrival and
     returns the times of those that cross a link."""
     kind, s, i = op
+    carried = "F" if kind == "F" else "B"   # an activation, or a gradient (of a whole or an input pass)
     crossing = []
     for t in ([] if kind == "W" else feeds[s] if kind == "F" else fed_by[s]):
         cost = sends[(s, t)] if kind == "F" else sends[(t, s)]
         link = (owner[s], owner[t])
         if link[0] == link[1]:
-            arrived[(kind, s, t, i)] = now
+            arrived[(carried, s, t, i)] = now
             continue
         begin = max(now, link_free.get(link, 0.0))
-        link_free[link] = arrived[(kind, s, t, i)] = begin + cost
-        timeline.append(Event(s, f"send_{kind}", i, begin, begin + cost, peer=t))
+        link_free[link] = arrived[(carried, s, t, i)] = begin + cost
+        timeline.append(Event(s, f"send_{carried}", i, begin, begin + cost, peer=t))
         crossing.append(begin + cost)
     return crossing
 
 
 def per_micro_batch(ops: list[tuple[str, int, float]]) -> tuple[list[float], list[float]]:
     """One stage's ``(kind, micro_batch, seconds)`` operations as forward times and backward times per
-    micro-batch (``B`` and, when the backward is split, ``W`` added together)."""
+    micro-batch (``B``, or a split backward's ``I`` and ``W`` added together)."""
     fwd = [seconds for kind, _, seconds in ops if kind == "F"]
     bwd = [sum(seconds for kind, mb, seconds in ops if kind != "F" and mb == i)
            for i in sorted({mb for _, mb, _ in ops})]
@@ -270,7 +270,7 @@ def stage_medians(timeline: list[Event], stages: int) -> list[tuple[float, float
     out = []
     for s in range(stages):
         fwd, bwd = per_micro_batch([(e.kind, e.micro_batch, e.end - e.start) for e in timeline
-                                    if e.stage == s and e.kind in ("F", "B", "W")])
+                                    if e.stage == s and e.kind in KINDS])
         out.append((median(fwd) if fwd else 0.0, median(bwd) if bwd else 0.0))
     return out
 
@@ -287,7 +287,7 @@ def simulate_solution(problem: Problem, solution: Solution, schedule: str | None
 
     ``schedule`` (default: the problem's) and ``workers`` as for :func:`simulate`. ``recompute_share``: the
     problem's backward costs include that share of the forward, recomputed for checkpointed micro-batches;
-    a split backward runs it in ``B``, and ``W`` takes half of the rest.
+    a split backward runs it in ``I``, and ``W`` takes half of the rest.
     """
     device_index = {d.id: i for i, d in enumerate(problem.devices)}
     nodes = problem.node_map()

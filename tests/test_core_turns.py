@@ -116,9 +116,9 @@ def test_the_simulator_gives_each_operation_its_own_time_and_at_most_slots_at_on
     f, b, p, m = 1.0, 2.0, 4, 6
     for schedule in ("gpipe", "1f1b", "zb-h1"):
         sim = simulate([f] * p, [b] * p, m, schedule, cores=2, slots=2)
-        ops = [e for e in sim.timeline if e.kind in ("F", "B", "W")]
+        ops = [e for e in sim.timeline if e.kind in ("F", "B", "I", "W")]
         assert _most_at_once([(e.start, e.end) for e in ops]) <= 2
-        lengths = {"F": f, "B": b / 2 if schedule == "zb-h1" else b, "W": b / 2}
+        lengths = {"F": f, "B": b, "I": b / 2, "W": b / 2}
         assert all(e.end - e.start == pytest.approx(lengths[e.kind]) for e in ops)
         assert sim.iteration_s >= p * m * (f + b) / 2
 

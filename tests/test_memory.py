@@ -14,8 +14,7 @@ from solvers.schedules import worker_orders
 def _peak(schedule, stage, p, m, ckpt=lambda s, i: False, act=10.0, inputs=1.0, work=0.0, outs=0.0, loss=0.0):
     sizes = StageBytes.estimate(full=act + outs, checkpointed=inputs + outs, recompute=act, workspace=work, loss=loss,
                        weight_pending=2 * act if stage > 0 else act)
-    return worker_peak_bytes(worker_orders(schedule, p, m)[stage], lambda s: sizes, ckpt,
-                             split_backward=schedule == "zb-h1")
+    return worker_peak_bytes(worker_orders(schedule, p, m)[stage], lambda s: sizes, ckpt)
 
 
 def test_activation_peaks_by_hand():
@@ -37,19 +36,19 @@ def test_activation_peaks_by_hand():
 def test_a_checkpointed_split_backward_recomputes_then_holds_until_its_weight_pass():
     """Under a zero-bubble schedule a checkpointed micro-batch's B recomputes its forward and keeps the recomputed
     activations for its deferred W (fxpipe.runtime.recompute.forward_saving_nothing): W's peak counts for it too.
-    Worker 1 of ZB-H1 on 2 stages runs F0 B0 F1 B1 W0 F2 B2 W1 F3 B3 W2 W3."""
+    Worker 1 of ZB-H1 on 2 stages runs F0 I0 F1 I1 W0 F2 I2 W1 F3 I3 W2 W3."""
     base = dict(full=10, checkpointed=1, forward_peak=0, forward_peak_checkpointed=0, backward_peak=0,
                 backward_peak_checkpointed=12, backward_peak_split=0, weight_pending=20, weight_peak=100)
     order = worker_orders("zb-h1", 2, 4)[1]
     measured = StageBytes(**base, backward_peak_split_checkpointed=15, weight_pending_checkpointed=18)
-    always = worker_peak_bytes(order, lambda s: measured, lambda s, i: True, split_backward=True)
+    always = worker_peak_bytes(order, lambda s: measured, lambda s, i: True)
     # B1 holds F1's input (1) and W0's 18, and rebuilds 15 on top: 34; then W0 runs on 18 + 18 held: 136
     assert always == 18 + 18 + 100
     # without the measured pair: B's peak is the larger of a whole recomputed backward (12) and the
     # recomputed activations (10 - 1) plus the input pass (0); what waits for W is the weight_pending of 20
-    estimated = worker_peak_bytes(order, lambda s: StageBytes(**base), lambda s, i: True, split_backward=True)
+    estimated = worker_peak_bytes(order, lambda s: StageBytes(**base), lambda s, i: True)
     assert estimated == 20 + 20 + 100
-    never = worker_peak_bytes(order, lambda s: StageBytes(**base), lambda s, i: False, split_backward=True)
+    never = worker_peak_bytes(order, lambda s: StageBytes(**base), lambda s, i: False)
     assert never == 20 + 20 + 100    # F0 B0 F1 B1: two pending weight passes, then W0's peak
 
 

@@ -128,7 +128,7 @@ def test_what_a_split_backward_holds_is_the_memory_walk_s_peak(schedule) -> None
                                    backward_peak=0.0, backward_peak_checkpointed=0.0, backward_peak_split=0.0,
                                    weight_pending=pending)
                 for w, order in enumerate(workers):
-                    walked = worker_peak_bytes(order, lambda s: sizes, lambda s, i: False, split_backward=True)
+                    walked = worker_peak_bytes(order, lambda s: sizes, lambda s, i: False)
                     mine = {s for _, s, _ in order}
                     charged = sum(max(f * full + b * pending for f, b in stage_held(schedule, s, stages, m))
                                   for s in mine)

@@ -68,7 +68,7 @@ def test_the_check_finds_a_comparison(tmp_path):
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_every_record_is_consistent_with_its_orders(name):
     """What each record says of itself is what its orders do: the placement puts each stage's operations on its
-    worker, a split backward has weight passes and a whole one none, the one-stage form has one stage a worker, and
+    worker, a split backward runs input-gradient and weight passes and a whole one whole backwards, the one-stage form has one stage a worker, and
     the looser model holds at most as many micro-batches (its plans' feasible set contains this one's)."""
     record = get_schedule(name)
     p, m = 2, 4
@@ -77,7 +77,7 @@ def test_every_record_is_consistent_with_its_orders(name):
     for w, order in enumerate(orders):
         assert {s for _, s, _ in order} == {s for s in range(stages) if record.worker_of(s, p) == w}
     kinds = {kind for order in orders for kind, _, _ in order}
-    assert kinds == ({"F", "B", "W"} if record.split_backward else {"F", "B"})
+    assert kinds == ({"F", "I", "W"} if record.split_backward else {"F", "B"})   # a split backward: I and W
     assert not get_schedule(record.one_stage).multi_stage
     assert get_schedule(record.memory_model).memory_model == record.memory_model   # a model of its own
     assert record.workers(stages, p) == p

@@ -18,7 +18,7 @@ SHAPES = [  # (schedule, stages, workers, micro-batches)
 def test_every_operation_runs_once_on_its_worker_after_what_it_needs(schedule, stages, workers, m):
     orders = worker_orders(schedule, stages, m, workers)
     assert len(orders) == workers
-    kinds = ("F", "B", "W") if schedule in ("zb-h1", "zb-v") else ("F", "B")
+    kinds = ("F", "I", "W") if schedule in ("zb-h1", "zb-v") else ("F", "B")
     ops = [op for order in orders for op in order]
     assert sorted(ops) == sorted((k, s, i) for k in kinds for s in range(stages) for i in range(m))
     for w, order in enumerate(orders):
@@ -28,11 +28,11 @@ def test_every_operation_runs_once_on_its_worker_after_what_it_needs(schedule, s
             if kind != "F":
                 assert position[("F", s, i)] < position[(kind, s, i)]
             if kind == "W":
-                assert position[("B", s, i)] < position[(kind, s, i)]
+                assert position[("I", s, i)] < position[(kind, s, i)]
     # the simulator runs it to the end (raises on a deadlock), also with a skip from stage 0 to the last
     sends = {(0, stages - 1): 0.25} if stages > 2 else None
     sim = simulate([1.0] * stages, [2.0] * stages, m, schedule, sends=sends, workers=workers)
-    assert len([e for e in sim.timeline if e.kind in ("F", "B", "W")]) == len(ops)
+    assert len([e for e in sim.timeline if e.kind in ("F", "B", "I", "W")]) == len(ops)
 
 
 def _peak_in_flight(sim, stage, release):
@@ -87,8 +87,8 @@ def test_orders_on_small_cases():
     assert worker_orders("1f1b", 3, 4)[0] == [("F", 0, 0), ("F", 0, 1), ("F", 0, 2), ("B", 0, 0), ("F", 0, 3),
                                               ("B", 0, 1), ("B", 0, 2), ("B", 0, 3)]
     # the last stage of ZB-H1 defers its weight passes by p - 1 = 1 micro-batch
-    assert worker_orders("zb-h1", 2, 3)[1] == [("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1), ("W", 1, 0),
-                                               ("F", 1, 2), ("B", 1, 2), ("W", 1, 1), ("W", 1, 2)]
+    assert worker_orders("zb-h1", 2, 3)[1] == [("F", 1, 0), ("I", 1, 0), ("F", 1, 1), ("I", 1, 1), ("W", 1, 0),
+                                               ("F", 1, 2), ("I", 1, 2), ("W", 1, 1), ("W", 1, 2)]
     # worker 1 of 2 with 2 chunks: stages 1 and 3
     assert {s for _, s, _ in worker_orders("interleaved-1f1b", 4, 2, 2)[1]} == {1, 3}
 

@@ -62,7 +62,7 @@ def test_zb_v_order_is_a_valid_dependency_order(p, m):
     orders = worker_orders("zb-v", 2 * p, m, p)
     for w, order in enumerate(orders):
         stages = {w, 2 * p - 1 - w}
-        assert sorted(order) == sorted((k, s, i) for k in "FBW" for s in stages for i in range(m))
+        assert sorted(order) == sorted((k, s, i) for k in "FIW" for s in stages for i in range(m))
     # every operation runs after what it needs, whatever the durations: replay the workers in order,
     # one ready operation at a time, and never get stuck
     done, position = set(), [0] * p
@@ -71,9 +71,9 @@ def test_zb_v_order_is_a_valid_dependency_order(p, m):
         kind, s, i = op
         if kind == "F":
             return s == 0 or ("F", s - 1, i) in done
-        if kind == "B":
-            return ("F", s, i) in done and (s == 2 * p - 1 or ("B", s + 1, i) in done)
-        return ("B", s, i) in done
+        if kind == "I":
+            return ("F", s, i) in done and (s == 2 * p - 1 or ("I", s + 1, i) in done)
+        return ("I", s, i) in done
     while any(position[w] < len(orders[w]) for w in range(p)):
         progressed = False
         for w in range(p):
@@ -86,7 +86,7 @@ def test_zb_v_order_is_a_valid_dependency_order(p, m):
     for s in range(2 * p):
         held = peak = 0
         for kind, k, _ in orders[stage_worker("zb-v", s, p)]:
-            if k == s and kind != "B":
+            if k == s and kind != "I":
                 held += 1 if kind == "F" else -1
                 peak = max(peak, held)
         assert inflight("zb-v", s, 2 * p, m) == peak <= m

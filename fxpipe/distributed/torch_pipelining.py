@@ -32,7 +32,7 @@ from fxpipe.frontend.capture import capture_as_planned
 from fxpipe.planning import plan as plan_module
 from fxpipe.planning.plan import Plan
 from fxpipe.runtime.codegen import StageSpec, move_stage, split_graph
-from solvers.schedules import REGISTRY, get_schedule, stage_worker, worker_orders
+from solvers.schedules import REGISTRY, stage_worker, worker_orders
 
 __all__ = ["NotAdjacentError", "TORCH_SCHEDULES", "adjacent_stages", "compute_actions_csv", "to_torch_pipelining"]
 
@@ -99,13 +99,12 @@ def adjacent_stages(specs: list[StageSpec], graph: fx.GraphModule) -> list[str]:
 
 def compute_actions_csv(plan: Plan, schedule: str | None = None) -> str:
     """fxpipe's per-worker order of ``schedule`` (default the plan's) as torch's compute-only action CSV: one
-    row per rank, ``<stage><F|B|I|W><micro-batch>`` per cell (a split backward's input pass is torch's ``I``)."""
+    row per rank, ``<stage><F|B|I|W><micro-batch>`` per cell (fxpipe's operation kinds are torch's)."""
     schedule = schedule or plan.schedule
-    split = get_schedule(schedule).split_backward
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     for order in worker_orders(schedule, len(plan.stages), plan.chunks, plan.workers):
-        writer.writerow([f"{s}{'I' if kind == 'B' and split else kind}{i}" for kind, s, i in order])
+        writer.writerow([f"{s}{kind}{i}" for kind, s, i in order])
     return buf.getvalue()
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from fxpipe.planning.plan_view import PlanView, StageView
 from solvers.activation_memory import StageBytes, worker_peak_bytes
-from solvers.schedules import Op, get_schedule, stage_worker, worker_orders
+from solvers.schedules import REGISTRY, Op, get_schedule, stage_worker, worker_orders
 
 __all__ = ["WorkerPrediction", "predict_worker_memory", "checkpointed", "stage_bytes", "choose_checkpoints",
            "worker_memory", "check_fits", "block_mode", "refuse_with_schedule", "is_checkpoint_mode", "recompute_s",
@@ -55,7 +55,7 @@ def refuse_with_schedule(mode: str, schedule: str) -> None:
     without any recomputation. Selective checkpointing allows one backward through a region at all. A whole
     stage (``"always"``, ``"except_last"``) is recomputed by hand once, before the input pass
     (:mod:`fxpipe.runtime.split_backward`), and runs as planned."""
-    if block_mode(mode) is not None and get_schedule(schedule).split_backward:
+    if block_mode(mode) is not None and schedule in REGISTRY and REGISTRY[schedule].split_backward:   # not "auto"
         why = ("torch's selective checkpointing allows one backward through a region" if mode == "selective" else
                "torch's checkpointing recomputes each block in both passes and holds the first recomputation until "
                "the weight pass, more memory than no recomputation at all")
@@ -177,8 +177,7 @@ def predict_worker_memory(plan: PlanView, schedule: str | None = None, checkpoin
     sizes = [stage_bytes(st, mode(st.index)) for st in plan.stages]
     out = []
     for w, order in enumerate(orders or worker_orders(schedule, p, m, workers)):
-        act = worker_peak_bytes(order, lambda s: sizes[s], lambda s, i: checkpointed(mode(s), i, m),
-                                split_backward=get_schedule(schedule).split_backward)
+        act = worker_peak_bytes(order, lambda s: sizes[s], lambda s, i: checkpointed(mode(s), i, m))
         params = sum(st.param_bytes * (factor + (weight_versions[st.index] if weight_versions else 0))
                      for st in plan.stages if stage_worker(schedule, st.index, workers) == w)
         out.append(WorkerPrediction(w, params, act))

@@ -16,12 +16,12 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from fxpipe.planning.plan_view import PlanView
-from solvers.schedules import get_schedule, stage_worker
+from solvers.schedules import KINDS, get_schedule, stage_worker
 from solvers.simulate import simulate
 
 __all__ = ["plot_stages", "plot_timeline", "plot_topology", "plot_graph", "KIND_COLOURS"]
 
-KIND_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "send": "#8C8C8C"}
+KIND_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "I": "#DD8452", "W": "#55A868", "send": "#8C8C8C"}
 CLASS_ORDER = ["X", "NV", "PIX", "PXB", "PHB", "NODE", "SYS", "NET", "HOST"]   # fastest link first
 
 
@@ -76,7 +76,7 @@ def plot_timeline(plan: PlanView, measured: Sequence[Any] | None = None) -> Figu
     fig = Figure(figsize=(10, 1.2 + 0.6 * workers * (2 if measured else 1)), layout="constrained")
     axes = fig.subplots(2 if measured else 1, 1, sharex=True, squeeze=False)[:, 0]
     predicted = [(stage_worker(plan.schedule, e.stage, workers), e.kind, e.micro_batch, e.start, e.end)
-                 for e in sim.timeline if e.kind in ("F", "B", "W")]
+                 for e in sim.timeline if e.kind in KINDS]
     _lanes(axes[0], predicted, workers, f"predicted: {plan.schedule}, {plan.chunks} micro-batches")
     axes[0].axvline(sim.iteration_s, color="black", linestyle="--")
     axes[0].annotate(f"iteration {sim.iteration_s * 1e3:.1f} ms", (sim.iteration_s, -0.5), ha="right",

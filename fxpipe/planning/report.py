@@ -24,7 +24,7 @@ from typing import Any
 from fxpipe.cost.cpu.sharing import CpuSharing
 from fxpipe.planning.memory_model import predict_worker_memory
 from fxpipe.planning.plan import Plan, aligned_table
-from solvers.schedules import stage_worker
+from solvers.schedules import BACKWARDS, stage_worker
 from solvers.simulate import per_micro_batch, simulate, stage_medians, weight_shares
 
 __all__ = ["step_report", "predicted_times", "per_micro_batch"]
@@ -62,7 +62,7 @@ def step_report(plan: Plan, last_step: dict[str, Any], sharing: CpuSharing | Non
     alone_fwd, alone_bwd, recomputed = [], [], []
     for st in plan.stages:
         recompute = statistics.mean(1.0 if t.checkpointed else 0.0 for t in timings
-                                    if t.stage == st.index and t.kind == "B")
+                                    if t.stage == st.index and t.kind in BACKWARDS)
         alone_fwd.append(st.fwd_s)
         alone_bwd.append(st.bwd_s)
         recomputed.append(recompute * st.fwd_s)

@@ -65,8 +65,8 @@ def measure_stage_bytes(pipe: Any, example_inputs: Any, target: Any = None,
             forward, backward = measured(k, False, False, "FB")
             forward_c, backward_c = measured(k, True, False, "FB")
             if pipe.compiled is None:
-                forward_s, backward_s, weight = measured(k, False, True, "FBW")
-                forward_sc, backward_sc, _ = measured(k, True, True, "FBW")
+                forward_s, backward_s, weight = measured(k, False, True, "FIW")
+                forward_sc, backward_sc, _ = measured(k, True, True, "FIW")
             else:   # a compiled stage's backward does not split (fxpipe.runtime.compiled): no zero-bubble schedule
                 (forward_s, backward_s), (forward_sc, backward_sc) = (forward, backward), (forward_c, backward_c)
                 weight = measured(k, False, False, "F")[0]   # any: the split sizes are never read

@@ -146,7 +146,7 @@ def measure_worker_memory(pipe: Any, inputs: Any, target: Any, loss_fn: Callable
 class Replay:
     """A worker's operations run one by one on the calling thread, as :func:`fxpipe.runtime.step.run_step` runs them:
     ``run("F", k, i)`` keeps the stage's inputs (fresh copies, as a transfer delivers them) and outputs until
-    ``run("B", k, i)``; the last stage's backward starts at ``loss_fn(output, target)`` (without ``loss_fn``,
+    ``run("B", k, i)`` (``"I"`` under a split backward); the last stage's backward starts at ``loss_fn(output, target)`` (without ``loss_fn``,
     at gradients of ones like the other stages); with ``split_backward`` the weight gradients wait for
     ``run("W", k, i)``."""
 
@@ -171,7 +171,7 @@ class Replay:
             else:
                 outs = spec.module(*args)
             self.held[(k, i)] = (args, list(outs), again)
-        elif kind == "B":
+        elif kind in ("B", "I"):   # a whole backward, or a split one's input-gradient pass
             args, outs, again = self.held.pop((k, i))
             if again is not None:
                 outs = list(again())
@@ -187,7 +187,7 @@ class Replay:
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         roots.append(t)
                         grads.append(torch.ones_like(t))
-            if self.split_backward:
+            if kind == "I":
                 leaves = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
                 self.weights[(k, i)] = backward_inputs(roots, grads, leaves, list(spec.module.parameters()))
             else:

@@ -374,9 +374,9 @@ class Pipeline(nn.Module):
     def schedule_table(self, schedule: str | None = None, micro_batches: int | None = None) -> str:
         """The operations of every worker in order, one line per worker.
 
-        ``F3`` is the forward of micro-batch 3, ``B3`` its backward (input gradients only
-        under ``zb-h1``), ``W3`` its weight-gradient pass; with several stages per worker
-        ``F3.5`` names stage 5.
+        ``F3`` is the forward of micro-batch 3, ``B3`` its backward; a split backward
+        (``zb-h1``, ``zb-v``) runs ``I3``, its input gradients, and ``W3``, its weight-gradient
+        pass; with several stages per worker ``F3.5`` names stage 5.
         """
         schedule = schedule or self.schedule
         m, p, workers = micro_batches or self.chunks, len(self.specs), self._workers(schedule)

@@ -48,7 +48,7 @@ from fxpipe.runtime.streams import DeviceStreams, Event
 from fxpipe.runtime.transport import LOSS, Transport
 from fxpipe.runtime.worker import spawn_workers
 from fxpipe.runtime.recompute import checkpoint_stage, forward_saving_nothing
-from solvers.schedules import Op, get_schedule, worker_orders
+from solvers.schedules import Op, worker_orders
 
 __all__ = ["run_step", "StepFailure", "REDUCTIONS", "OpTiming"]
 
@@ -56,7 +56,8 @@ __all__ = ["run_step", "StepFailure", "REDUCTIONS", "OpTiming"]
 class OpTiming:
     """When one operation ran, in seconds from the start of the step."""
 
-    kind: str         # "F", "B" or "W" (a backward includes the recomputation of a checkpointed forward)
+    kind: str         # "F", "B", or a split backward's "I" and "W" (a backward includes the recomputation of a
+                      # checkpointed forward)
     stage: int
     micro_batch: int
     start_s: float
@@ -165,7 +166,8 @@ class _Step:
         self.n_workers = p if workers is None else workers
         # worker_orders raises ValueError for a shape the schedule cannot run
         self.orders = worker_orders(schedule, p, m, self.n_workers) if orders is None else orders
-        self.split = get_schedule(schedule).split_backward
+        # a split backward is read off the orders: their input-gradient passes (and the forwards it recomputes)
+        self.split = any(kind == "I" for order in self.orders for kind, _, _ in order)
         self.weight_passes: dict[tuple[int, int], WeightPass] = {}
         self.recomputations: dict[tuple[int, int], Callable[[], Any]] = {}   # checkpointed forwards, split backward
         self.found: dict[int, tuple[list[torch.Tensor], set[Any]]] = {}   # stage -> parameters, autograd nodes
@@ -193,7 +195,7 @@ class _Step:
         self.board = _Board()
         self.backwards = [0] * p   # each stage's backwards run so far
         self.in_output = {self.producer[n.name] for n in self.final_nodes if n.name in self.producer}
-        self.run_op = {"F": self.forward, "B": self.backward, "W": self.weights}
+        self.run_op = {"F": self.forward, "B": self.backward, "I": self.backward, "W": self.weights}
         self.auto: AutoLoss | None = None
 
     def prepare_loss(self, reduction: str, loss_dims: tuple[int, int], auto: AutoLoss | None) -> None:
@@ -322,9 +324,9 @@ class _Step:
         if kind == "F":
             found = [("F", self.producer[name], i) for name in self.specs[k].inputs if name in self.producer]
         else:
-            found = [("B", c, i) for c in self.consumers[k]] + [("F", k, i)]
+            found = [(kind, c, i) for c in self.consumers[k]] + [("F", k, i)]   # a schedule's backwards: B or I
             if k in self.in_output and k != p - 1:
-                found.append(("B", p - 1, i))   # the loss's gradient for this stage's model outputs
+                found.append((kind, p - 1, i))   # the loss's gradient for this stage's model outputs
             found += [("F", s, i) for s in range(p)] if k == p - 1 else []
         return [op for op in found if self.transport.local(op[1])]
 
@@ -392,7 +394,7 @@ class _Step:
         return ((loss / count).to(loss.dtype) if count is not None else loss), (self.outputs if here else [None] * m)
 
 
-PASS_NAMES = {"F": "forward", "B": "backward", "W": "weight-gradient pass"}
+PASS_NAMES = {"F": "forward", "B": "backward", "I": "backward", "W": "weight-gradient pass"}
 
 
 def _run_workers(work: Callable[[int], None], ids: list[int], board: _Board, inline: bool = False) -> None:
