@@ -388,7 +388,7 @@ def _split_held(schedule: str, stages: int, micro_batches: int) -> list[tuple[tu
     for order in worker_orders(schedule, stages, micro_batches, workers):
         forward, pending = {}, {}
         for kind, s, _ in order:
-            forward[s] = forward.get(s, 0) + (1 if kind == "F" else -1 if kind == "I" else 0)
+            forward[s] = forward.get(s, 0) + (1 if kind == "F" else -1 if kind in ("B", "I") else 0)
             pending[s] = pending.get(s, 0) + (1 if kind == "I" else -1 if kind == "W" else 0)
             seen[s].add((forward[s], pending[s]))
     return [_undominated(held) for held in seen]

@@ -81,7 +81,8 @@ class Schedule:
     ``monotone_inflight``: dropping a stage never raises another's in-flight count (:mod:`solvers.spine`);
     ``torch_class`` the class of ``torch.distributed.pipelining.schedules`` that runs it (``None``: fxpipe's
     order runs there as an action CSV); ``asynchronous``: PipeDream's weight-stashing training
-    (:class:`fxpipe.AsyncTrainer`, :mod:`solvers.asynchronous`) runs its order."""
+    (:class:`fxpipe.AsyncTrainer`, :mod:`solvers.asynchronous`) runs its order; ``fills``: it needs at least as
+    many micro-batches as stages (its steady state starts once the V is full)."""
 
     name: str
     placement: str
@@ -96,6 +97,7 @@ class Schedule:
     monotone_inflight: bool = True
     torch_class: Optional[str] = None
     asynchronous: bool = False
+    fills: bool = False
 
     @property
     def memory_model(self) -> str:
@@ -150,6 +152,9 @@ class Schedule:
             if stages != 2 * workers:
                 raise ValueError(f"{self.name} runs two stages per worker in a V (worker w holds stages w and "
                                  f"2p-1-w); got {stages} stages on {workers} workers: use {2 * workers} stages")
+            if self.fills and micro_batches < stages:
+                raise ValueError(f"{self.name} needs at least as many micro-batches as stages to fill its V; got "
+                                 f"{micro_batches} micro-batches for {stages} stages: use chunks={stages} or more")
         elif stages != workers:
             several = " or ".join(s.name for s in REGISTRY.values() if s.multi_stage)
             raise ValueError(f"{self.name} runs one stage per worker; got {stages} stages on {workers} workers "
@@ -206,18 +211,22 @@ def _pipeline_depth(stage: int, stages: int, m: int) -> int:
     return min(m, stages - stage)
 
 
-def _zb_v_held(stage: int, stages: int, m: int) -> int:
-    """Read off the order: forwards run whose weight pass has not (``p - s`` for an odd stage count, which a V
-    cannot have and the cut solver may ask of a dropped stage)."""
-    if stages % 2:
-        return _pipeline_depth(stage, stages, m)
-    workers = stages // 2
-    held = peak = 0
-    for kind, s, _ in _zb_v(REGISTRY["zb-v"].worker_of(stage, workers), workers, m):
-        if s == stage and kind in ("F", "W"):
-            held += 1 if kind == "F" else -1
-            peak = max(peak, held)
-    return peak
+def _held_in_order(name: str) -> InFlight:
+    """A V schedule's in-flight rule, read off its order: the most forwards a stage has run whose whole backward
+    ``B`` or weight pass ``W`` has not (``p - s`` for an odd stage count, which a V cannot have and the cut solver
+    may ask of a dropped stage; for too few micro-batches to fill the V, what its order would hold)."""
+    def held_at_peak(stage: int, stages: int, m: int) -> int:
+        if stages % 2:
+            return _pipeline_depth(stage, stages, m)
+        record, workers = REGISTRY[name], stages // 2
+        filled = max(m, stages) if record.fills else m
+        held = peak = 0
+        for kind, s, i in record.orders(stages, workers, filled)[record.worker_of(stage, workers)]:
+            if s == stage and i < m and kind in ("F", "B", "W"):
+                held += 1 if kind == "F" else -1
+                peak = max(peak, held)
+        return peak
+    return held_at_peak
 
 
 def _fill_drain_units(p: int, m: int, v: int, rho: float) -> float:
@@ -304,6 +313,60 @@ def _zb_v(w: int, p: int, m: int) -> list[Op]:
     return [op for op in order if op[2] < m]
 
 
+def _dualpipev(w: int, p: int, m: int) -> list[Op]:
+    """DualPipeV (DeepSeek-V3's DualPipe folded into a V; torch's ``ScheduleDualPipeV``, whose order this is):
+    worker ``w`` holds stages ``w`` and ``2p - 1 - w``; after the V fills, each step pairs a forward of one stage
+    with a whole backward of the other (torch's ``OVERLAP_F_B``, here the forward then the backward), and the
+    ends use input-gradient passes whose weight passes fill the waits. Needs ``m >= 2p``."""
+    first, second = w, 2 * p - 1 - w
+    count: dict[tuple[str, int], int] = {}
+    waiting: list[tuple[int, int]] = []   # input passes whose weight pass has not run, oldest first
+    order: list[Op] = []
+
+    def add(kind: str, s: int) -> None:
+        i = count.get(("B" if kind == "I" else kind, s), 0)   # B and I count the stage's backwards together
+        order.append((kind, s, i))
+        count[("B" if kind == "I" else kind, s)] = i + 1
+        if kind == "I":
+            waiting.append((s, i))
+
+    def weight() -> None:
+        if waiting:
+            s, i = waiting.pop(0)
+            order.append(("W", s, i))
+
+    for _ in range(2 * (p - w - 1)):   # 1: the first stage's forwards fill the V's way down
+        add("F", first)
+    for _ in range(w + 1):             # 2: both stages' forwards
+        add("F", first)
+        add("F", second)
+    for _ in range(p - w - 1):         # 3: the second stage's input passes, zero-bubble
+        add("I", second)
+        weight()
+        add("F", second)
+    for k in range(m - 2 * p + w + 1):   # 4: the main step, each forward paired with the other stage's backward
+        add("F", first)
+        add("B", second)
+        add("F", second)
+        add("B", first)
+    for _ in range(p - w - 1):         # 5
+        add("B", second)
+        add("F", second)
+        add("B", first)
+    split = False
+    for k in range(w + 1):             # 6: the second half of the backwards split, zero-bubble
+        split = split or (k == (w + 1) // 2 and w % 2 == 1)
+        add("I" if split else "B", second)
+        split = split or (k == (w + 1) // 2 and w % 2 == 0)
+        add("I" if split else "B", first)
+    for _ in range(p - w - 1):         # 7
+        weight()
+        add("I" if split else "B", first)
+    for _ in range(w + 1):             # 8: the remaining weight passes
+        weight()
+    return order
+
+
 def _interleaved(r: int, p: int, v: int, m: int) -> list[Op]:
     total = m * v
 
@@ -330,8 +393,11 @@ REGISTRY: dict[str, Schedule] = {s.name: s for s in (
              torch_class="ScheduleInterleaved1F1B"),
     Schedule("zb-h1", "one", lambda stages, p, m: [_zb_h1(s, p, m) for s in range(p)],
              lambda stage, stages, m: min(m, stages), _zero_bubble_units, split_backward=True, looser="1f1b"),
-    Schedule("zb-v", "v", lambda stages, p, m: [_zb_v(w, p, m) for w in range(p)], _zb_v_held, _zb_v_units,
-             split_backward=True, one_stage_form="zb-h1", monotone_inflight=False),
+    Schedule("zb-v", "v", lambda stages, p, m: [_zb_v(w, p, m) for w in range(p)], _held_in_order("zb-v"),
+             _zb_v_units, split_backward=True, one_stage_form="zb-h1", monotone_inflight=False),
+    Schedule("dualpipev", "v", lambda stages, p, m: [_dualpipev(w, p, m) for w in range(p)],
+             _held_in_order("dualpipev"), _zb_v_units, split_backward=True, one_stage_form="zb-h1",
+             monotone_inflight=False, torch_class="ScheduleDualPipeV", fills=True),
 )}
 """Every schedule, in the order ties between equally fast plans are broken (the simpler first)."""
 

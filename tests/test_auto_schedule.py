@@ -34,7 +34,7 @@ def test_auto_picks_the_simulator_best_of_every_candidate_brute_force():
     rows = pipe.plan.solver["search"]
     every = candidates(2, chunk_choices(BATCH, 2))
     assert {(r["schedule"], r["chunks"]) for r in rows} == {(c.schedule, c.micro_batches) for c in every}
-    assert {c.schedule for c in every} == {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"}
+    assert {c.schedule for c in every} == {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipev"}
     # brute force: each candidate compiled on its own, with that schedule and chunk count, and simulated
     brute = {}
     for c in every:

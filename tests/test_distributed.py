@@ -138,12 +138,14 @@ def _check(results: list[dict], kind: str, batch: int, schedules: tuple[str, ...
         assert worst[0] <= 1e-5, (schedule, worst)
 
 
-@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-v"])
-def test_two_stages_per_rank_train_as_one_process(schedule):
+@pytest.mark.parametrize("schedule,runs", [("interleaved-1f1b", ("interleaved-1f1b",)), ("zb-v", ("zb-v", "dualpipev"))])
+def test_two_stages_per_rank_train_as_one_process(schedule, runs):
+    """Looped and V placements on two ranks; the V plan also runs DualPipeV (the same placement, its order mixing
+    whole and split backwards), in the same process group."""
     batch, chunks = 8, 4
     plan = _interleaved_plan("gpt", batch, chunks, schedule)
     assert len(plan.stages) == 4 and plan.workers == 2 and plan.schedule == schedule
-    _check(run_ranks(2, _train_ranks, "gpt", plan.to_json(), batch, (schedule,)), "gpt", batch, (schedule,))
+    _check(run_ranks(2, _train_ranks, "gpt", plan.to_json(), batch, runs), "gpt", batch, runs)
 
 
 def test_clip_grad_norm_over_all_ranks_is_the_whole_models():

@@ -116,7 +116,7 @@ def test_the_cases_cover_every_kind_of_layout_the_search_returns():
     parallelism, every recomputation policy the search chooses from and every schedule is in :data:`CASES`."""
     from solvers.layout import parse_layout
     from solvers.mesh import MODES
-    from solvers.schedules import SCHEDULES
+    from solvers.schedules import SCHEDULES, get_schedule
     ids = padded_batch("llama", BATCH)["input_ids"]
     auto = fxpipe.plan(build("llama"), Devices.preset("h100", 4), (ids,), mesh="auto")
     searched = {_kind(row) for row in auto.solver["mesh_search"] if row["feasible"]}
@@ -127,7 +127,8 @@ def test_the_cases_cover_every_kind_of_layout_the_search_returns():
                            "dp_mode": "replicate" if layout.sharded is False else "shard"}))
     assert len(searched) >= 5 and searched <= covered, searched - covered
     assert {_recomputation(c) for _, _, c in CASES} == set(MODES)
-    assert {s for _, s, _ in CASES} == set(SCHEDULES) - {"zb-v"}   # ZB-V: 8 stages of a 4-block model, below
+    v = {s for s in SCHEDULES if get_schedule(s).placement == "v"}   # ZB-V, DualPipeV: 8 stages of 4 blocks, below
+    assert {s for _, s, _ in CASES} == set(SCHEDULES) - v
     assert {parse_layout(m).sequence_parallel is not False for m, _, _ in CASES if parse_layout(m).tp > 1} == \
         {True, False}
 

@@ -11,6 +11,7 @@ SHAPES = [  # (schedule, stages, workers, micro-batches)
     *[(s, p, p, m) for s in ("gpipe", "1f1b", "zb-h1") for p in (1, 2, 3, 5) for m in (1, 2, 4, 7)],
     *[("interleaved-1f1b", p * v, p, m) for p in (1, 2, 3, 4) for v in (1, 2, 3) for m in (p, 2 * p, 4 * p)],
     *[("zb-v", 2 * p, p, m) for p in (1, 2, 3, 5) for m in (1, 2, 4, 7, 12)],
+    *[("dualpipev", 2 * p, p, m) for p in (1, 2, 3, 5) for m in (2 * p, 2 * p + 1, 4 * p, 12)],
 ]
 
 
@@ -18,9 +19,12 @@ SHAPES = [  # (schedule, stages, workers, micro-batches)
 def test_every_operation_runs_once_on_its_worker_after_what_it_needs(schedule, stages, workers, m):
     orders = worker_orders(schedule, stages, m, workers)
     assert len(orders) == workers
-    kinds = ("F", "I", "W") if schedule in ("zb-h1", "zb-v") else ("F", "B")
     ops = [op for order in orders for op in order]
-    assert sorted(ops) == sorted((k, s, i) for k in kinds for s in range(stages) for i in range(m))
+    for s in range(stages):   # each micro-batch once forward, and once backward: whole, or input then weight pass
+        for i in range(m):
+            ran = sorted(kind for kind, k, j in ops if (k, j) == (s, i))
+            assert ran in (["B", "F"], ["F", "I", "W"]), (s, i, ran)
+    assert len(set(ops)) == len(ops)
     for w, order in enumerate(orders):
         assert all(stage_worker(schedule, s, workers) == w for _, s, _ in order)
         position = {op: n for n, op in enumerate(order)}
@@ -29,10 +33,28 @@ def test_every_operation_runs_once_on_its_worker_after_what_it_needs(schedule, s
                 assert position[("F", s, i)] < position[(kind, s, i)]
             if kind == "W":
                 assert position[("I", s, i)] < position[(kind, s, i)]
+    if schedule == "dualpipev":   # torch's own order of it, its overlapped forward-backward pairs in turn
+        assert orders == _torch_dualpipev(workers, m)
     # the simulator runs it to the end (raises on a deadlock), also with a skip from stage 0 to the last
     sends = {(0, stages - 1): 0.25} if stages > 2 else None
     sim = simulate([1.0] * stages, [2.0] * stages, m, schedule, sends=sends, workers=workers)
     assert len([e for e in sim.timeline if e.kind in ("F", "B", "I", "W")]) == len(ops)
+
+
+def _torch_dualpipev(p: int, m: int) -> list[list[tuple[str, int, int]]]:
+    """torch.distributed.pipelining's ``ScheduleDualPipeV`` order of every rank (its order generator, called
+    without the process group it otherwise builds from)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules as tds
+    kinds = {tds.FORWARD: "F", tds.FULL_BACKWARD: "B", tds.BACKWARD_INPUT: "I", tds.BACKWARD_WEIGHT: "W"}
+    shape = SimpleNamespace(pp_group_size=p, _n_microbatches=m)
+    out = []
+    for rank in range(p):
+        actions = tds.ScheduleDualPipeV._calculate_single_rank_operations(shape, rank)
+        flat = [sub for a in actions for sub in (a.sub_actions if a.computation_type == tds.OVERLAP_F_B else (a,))]
+        out.append([(kinds[a.computation_type], a.stage_index, a.microbatch_index) for a in flat])
+    return out
 
 
 def _peak_in_flight(sim, stage, release):
@@ -106,7 +128,7 @@ def test_bad_shapes_say_what_is_wrong(schedule, stages, workers, m, message):
 
 
 def test_all_schedules_are_listed():
-    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"}
+    assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "dualpipev"}
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
@@ -136,8 +158,8 @@ def test_devices_of_their_own_simulate_as_the_shared_stepping_does(schedule):
     checked = 0
     for _ in range(40):
         p = rng.randint(2, 5)
-        v = 2 if schedule in ("interleaved-1f1b", "zb-v") else 1
-        m = rng.randint(1, 6) * (p if schedule == "interleaved-1f1b" else 1)
+        v = 2 if schedule in ("interleaved-1f1b", "zb-v", "dualpipev") else 1
+        m = rng.randint(1, 6) * (p if schedule == "interleaved-1f1b" else 1) + (2 * p if schedule == "dualpipev" else 0)
         k = p * v
         try:
             check_schedule(schedule, k, p, m)

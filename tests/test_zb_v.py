@@ -1,4 +1,5 @@
-"""ZB-V: two stages per worker in a V, split backward; exact against one full-batch backward; its timeline."""
+"""ZB-V and DualPipeV: two stages per worker in a V, split backward; exact against one full-batch backward; the
+timeline in the schedule's order."""
 
 import pytest
 import torch
@@ -21,21 +22,24 @@ def _reference(model, x, target, loss_fn):
     return loss.detach(), out.detach(), grads
 
 
-@pytest.mark.parametrize("devices,chunks,checkpoint", [(2, 3, "never"), (2, 4, "except_last"), (4, 5, "never")])
-def test_zb_v_step_equals_one_full_batch_backward_with_a_long_skip_and_tied_weights(devices, chunks, checkpoint):
+@pytest.mark.parametrize("schedule,devices,chunks,checkpoint", [
+    ("zb-v", 2, 3, "never"), ("zb-v", 2, 4, "except_last"), ("zb-v", 4, 5, "never"),
+    ("dualpipev", 2, 5, "except_last"), ("dualpipev", 4, 8, "never")])
+def test_zb_v_step_equals_one_full_batch_backward_with_a_long_skip_and_tied_weights(schedule, devices, chunks,
+                                                                                    checkpoint):
     torch.manual_seed(7)
     model = SkipTied(vocab=11, width=8, depth=2 * devices)
     tokens, target = torch.randint(0, 11, (11, 3)), torch.randint(0, 11, (11, 3))   # uneven micro-batches
-    pipe = fxpipe.compile(model, ["cpu"] * devices, (tokens,), chunks=chunks, schedule="zb-v",
+    pipe = fxpipe.compile(model, ["cpu"] * devices, (tokens,), chunks=chunks, schedule=schedule,
                           checkpoint=checkpoint, profile="estimate")
     plan = pipe.plan
-    assert plan.schedule == "zb-v" and len(plan.stages) == 2 * devices and plan.workers == devices
+    assert plan.schedule == schedule and len(plan.stages) == 2 * devices and plan.workers == devices
     assert len(fxpipe.Plan.from_dict(plan.to_dict()).stages) == 2 * devices   # survives JSON
     # the certificate says where the stages really are and what it is exact for (not "stage k on device k")
-    assert "on its zb-v worker" in plan.solver["exact_over"] and "device k" not in plan.summary()
-    assert "zb-v simulated" in plan.solver["objective"]
+    assert f"on its {schedule} worker" in plan.solver["exact_over"] and "device k" not in plan.summary()
+    assert f"{schedule} simulated" in plan.solver["objective"]
     # the embedding (stage 0) and the tied head (the last stage) are on worker 0, the V's two ends
-    assert {stage_worker("zb-v", 0, devices), stage_worker("zb-v", 2 * devices - 1, devices)} == {0}
+    assert {stage_worker(schedule, 0, devices), stage_worker(schedule, 2 * devices - 1, devices)} == {0}
 
     def loss_fn(logits, t):
         return nn.functional.cross_entropy(logits.reshape(-1, 11), t.reshape(-1))
@@ -49,8 +53,8 @@ def test_zb_v_step_equals_one_full_batch_backward_with_a_long_skip_and_tied_weig
     worst = max((max_relative_error(grads[n], ref_grads[n]), n) for n in ref_grads)
     assert worst[0] <= 1e-5, worst
     timings = pipe.last_step["timings"]
-    for w, order in enumerate(worker_orders("zb-v", 2 * devices, chunks, devices)):
-        mine = sorted((t for t in timings if stage_worker("zb-v", t.stage, devices) == w), key=lambda t: t.start_s)
+    for w, order in enumerate(worker_orders(schedule, 2 * devices, chunks, devices)):
+        mine = sorted((t for t in timings if stage_worker(schedule, t.stage, devices) == w), key=lambda t: t.start_s)
         assert [(t.kind, t.stage, t.micro_batch) for t in mine] == order   # one worker, in the schedule's order
     with torch.no_grad():   # inference with the same plan
         assert max_relative_error(pipe(tokens), ref_out) <= 1e-5

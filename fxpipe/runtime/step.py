@@ -195,7 +195,7 @@ class _Step:
         self.board = _Board()
         self.backwards = [0] * p   # each stage's backwards run so far
         self.in_output = {self.producer[n.name] for n in self.final_nodes if n.name in self.producer}
-        self.run_op = {"F": self.forward, "B": self.backward, "I": self.backward, "W": self.weights}
+        self.run_op = {"F": self.forward, "B": self.backward, "I": self.input_backward, "W": self.weights}
         self.auto: AutoLoss | None = None
 
     def prepare_loss(self, reduction: str, loss_dims: tuple[int, int], auto: AutoLoss | None) -> None:
@@ -287,7 +287,13 @@ class _Step:
         self.send_back({name: leaf for name, leaf in final.items() if name in self.producer}, LOSS, i,
                        self.streams.record(device))
 
-    def backward(self, k: int, i: int) -> None:
+    def input_backward(self, k: int, i: int) -> None:
+        """A split backward's input-gradient pass; its weight pass ``W`` runs later."""
+        self.backward(k, i, split=True)
+
+    def backward(self, k: int, i: int, split: bool = False) -> None:
+        """Micro-batch ``i``'s backward of stage ``k`` (the loss's first on the last stage): whole, or (``split``)
+        its input gradients only."""
         if k == self.p - 1:
             self.loss_backward(i)
         self.backwards[k] += 1   # after the loss (which may fail), before the stage's own backward
@@ -304,7 +310,7 @@ class _Step:
             pairs += [(flat[pos], _with_standard_strides(g)) for pos, g in by_pos.items() if flat[pos].requires_grad]
         roots, root_grads = [t for t, _ in pairs], [g for _, g in pairs]
         stage_leaves = self.leaves.pop((k, i))
-        if self.split:
+        if split:
             inputs = [t for t in tree_flatten(list(stage_leaves.values()))[0] if isinstance(t, torch.Tensor)]
             self.weight_passes[(k, i)] = backward_inputs(roots, root_grads, inputs, *self.parameters_of(k))
         else:   # checkpoint's own recomputation, replaying the forward's random numbers
@@ -324,9 +330,10 @@ class _Step:
         if kind == "F":
             found = [("F", self.producer[name], i) for name in self.specs[k].inputs if name in self.producer]
         else:
-            found = [(kind, c, i) for c in self.consumers[k]] + [("F", k, i)]   # a schedule's backwards: B or I
+            # a backward, whole or input pass, waits for its consumers' gradients (board.finish records either as B)
+            found = [("B", c, i) for c in self.consumers[k]] + [("F", k, i)]
             if k in self.in_output and k != p - 1:
-                found.append((kind, p - 1, i))   # the loss's gradient for this stage's model outputs
+                found.append(("B", p - 1, i))   # the loss's gradient for this stage's model outputs
             found += [("F", s, i) for s in range(p)] if k == p - 1 else []
         return [op for op in found if self.transport.local(op[1])]
 
@@ -366,7 +373,7 @@ class _Step:
                 end = time.perf_counter()
             if self.timings is not None:
                 self.timings.append(OpTiming(kind, k, i, start - self.origin, end - self.origin, self.checkpoint(k, i)))
-            board.finish((kind, k, i))
+            board.finish(("B" if kind == "I" else kind, k, i))   # its gradients are sent either way
 
     def result(self, step_grads: StepGradients | None) -> tuple[torch.Tensor | None, list[Any]]:
         """The step's loss and outputs once every worker returned, or its first failure raised; the replicas'
