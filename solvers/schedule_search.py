@@ -29,7 +29,7 @@ from solvers.errors import InfeasibleError
 from solvers.problem import Problem
 from solvers.score import score
 from solvers.solution import Solution
-from solvers.schedules import REGISTRY, SCHEDULES, check_schedule, get_schedule, stages_per_worker
+from solvers.schedules import REGISTRY, SCHEDULES, check_schedule, get_schedule
 
 __all__ = ["Candidate", "Trial", "chunk_choices", "candidates", "lower_bound", "search", "format_trials",
            "reuse"]

@@ -25,10 +25,8 @@ full-batch backward of that loss.
 
 from __future__ import annotations
 
-import threading
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -46,57 +44,11 @@ from fxpipe.runtime.rng import is_random, rng_guard, step_seed
 from fxpipe.runtime.split_backward import WeightPass, backward_inputs, full_backward, leaf_nodes
 from fxpipe.runtime.streams import DeviceStreams, Event
 from fxpipe.runtime.transport import LOSS, Transport
-from fxpipe.runtime.worker import spawn_workers
+from fxpipe.runtime.step_board import Board, OpTiming, StepFailure, run_workers
 from fxpipe.runtime.recompute import checkpoint_stage, forward_saving_nothing
 from solvers.schedules import Op, worker_orders
 
 __all__ = ["run_step", "StepFailure", "REDUCTIONS", "OpTiming"]
-
-@dataclass(frozen=True)
-class OpTiming:
-    """When one operation ran, in seconds from the start of the step."""
-
-    kind: str         # "F", "B", or a split backward's "I" and "W" (a backward includes the recomputation of a
-                      # checkpointed forward)
-    stage: int
-    micro_batch: int
-    start_s: float
-    end_s: float
-    checkpointed: bool
-
-
-class StepFailure(Exception):
-    """An operation failed: which stage, micro-batch and pass, with the original exception."""
-
-    def __init__(self, stage: int, micro_batch: int, kind: str, exc: BaseException) -> None:
-        super().__init__(f"stage {stage} {kind} of micro-batch {micro_batch}: {exc}")
-        self.stage, self.micro_batch, self.kind, self.exc = stage, micro_batch, kind, exc
-
-
-class _Board:
-    """What has finished, shared by the workers; any failure wakes everyone."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.done: set[tuple[str, int, int]] = set()
-        self.failure: StepFailure | None = None
-
-    def wait(self, needs: list[tuple[str, int, int]]) -> bool:
-        with self.cond:
-            self.cond.wait_for(lambda: self.failure is not None or all(n in self.done for n in needs))
-            return self.failure is None
-
-    def finish(self, op: tuple[str, int, int]) -> None:
-        with self.cond:
-            self.done.add(op)
-            self.cond.notify_all()
-
-    def fail(self, failure: StepFailure) -> None:
-        with self.cond:
-            if self.failure is None:
-                self.failure = failure
-            self.cond.notify_all()
-
 
 def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: Any,
              micro_inputs: list[dict[str, Any]], micro_targets: list[Any], loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -192,7 +144,7 @@ class _Step:
         self.losses: list[torch.Tensor | None] = [None] * m
         self.counts: list[Any] = [None] * m
         self.outputs: list[Any] = [None] * m
-        self.board = _Board()
+        self.board = Board()
         self.backwards = [0] * p   # each stage's backwards run so far
         self.in_output = {self.producer[n.name] for n in self.final_nodes if n.name in self.producer}
         self.run_op = {"F": self.forward, "B": self.backward, "I": self.input_backward, "W": self.weights}
@@ -340,7 +292,7 @@ class _Step:
     def run(self, inline: bool) -> None:
         """Every worker of this process through its order; an interrupt stops them all before it is raised."""
         self.origin = time.perf_counter()
-        _run_workers(self.work, self.transport.workers(self.n_workers), self.board, inline)
+        run_workers(self.work, self.transport.workers(self.n_workers), self.board, inline)
 
     def work(self, w: int) -> None:
         """Worker ``w``'s operations in its order. New threads have torch's defaults: each worker runs in the
@@ -402,29 +354,6 @@ class _Step:
 
 
 PASS_NAMES = {"F": "forward", "B": "backward", "I": "backward", "W": "weight-gradient pass"}
-
-
-def _run_workers(work: Callable[[int], None], ids: list[int], board: _Board, inline: bool = False) -> None:
-    """``work(w)`` for every worker ``w`` of ``ids``, each on a thread of its own (:mod:`fxpipe.runtime.worker`),
-    until all have returned; ``inline`` with one worker: on the calling thread (what a profiler started there
-    sees). Ctrl-C while they run stops every worker at its next operation before it is raised."""
-    if inline and len(ids) == 1:
-        try:
-            work(ids[0])
-        except Exception as exc:   # outside any operation (its own failures are the board's)
-            board.fail(StepFailure(-1, -1, f"worker {ids[0]}", exc))
-        return
-    with spawn_workers(len(ids)) as pool:
-        for lane, w in enumerate(ids):
-            pool.submit(lane, w, lambda w=w: work(w))
-        try:
-            for _ in ids:
-                w, ok, exc = pool.collect()
-                if not ok:   # outside any operation (its own failures are the board's): stop the others too
-                    board.fail(StepFailure(-1, -1, f"worker {w}", exc))
-        except BaseException as interrupt:
-            board.fail(StepFailure(-1, -1, "step", interrupt))
-            raise   # spawn_workers waits for the workers before it returns
 
 
 def _result(losses: list[Any], counts: list[Any]) -> dict[str, Any]:
