@@ -9,7 +9,7 @@ from solvers.groups import GroupTable
 from solvers.problem import Problem
 from solvers.dp.tables import Tables, device_classes, fastest_link, stage_counts
 from solvers.dp.deepen import deepening
-from solvers.dp.labels import Timeout
+from solvers.dp.frontier import Timeout
 from solvers.dp.space import Space
 from solvers.dp.peaks import least_peak
 

@@ -14,7 +14,8 @@ from solvers.solution import Solution, Stage
 from solvers.dp.ideals import solve_ideals_p
 from solvers.dp.lattice import MAX_IDEALS, MAX_STEPS, Lattice
 from solvers.dp.deepen import deepening
-from solvers.dp.labels import Timeout, analytic_lower
+from solvers.dp.frontier import Timeout
+from solvers.dp.labels import analytic_lower
 from solvers.dp.search import MAX_EXACT_PLACEMENT_DEVICES, orbit_canon
 from solvers.dp.space import Space
 from solvers.dp.tables import REL_TOL, Tables, device_classes, stage_counts

@@ -21,7 +21,8 @@ import math
 from typing import Callable
 
 from solvers.problem import Problem
-from solvers.dp.labels import Label, analytic_lower, solve_fixed_p
+from solvers.dp.frontier import Label
+from solvers.dp.labels import analytic_lower, solve_fixed_p
 from solvers.dp.space import Space
 from solvers.dp.tables import REL_TOL, Tables
 

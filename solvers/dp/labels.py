@@ -1,292 +1,284 @@
 """The label-setting search: contiguous cuts for a fixed stage count, in one space of stage-to-device choices.
 
 A state is ``(cut position, stages so far, pending senders)``; each keeps the Pareto set of
-:class:`Label` s (see :mod:`solvers.dp`); which devices a stage may take is a
-:class:`solvers.dp.space.Space`. :mod:`solvers.dp.deepen` runs :func:`solve_fixed_p` under
-rising upper bounds."""
+:class:`~solvers.dp.frontier.Label` s (see :mod:`solvers.dp`; the labels, their dominance and what this search
+shares with :mod:`solvers.dp.ideals` are :mod:`solvers.dp.frontier`'s); which devices a stage may take is a
+:class:`solvers.dp.space.Space`. :mod:`solvers.dp.deepen` runs :func:`solve_fixed_p` under rising upper bounds."""
 
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass
-from operator import le
 
 import numpy as np
 
 from solvers.groups import allreduce_s
 from solvers.problem import Problem
 from solvers.dp.completion import completion_for
+from solvers.dp.frontier import Label, LabelSearch, Timeout, insert_label, senders
 from solvers.dp.skip import EndSkip
 from solvers.dp.space import Space
-from solvers.dp.speeds import SpeedRest, SpeedRests
-from solvers.dp.tables import REL_TOL, Tables
+from solvers.dp.speeds import SpeedRest
+from solvers.dp.tables import Tables
 
 __all__ = ['analytic_lower', 'Label', 'plan_of', 'Timeout', 'insert_label', 'solve_fixed_p']
-
-
-@dataclass(slots=True)   # millions are made in one search: slots make them smaller and faster to read
-class Label:
-    total: float               # sum of stage times so far (pending stages included)
-    max_done: float            # max over stages whose time can no longer grow
-    pending_t: tuple           # times of stages that still have pending senders
-    parent: "Label | None"
-    start: int                 # segment of the stage this label closed: [start, end)
-    end: int
-    device: int                # device index of that stage (in the frame of the state it entered)
-    sigma: tuple | None = None  # the automorphism that mapped that state to its canonical form
-    ending: float = 0.0        # total + weight * max_done, set by insert_label (its weight is one per search)
-
-
-class Timeout(Exception):
-    """The deadline passed inside a search."""
-
-
-def insert_label(front: list[Label], new: Label, weight: float) -> None:
-    """Add ``new`` to a Pareto set unless dominated; drop labels it dominates.
-
-    ``a`` dominates ``b`` (same state) when, whatever the future stages add,
-    ``a`` ends no worse: ``total + weight * max`` with ``weight = m - 1`` is
-    no larger for every future maximum ``X`` iff ``a.total <= b.total`` and
-    ``a.total + weight a.max_done <= b.total + weight b.max_done``; pending
-    stages grow by the same amounts in both, so theirs must be no larger.
-    (Written out inline: this is the search's innermost loop. ``weight`` must be the same for every
-    label of ``front``: each label keeps its ``ending``.)
-    """
-    total, pending = new.total, new.pending_t
-    ending = new.ending = total + weight * new.max_done
-    if not front:
-        front.append(new)
-        return
-    dominated = False   # does ``new`` dominate any label already there?
-    for old in front:
-        if old.total <= total and old.ending <= ending and (not pending or all(map(le, old.pending_t, pending))):
-            return
-        if not dominated and total <= old.total and ending <= old.ending and (
-                not pending or all(map(le, pending, old.pending_t))):
-            dominated = True
-    if dominated:
-        front[:] = [old for old in front if not (total <= old.total and ending <= old.ending and (
-            not pending or all(map(le, pending, old.pending_t))))]
-    front.append(new)
 
 
 def solve_fixed_p(problem: Problem, tables: Tables, p: int, ub: float, space: Space,
                    deadline: float) -> tuple[Label | None, float, float]:
     """Best label for exactly ``p`` stages with iteration time below ``ub``, its time, and the
     smallest lower bound of the labels the bound cut off (a proven bound when none is found)."""
-    n, m = tables.n, problem.micro_batches
-    groups = space.table.groups
-    factor = 1.0 + problem.optimizer_state_factor
-    cap = ub / m * (1 + REL_TOL) if math.isfinite(ub) else math.inf
-    ub_limit = ub * (1 + REL_TOL) if math.isfinite(ub) else math.inf
-    max_speed, together = space.speeds(p)
-    # Every complete plan's slowest stage takes at least the whole work over the speeds of its stages.
-    least_max = tables.suffix_fb[0] / together
-    future_bottleneck = tables.suffix_bottleneck(max_speed, p - 1)
-    transfer_lbs = tables.future_transfer_lbs(p - 1)
-    canon = space.canon
-    # every stage of a plan under the bound is at most this slow: T >= (sum at full speed) + (m - 1) max
-    slowest = (ub_limit - tables.suffix_fb[0] / max_speed) / (m - 1) if m > 1 and math.isfinite(ub) else math.inf
-    completion = (completion_for(problem, tables, p, max_speed, least_max, slowest)
-                  if p > 1 and math.isfinite(slowest) and slowest >= least_max else None)
-    # a state skips the stage ends where even its cheapest label fails the floor test (solvers.dp.skip)
-    skip = EndSkip(tables, p, m, max_speed, future_bottleneck, transfer_lbs)
-    last_use = np.array(tables.last_use)
-    # devices of different speeds: the rest's compute at the speeds it can still have (solvers.dp.speeds)
-    speed_rests = SpeedRests(space, m)
-    # frontier[(j, k)] maps (used devices, pending senders) to Pareto sets of labels.
-    frontier: dict[tuple[int, int], dict[tuple, list[Label]]] = {
-        (0, 0): {(space.start(), ()): [Label(0.0, 0.0, (), None, 0, 0, -1)]}
-    }
-    best: Label | None = None
-    best_t = math.inf
-    pruned = math.inf   # smallest lower bound of anything cut off by the bound: what a failure proves
-    for j in range(n):
-        if time.perf_counter() > deadline:
-            raise Timeout
-        for k in range(p):
-            by_key = frontier.pop((j, k), None)
-            if not by_key:
+    search = _CutSearch(problem, tables, p, ub, space)
+    for j, k, by_key in search.states(tables.n, deadline):
+        search.stages_from(j, k, by_key)
+    return search.best, search.best_t, search.pruned
+
+
+class _CutSearch(LabelSearch):
+    """One :func:`solve_fixed_p`: the shared bounds, and those over the suffixes of the order: the slowest stage
+    and the transfers the rest must still have, the rest's sum and slowest stage together
+    (:mod:`solvers.dp.completion`), and the stage ends a state need not look at (:mod:`solvers.dp.skip`)."""
+
+    __slots__ = ("future_bottleneck", "transfer_lbs", "completion", "skip", "last_use")
+
+    def __init__(self, problem: Problem, tables: Tables, p: int, ub: float, space: Space) -> None:
+        super().__init__(problem, tables, p, ub, space)
+        m, max_speed, least_max = self.m, self.max_speed, self.least_max
+        self.future_bottleneck = tables.suffix_bottleneck(max_speed, p - 1)
+        self.transfer_lbs = tables.future_transfer_lbs(p - 1)
+        # every stage of a plan under the bound is at most this slow: T >= (sum at full speed) + (m - 1) max
+        slowest = ((self.ub_limit - tables.suffix_fb[0] / max_speed) / (m - 1) if m > 1 and math.isfinite(ub)
+                   else math.inf)
+        self.completion = (completion_for(problem, tables, p, max_speed, least_max, slowest)
+                           if p > 1 and math.isfinite(slowest) and slowest >= least_max else None)
+        # a state skips the stage ends where even its cheapest label fails the floor test (solvers.dp.skip)
+        self.skip = EndSkip(tables, p, m, max_speed, self.future_bottleneck, self.transfer_lbs)
+        self.last_use = np.array(tables.last_use)
+
+    def stages_from(self, j: int, k: int, by_key: dict[tuple, list[Label]]) -> None:
+        """Stage ``k``, from cut ``j``, out of each state there: on each device it may take, to each end."""
+        p = self.p
+        inflight = self.problem.inflight(k, p)
+        last_stage = k == p - 1
+        stages_left = p - k - 1
+        j_max = self.n - stages_left
+        for (used, pending), labels in by_key.items():
+            pend = senders(pending)
+            first_end, skipped = self.skip.first_end(j, j_max, stages_left, min(label.total for label in labels),
+                                                     self.cap, self.ub_limit)
+            self.pruned = min(self.pruned, skipped)   # no more than the skipped ends' floors: still a proven bound
+            if first_end is None:
                 continue
-            inflight = problem.inflight(k, p)
-            last_stage = k == p - 1
-            stages_left = p - k - 1
-            j_max = n - stages_left
-            for (used, pending), labels in by_key.items():
-                pend_stage = {u: a for u, a, _ in pending}
-                pend_dev = {u: d for u, _, d in pending}
-                pend_stages = sorted(set(pend_stage.values()))
-                slot = {a: i for i, a in enumerate(pend_stages)}
-                first_end, skipped = skip.first_end(j, j_max, stages_left, min(label.total for label in labels),
-                                                    cap, ub_limit)
-                pruned = min(pruned, skipped)   # no more than the skipped ends' floors: still a proven bound
-                if first_end is None:
-                    continue
-                for d, new_used in space.candidates(used, k, p, pending):
-                    group = groups[d]
-                    speed_rest = speed_rests.of(new_used, k, p)
-                    act_scale = inflight / group.replicas
-                    replicated = group.replicas > 1
-                    # Everything of a stage [j, j2) on d but the labels' own sums is the same for every label
-                    # of this state: computed once per j2, then each label still growing takes its share.
-                    active = list(labels)
-                    least_total = min(label.total for label in active)
-                    compute = params = acts = 0.0
-                    recv: dict[int, float] = {}        # pending node -> bytes received
-                    recv_cost: dict[int, float] = {}   # pending node -> 2 x one-way time
-                    comm_in = 0.0
-                    alive_seg: list[int] = []
-                    # the earlier senders still read at or after j2, updated only when one stops being read
-                    kept_pending, done_slots, kept_slots = pending, [], list(range(len(pend_stages)))
-                    expiry = min((tables.last_use[u] for u, _, _ in pending), default=n)
-                    for j2 in range(j + 1, j_max + 1):
-                        x = j2 - 1
-                        compute += tables.fb[x]
-                        params += tables.param[x]
-                        acts += tables.act[x]
-                        for u, nbytes in tables.inputs[x]:
-                            if u < j and nbytes >= recv.get(u, -1.0):
-                                recv[u] = nbytes
-                                c = 2.0 * space.table.transfer_s(nbytes, pend_dev[u], d)
-                                comm_in += c - recv_cost.get(u, 0.0)
-                                recv_cost[u] = c
-                        if j2 < first_end:   # an end the floor test fails for every label: only add it up
-                            continue
-                        if params * factor + acts * act_scale > group.memory_bytes:
-                            break
-                        ar = allreduce_s(group, params) / m if replicated else 0.0
-                        t_k = compute / group.speed + comm_in + ar
-                        if j2 == first_end > j + 1:   # the first end looked at past the skipped ones
-                            alive_seg = (j + np.flatnonzero(last_use[j:j2] >= j2)).tolist()
-                        else:
-                            alive_seg = [u for u in alive_seg if tables.last_use[u] >= j2]
-                            if tables.last_use[x] >= j2:
-                                alive_seg.append(x)
-                        stage_total = compute / group.speed + 2.0 * comm_in + ar
-                        rest = tables.suffix_fb[j2] / max_speed
-                        # Tests for every label at once (each label's max is at least t_k): t_k and
-                        # total + rest only grow with j2, so past these no label does at any later j2.
-                        if t_k > cap:
-                            if m * t_k < pruned:
-                                pruned = m * t_k
-                            break
-                        end_j2 = least_total + stage_total + rest + (m - 1) * t_k   # no label ends lower
-                        if end_j2 > ub_limit:
-                            if end_j2 < pruned:
-                                pruned = end_j2
-                            break
-                        # the stages after this one: their slowest takes at least this long
-                        future_max = future_bottleneck[stages_left][j2] if stages_left else 0.0
-                        # A lower bound of the final maximum, whatever the label: a label's own maximum below it
-                        # makes no difference to any completion, so it is raised to it, and labels that differ
-                        # only there collapse into one in the Pareto set.
-                        max_floor = future_max if future_max > least_max else least_max
-                        transfer_lb = transfer_lbs[stages_left][j2] if stages_left else 0.0
-                        # every label's bound is at least this one (its max at least the rest shared out):
-                        # when it is over the limit, no label here can end a plan at j2 (a longer stage may:
-                        # the rest shrinks); the labels' own drop tests are made at the next j2
-                        floor_j2 = least_total + stage_total + rest + (m - 1) * future_max + transfer_lb
-                        if completion is not None and stages_left and floor_j2 <= ub_limit:
-                            joint = least_total + stage_total + completion.bound(stages_left, j2, t_k)
-                            if joint > floor_j2:
-                                floor_j2 = joint
-                        if speed_rest is not None and floor_j2 <= ub_limit:
-                            slow = least_total + stage_total + transfer_lb + speed_rest.bound(
-                                tables.suffix_fb[j2], future_max if future_max > t_k else t_k)
-                            if slow > floor_j2:
-                                floor_j2 = slow
-                        if floor_j2 > ub_limit:
-                            if floor_j2 < pruned:
-                                pruned = floor_j2
-                            continue
-                        # what each pending stage grows by: what it sent to this stage (added in this order)
-                        sent: list[list[float]] = [[] for _ in pend_stages]
-                        for u, c in recv_cost.items():
-                            sent[slot[pend_stage[u]]].append(c)
-                        if j2 > expiry:   # some earlier sender is read for the last time before j2
-                            kept_pending = tuple(e for e in kept_pending if tables.last_use[e[0]] >= j2)
-                            expiry = min((tables.last_use[u] for u, _, _ in kept_pending), default=n)
-                            still = {a for _, a, _ in kept_pending}
-                            done_slots = [i for i, a in enumerate(pend_stages) if a not in still]
-                            kept_slots = [i for i, a in enumerate(pend_stages) if a in still]
-                        new_pending = kept_pending + tuple([(u, k, d) for u in alive_seg])
-                        k_done = not alive_seg
-                        key: tuple | None = None
-                        perm: tuple | None = None
-                        target: list[Label] = []   # the Pareto set of the state (key) this j2 leads to
-                        still_growing: list[Label] = []
-                        grows = any(sent)
-                        for label in active:
-                            if grows:
-                                grown = list(label.pending_t)
-                                for i, costs in enumerate(sent):
-                                    for c in costs:
-                                        grown[i] += c
-                            else:
-                                grown = label.pending_t
-                            max_done = label.max_done
-                            for i in done_slots:
-                                if grown[i] > max_done:
-                                    max_done = grown[i]
-                            if k_done and t_k > max_done:
-                                max_done = t_k
-                            if kept_slots:
-                                new_t = tuple([grown[i] for i in kept_slots] + ([] if k_done else [t_k]))
-                                biggest = max(max_done, *new_t)
-                            else:
-                                new_t = () if k_done else (t_k,)
-                                biggest = max_done if k_done or max_done >= t_k else t_k
-                            if biggest > cap:
-                                if m * biggest < pruned:   # T >= m max t_s
-                                    pruned = m * biggest
-                                continue  # every quantity here only grows with j2: this label is done
-                            total = label.total + stage_total
-                            least = total + rest + (m - 1) * biggest
-                            if least > ub_limit:
-                                if least < pruned:
-                                    pruned = least
-                                continue  # grows with j2: done
-                            still_growing.append(label)
-                            bound = total + rest + (m - 1) * (biggest if biggest > future_max else future_max) + transfer_lb
-                            if completion is not None and stages_left and bound <= ub_limit:
-                                joint = total + completion.bound(stages_left, j2, biggest)
-                                if joint > bound:
-                                    bound = joint
-                            if speed_rest is not None and bound <= ub_limit:
-                                slow = total + transfer_lb + speed_rest.bound(
-                                    tables.suffix_fb[j2], biggest if biggest > future_max else future_max)
-                                if slow > bound:
-                                    bound = slow
-                            if bound > ub_limit:
-                                if bound < pruned:
-                                    pruned = bound
-                                continue  # may shrink with j2: a longer stage may still do
-                            if last_stage and j2 < n:
-                                continue
-                            new_label = Label(total, max_done if max_done > max_floor else max_floor, new_t,
-                                              label, j, j2, d)
-                            if j2 == n:
-                                t_iter = total + (m - 1) * max_done
-                                if t_iter < best_t:
-                                    best, best_t = new_label, t_iter
-                                    ub_limit = min(ub_limit, t_iter * (1 + REL_TOL))
-                                    cap = min(cap, t_iter / m * (1 + REL_TOL))
-                                continue
-                            if key is None:
-                                key = (new_used, new_pending)
-                                if canon is not None:   # one state per orbit of the topology's automorphisms
-                                    key, perm = canon.canonical(new_used, new_pending)
-                                target = frontier.setdefault((j2, k + 1), {}).setdefault(key, [])
-                            if perm is not None:
-                                new_label.device, new_label.sigma = perm[d], perm
-                            insert_label(target, new_label, m - 1)
-                        if len(still_growing) < len(active):
-                            active = still_growing
-                            if not active:
-                                break
-                            least_total = min(label.total for label in active)
-    return best, best_t, pruned
+            for d, new_used in self.space.candidates(used, k, p, pending):
+                self.stage_ends(j, k, d, new_used, pending, pend, labels, first_end, inflight, last_stage,
+                                stages_left, j_max)
+
+    def stage_ends(self, j: int, k: int, d: int, new_used: tuple | int, pending: tuple, pend: tuple,
+                   labels: list[Label], first_end: int, inflight: int, last_stage: bool, stages_left: int,
+                   j_max: int) -> None:
+        """The stage ``[j, j2)`` on device group ``d`` for each end ``j2`` in turn (while it fits): its time, the
+        tests every label of the state shares, then the labels it closes (:meth:`close`).
+
+        Everything of a stage [j, j2) on d but the labels' own sums is the same for every label of this
+        state: computed once per j2, then each label still growing takes its share."""
+        tables, m, factor, max_speed, least_max = self.tables, self.m, self.factor, self.max_speed, self.least_max
+        cap, ub_limit, pruned = self.cap, self.ub_limit, self.pruned
+        future_bottleneck, transfer_lbs, completion, last_use = (self.future_bottleneck, self.transfer_lbs,
+                                                                 self.completion, self.last_use)
+        # the tables read at every end (uses: each node's last reader, of which last_use is the numpy copy)
+        fb, param, act, inputs, uses, suffix_fb = (tables.fb, tables.param, tables.act, tables.inputs,
+                                                   tables.last_use, tables.suffix_fb)
+        transfer_s, pend_dev = self.space.table.transfer_s, pend[1]
+        group = self.groups[d]
+        speed, memory = group.speed, group.memory_bytes
+        speed_rest = self.speed_rests.of(new_used, k, self.p)
+        act_scale = inflight / group.replicas
+        replicated = group.replicas > 1
+        active = list(labels)
+        least_total = min(label.total for label in active)
+        compute = params = acts = 0.0
+        recv: dict[int, float] = {}        # pending node -> bytes received
+        recv_cost: dict[int, float] = {}   # pending node -> 2 x one-way time
+        comm_in = 0.0
+        alive_seg: list[int] = []
+        kept = _Kept(pending, pend[2], uses, self.n)   # the earlier senders still read at j2
+        for j2 in range(j + 1, j_max + 1):
+            x = j2 - 1
+            compute += fb[x]
+            params += param[x]
+            acts += act[x]
+            for u, nbytes in inputs[x]:
+                if u < j and nbytes >= recv.get(u, -1.0):
+                    recv[u] = nbytes
+                    c = 2.0 * transfer_s(nbytes, pend_dev[u], d)
+                    comm_in += c - recv_cost.get(u, 0.0)
+                    recv_cost[u] = c
+            if j2 < first_end:   # an end the floor test fails for every label: only add it up
+                continue
+            if params * factor + acts * act_scale > memory:
+                break
+            ar = allreduce_s(group, params) / m if replicated else 0.0
+            t_k = compute / speed + comm_in + ar
+            if j2 == first_end > j + 1:   # the first end looked at past the skipped ones
+                alive_seg = (j + np.flatnonzero(last_use[j:j2] >= j2)).tolist()
+            else:
+                alive_seg = [u for u in alive_seg if uses[u] >= j2]
+                if uses[x] >= j2:
+                    alive_seg.append(x)
+            stage_total = compute / speed + 2.0 * comm_in + ar
+            rest = suffix_fb[j2] / max_speed
+            # Tests for every label at once (each label's max is at least t_k): t_k and
+            # total + rest only grow with j2, so past these no label does at any later j2.
+            if t_k > cap:
+                if m * t_k < pruned:
+                    pruned = m * t_k
+                break
+            end_j2 = least_total + stage_total + rest + (m - 1) * t_k   # no label ends lower
+            if end_j2 > ub_limit:
+                if end_j2 < pruned:
+                    pruned = end_j2
+                break
+            # the stages after this one: their slowest takes at least this long
+            future_max = future_bottleneck[stages_left][j2] if stages_left else 0.0
+            # A lower bound of the final maximum, whatever the label: a label's own maximum below it
+            # makes no difference to any completion, so it is raised to it, and labels that differ
+            # only there collapse into one in the Pareto set.
+            max_floor = future_max if future_max > least_max else least_max
+            transfer_lb = transfer_lbs[stages_left][j2] if stages_left else 0.0
+            # every label's bound is at least this one (its max at least the rest shared out):
+            # when it is over the limit, no label here can end a plan at j2 (a longer stage may:
+            # the rest shrinks); the labels' own drop tests are made at the next j2
+            floor_j2 = least_total + stage_total + rest + (m - 1) * future_max + transfer_lb
+            if completion is not None and stages_left and floor_j2 <= ub_limit:
+                joint = least_total + stage_total + completion.bound(stages_left, j2, t_k)
+                if joint > floor_j2:
+                    floor_j2 = joint
+            if speed_rest is not None and floor_j2 <= ub_limit:
+                slow = least_total + stage_total + transfer_lb + speed_rest.bound(
+                    suffix_fb[j2], future_max if future_max > t_k else t_k)
+                if slow > floor_j2:
+                    floor_j2 = slow
+            if floor_j2 > ub_limit:
+                if floor_j2 < pruned:
+                    pruned = floor_j2
+                continue
+            self.pruned = pruned
+            still_growing = self.close(j, j2, k, d, new_used, active, pend, recv_cost, kept.at(j2), alive_seg,
+                                       t_k, stage_total, rest, future_max, max_floor, transfer_lb, speed_rest,
+                                       stages_left, last_stage)
+            pruned, cap, ub_limit = self.pruned, self.cap, self.ub_limit
+            if len(still_growing) < len(active):
+                active = still_growing
+                if not active:
+                    break
+                least_total = min(label.total for label in active)
+        self.pruned = pruned
+
+    def close(self, j: int, j2: int, k: int, d: int, new_used: tuple | int, active: list[Label], pend: tuple,
+              recv_cost: dict[int, float], kept: tuple, alive_seg: list[int], t_k: float, stage_total: float,
+              rest: float, future_max: float, max_floor: float, transfer_lb: float, speed_rest: SpeedRest | None,
+              stages_left: int, last_stage: bool) -> list[Label]:
+        """Each label of ``active`` that the stage ``[j, j2)`` on ``d`` closes: filed under the state it leads to,
+        or, at the last cut, the incumbent when it beats it. Returns the labels that pass the tests that only
+        get worse with ``j2``: a longer stage may still do for them."""
+        m, n, completion = self.m, self.n, self.completion
+        cap, ub_limit, pruned, best_t = self.cap, self.ub_limit, self.pruned, self.best_t
+        rest_fb = self.tables.suffix_fb[j2]   # the rest's work
+        pend_stage, _, pend_stages, slot = pend
+        kept_pending, done_slots, kept_slots = kept
+        # what each pending stage grows by: what it sent to this stage (added in this order)
+        sent: list[list[float]] = [[] for _ in pend_stages]
+        for u, c in recv_cost.items():
+            sent[slot[pend_stage[u]]].append(c)
+        new_pending = kept_pending + tuple([(u, k, d) for u in alive_seg])
+        k_done = not alive_seg
+        target: list[Label] | None = None   # the Pareto set of the state this j2 leads to
+        perm: tuple | None = None
+        still_growing: list[Label] = []
+        grows = any(sent)
+        for label in active:
+            if grows:
+                grown = list(label.pending_t)
+                for i, costs in enumerate(sent):
+                    for c in costs:
+                        grown[i] += c
+            else:
+                grown = label.pending_t
+            max_done = label.max_done
+            for i in done_slots:
+                if grown[i] > max_done:
+                    max_done = grown[i]
+            if k_done and t_k > max_done:
+                max_done = t_k
+            if kept_slots:
+                new_t = tuple([grown[i] for i in kept_slots] + ([] if k_done else [t_k]))
+                biggest = max(max_done, *new_t)
+            else:
+                new_t = () if k_done else (t_k,)
+                biggest = max_done if k_done or max_done >= t_k else t_k
+            if biggest > cap:
+                if m * biggest < pruned:   # T >= m max t_s
+                    pruned = m * biggest
+                continue  # every quantity here only grows with j2: this label is done
+            total = label.total + stage_total
+            least = total + rest + (m - 1) * biggest
+            if least > ub_limit:
+                if least < pruned:
+                    pruned = least
+                continue  # grows with j2: done
+            still_growing.append(label)
+            bound = total + rest + (m - 1) * (biggest if biggest > future_max else future_max) + transfer_lb
+            if completion is not None and stages_left and bound <= ub_limit:
+                joint = total + completion.bound(stages_left, j2, biggest)
+                if joint > bound:
+                    bound = joint
+            if speed_rest is not None and bound <= ub_limit:
+                slow = total + transfer_lb + speed_rest.bound(
+                    rest_fb, biggest if biggest > future_max else future_max)
+                if slow > bound:
+                    bound = slow
+            if bound > ub_limit:
+                if bound < pruned:
+                    pruned = bound
+                continue  # may shrink with j2: a longer stage may still do
+            if last_stage and j2 < n:
+                continue
+            new_label = Label(total, max_done if max_done > max_floor else max_floor, new_t, label, j, j2, d)
+            if j2 == n:
+                t_iter = total + (m - 1) * max_done
+                if t_iter < best_t:
+                    best_t = t_iter
+                    ub_limit, cap = self.improve(new_label, t_iter, ub_limit, cap)
+                continue
+            if target is None:
+                target, perm = self.front(j2, k + 1, new_used, new_pending)
+            if perm is not None:
+                new_label.device, new_label.sigma = perm[d], perm
+            insert_label(target, new_label, m - 1)
+        self.cap, self.ub_limit, self.pruned = cap, ub_limit, pruned
+        return still_growing
+
+
+class _Kept:
+    """The earlier senders of a state still read at or after an end ``j2``, and the slots of the stages that no
+    longer send and that still do, for rising ``j2``: updated only when one stops being read."""
+
+    __slots__ = ("pending", "expiry", "done_slots", "kept_slots", "pend_stages", "last_use", "n")
+
+    def __init__(self, pending: tuple, pend_stages: list[int], last_use: list[int], n: int) -> None:
+        self.pending, self.done_slots, self.kept_slots = pending, [], list(range(len(pend_stages)))
+        self.pend_stages, self.last_use, self.n = pend_stages, last_use, n
+        self.expiry = min((last_use[u] for u, _, _ in pending), default=n)
+
+    def at(self, j2: int) -> tuple[tuple, list[int], list[int]]:
+        """``(pending senders still read, slots done, slots kept)`` at ``j2``, no lower than the last one asked."""
+        if j2 > self.expiry:   # some earlier sender is read for the last time before j2
+            last_use = self.last_use
+            self.pending = tuple(e for e in self.pending if last_use[e[0]] >= j2)
+            self.expiry = min((last_use[u] for u, _, _ in self.pending), default=self.n)
+            still = {a for _, a, _ in self.pending}
+            self.done_slots = [i for i, a in enumerate(self.pend_stages) if a not in still]
+            self.kept_slots = [i for i, a in enumerate(self.pend_stages) if a in still]
+        return self.pending, self.done_slots, self.kept_slots
 
 
 def plan_of(label: Label) -> tuple[list[int], list[int]]:

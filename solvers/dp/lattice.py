@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solvers.dp.labels import Label, Timeout
+from solvers.dp.frontier import Label, Timeout
 from solvers.dp.tables import Tables
 
 __all__ = ["MAX_IDEALS", "MAX_STEPS", "Lattice", "Step", "TooManyIdeals"]

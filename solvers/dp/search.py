@@ -17,7 +17,8 @@ from solvers.score import Score, score_assignment
 from solvers.solution import Solution, Stage, assignment_from_cuts
 from solvers.dp.tables import REL_TOL, Tables, balanced_cuts, device_classes, stage_counts
 from solvers.dp.deepen import CountDeepening, deepen_counts
-from solvers.dp.labels import Label, plan_of, Timeout
+from solvers.dp.frontier import Label, Timeout
+from solvers.dp.labels import plan_of
 from solvers.dp.space import Space
 from solvers.dp.hierarchy import TreeCanon, link_tree
 from solvers.dp.symmetry import Canon, automorphisms
