@@ -227,7 +227,8 @@ def test_an_error_line_is_written_whole_so_two_ranks_lines_never_run_together(mo
 @pytest.mark.parametrize("given", [None, "3"])
 def test_main_called_as_a_function_leaves_the_node_variable_as_it_found_it(monkeypatch, given):
     """``fxpipe.launch.main`` sets ``FXPIPE_NODE`` for the placement; called in a test process it kept it, and a
-    later two-node torchrun started from that process put both nodes on node 0 (README line 1025 in CI)."""
+    later two-node torchrun started from that process put both nodes on node 0 (the two-node console block of
+    docs/meshes.md, in CI)."""
     from fxpipe import launch
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setattr(sys, "stderr", type("Quiet", (), {"write": lambda self, s: None, "flush": lambda self: None})())
