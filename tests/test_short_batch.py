@@ -54,6 +54,36 @@ def test_a_short_last_batch_trains_in_one_micro_batch_per_sample_as_one_process(
         torch.testing.assert_close(pipe(one), model(one))   # the forward alone, one sample: one micro-batch
 
 
+@pytest.mark.parametrize("schedule,need", [("interleaved-1f1b", "micro-batches in groups of its 2 workers"),
+                                           ("dualpipev", "at least as many micro-batches as its 4 stages")])
+def test_a_short_batch_a_schedule_cannot_group_is_refused_naming_the_batch(schedule, need):
+    """Interleaved 1F1B groups micro-batches by the workers and DualPipeV needs one a stage: a short batch of 3
+    they cannot run is refused before anything runs, naming its samples and the batch that runs (the schedule's
+    own fix, another chunks=, cannot help a batch of 3 samples)."""
+    model = mlp()
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(8, 8),), chunks=4, schedule=schedule,
+                          profile="estimate")
+    with pytest.raises(ValueError, match=rf"this batch has 3 samples, fewer than the 4 micro-batches planned, so it "
+                                         rf"runs as 3 micro-batches of one sample; {schedule} runs {need}: give the "
+                                         rf"step a batch of at least 4 samples"):
+        pipe.step(torch.randn(3, 8), torch.randn(3, 8), F.mse_loss)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_short_batch_interleaved_can_group_trains_exactly():
+    """2 samples on 2 workers: interleaved 1F1B groups them, and the step is the model's."""
+    torch.manual_seed(0)
+    model = mlp()
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(8, 8),), chunks=4, schedule="interleaved-1f1b",
+                          profile="estimate")
+    x, y = torch.randn(2, 8), torch.randn(2, 8)
+    want_loss, want = _reference(model, x, y)
+    loss = pipe.step(x, y, F.mse_loss)
+    assert pipe.last_step["micro_batches"] == 2
+    torch.testing.assert_close(loss, want_loss)
+    _assert_close(_grads(model), want)
+
+
 def test_a_short_batch_of_tokens_without_a_target_trains_exactly():
     """The model's own output as the loss (target None) on 2 sequences with 3 micro-batches planned."""
     torch.manual_seed(0)

@@ -277,6 +277,7 @@ class Pipeline(nn.Module):
             loss_fn = with_micro_batch_mean(self.structured_loss(loss_fn), self._model_loss)
             targets = list(zip(targets, counts))
         m = len(micro)
+        self._refuse_short_batch(schedule, m, chunks or self.chunks)
         grad_leaves = [t for t in tree_flatten(inputs)[0]
                        if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad]
 
@@ -367,6 +368,23 @@ class Pipeline(nn.Module):
         (:meth:`fxpipe.runtime.host.Host.sharing`; for CPU workers :class:`fxpipe.cost.cpu.CpuSharing`, with
         each stage's speed beside the others measured at compile time); ``None`` where devices run on their own."""
         return self.host.sharing(self.plan, self.devices)
+
+    def _refuse_short_batch(self, schedule: str, m: int, planned: int) -> None:
+        """Refuse a batch of fewer samples than the ``planned`` micro-batches (it runs one micro-batch a sample)
+        whose ``m`` micro-batches ``schedule`` cannot run, naming the batch: the schedule's own fix (another
+        ``chunks``) does not change how many samples there are."""
+        if m >= planned:
+            return
+        record, p, workers = get_schedule(schedule), len(self.specs), self._workers(schedule)
+        try:
+            record.check(p, workers, m)
+        except ValueError as exc:
+            need = (f"micro-batches in groups of its {workers} workers" if record.placement == "looped" else
+                    f"at least as many micro-batches as its {p} stages")
+            raise ValueError(f"this batch has {m} samples, fewer than the {planned} micro-batches planned, so it "
+                             f"runs as {m} micro-batches of one sample; {schedule} runs {need}: give the step a "
+                             f"batch of at least {planned} samples (a DataLoader's drop_last=True drops a short "
+                             f"last batch)") from exc
 
     def _workers(self, schedule: str) -> int:
         return get_schedule(schedule).workers(len(self.specs), self.plan.workers)
