@@ -422,7 +422,8 @@ def _node_level(costed: AnalyticModel, devices: Devices, problem: MeshProblem, c
     # the search's state per parameter byte (FSDP2 without a pipeline reshards its blocks: solvers.mesh.state_bytes)
     whole = sum(piece.param_bytes / (m.tp if piece.tp_sharded else 1) for piece in problem.pieces)
     held = sum(state_bytes(problem, m, choice.candidate.micro_batches,
-                           get_schedule(choice.candidate.schedule).split_backward and m.pp > 1, (choice.stage_modes or ["never"])[0]))
+                           get_schedule(choice.candidate.schedule).split_backward and m.pp > 1,
+                           (choice.stage_modes or ["never"])[0]))
     planner = dataclasses.replace(planner, chunks=choice.candidate.micro_batches,
                                   optimizer_state_factor=held / whole - 1.0 if whole > 0 else grad + optimizer_state,
                                   memory_bytes=[problem.memory_bytes] * len(planner.devices))

@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     p_search = sub.add_parser("search", help="joint search over micro-batches, schedule and stages; prints the table")
     p_search.add_argument("problem")
     p_search.add_argument("--micro-batches", type=int, nargs="+", help="counts to try (default: the problem's)")
-    p_search.add_argument("--schedules", nargs="+", default=[s for s in MEMORY_MODELS if not get_schedule(s).split_backward],
+    p_search.add_argument("--schedules", nargs="+",
+                          default=[s for s in MEMORY_MODELS if not get_schedule(s).split_backward],
                           help="memory models to search (default: those with a whole backward)")
     p_search.add_argument("--stages", type=int, nargs="+", help="stage counts to try (default: free)")
     p_search.add_argument("--node-overhead", type=float, default=0.0,

@@ -11,10 +11,10 @@ follows the worker's operations in order and returns the largest total:
 
 - ``F(i)``: ``forward_peak`` on top of what is held while it runs, then ``+ full``
   (``checkpointed`` variants for a checkpointed micro-batch);
-- ``B(i)`` (``I(i)`` under a split backward): ``backward_peak`` on top while it runs (the loss first, on the stage that computes it;
-  the recomputation too when checkpointed; ``backward_peak_split`` for a split backward's input
-  pass); then what ``F`` added is released, and a split backward keeps ``weight_pending``
-  until ``W(i)`` (``weight_peak`` on top while it runs). A checkpointed micro-batch's split ``B``
+- ``B(i)`` (``I(i)`` under a split backward): ``backward_peak`` on top while it runs (the loss first, on the stage
+  that computes it; the recomputation too when checkpointed; ``backward_peak_split`` for a split backward's
+  input pass); then what ``F`` added is released, and a split backward keeps ``weight_pending``
+  until ``W(i)`` (``weight_peak`` on top while it runs). A checkpointed micro-batch's ``I``
   first recomputes its activations (``full - checkpointed`` more) and keeps them, with the
   gradients at the weight frontier, until its ``W``
   (:func:`fxpipe.runtime.recompute.forward_saving_nothing`).
@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from solvers.schedules import Op
+from solvers.schedules import BACKWARDS, Op
 
 __all__ = ["StageBytes", "worker_peak_bytes"]
 
@@ -74,7 +74,7 @@ def worker_peak_bytes(order: Sequence[Op], stage_bytes: Callable[[int], StageByt
         if kind == "F":
             peak = max(peak, live + (b.forward_peak_checkpointed if ckpt else b.forward_peak))
             live += b.checkpointed if ckpt else b.full
-        elif kind in ("B", "I"):
+        elif kind in BACKWARDS:
             split_backward = kind == "I"
             if split_backward and ckpt:   # the recomputed activations, then the input gradients on top
                 during = b.backward_peak_split_checkpointed

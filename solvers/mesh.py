@@ -58,7 +58,8 @@ from dataclasses import dataclass, field
 
 from solvers.errors import InvalidProblemError
 from solvers.layout import DP_MODES, ORDERS, unrunnable
-from solvers.schedules import SCHEDULES, get_schedule, inflight, stage_worker, stages_per_worker, worker_orders
+from solvers.schedules import (BACKWARDS, SCHEDULES, get_schedule, inflight, stage_worker, stages_per_worker,
+                               worker_orders)
 
 __all__ = ["DP_MODES", "MODES", "ORDERS", "Level", "Mesh", "MeshProblem", "Piece", "StageFigures", "allreduce_s",
            "dp_sync_s", "gather_s", "gathered_first", "reduced_after_s", "regather_s", "state_bytes", "mesh_shapes", "stage_figures", "stage_held"]
@@ -388,7 +389,7 @@ def _split_held(schedule: str, stages: int, micro_batches: int) -> list[tuple[tu
     for order in worker_orders(schedule, stages, micro_batches, workers):
         forward, pending = {}, {}
         for kind, s, _ in order:
-            forward[s] = forward.get(s, 0) + (1 if kind == "F" else -1 if kind in ("B", "I") else 0)
+            forward[s] = forward.get(s, 0) + (1 if kind == "F" else -1 if kind in BACKWARDS else 0)
             pending[s] = pending.get(s, 0) + (1 if kind == "I" else -1 if kind == "W" else 0)
             seen[s].add((forward[s], pending[s]))
     return [_undominated(held) for held in seen]

@@ -129,7 +129,8 @@ def _screen_sync(problem: MeshProblem, cand: Candidate, fig: StageFigures) -> tu
     root = sum(fig.param_bytes) - sum(blocks)
     first = root / cand.mesh.pp + max(blocks, default=0.0)
     before, after = dp_sync_s(problem, cand.mesh, sum(fig.param_bytes) / cand.mesh.pp, first)
-    if cand.mesh.dp_mode == "shard" and not get_schedule(cand.schedule).split_backward:   # the blocks' reduce-scatters overlap
+    # the blocks' reduce-scatters overlap the backward
+    if cand.mesh.dp_mode == "shard" and not get_schedule(cand.schedule).split_backward:
         after = dp_sync_s(problem, cand.mesh, first)[1]
     return before, after
 
@@ -249,7 +250,8 @@ def simulate_choice(problem: MeshProblem, choice: MeshChoice) -> MeshChoice:
     sends.update({(0, j): fig.broadcast_s for j in range(2, k) if fig.broadcast_s})
     params = [sum(fig.param_bytes[a:i]) for a, i in zip(cuts, cuts[1:])]
     schedule = cand.schedule if p > 1 else ONE_STAGE
-    after = [reduced_after_s(problem, cand.mesh, fig.param_bytes, a, i, bwd[j], get_schedule(schedule).split_backward)
+    split = get_schedule(schedule).split_backward
+    after = [reduced_after_s(problem, cand.mesh, fig.param_bytes, a, i, bwd[j], split)
              for j, (a, i) in enumerate(zip(cuts, cuts[1:]))]
     first = sum(b for j, b in enumerate(params) if owner(cand.schedule, j, p) == 0)
     before = dp_sync_s(problem, cand.mesh, first, gathered_first(problem, fig.param_bytes, cuts[0], cuts[1]))[0]
@@ -258,7 +260,7 @@ def simulate_choice(problem: MeshProblem, choice: MeshChoice) -> MeshChoice:
         before += cand.micro_batches * (regather_s(problem, cand.mesh, blocks, fwd[0])
                                         + regather_s(problem, cand.mesh, blocks, bwd[0]))
     sim = simulate(fwd, bwd, cand.micro_batches, schedule, sends=sends, allreduce_s=after, workers=p,
-                   weight_share=share if get_schedule(schedule).split_backward else 0.5)
+                   weight_share=share if split else 0.5)
     work = [sum(fwd[j] + bwd[j] for j in range(k) if owner(schedule, j, p) == w) * cand.micro_batches
             for w in range(p)]
     pipe = sim.iteration_s

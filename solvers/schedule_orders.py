@@ -38,7 +38,8 @@ Each takes the shape already checked (:meth:`solvers.schedules.Schedule.check`).
 
 from __future__ import annotations
 
-__all__ = ["Op", "gpipe_orders", "one_f_one_b_order", "zb_h1_order", "zb_v_order", "dualpipev_order", "interleaved_order"]
+__all__ = ["Op", "gpipe_orders", "one_f_one_b_order", "zb_h1_order", "zb_v_order", "dualpipev_order",
+           "interleaved_order"]
 
 Op = tuple[str, int, int]
 

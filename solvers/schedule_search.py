@@ -172,7 +172,8 @@ def search(cands: Sequence[Candidate], evaluate: Callable[[Candidate], Trial],
 
 
 def reuse(problem: Problem, looser: Solution | None) -> Solution | None:
-    """``looser`` — the exact solution of the same problem under the looser schedule (:attr:`solvers.schedules.Schedule.looser`)'s memory model —
+    """``looser`` — the exact solution of the same problem under the looser schedule's memory model
+    (:attr:`solvers.schedules.Schedule.looser`) —
     if it fits ``problem``'s memory too: then it is optimal for ``problem`` as well (same objective, a feasible
     set that contains ``problem``'s), with the same certificate. ``None`` when it does not fit."""
     if looser is None:

@@ -24,7 +24,8 @@ from solvers import schedule_orders as orders
 from solvers.schedule_orders import Op
 
 __all__ = ["Schedule", "REGISTRY", "SCHEDULES", "MEMORY_MODELS", "ONE_STAGE", "PLACEMENTS", "Op", "KINDS", "BACKWARDS",
-           "get_schedule", "worker_orders", "stage_worker", "check_schedule", "inflight", "stages_per_worker"]
+           "get_schedule", "splits_backward", "worker_orders", "stage_worker", "check_schedule", "inflight",
+           "stages_per_worker"]
 
 KINDS = ("F", "B", "I", "W")   # forward, whole backward, input-gradient pass, weight-gradient pass
 BACKWARDS = ("B", "I")         # the kinds that send gradients back to the stages that fed this one
@@ -147,6 +148,12 @@ def get_schedule(schedule: "str | Schedule") -> Schedule:
     return found
 
 
+def splits_backward(schedule: str) -> bool:
+    """Whether ``schedule`` splits its backward: ``False`` for ``"auto"``, which has not chosen one yet (any other
+    unknown name raises, as :func:`get_schedule` does)."""
+    return schedule != "auto" and get_schedule(schedule).split_backward
+
+
 def stages_per_worker(schedule: str, virtual_stages: int = 2) -> int:
     """How many stages each worker runs: ``virtual_stages`` for interleaved 1F1B, 2 for ZB-V, else 1."""
     return get_schedule(schedule).stages_per_worker(virtual_stages)
@@ -220,7 +227,8 @@ REGISTRY: dict[str, Schedule] = {s.name: s for s in (
              single_batch=True, torch_class="ScheduleGPipe"),
     Schedule("1f1b", "one", lambda stages, p, m: [orders.one_f_one_b_order(s, p, m) for s in range(p)], _pipeline_depth,
              _fill_drain_units, torch_class="Schedule1F1B", asynchronous=True),
-    Schedule("interleaved-1f1b", "looped", lambda stages, p, m: [orders.interleaved_order(r, p, stages // p, m) for r in range(p)],
+    Schedule("interleaved-1f1b", "looped",
+             lambda stages, p, m: [orders.interleaved_order(r, p, stages // p, m) for r in range(p)],
              _pipeline_depth, _interleaved_units, plans_as="1f1b", one_stage_form="1f1b",
              torch_class="ScheduleInterleaved1F1B"),
     Schedule("zb-h1", "one", lambda stages, p, m: [orders.zb_h1_order(s, p, m) for s in range(p)],

@@ -56,7 +56,8 @@ def spine_lower_bound(problem: Problem, time_limit_s: float) -> float:
 
     path = heaviest_path(problem)
     # ZB-V's in-flight count is read off its V-shaped order and may rise when a stage is dropped
-    if len(path) == len(problem.nodes) or problem.max_replicas > 1 or not get_schedule(problem.schedule).monotone_inflight:
+    if (len(path) == len(problem.nodes) or problem.max_replicas > 1
+            or not get_schedule(problem.schedule).monotone_inflight):
         return 0.0
     kept = set(path)
     nodes = problem.node_map()

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from fxpipe.planning.plan_view import PlanView, StageView
 from solvers.activation_memory import StageBytes, worker_peak_bytes
-from solvers.schedules import REGISTRY, Op, get_schedule, stage_worker, worker_orders
+from solvers.schedules import Op, get_schedule, splits_backward, stage_worker, worker_orders
 
 __all__ = ["WorkerPrediction", "predict_worker_memory", "checkpointed", "stage_bytes", "choose_checkpoints",
            "worker_memory", "check_fits", "block_mode", "refuse_with_schedule", "is_checkpoint_mode", "recompute_s",
@@ -55,7 +55,7 @@ def refuse_with_schedule(mode: str, schedule: str) -> None:
     without any recomputation. Selective checkpointing allows one backward through a region at all. A whole
     stage (``"always"``, ``"except_last"``) is recomputed by hand once, before the input pass
     (:mod:`fxpipe.runtime.split_backward`), and runs as planned."""
-    if block_mode(mode) is not None and schedule in REGISTRY and REGISTRY[schedule].split_backward:   # not "auto"
+    if block_mode(mode) is not None and splits_backward(schedule):
         why = ("torch's selective checkpointing allows one backward through a region" if mode == "selective" else
                "torch's checkpointing recomputes each block in both passes and holds the first recomputation until "
                "the weight pass, more memory than no recomputation at all")

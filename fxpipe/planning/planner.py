@@ -239,7 +239,8 @@ class Planner:
         elif problem.recompute or block_mode(self.checkpoint) is not None:
             check_fits(plan)             # MemoryError: the solver's model left the kept inputs (or blocks) out
         problem, share = self._charge_chosen(plan, problem, solution, share)
-        if v > 1 or get_schedule(self.schedule).split_backward:   # the solver's formula is 1F1B's bubble; simulated last, once
+        # the solver's formula is 1F1B's bubble; simulated last, once
+        if v > 1 or get_schedule(self.schedule).split_backward:
             # the memory fits (a shape refused above costs no simulation)
             simulated = simulate_solution(problem, solution, self.schedule, workers=workers if v > 1 else None,
                                           recompute_share=share)

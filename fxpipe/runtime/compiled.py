@@ -115,9 +115,9 @@ def compile_stages(modules: Sequence[nn.Module], kwargs: Mapping[str, Any]) -> N
 
 def refuse_split_backward(schedule: str, compiled: Mapping[str, Any] | None) -> None:
     """Refuse a zero-bubble schedule (split backward) for compiled stages, saying why and what runs instead."""
-    from solvers.schedules import REGISTRY
+    from solvers.schedules import splits_backward
 
-    if compiled is not None and schedule in REGISTRY and REGISTRY[schedule].split_backward:   # not "auto"
+    if compiled is not None and splits_backward(schedule):
         raise FxpipeError(f"schedule {schedule!r} splits each stage's backward into an input-gradient and a weight-"
                           f"gradient pass, and {SPLIT_REFUSAL}: use '1f1b' or 'interleaved-1f1b' with compiled "
                           "stages (schedule='auto' chooses among the others), or eager stages "

@@ -34,7 +34,7 @@ from fxpipe.runtime.losses import scalar_of
 from fxpipe.runtime.no_trace import leaving_no_trace
 from fxpipe.runtime.split_backward import WeightPass, backward_inputs, full_backward
 from fxpipe.runtime.recompute import checkpoint_stage, forward_saving_nothing
-from solvers.schedules import get_schedule, worker_orders
+from solvers.schedules import BACKWARDS, get_schedule, worker_orders
 
 # Kineto, the profiler's backend, writes two lines to stderr ("profiler_start", "profiler_stop") for every
 # session, and compile opens hundreds; level 6 is above all its messages. Read once, when the profiler first
@@ -146,9 +146,9 @@ def measure_worker_memory(pipe: Any, inputs: Any, target: Any, loss_fn: Callable
 class Replay:
     """A worker's operations run one by one on the calling thread, as :func:`fxpipe.runtime.step.run_step` runs them:
     ``run("F", k, i)`` keeps the stage's inputs (fresh copies, as a transfer delivers them) and outputs until
-    ``run("B", k, i)`` (``"I"`` under a split backward); the last stage's backward starts at ``loss_fn(output, target)`` (without ``loss_fn``,
-    at gradients of ones like the other stages); with ``split_backward`` the weight gradients wait for
-    ``run("W", k, i)``."""
+    ``run("B", k, i)`` (``"I"`` under a split backward); the last stage's backward starts at
+    ``loss_fn(output, target)`` (without ``loss_fn``, at gradients of ones like the other stages); with
+    ``split_backward`` the weight gradients wait for ``run("W", k, i)``."""
 
     def __init__(self, pipe: Any, seen: list[dict[str, Any]], targets: list[Any] | None,
                  loss_fn: Callable | None, checkpointed: Callable[[int, int], bool], split_backward: bool) -> None:
@@ -171,7 +171,7 @@ class Replay:
             else:
                 outs = spec.module(*args)
             self.held[(k, i)] = (args, list(outs), again)
-        elif kind in ("B", "I"):   # a whole backward, or a split one's input-gradient pass
+        elif kind in BACKWARDS:   # a whole backward, or a split one's input-gradient pass
             args, outs, again = self.held.pop((k, i))
             if again is not None:
                 outs = list(again())

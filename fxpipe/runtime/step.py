@@ -112,7 +112,8 @@ class _Step:
                  orders: list[list[Op]] | None, around: Callable[[str, int, int], ContextManager[None]] | None) -> None:
         p, m = len(specs), len(micro_inputs)
         self.specs, self.devices, self.output_arg, self.p, self.m = specs, devices, output_arg, p, m
-        self.micro_targets, self.loss_fn, self.checkpoint, self.reduction = micro_targets, loss_fn, checkpoint, reduction
+        self.micro_targets, self.loss_fn = micro_targets, loss_fn
+        self.checkpoint, self.reduction = checkpoint, reduction
         self.timings, self.around = timings, around
         self.caller = CallerState.capture() if caller is None else caller
         self.n_workers = p if workers is None else workers
