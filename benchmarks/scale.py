@@ -63,11 +63,11 @@ def model_flops(model: torch.nn.Module, batch: int, seq: int) -> float:
 
 
 def row(name: str, plan: fxpipe.Plan, flops: float, world: int, tokens: int, peak: float) -> list[str]:
-    p, m = plan.predicted, plan.mesh
+    p = plan.predicted
     step = p["iteration_s"]
     memory = max(w.peak_bytes for w in predict_worker_memory(plan))
     modes = ",".join(sorted({s.checkpoint or plan.checkpoint for s in plan.stages}))
-    mesh = f"pp={m['pp']} dp={m['dp']}{'(fsdp)' if m['dp_mode'] == 'shard' and m['dp'] > 1 else ''} tp={m['tp']}"
+    mesh = plan.layout.label()
     return [name, mesh, plan.schedule, str(plan.chunks), modes, f"{step:.3f}", f"{tokens / step / world:,.0f}",
             f"{flops / (step * world * peak):.1%}", f"{p.get('bubble', 0.0):.1%}",
             f"{sum(p.get('data_parallel_sync_s', [0, 0])) * 1e3:.0f}", f"{memory / 2**30:.1f}"]

@@ -47,8 +47,9 @@ from fxpipe.runtime.guards import input_signature
 from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, scatter
 from fxpipe.runtime.structure import FlatInputs, flat_inputs
 import solvers
-from solvers.mesh import Mesh, MeshProblem, state_bytes
-from solvers.mesh_search import MeshChoice, least_step_s, search_mesh, simulate_choice
+from solvers.layout import Layout, refusal
+from solvers.mesh import MeshProblem, state_bytes
+from solvers.mesh_search import MeshChoice, choice_layout, least_step_s, search_mesh, simulate_choice
 from solvers.schedule_search import chunk_choices
 from solvers.schedules import ONE_STAGE, SCHEDULES, get_schedule, stages_per_worker
 
@@ -314,9 +315,8 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
     tps = sorted({t for t in range(2, island + 1) if island % t == 0} | {m.tp for m in fixed[:1] if m.tp > 1})
     refused = {t: why for t in tps if (why := costed.tp_refusal(t))}
     for m in fixed[:1]:
-        if costed.batch % m.dp:
-            raise ValueError(f"mesh {m.label()}: the batch of {costed.batch} samples does not split evenly over "
-                             f"dp={m.dp} replicas; pass a batch that is a multiple of {m.dp}")
+        if (why := refusal(m, batch=costed.batch)) is not None:
+            raise ValueError(f"mesh {m.label()}: {why.message}")
         if m.tp in refused:
             world = len(devices)
             runnable = [t for t in range(1, world + 1) if world % t == 0 and (t == 1 or not costed.tp_refusal(t))]
@@ -344,7 +344,7 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
     failures: list[str] = []
     costed_rows: list[dict[str, Any]] = []   # every choice costed node by node, beside the search's figures
     best: tuple[Plan, MeshChoice] | None = None
-    costed_on: dict[Mesh, set[str]] = {}                # mesh -> the schedules costed node by node on it
+    costed_on: dict[Layout, set[str]] = {}                # mesh -> the schedules costed node by node on it
     order = itertools.count()
     # by a lower bound on the search's simulated step, fastest first: a shape's simulated step where the search
     # simulated it, else the least any schedule could take (least_step_s; the closed form over-counts uneven stages)
@@ -387,12 +387,13 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
     result, choice = best
     result.mesh = mesh_record(choice, problem, pipeline_ranks(choice.mesh.pp, choice.mesh.dp, choice.mesh.tp,
                                                               choice.mesh.order))
+    result.layout = choice_layout(choice, problem)
     result.solver.update(mesh_search=mesh_rows(search, problem, choice, result), mesh_search_s=search.time_s,
                          mesh_candidates=search.tried, mesh_refused=failures, mesh_costed=costed_rows)
     return with_model_flops(result, costed)
 
 
-def _under_another_schedule(problem: MeshProblem, mesh: Mesh, tried: set[str]) -> MeshChoice | None:
+def _under_another_schedule(problem: MeshProblem, mesh: Layout, tried: set[str]) -> MeshChoice | None:
     """The search's best for ``mesh`` alone under the schedules not in ``tried``, or None (none left, or none
     fits by the search's memory)."""
     schedules = tuple(s for s in problem.schedules if s not in tried) if mesh.pp > 1 else ()

@@ -27,7 +27,7 @@ workers) composes the pipeline with data parallelism (FSDP2, DDP, HSDP) and tens
 them with ``--timeout`` for every group, and each process runs :class:`fxpipe.distributed.PipelineRank` on it, every
 process given the same batches (``(inputs, target)`` or dicts with ``labels``, the model's own loss) and training its
 replica's share; one process prints the losses. A plan that
-carries a mesh (``fxpipe.plan(..., mesh=...)``: ``plan.mesh``) runs on it unless ``--mesh`` says otherwise
+carries a mesh (``fxpipe.plan(..., mesh=...)``: ``plan.layout``) runs on it unless ``--mesh`` says otherwise
 (``--mesh dp=1``: the pipeline alone). Checkpoints hold the sharded states (``DTensor``), and load under any
 other mesh or plan of the model.
 """
@@ -50,6 +50,7 @@ from fxpipe.cli.launch_inputs import (LOSSES, OPTIMIZERS, UsageError, compare, d
                                       loss_function, model_factory)                      # tests import it here)
 from fxpipe.errors import FxpipeError
 from fxpipe.planning.plan import load_plan
+from solvers.layout import refusal
 
 __all__ = ["main", "parser", "step_options"]
 
@@ -219,19 +220,14 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 
 def _mesh_dims(args: argparse.Namespace, plan: Any) -> Any:
-    """The ``ParallelDims`` of ``--mesh`` (else of ``plan.mesh``), checked against the world and the plan;
-    ``None`` for the pipeline alone (no mesh, or one of ``dp=1`` with ``tp=1``)."""
+    """The ``ParallelDims`` of ``--mesh`` (else of ``plan.layout``), checked against the world and the plan by
+    :func:`solvers.layout.refusal`; ``None`` for the pipeline alone (dp and tp 1)."""
     from fxpipe.distributed.parallel import ParallelDims
-    if args.mesh is not None:
-        planned, given = None, f"--mesh {args.mesh}"
-    elif plan.mesh:
-        planned = plan.layout()
-        given = f"the plan's layout ({planned}; --mesh overrides it)"
-    else:
-        return None
+    layout = plan.layout if args.mesh is None else None
+    given = f"--mesh {args.mesh}" if layout is None else f"the plan's layout ({layout}; --mesh overrides it)"
     try:
-        dims = ParallelDims.from_spec(args.mesh, plan.workers) if planned is None else \
-            ParallelDims.of(planned, plan.workers)
+        dims = ParallelDims.from_spec(args.mesh, plan.workers) if layout is None else ParallelDims.of(layout,
+                                                                                                       plan.workers)
     except FxpipeError as exc:
         raise UsageError(f"{given}: {exc}") from exc
     except ValueError as exc:
@@ -239,7 +235,7 @@ def _mesh_dims(args: argparse.Namespace, plan: Any) -> Any:
     if dims.dp == 1 and dims.tp == 1:
         return None
     world = dist.get_world_size()
-    if dims.world_size != world:
+    if refusal(dims.layout, world=world) is not None:
         raise UsageError(f"{given} is {dims} but torchrun started {world}: start {dims.world_size} "
                          f"(torchrun --nproc-per-node {dims.world_size}), or pass --mesh with degrees whose product "
                          f"with pp={dims.pp} is {world}")

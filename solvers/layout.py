@@ -1,15 +1,20 @@
-"""A run's layout (:class:`Layout`), and the one spelling of a mesh: ``"pp=2,dp=4,dp_mode=shard"`` or
-``"dp_shard=4"``, as a string or a dict.
+"""A run's layout (:class:`Layout`), the rules a layout must keep (:func:`refusal`), and the one spelling of a
+mesh: ``"pp=2,dp=4,dp_mode=shard"`` or ``"dp_shard=4"``, as a string or a dict.
 
-:class:`Layout` is the one record of how a step runs: the degrees (pp, dp_replicate, dp_shard, tp), the data
-parallel mode, sequence parallelism, the order, the schedule with its virtual stages per device, and each stage's
-recomputation. The mesh search returns its choice as one (:func:`solvers.mesh_search.choice_layout`), a plan
-gives the one it runs (:meth:`fxpipe.Plan.layout`: its ``mesh`` record, schedule and stages) and the runtime builds
-its ``ParallelDims`` from it (:meth:`fxpipe.distributed.parallel.ParallelDims.of`).
+:class:`Layout` is the one record of how a step runs, from the search to the ranks: the degrees (pp,
+dp_replicate, dp_shard, tp), the data-parallel mode, the order, sequence parallelism, the schedule with its
+virtual stages per device, and each stage's recomputation. The mesh search enumerates layouts
+(:func:`solvers.mesh.mesh_shapes`: :meth:`Layout.of` each shape) and returns its choice as one
+(:func:`solvers.mesh_search.choice_layout`); a plan stores the one it runs whole (``plan.layout``, the plan
+JSON's ``layout``: :meth:`Layout.to_dict`); the ranks build their ``DeviceMesh`` from it
+(:class:`fxpipe.distributed.parallel.ParallelDims`, which holds a Layout and nothing else of the degrees).
 
-``fxpipe plan --mesh`` / ``fxpipe.plan(mesh=...)`` (:func:`fxpipe.planning.mesh_plan.parse_mesh`) and
-``python -m fxpipe.launch --mesh`` (:meth:`fxpipe.distributed.parallel.ParallelDims.from_spec`) both read a
-mesh with :func:`parse_layout`, so either spelling means the same layout on both:
+One spelling for each field: the data-parallel mode is :attr:`Layout.dp_mode` (``"shard"``: FSDP2, HSDP
+with ``dp_replicate`` > 1; ``"replicate"``: DDP; ``None``: not said, which only a mesh spelling leaves);
+recomputation is one of :data:`RECOMPUTATION` per stage (``"always"``: the whole stage, every micro-batch).
+
+``fxpipe plan --mesh`` / ``fxpipe.plan(mesh=...)`` and ``python -m fxpipe.launch --mesh`` /
+``PipelineRank(mesh=...)`` all read a mesh with :func:`parse_layout`, so either spelling means the same layout:
 
 * ``dp=N`` with ``dp_mode=shard`` (FSDP) or ``dp_mode=replicate`` (DDP); without ``dp_mode`` the mode is
   unsaid (the planner tries both, launch shards);
@@ -20,43 +25,102 @@ mesh with :func:`parse_layout`, so either spelling means the same layout on both
   between its blocks by sequence (Megatron-LM's sequence parallelism; on where left out, as torchtitan runs
   tensor parallelism).
 
-Each consumer then refuses what it cannot run (the planner: HSDP; launch: ``order=dp-pp-tp``).
-:func:`unrunnable` says which layouts fxpipe's runtime (``fxpipe.distributed.PipelineRank``) does not run, so the
-mesh search (:func:`solvers.mesh.mesh_shapes`) enumerates only the ones it does. Torch-free.
+The rules (:func:`refusal`, one function: every entry point asks it and raises its own error type) are the
+world size (the degrees multiply to the processes or devices), the plan's workers (``pp`` is the plan's),
+the batch (it splits evenly over ``dp``), and, for the runtime (``fxpipe.distributed.PipelineRank``), the
+order (the pipeline outermost) and no DDP over tensor parallelism; the mesh search enumerates only what the
+runtime runs. A new mesh dimension is a degree field here, its rule in :func:`refusal`, its key in
+:func:`parse_layout`, and one apply function in :mod:`fxpipe.distributed.parallel` (``docs/architecture.md``).
+Torch-free.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-__all__ = ["DP_MODES", "KEYS", "ORDERS", "Layout", "mesh_fields", "parse_layout", "unrunnable"]
+__all__ = ["DP_MODES", "KEYS", "ORDERS", "RECOMPUTATION", "Layout", "LayoutError", "Refusal", "check_layout",
+           "is_recomputation", "mesh_fields", "parse_layout", "refusal"]
 
 DP_MODES = ("replicate", "shard")
 ORDERS = ("pp-dp-tp", "dp-pp-tp")
+#: a stage's recomputation: none, the whole stage (every micro-batch), each block, every other block, the
+#: cheap parts of each block (:func:`fxpipe.planning.memory_model.block_mode`)
+RECOMPUTATION = ("never", "always", "except_last", "blocks", "blocks:2", "selective")
+
+
+
+def is_recomputation(mode: Any) -> bool:
+    """One of :data:`RECOMPUTATION`, or ``"blocks:K"`` (every K-th block) for a K of at least one."""
+    if mode in RECOMPUTATION:
+        return True
+    head, _, k = str(mode).partition(":")
+    return head == "blocks" and k.isdigit() and int(k) >= 1
+
 
 KEYS = ("pp", "dp", "tp", "dp_mode", "order", "dp_shard", "dp_replicate", "sp")
 EXAMPLE = "e.g. pp=2,dp=4,dp_mode=shard, or dp_shard=4 (FSDP), dp_replicate=4 (DDP), dp_replicate=2,dp_shard=2 (HSDP)"
+DEGREES = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+class LayoutError(ValueError):
+    """A layout breaks one of the rules (:func:`refusal`); ``rule`` names which."""
+
+    def __init__(self, message: str, rule: str = "") -> None:
+        super().__init__(message)
+        self.rule = rule
 
 
 @dataclass(frozen=True)
 class Layout:
-    """A run's layout. From a mesh spelling (:func:`parse_layout`) only the degrees are said: ``pp`` ``None`` where
-    it was left out, ``sharded`` ``None`` where the data-parallel mode was, ``sequence_parallel`` ``None`` where
-    ``sp`` was (on). A plan's or the search's (module docstring) says everything: ``schedule``,
-    ``virtual_stages`` (stages per device) and ``recomputation``, each stage's mode in stage order (``"never"``,
-    whole stages ``"always"``/``"except_last"``, or per block ``"blocks"``, ``"blocks:K"``, ``"selective"``)."""
+    """A run's layout (module docstring). From a mesh spelling (:func:`parse_layout`) only the degrees are said:
+    ``pp`` ``None`` where it was left out, ``dp_mode`` ``None`` where the mode was, ``sequence_parallel`` ``None``
+    where ``sp`` was (on). A plan's or the search's says everything: ``schedule``, ``virtual_stages`` (stages per
+    device) and ``recomputation``, each stage's mode (:data:`RECOMPUTATION`) in stage order."""
 
     pp: Optional[int] = None
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
-    sharded: Optional[bool] = None
-    order: Optional[str] = None
+    dp_mode: Optional[str] = None
+    order: str = ORDERS[0]
     sequence_parallel: Optional[bool] = None
     schedule: Optional[str] = None
     virtual_stages: int = 1
-    recomputation: tuple[str, ...] = ()
+    recomputation: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        for name in DEGREES:
+            value = getattr(self, name)
+            if value is None and name == "pp":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LayoutError(f"Layout.{name} must be a positive int, got {value!r}", "degree")
+        if self.dp_mode not in (None, *DP_MODES):
+            raise LayoutError(f"Layout.dp_mode is one of {DP_MODES} (or None: unsaid), got {self.dp_mode!r}", "mode")
+        if self.dp_mode != "shard" and self.dp_replicate > 1 and self.dp_shard > 1:
+            raise LayoutError(f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} is HSDP, whose mode is "
+                              "shard (FSDP2 shards, replicated)", "mode")
+        if self.dp_mode == "replicate" and self.dp_shard != 1:
+            raise LayoutError(f"dp_shard={self.dp_shard} with dp_mode='replicate': replicas (DDP) do not shard; use "
+                              "dp_mode='shard' for FSDP2, or put the degree in dp_replicate", "mode")
+        if self.dp_mode is None and self.dp_replicate != 1:
+            raise LayoutError(f"dp_replicate={self.dp_replicate} names its mode: pass dp_mode='replicate' (DDP) or "
+                              "'shard' (HSDP)", "mode")
+        if self.order not in ORDERS:
+            raise LayoutError(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}", "order")
+        bad = [m for m in self.recomputation if not is_recomputation(m)]
+        if bad:
+            raise LayoutError(f"recomputation {bad[0]!r} is not one of {RECOMPUTATION} (blocks:K for every K-th "
+                              "block)", "recomputation")
+        object.__setattr__(self, "recomputation", tuple(self.recomputation))
+
+    @classmethod
+    def of(cls, pp: int, dp: int, tp: int, dp_mode: str = "replicate", order: str = ORDERS[0]) -> "Layout":
+        """The layout of a mesh shape of the search: ``dp`` ranks replicated (DDP) or sharded (FSDP2)."""
+        shard = dp_mode == "shard"
+        return cls(pp=pp, dp_replicate=1 if shard else dp, dp_shard=dp if shard else 1, tp=tp, dp_mode=dp_mode,
+                   order=order)
 
     @property
     def dp(self) -> int:
@@ -69,9 +133,41 @@ class Layout:
         return self.dp_replicate > 1 and self.dp_shard > 1
 
     @property
-    def dp_mode(self) -> str:
-        """``"replicate"`` (DDP, or no data parallelism) or ``"shard"`` (FSDP2; HSDP's shards)."""
-        return "shard" if self.sharded and self.dp_shard > 1 else "replicate"
+    def world(self) -> int:
+        """The processes (devices) it runs on: the product of the degrees (``pp`` left out counts 1)."""
+        return (self.pp or 1) * self.dp * self.tp
+
+    @property
+    def data_parallel(self) -> str:
+        """``"replicate"`` (DDP, or none), ``"shard"`` (FSDP2) or ``"hsdp"`` (FSDP2 shards, replicated)."""
+        if self.dp_mode != "shard":
+            return "replicate"
+        return "hsdp" if self.dp_replicate > 1 else "shard"
+
+    def degrees(self) -> "Layout":
+        """The degrees, mode, order and sequence parallelism alone (what a mesh spelling says)."""
+        return Layout(self.pp, self.dp_replicate, self.dp_shard, self.tp, self.dp_mode, self.order,
+                      self.sequence_parallel)
+
+    def label(self) -> str:
+        """``pp=2 dp=4(fsdp) tp=1`` (``dp-outer`` for that order): the shape, as the mesh tables show it."""
+        dp = f"dp={self.dp}" + ("(fsdp)" if self.dp_mode == "shard" and self.dp > 1 else "")
+        return f"pp={self.pp} {dp} tp={self.tp}" + (" dp-outer" if self.order == "dp-pp-tp" else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as JSON (the plan's ``layout``); :meth:`from_dict` reads it back."""
+        doc = asdict(self)
+        doc["recomputation"] = list(self.recomputation)
+        return doc
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> "Layout":
+        """The record :meth:`to_dict` wrote; ``LayoutError`` for an unknown field."""
+        unknown = sorted(set(doc) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise LayoutError(f"layout field(s) {unknown} unknown; the fields are {', '.join(cls.__dataclass_fields__)}",
+                              "field")
+        return cls(**{**doc, "recomputation": tuple(doc.get("recomputation", ()))})
 
     def spec(self) -> dict[str, Any]:
         """The degrees as a mesh spelling :func:`parse_layout` reads back to them (``sp`` where tp > 1)."""
@@ -80,10 +176,10 @@ class Layout:
             out.update(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard)
         else:
             out["dp"] = self.dp
-            if self.sharded is not None:
-                out["dp_mode"] = "shard" if self.sharded else "replicate"
+            if self.dp_mode is not None:
+                out["dp_mode"] = self.dp_mode
         out["tp"] = self.tp
-        if self.order is not None:
+        if self.order != ORDERS[0]:
             out["order"] = self.order
         if self.tp > 1 and self.sequence_parallel is not None:
             out["sp"] = int(self.sequence_parallel)
@@ -102,15 +198,54 @@ class Layout:
         return " ".join(parts)
 
 
-def unrunnable(dp: int, tp: int, dp_mode: str, order: str) -> Optional[str]:
-    """Why fxpipe's runtime does not run a layout of these degrees, mode and order (``None``: it does): it runs the
-    pipeline outermost (``pp-dp-tp``), and shards tensor-parallel stages with FSDP2 rather than replicating them
-    with DDP."""
-    if order != ORDERS[0] and dp > 1:
-        return f"order={order}: the runtime runs the pipeline outermost ({ORDERS[0]})"
-    if dp_mode == "replicate" and dp > 1 and tp > 1:
-        return "DDP over tensor-parallel stages: the runtime shards them with FSDP2 (dp_mode=shard)"
+@dataclass(frozen=True)
+class Refusal:
+    """Why a layout cannot run: ``rule`` (``"world"``, ``"workers"``, ``"batch"``, ``"order"``, ``"ddp_tp"``) and
+    the message, which names the fix."""
+
+    rule: str
+    message: str
+
+    def error(self) -> LayoutError:
+        return LayoutError(self.message, self.rule)
+
+
+def refusal(layout: Layout, *, world: Optional[int] = None, workers: Optional[int] = None,
+            batch: Optional[int] = None, runtime: bool = True) -> Optional[Refusal]:
+    """The first rule ``layout`` breaks, or ``None``: its degrees multiply to ``world`` processes; its ``pp`` (where
+    said) is the plan's ``workers``; ``batch`` samples split evenly over its ``dp``; and with ``runtime`` (what
+    fxpipe's ranks run) the pipeline is outermost and tensor-parallel stages are not replicated with DDP."""
+    if runtime and layout.order != ORDERS[0] and layout.dp > 1:
+        return Refusal("order", f"order={layout.order}: fxpipe runs the pipeline outermost ({ORDERS[0]}: each "
+                                f"pipeline's ranks apart, each tp group's ranks adjacent); pass order={ORDERS[0]}")
+    if runtime and layout.dp_mode == "replicate" and layout.dp > 1 and layout.tp > 1:
+        return Refusal("ddp_tp", "DDP over tensor-parallel stages (dp_mode=replicate with tp > 1), which fxpipe does "
+                                 "not run: shard them with FSDP2 instead (dp_mode=shard, or dp_shard=N)")
+    if workers is not None and layout.pp is not None and layout.pp != workers:
+        rest = layout.tp * workers
+        fix = (f"use pp={workers}, dp={world // rest}" if world and world % rest == 0 else "leave pp out (it is "
+               "the plan's)")
+        return Refusal("workers", f"the plan runs on {workers} workers but pp={layout.pp}: {fix}, or plan for "
+                                  f"{layout.pp} devices")
+    if world is not None and layout.world != world:
+        pp = layout.pp if layout.pp is not None else workers
+        shown = " x ".join(f"{n}={getattr(layout, n) if n != 'pp' else pp}" for n in DEGREES)
+        need = (pp or 1) * layout.dp * layout.tp
+        return Refusal("world", f"the degrees {shown} multiply to {need} but there are {world} devices "
+                                f"(processes): choose degrees whose product is {world}, or start {need} (torchrun "
+                                f"--nproc-per-node {need} on one node)")
+    if batch is not None and batch % layout.dp:
+        return Refusal("batch", f"the batch of {batch} samples does not split evenly over dp={layout.dp} replicas; "
+                                f"pass a batch that is a multiple of {layout.dp}")
     return None
+
+
+def check_layout(layout: Layout, **rules: Any) -> Layout:
+    """``layout``, or :class:`LayoutError` for the first rule it breaks (:func:`refusal`, same keywords)."""
+    found = refusal(layout, **rules)
+    if found is not None:
+        raise found.error()
+    return layout
 
 
 def mesh_fields(spec: str) -> dict[str, str]:
@@ -127,6 +262,8 @@ def mesh_fields(spec: str) -> dict[str, str]:
 def parse_layout(spec: Any) -> Layout:
     """The :class:`Layout` a ``KEY=VALUE,...`` string or a dict of the keys :data:`KEYS` names (module
     docstring); ``ValueError`` naming the key, the accepted keys and an example."""
+    if isinstance(spec, Layout):
+        return spec
     if not isinstance(spec, (str, dict)):
         raise TypeError(f"mesh must be a string like 'pp=2,dp=4,tp=1' or a dict of it, got {spec!r}")
     fields = dict(mesh_fields(spec) if isinstance(spec, str) else spec)
@@ -137,20 +274,20 @@ def parse_layout(spec: Any) -> Layout:
     mode, order = fields.get("dp_mode"), fields.get("order")
     if "dp" in size and ({"dp_shard", "dp_replicate"} & set(size)):
         raise ValueError(f"mesh {spec!r}: give dp (with dp_mode) or dp_shard/dp_replicate, not both ({EXAMPLE})")
-    if mode not in (None, "shard", "replicate") or (mode is not None and {"dp_shard", "dp_replicate"} & set(size)):
+    if mode not in (None, *DP_MODES) or (mode is not None and {"dp_shard", "dp_replicate"} & set(size)):
         raise ValueError(f"mesh {spec!r}: dp_mode is shard (FSDP2) or replicate (DDP), and goes with dp only "
                          "(dp_shard and dp_replicate name their mode)")
     if order is not None and order not in ORDERS:
         raise ValueError(f"mesh {spec!r}: order must be one of {', '.join(ORDERS)}, got {order!r}")
-    common = {"pp": size.get("pp"), "tp": size.get("tp", 1), "order": order,
+    common = {"pp": size.get("pp"), "tp": size.get("tp", 1), "order": order or ORDERS[0],
               "sequence_parallel": _switch(spec, fields.get("sp"))}
     if "dp_shard" in size or "dp_replicate" in size:
         return Layout(dp_replicate=size.get("dp_replicate", 1), dp_shard=size.get("dp_shard", 1),
-                      sharded="dp_shard" in size, **common)
+                      dp_mode="shard" if "dp_shard" in size else "replicate", **common)
     dp = size.get("dp", 1)
     if mode == "replicate":
-        return Layout(dp_replicate=dp, sharded=False, **common)
-    return Layout(dp_shard=dp, sharded=None if mode is None else True, **common)
+        return Layout(dp_replicate=dp, dp_mode="replicate", **common)
+    return Layout(dp_shard=dp, dp_mode=mode, **common)
 
 
 _ON, _OFF = ("1", "on", "true"), ("0", "off", "false")

@@ -7,7 +7,7 @@ its forward makes (a transformer block: two, after attention and after the MLP, 
 size; the backward makes as many). The devices form nested levels of links, innermost first: the islands
 of the fastest links (NVLink inside a node), then the network between nodes (:class:`Level`).
 
-A mesh (:class:`Mesh`) puts ``tp`` innermost (consecutive ranks, which must lie inside one island), then
+A mesh (a :class:`solvers.layout.Layout` of the search's shape: :meth:`~solvers.layout.Layout.of`) puts ``tp`` innermost (consecutive ranks, which must lie inside one island), then
 ``dp`` and ``pp`` in either order (``order="pp-dp-tp"``: pp outermost, as torchtitan's mesh; ``"dp-pp-tp"``:
 dp outermost); a dimension's collectives run at the slowest link of the block of ranks it spans.
 What each part is charged (:func:`stage_figures`, :func:`dp_sync_s`):
@@ -57,11 +57,11 @@ import math
 from dataclasses import dataclass, field
 
 from solvers.errors import InvalidProblemError
-from solvers.layout import DP_MODES, ORDERS, unrunnable
+from solvers.layout import DP_MODES, ORDERS, Layout, refusal
 from solvers.schedules import (BACKWARDS, SCHEDULES, get_schedule, inflight, stage_worker, stages_per_worker,
                                worker_orders)
 
-__all__ = ["DP_MODES", "MODES", "ORDERS", "Level", "Mesh", "MeshProblem", "Piece", "StageFigures", "allreduce_s",
+__all__ = ["DP_MODES", "MODES", "ORDERS", "Level", "MeshProblem", "Piece", "StageFigures", "allreduce_s",
            "dp_sync_s", "gather_s", "gathered_first", "reduced_after_s", "regather_s", "state_bytes", "mesh_shapes", "stage_figures", "stage_held"]
 
 
@@ -97,19 +97,6 @@ class Level:
     name: str = ""
 
 
-@dataclass(frozen=True)
-class Mesh:
-    pp: int
-    dp: int
-    tp: int
-    dp_mode: str = "replicate"
-    order: str = "pp-dp-tp"
-
-    def label(self) -> str:
-        dp = f"dp={self.dp}" + ("(fsdp)" if self.dp_mode == "shard" and self.dp > 1 else "")
-        return f"pp={self.pp} {dp} tp={self.tp}" + (" dp-outer" if self.order == "dp-pp-tp" else "")
-
-
 @dataclass
 class MeshProblem:
     pieces: list[Piece]
@@ -128,8 +115,8 @@ class MeshProblem:
     virtual_stages: int = 2       # interleaved-1f1b's stages per device
     most_micro_batches: int | None = None   # at most this many per step (default: the local batch)
     micro_batch_counts: tuple[int, ...] = ()  # only these (per dp replica); empty: powers of two and the whole
-    fixed: list[Mesh] = field(default_factory=list)   # only these meshes (empty: every shape)
-    runnable_only: bool = True   # the search enumerates only layouts fxpipe's runtime runs (solvers.layout.unrunnable)
+    fixed: list[Layout] = field(default_factory=list)   # only these meshes (empty: every shape)
+    runnable_only: bool = True   # the search enumerates only layouts fxpipe's runtime runs (solvers.layout.refusal)
     broadcast_bytes: float = 0.0  # per sample: what the first piece sends each later stage (masks, rotary tables)
     tp_refused: tuple[int, ...] = ()   # tp degrees the runtime cannot shard this model over (its heads, features)
 
@@ -163,17 +150,17 @@ class MeshProblem:
                 return lv
         return self.levels[-1]
 
-    def links(self, mesh: Mesh) -> dict[str, Level | None]:
+    def links(self, mesh: Layout) -> dict[str, Level | None]:
         """The link each dimension of ``mesh`` crosses."""
         t, d, p = mesh.tp, mesh.dp, mesh.pp
         dp_stride, pp_stride = (t, t * d) if mesh.order == "pp-dp-tp" else (t * p, t)
         return {"tp": self.link(t, 1), "dp": self.link(d, dp_stride), "pp": self.link(p, pp_stride)}
 
 
-def mesh_shapes(problem: MeshProblem) -> list[Mesh]:
+def mesh_shapes(problem: MeshProblem) -> list[Layout]:
     """Every pp × dp × tp = world with tp inside the innermost level and pp at most the pieces; each dp mode and
     order where they differ (dp = 1: one; pp or dp = 1: one order), of those fxpipe's runtime runs
-    (:func:`solvers.layout.unrunnable`; no ``tp`` of ``problem.tp_refused``) unless ``problem.runnable_only`` is
+    (:func:`solvers.layout.refusal`; no ``tp`` of ``problem.tp_refused``) unless ``problem.runnable_only`` is
     off."""
     if problem.fixed:
         return list(problem.fixed)
@@ -187,8 +174,9 @@ def mesh_shapes(problem: MeshProblem) -> list[Mesh]:
                 continue
             for mode in (problem.dp_modes if d > 1 else problem.dp_modes[:1]):
                 for order in (problem.orders if d > 1 and p > 1 else problem.orders[:1]):
-                    if not (problem.runnable_only and unrunnable(d, t, mode, order)):
-                        out.append(Mesh(p, d, t, mode, order))
+                    shape = Layout.of(p, d, t, mode, order)
+                    if not (problem.runnable_only and refusal(shape)):
+                        out.append(shape)
     return out
 
 
@@ -223,20 +211,20 @@ class StageFigures:
     loss_bytes: float = 0.0      # the loss's transient, on the stage holding the last piece
 
 
-MODES = ("never", "stages", "blocks", "blocks:2", "selective")
+MODES = ("never", "always", "blocks", "blocks:2", "selective")
 """A stage's recomputation in the search, as :mod:`fxpipe.runtime` runs it (the names of
-:func:`fxpipe.planning.memory_model.block_mode`; ``"stages"`` is ``checkpoint="always"``)."""
+:func:`fxpipe.planning.memory_model.block_mode`; the plan's spelling, :data:`solvers.layout.RECOMPUTATION`)."""
 
 
-def stage_figures(problem: MeshProblem, mesh: Mesh, samples: int, mode: str = "never",
+def stage_figures(problem: MeshProblem, mesh: Layout, samples: int, mode: str = "never",
                   split: bool = False) -> StageFigures:
     """The pieces' figures on ``mesh`` for micro-batches of ``samples`` samples (module docstring) under the
-    recomputation ``mode`` (:data:`MODES`): ``"stages"`` adds each piece's forward to its backward; ``"blocks"``
+    recomputation ``mode`` (:data:`MODES`): ``"always"`` adds each piece's forward to its backward; ``"blocks"``
     each block's (a micro-batch keeps the block's input in place of its activations), ``"blocks:2"`` the blocks' at
     even positions in the model, ``"selective"`` the share of a block's forward that is not a matrix product or
     attention (``Piece.selective_share``; their outputs kept besides the input). Under a ``split`` backward
     (zero-bubble schedules) no per-block mode runs (:func:`fxpipe.planning.memory_model.refuse_with_schedule`)."""
-    if mode not in MODES or (split and mode not in ("never", "stages")):
+    if mode not in MODES or (split and mode not in ("never", "always")):
         raise InvalidProblemError(f"recomputation {mode!r} is not one of {MODES} (under a split backward: never or "
                                   "stages only)")
     links, t, speed = problem.links(mesh), mesh.tp, problem.speed
@@ -256,7 +244,7 @@ def stage_figures(problem: MeshProblem, mesh: Mesh, samples: int, mode: str = "n
         act = ((piece.act_bytes - whole) / d + whole) * samples
         again, keeps = _recomputed(mode, piece, position, f, act, cut_bytes[x - 1] if x > 0 else 0.0,
                                    piece.selective_kept_bytes * samples / d)
-        if again and piece.block and mode != "stages":
+        if again and piece.block and mode != "always":
             rebuilt.append(act - (keeps - (cut_bytes[x - 1] if x > 0 else 0.0)))
         fwd.append(f)
         bwd.append(piece.bwd_s * samples / (d * speed) + 2 * piece.fixed_s + tp_s + again)
@@ -276,7 +264,7 @@ def stage_figures(problem: MeshProblem, mesh: Mesh, samples: int, mode: str = "n
                         work, loss)
 
 
-def state_bytes(problem: MeshProblem, mesh: Mesh, micro_batches: int, split: bool = False,
+def state_bytes(problem: MeshProblem, mesh: Layout, micro_batches: int, split: bool = False,
                 mode: str = "never") -> list[float]:
     """Per piece, the bytes of parameters, gradients and optimizer state a device holds at its peak (module
     docstring): each piece's parameters and gradients whole through the step and its optimizer state / ``dp``
@@ -284,7 +272,7 @@ def state_bytes(problem: MeshProblem, mesh: Mesh, micro_batches: int, split: boo
     FSDP2 reshards each block after its passes, so a block's parameters count / ``dp`` (its gradients too where
     one micro-batch's backward reduces them as it goes; over several they accumulate whole until the last), with
     two blocks unsharded at a time (the one running and the one gathered next), charged to the first block, or, where
-    the whole stage is recomputed (``mode="stages"``), every block (its recomputation gathers them all)."""
+    the whole stage is recomputed (``mode="always"``), every block (its recomputation gathers them all)."""
     shard = mesh.dp_mode == "shard" and mesh.dp > 1
     dp, grad, opt = mesh.dp, problem.grad_factor, problem.optimizer_factor
     whole = 1.0 + grad + opt / (dp if shard else 1)
@@ -295,15 +283,15 @@ def state_bytes(problem: MeshProblem, mesh: Mesh, micro_batches: int, split: boo
     blocks = [x for x, piece in enumerate(problem.pieces) if piece.block]
     if resharded and blocks:
         sizes = [params[x] for x in blocks]
-        out[blocks[0]] += (sum(sizes) if mode == "stages" else 2 * max(sizes)) * (1.0 + grad)
+        out[blocks[0]] += (sum(sizes) if mode == "always" else 2 * max(sizes)) * (1.0 + grad)
     return out
 
 
 def _recomputed(mode: str, piece: Piece, position: int, f: float, act: float, entering: float,
                 selective: float) -> tuple[float, float]:
     """(forward seconds recomputed, bytes a micro-batch keeps from forward to backward) of one piece under
-    ``mode`` (:func:`stage_figures`; ``"stages"``: the whole forward, and what the stage keeps is its input)."""
-    if mode == "stages":
+    ``mode`` (:func:`stage_figures`; ``"always"``: the whole forward, and what the stage keeps is its input)."""
+    if mode == "always":
         return f, act
     if mode == "never" or not piece.block or (mode == "blocks:2" and position % 2):
         return 0.0, act
@@ -312,7 +300,7 @@ def _recomputed(mode: str, piece: Piece, position: int, f: float, act: float, en
     return f, entering
 
 
-def dp_sync_s(problem: MeshProblem, mesh: Mesh, param_bytes: float,
+def dp_sync_s(problem: MeshProblem, mesh: Layout, param_bytes: float,
               first_bytes: float | None = None) -> tuple[float, float]:
     """(before the first forward, after the last backward): data parallel's per-step collectives for a device
     holding ``param_bytes`` of parameters (gradients of the same bytes), of which FSDP2 gathers ``first_bytes``
@@ -333,7 +321,7 @@ def gathered_first(problem: MeshProblem, param_bytes: list[float], a: int, i: in
     return root + (param_bytes[blocks[0]] if blocks else 0.0)
 
 
-def reduced_after_s(problem: MeshProblem, mesh: Mesh, param_bytes: list[float], a: int, i: int, backward_s: float,
+def reduced_after_s(problem: MeshProblem, mesh: Layout, param_bytes: list[float], a: int, i: int, backward_s: float,
                     split: bool) -> float:
     """The seconds of data parallel's gradient reduction that stand after the last backward (weight pass) of the
     stage of pieces ``a:i``, whose last backward takes ``backward_s``: the whole reduction but under FSDP2 without
@@ -348,7 +336,7 @@ def reduced_after_s(problem: MeshProblem, mesh: Mesh, param_bytes: list[float], 
     return gather_s(last * problem.grad_factor, mesh.dp, link) + max(0.0, rest - backward_s)
 
 
-def regather_s(problem: MeshProblem, mesh: Mesh, block_bytes: float, compute_s: float) -> float:
+def regather_s(problem: MeshProblem, mesh: Layout, block_bytes: float, compute_s: float) -> float:
     """Without a pipeline (``pp=1``), the seconds a micro-batch's forward or backward (``compute_s``) waits for the
     all-gathers of its blocks (``block_bytes``, resharded after each pass): what they take beyond the compute
     they overlap."""

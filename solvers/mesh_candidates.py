@@ -16,7 +16,8 @@ from typing import Iterator
 
 import numpy as np
 
-from solvers.mesh import Mesh, MeshProblem, StageFigures, budget, mesh_shapes, stage_figures
+from solvers.layout import Layout
+from solvers.mesh import MeshProblem, StageFigures, budget, mesh_shapes, stage_figures
 from solvers.schedules import ONE_STAGE, REGISTRY, check_schedule, get_schedule
 
 __all__ = ["Candidate", "Mode", "as_chosen", "candidates", "figures", "held_bytes", "micro_batch_counts", "modes",
@@ -25,7 +26,7 @@ __all__ = ["Candidate", "Mode", "as_chosen", "candidates", "figures", "held_byte
 
 @dataclass(frozen=True)
 class Candidate:
-    mesh: Mesh
+    mesh: Layout
     schedule: str
     micro_batches: int
     recompute: bool = False
@@ -34,10 +35,10 @@ class Candidate:
 
     @property
     def recomputation(self) -> str:
-        """``"never"``, ``"stages"`` (whole stages), ``"blocks"`` (each block) or ``"per stage"``."""
+        """``"never"``, ``"always"`` (whole stages), ``"blocks"`` (each block) or ``"per stage"``."""
         if self.per_stage:
             return "per stage"
-        return "blocks" if self.recompute and self.per_block else "stages" if self.recompute else "never"
+        return "blocks" if self.recompute and self.per_block else "always" if self.recompute else "never"
 
 
 Mode = str
@@ -53,8 +54,8 @@ def modes(problem: MeshProblem, cand: Candidate) -> list[Mode]:
         return [cand.recomputation]
     split = get_schedule(cand.schedule).split_backward and cand.mesh.pp > 1
     if split or not any(p.block for p in problem.pieces):
-        return ["never", "stages"]
-    return ["never", "stages", "blocks", "blocks:2", "selective"]
+        return ["never", "always"]
+    return ["never", "always", "blocks", "blocks:2", "selective"]
 
 
 def micro_batch_counts(problem: MeshProblem, dp: int) -> list[int]:
@@ -70,11 +71,11 @@ def micro_batch_counts(problem: MeshProblem, dp: int) -> list[int]:
     return sorted(counts)
 
 
-def _schedules(problem: MeshProblem, mesh: Mesh) -> tuple[str, ...]:
+def _schedules(problem: MeshProblem, mesh: Layout) -> tuple[str, ...]:
     return problem.schedules if mesh.pp > 1 else (ONE_STAGE,)   # one stage: accumulation, one in flight
 
 
-def _refusal(problem: MeshProblem, mesh: Mesh, schedule: str, m: int | None) -> str | None:
+def _refusal(problem: MeshProblem, mesh: Layout, schedule: str, m: int | None) -> str | None:
     """Why ``schedule`` does not run ``m`` micro-batches on ``mesh`` (``None``: it does): more stages than the
     model's pieces, or (``m`` given) a count the schedule cannot group, or one micro-batch in a pipeline but under
     GPipe."""
@@ -102,7 +103,7 @@ def candidates(problem: MeshProblem) -> Iterator[Candidate]:
                     yield Candidate(mesh, schedule, m)
 
 
-def no_candidate(problem: MeshProblem, mesh: Mesh) -> str:
+def no_candidate(problem: MeshProblem, mesh: Layout) -> str:
     """Why :func:`candidates` gives ``mesh`` none: per schedule, its stages beyond the model's pieces, else the
     refusal of its first micro-batch count."""
     reasons = []
@@ -135,7 +136,7 @@ def held_bytes(mode: Mode, held: tuple[tuple[int, int], ...], state, act, kept, 
     an operation's output and its gradient (``work``) and, on the stage computing it, the loss's buffers
     (``loss``) or the rebuilt activations, whichever is larger. Works on numbers and on arrays of segments alike."""
     forward, pending, extra = (act, 2 * act, 0.0) if mode == "never" else (inputs, 2 * act, act) \
-        if mode == "stages" else (kept, 2 * kept, rebuilt)
+        if mode == "always" else (kept, 2 * kept, rebuilt)
     most = None
     for f, w in held:
         now = f * forward + w * pending if w else f * forward

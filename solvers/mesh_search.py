@@ -44,7 +44,7 @@ import numpy as np
 
 from solvers.errors import InfeasibleError
 from solvers.layout import Layout
-from solvers.mesh import Mesh, MeshProblem, StageFigures, budget, dp_sync_s, gathered_first, mesh_shapes, owner, \
+from solvers.mesh import MeshProblem, StageFigures, budget, dp_sync_s, gathered_first, mesh_shapes, owner, \
     reduced_after_s, regather_s, state_bytes, \
     stage_held
 from solvers.mesh_candidates import (Candidate, Mode, as_chosen, candidates, figures, held_bytes, no_candidate,
@@ -82,7 +82,7 @@ class MeshChoice:
     stage_modes: list[Mode] = field(default_factory=list)   # each stage's recomputation (:func:`modes`)
 
     @property
-    def mesh(self) -> Mesh:
+    def mesh(self) -> Layout:
         return self.candidate.mesh
 
     @property
@@ -92,22 +92,20 @@ class MeshChoice:
 
 
 def choice_layout(choice: MeshChoice, problem: MeshProblem) -> Layout:
-    """``choice`` as the run's layout (:class:`solvers.layout.Layout`): its mesh, ``problem``'s sequence
-    parallelism, the schedule with its stages per device, and each stage's recomputation in the plan's spelling
-    (the search's ``"stages"``: every micro-batch, ``"always"``)."""
+    """``choice`` as the run's layout (:class:`solvers.layout.Layout`): its mesh shape with ``problem``'s sequence
+    parallelism, the schedule with its stages per device, and each stage's recomputation."""
     m, schedule = choice.mesh, choice.candidate.schedule
-    shard = m.dp_mode == "shard" and m.dp > 1
-    return Layout(pp=m.pp, dp_replicate=1 if shard else m.dp, dp_shard=m.dp if shard else 1, tp=m.tp, sharded=shard,
-                  order=m.order, sequence_parallel=problem.sequence_parallel if m.tp > 1 else None, schedule=schedule,
-                  virtual_stages=stages_per_worker(schedule, problem.virtual_stages) if m.pp > 1 else 1,
-                  recomputation=tuple("always" if mode == "stages" else mode for mode in choice.stage_modes))
+    return dataclasses.replace(
+        m, sequence_parallel=problem.sequence_parallel if m.tp > 1 else None, schedule=schedule,
+        virtual_stages=stages_per_worker(schedule, problem.virtual_stages) if m.pp > 1 else 1,
+        recomputation=tuple(choice.stage_modes))
 
 
 @dataclass
 class MeshSearch:
     best: MeshChoice
     shapes: list[MeshChoice]                        # the best of every mesh shape that fits, fastest first
-    infeasible: dict[Mesh, str] = field(default_factory=dict)   # shape -> why nothing fits
+    infeasible: dict[Layout, str] = field(default_factory=dict)   # shape -> why nothing fits
     tried: int = 0
     time_s: float = 0.0
 
@@ -275,10 +273,10 @@ def search_mesh(problem: MeshProblem) -> MeshSearch:
 
     Raises :class:`solvers.InfeasibleError` when no candidate fits memory on any mesh."""
     started = time.perf_counter()
-    best_of: dict[Mesh, MeshChoice] = {}
-    why: dict[Mesh, str] = {}
-    cache: dict[tuple[Mesh, int, str, bool], StageFigures] = {}   # figures' cache
-    by_mesh: dict[Mesh, list[Candidate]] = {}
+    best_of: dict[Layout, MeshChoice] = {}
+    why: dict[Layout, str] = {}
+    cache: dict[tuple[Layout, int, str, bool], StageFigures] = {}   # figures' cache
+    by_mesh: dict[Layout, list[Candidate]] = {}
     for cand in candidates(problem):
         by_mesh.setdefault(cand.mesh, []).append(cand)
     for mesh in mesh_shapes(problem):

@@ -137,7 +137,7 @@ def _saved(compiled, tmp_path, change) -> str:
 
 
 @pytest.mark.parametrize("change,message", [
-    (lambda d: d.update(format="fxpipe-plan/9"), "this fxpipe reads 'fxpipe-plan/2'"),
+    (lambda d: d.update(format="fxpipe-plan/9"), "this fxpipe reads 'fxpipe-plan/3'"),
     (lambda d: d.update(chunks="4"), r"chunks: '4' is not of type 'integer'"),
     (lambda d: d.update(chunks=10**18), "chunks: .* is greater than the maximum"),
     (lambda d: d.update(batch_size=-3), "batch_size: -3 is less than the minimum"),
@@ -182,7 +182,7 @@ def test_a_plan_file_too_large_is_refused_before_it_is_read(tmp_path):
 def test_the_schema_knows_every_schedule_and_every_field():
     schema = plan_schema()
     assert schema["properties"]["schedule"]["enum"] == list(SCHEDULES)
-    assert set(schema["properties"]) == {"format", *fxpipe.Plan.__dataclass_fields__}
+    assert set(schema["properties"]) == {"format", "layout", *fxpipe.Plan.__dataclass_fields__} - {"_layout"}
     assert set(schema["$defs"]["stage"]["properties"]) == set(fxpipe.PlanStage.__dataclass_fields__)
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from fxpipe.planning.plan import load_plan
+from solvers.layout import Layout
 
 from forced_cuts import compile_with_cuts
 from launch_target import batches, make_model
@@ -106,7 +107,7 @@ def test_launch_places_stages_by_the_plan_loads_weights_and_resumes_as_one_proce
     want = _reference(5)
     assert _close(_losses(out), want[:3]), (_losses(out), want)
     meshed = load_plan(plan)
-    meshed.mesh = {"pp": 2, "dp": 2, "tp": 1, "dp_mode": "shard", "order": "pp-dp-tp"}
+    meshed.layout = Layout.of(2, 2, 1, "shard")   # as fxpipe.plan(mesh=...) records one
     meshed.save(plan)
     out, err, rc = _torchrun([*common, "--resume", "--steps", "2"],   # other_init's weights until loaded
                              ["--standalone", "--nproc-per-node", "4"])
@@ -203,7 +204,7 @@ def test_a_mesh_the_world_does_not_fit_ends_the_process_before_anything_is_built
                      r"started 1: start 4 \(torchrun --nproc-per-node 4\)", run("--mesh", "dp_shard=2"), re.M)
     assert "error: rank 0: mesh 'cp=2': unknown key(s) ['cp']" in run("--mesh", "cp=2")
     meshed = load_plan(plan)
-    meshed.mesh = {"pp": 2, "dp": 2, "tp": 1, "dp_mode": "shard", "order": "pp-dp-tp", "sequence_parallel": True}
+    meshed.layout = Layout.of(2, 2, 1, "shard")
     meshed.save(plan)
     # the plan's whole layout is named: degrees, schedule, recomputation
     assert re.search(r"^error: rank 0: the plan's layout \(pp=2 dp=2\(fsdp\) tp=1 zb-h1 recompute except_last; --mesh "

@@ -54,7 +54,7 @@ def _kind(mesh: dict) -> tuple:
 
 def _recomputation(mode: str) -> str:
     """A plan's checkpoint mode as the search's recomputation policy (solvers.mesh.MODES)."""
-    return "stages" if mode in ("always", "except_last") else mode
+    return "always" if mode in ("always", "except_last") else mode
 
 
 def _plans() -> list[fxpipe.Plan]:
@@ -124,7 +124,7 @@ def test_the_cases_cover_every_kind_of_layout_the_search_returns():
     for mesh, _, _ in CASES:
         layout = parse_layout(mesh)
         covered.add(_kind({"pp": layout.pp, "dp": layout.dp, "tp": layout.tp, "order": "pp-dp-tp",
-                           "dp_mode": "replicate" if layout.sharded is False else "shard"}))
+                           "dp_mode": "replicate" if layout.dp_mode == "replicate" else "shard"}))
     assert len(searched) >= 5 and searched <= covered, searched - covered
     assert {_recomputation(c) for _, _, c in CASES} == set(MODES)
     v = {s for s in SCHEDULES if get_schedule(s).placement == "v"}   # ZB-V, DualPipeV: 8 stages of 4 blocks, below
@@ -140,9 +140,9 @@ def test_every_kind_of_layout_runs_as_planned_exact_with_the_planned_memory():
     from solvers.layout import parse_layout
     plans = _plans()
     for plan, (mesh, schedule, checkpoint) in zip(plans, CASES):   # each plan's layout is the one asked for
-        asked, layout = parse_layout(mesh), plan.layout()
-        assert (layout.pp, layout.dp, layout.tp, layout.sharded or layout.dp == 1) == \
-            (asked.pp, asked.dp, asked.tp, asked.sharded is not False), (mesh, layout)
+        asked, layout = parse_layout(mesh), plan.layout
+        assert (layout.pp, layout.dp, layout.tp, layout.dp_mode == "shard" or layout.dp == 1) == \
+            (asked.pp, asked.dp, asked.tp, asked.dp_mode != "replicate"), (mesh, layout)
         assert layout.sequence_parallel is (None if asked.tp == 1 else asked.sequence_parallel is not False), mesh
         assert layout.recomputation == (checkpoint,) * len(plan.stages), (mesh, layout)
         assert layout.schedule == schedule and layout.virtual_stages == len(plan.stages) // asked.pp, (mesh, layout)
@@ -156,7 +156,7 @@ def test_every_kind_of_layout_runs_as_planned_exact_with_the_planned_memory():
             for name, value in r["params"].items():
                 assert torch.allclose(value, want[name], rtol=1e-5, atol=1e-7), (case, name)
         # the ranks ran the degrees of the plan's layout (the pipeline alone where it has no dp or tp)
-        dims = ParallelDims.of(plan.layout(), plan.workers)
+        dims = ParallelDims.of(plan.layout, plan.workers)
         assert all(r["dims"] == (None if dims.dp == dims.tp == 1 else dims) for r in ranks), (case, ranks[0]["dims"])
         predicted = predict_worker_memory(plan)
         for rank, r in enumerate(ranks):

@@ -7,6 +7,7 @@ for a batch the replicas share unevenly. The overlap and failure tests also run 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -125,8 +126,8 @@ def test_a_mesh_that_does_not_fit_the_plan_is_refused_with_the_numbers():
     [result] = run_ranks(1, _refused, plan.to_json())
     assert "ok" in result, result.get("trace")
     wrong_pp, wrong_dims, ddp_over_tp = result["ok"]
-    assert ddp_over_tp.startswith("ValueError: mesh='dp=2,dp_mode=replicate,tp=2' replicates tensor-parallel stages "
-                                  "with DistributedDataParallel") and "shard them with FSDP2" in ddp_over_tp, ddp_over_tp
+    assert ddp_over_tp.startswith("ValueError: mesh 'dp=2,dp_mode=replicate,tp=2': DDP over tensor-parallel "
+                                  "stages") and "shard them with FSDP2" in ddp_over_tp, ddp_over_tp
     assert wrong_pp.startswith("PlanMismatchError") and "2 workers" in wrong_pp and "pp dimension has 1" in wrong_pp
     assert "start a multiple of 2 processes" in wrong_pp and "plan for 1 devices" in wrong_pp, wrong_pp
     assert wrong_dims.startswith("ValueError") and "mesh_dim_names=('pp', 'dp')" in wrong_dims, wrong_dims
@@ -161,7 +162,7 @@ def _on_the_plans_mesh(rank: int, world: int, plan_json: str, too_wide_json: str
 
 
 def test_a_rank_runs_the_mesh_its_plan_was_made_for_unless_told_otherwise():
-    """``PipelineRank(plan, ...)`` without ``mesh=`` runs ``plan.mesh`` (here FSDP2 over 2 copies of a 1-worker
+    """``PipelineRank(plan, ...)`` without ``mesh=`` runs ``plan.layout`` (here FSDP2 over 2 copies of a 1-worker
     pipeline, exact against one process); a plan's mesh the world does not hold, and ``mesh="dp=1"`` (one pipeline)
     on a world of two, are refused naming the fix; ``MeshPipelineRank`` is the same class, with a deprecation."""
     x = _batches(8)[0][0]
@@ -169,9 +170,9 @@ def test_a_rank_runs_the_mesh_its_plan_was_made_for_unless_told_otherwise():
         model = _make()
     devices = fxpipe.Devices.preset("h100", 2)
     plan = fxpipe.plan(model, devices, (x.to("meta"),), mesh="pp=1,dp=2,dp_mode=shard", chunks=2)
-    assert plan.workers == 1 and plan.mesh["dp"] == 2, plan.mesh
+    assert plan.workers == 1 and plan.layout.dp == 2, plan.layout
     too_wide = copy.deepcopy(plan)
-    too_wide.mesh = {**plan.mesh, "dp": 4}
+    too_wide.layout = dataclasses.replace(plan.layout, dp_shard=4)
     results = run_ranks(2, _on_the_plans_mesh, plan.to_json(), too_wide.to_json())
     assert all("ok" in r for r in results), [r.get("trace") for r in results]
     want_losses, want_params, _ = _reference(8)
@@ -181,7 +182,7 @@ def test_a_rank_runs_the_mesh_its_plan_was_made_for_unless_told_otherwise():
         assert got["losses"] == pytest.approx(want_losses, rel=1e-5)
         assert max(max_relative_error(got["params"][n], want_params[n]) for n in want_params) <= 1e-5
         too_wide_error, one_pipeline_error = got["refused"]
-        assert "the plan's mesh (pp=1 x dp_shard=4" in too_wide_error and "need 4 processes" in too_wide_error
+        assert "the plan's mesh (pp=1 x dp_shard=4" in too_wide_error and "multiply to 4" in too_wide_error
         assert "mesh='dp=1' runs one pipeline instead" in too_wide_error, too_wide_error
         assert "process group has 2 processes" in one_pipeline_error and "dp_shard=2" in one_pipeline_error
         assert got["alias"] and "MeshPipelineRank is PipelineRank(plan, model_fn, loss_fn, mesh=...)" in \

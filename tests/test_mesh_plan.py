@@ -28,17 +28,17 @@ def costed():
 def test_auto_mesh_plan_records_the_mesh_and_every_shape(costed, tmp_path):
     model, ids, devices, c = costed
     plan = fxpipe.plan(model, devices, (ids,), mesh="auto")
-    mesh = plan.mesh
-    assert mesh["pp"] * mesh["dp"] * mesh["tp"] == 8 and mesh["tp"] <= 4   # tp inside a node's NVLink island
+    mesh = plan.layout
+    assert mesh.world == 8 and mesh.tp <= 4   # tp inside a node's NVLink island
     rows = plan.solver["mesh_search"]
     chosen = [r for r in rows if r["chosen"]]
-    assert len(chosen) == 1 and (chosen[0]["pp"], chosen[0]["dp"], chosen[0]["tp"]) == (mesh["pp"], mesh["dp"], mesh["tp"])
+    assert len(chosen) == 1 and (chosen[0]["pp"], chosen[0]["dp"], chosen[0]["tp"]) == (mesh.pp, mesh.dp, mesh.tp)
     assert len({(r["pp"], r["dp"], r["tp"]) for r in rows}) >= 8   # the shapes of 8 = pp x dp x tp with tp <= 4
-    assert plan.workers == mesh["pp"] and plan.devices[0] == "cuda:0"
+    assert plan.workers == mesh.pp and plan.devices[0] == "cuda:0"
     assert sorted(n for s in plan.stages for n in s.nodes) == sorted(n.name for n in c.captured.graph.graph.nodes
                                                                     if n.op != "output")
     text = plan.summary()
-    assert text.startswith(f"mesh pp={mesh['pp']}") and "mesh search (" in text and "* pp=" in text
+    assert text.startswith(f"mesh pp={mesh.pp}") and "mesh search (" in text and "* pp=" in text
     # every choice costed node by node is recorded beside the search's figures; the plan is the fastest of them
     costed = plan.solver["mesh_costed"]
     fitted = [r for r in costed if "iteration_s" in r]
@@ -62,12 +62,12 @@ def test_fixed_mesh_divides_the_blocks_parameters_by_tp_and_shards_the_optimizer
     blocks = sum(x.param_bytes for n, x in c.costs.items() if n in inside)
     assert params - blocks > 0.05 * params   # the embedding and head of a 512-token vocabulary
     tp = analytic.plan_costed_mesh(c, devices, "pp=2,dp=1,tp=4", schedule="1f1b")
-    assert (tp.mesh["pp"], tp.mesh["dp"], tp.mesh["tp"], tp.schedule, len(tp.stages)) == (2, 1, 4, "1f1b", 2)
+    assert (tp.layout.pp, tp.layout.dp, tp.layout.tp, tp.schedule, len(tp.stages)) == (2, 1, 4, "1f1b", 2)
     assert sum(s.param_bytes for s in tp.stages) == pytest.approx(blocks / 4 + (params - blocks), rel=1e-3)
     assert tp.mesh["links"] == {"tp": "NV18", "dp": None, "pp": "NET"}
     one = analytic.plan_costed_mesh(c, devices, "pp=2,dp=4,tp=1,dp_mode=replicate", schedule="1f1b", chunks=2)
     fsdp = analytic.plan_costed_mesh(c, devices, "pp=2,dp=4,tp=1,dp_mode=shard", schedule="1f1b", chunks=2)
-    assert one.mesh["dp_mode"] == "replicate" and fsdp.mesh["dp_mode"] == "shard"
+    assert one.layout.dp_mode == "replicate" and fsdp.layout.dp_mode == "shard"
     # Adam in mixed precision: 2 + 2 bytes a parameter kept whole, 12 of optimizer state sharded by dp = 4
     assert fsdp.problem["optimizer_state_factor"] == pytest.approx(1 + 6 / 4)
     assert one.problem["optimizer_state_factor"] == pytest.approx(7)
@@ -83,16 +83,44 @@ def test_default_plan_has_no_mesh_and_older_plans_load(costed, tmp_path):
     assert plan.mesh is None
     doc = plan.to_dict()
     doc["format"] = "fxpipe-plan/1"
-    doc.pop("mesh")
+    doc.pop("mesh"), doc.pop("layout")
     path = tmp_path / "old.plan.json"
     path.write_text(json.dumps(doc))
     old = fxpipe.load_plan(path)
     assert old.mesh is None and [s.nodes for s in old.stages] == [s.nodes for s in plan.stages]
+    assert old.layout == plan.layout and (old.layout.pp, old.layout.dp, old.layout.tp) == (2, 1, 1)
+
+
+@pytest.mark.parametrize("mesh", ["pp=2,dp=4,tp=1,dp_mode=shard", "pp=2,dp=2,tp=2"])
+def test_a_plan_stores_its_layout_whole_and_plans_of_format_2_migrate(costed, tmp_path, mesh):
+    """The plan's JSON holds one ``layout`` (the degrees, mode, order, sequence parallelism, schedule and each
+    stage's recomputation; ``mesh`` only where it runs); a ``fxpipe-plan/2`` plan, whose ``mesh`` held the
+    degrees, loads to the same layout; a stored layout that disagrees with the plan's stages is refused."""
+    _, _, devices, c = costed
+    plan = analytic.plan_costed_mesh(c, devices, mesh, schedule="1f1b", chunks=2)
+    doc = plan.to_dict()
+    assert doc["format"] == "fxpipe-plan/3" and doc["layout"] == plan.layout.to_dict()
+    assert not {"pp", "dp", "tp", "dp_mode"} & set(doc["mesh"])
+    assert fxpipe.Plan.from_dict(json.loads(json.dumps(doc))).layout == plan.layout
+    layout = plan.layout
+    old = {**doc, "format": "fxpipe-plan/2"}
+    old.pop("layout")
+    old["mesh"] = {**doc["mesh"], "pp": layout.pp, "dp": layout.dp, "tp": layout.tp, "dp_mode": layout.dp_mode,
+                   "order": layout.order, "sequence_parallel": bool(layout.sequence_parallel)}
+    path = tmp_path / "v2.plan.json"
+    path.write_text(json.dumps(old))
+    again = fxpipe.load_plan(path)
+    assert again.layout == layout and again.mesh == plan.mesh, (again.layout, layout)
+    wrong = {**doc, "layout": {**doc["layout"], "schedule": "gpipe"}}
+    with pytest.raises(fxpipe.PlanFormatError, match="layout/schedule is 'gpipe' but the plan runs '1f1b'"):
+        fxpipe.Plan.from_dict(wrong)
+    with pytest.raises(fxpipe.PlanFormatError, match="plan field layout: dp_shard=4 with dp_mode='replicate'"):
+        fxpipe.Plan.from_dict({**doc, "layout": {**doc["layout"], "dp_mode": "replicate", "dp_shard": 4}})
 
 
 def test_bad_meshes_are_refused_with_the_fix(costed):
     model, ids, devices, c = costed
-    with pytest.raises(ValueError, match="pp x dp x tp must be 8"):
+    with pytest.raises(ValueError, match="multiply to .* but there are 8 devices"):
         analytic.plan_costed_mesh(c, devices, "pp=3,dp=1,tp=1")
     with pytest.raises(ValueError, match="does not split evenly over dp=8"):
         analytic.plan_costed_mesh(dataclasses.replace(c, batch=12), devices, "pp=1,dp=8,tp=1")
@@ -144,7 +172,7 @@ def test_cli_plans_a_mesh_for_a_preset_and_refuses_one_for_local_devices(tmp_pat
     assert planned.mesh["links"] == {"tp": "NV18", "dp": None, "pp": "NET"}
     # sequence parallelism by default (as PipelineRank runs it); sp=0 plans the activations whole on each tp rank:
     # more memory, and the whole hidden state over the pipeline's link
-    assert planned.mesh["sequence_parallel"] is True
+    assert planned.layout.sequence_parallel is True
     off = tmp_path / "off.plan.json"
     assert main(["plan", "hf:llama", "--config", "num_hidden_layers=2,hidden_size=64,intermediate_size=128,"
                  "num_attention_heads=4,num_key_value_heads=2,vocab_size=256", "--seq-len", "64", "--batch", "8",
@@ -152,7 +180,7 @@ def test_cli_plans_a_mesh_for_a_preset_and_refuses_one_for_local_devices(tmp_pat
                  str(off)]) == 0
     capsys.readouterr()
     whole = fxpipe.load_plan(off)
-    assert whole.mesh["sequence_parallel"] is False
+    assert whole.layout.sequence_parallel is False
     assert max(whole.worker_peaks()) > max(planned.worker_peaks())
     # stage 0 sends on the hidden state (bf16, 64 tokens x 64 wide a sample) on its sequence shard, the masks and
     # rotary tables (made outside the blocks) whole, as the ranks run it
@@ -176,7 +204,7 @@ def test_meshes_are_searched_by_default_where_one_pipeline_cannot_hold_the_model
     x = torch.zeros(4, 64, dtype=torch.long, device="meta")
     small = fxpipe.CompileOptions(memory_bytes=[int(0.98 * 2**30)] * 8)
     plan = fxpipe.plan(wide, Devices.preset("h100", 8), (x,), options=small)
-    assert plan.mesh["tp"] > 1 and max(plan.worker_peaks()) <= 0.98 * 2**30, plan.mesh
+    assert plan.layout.tp > 1 and max(plan.worker_peaks()) <= 0.98 * 2**30, plan.layout
     assert plan.solver["mesh_because"].startswith("no single pipeline holds the model")
     assert plan.summary().splitlines()[0].startswith("meshes searched by default: no single pipeline holds the model")
     for pipeline_only in ({"mesh": None}, {"stages": 2}):

@@ -11,7 +11,8 @@ import pytest
 from solvers import InfeasibleError
 from solvers.brute import brute_force_mesh
 from solvers.activation_memory import StageBytes, worker_peak_bytes
-from solvers.mesh import Level, Mesh, MeshProblem, Piece, mesh_shapes, stage_figures, stage_held
+from solvers.layout import Layout
+from solvers.mesh import Level, MeshProblem, Piece, mesh_shapes, stage_figures, stage_held
 from solvers.mesh_search import search_mesh
 from solvers.schedules import get_schedule, worker_orders
 
@@ -101,7 +102,7 @@ def test_the_first_stage_sends_what_every_block_reads_to_each_later_stage() -> N
     piece = Piece("block", 1e-3, 2e-3, param_bytes=1e6, act_bytes=1e6, block=True)
     problem = MeshProblem([dataclasses.replace(piece, block=False)] + [piece] * 4, [1e6] * 4, [Level(4, 10e9)], 1e12,
                           batch=4, broadcast_bytes=2e6)
-    found = search_mesh(dataclasses.replace(problem, fixed=[Mesh(4, 1, 1)], schedules=("1f1b",)))
+    found = search_mesh(dataclasses.replace(problem, fixed=[Layout.of(4, 1, 1)], schedules=("1f1b",)))
     choice = found.best
     sent = 2e6 * choice.samples / 10e9
     hidden = 1e6 * choice.samples / 10e9
@@ -142,17 +143,17 @@ def test_costs_charged_where_the_dimensions_run() -> None:
     """TP collectives at the island's link, FSDP shards the optimizer by dp, the pipeline's cut by tp."""
     piece = Piece("block", 1e-3, 2e-3, param_bytes=8e6, act_bytes=4e6, tp_collectives=2, tp_bytes=1e6)
     problem = MeshProblem([piece, piece], [1e6], [Level(2, 100e9), Level(2, 10e9)], 1e12, batch=4)
-    one = stage_figures(problem, Mesh(1, 4, 1), 1)
-    tp = stage_figures(problem, Mesh(2, 1, 2), 1)
+    one = stage_figures(problem, Layout.of(1, 4, 1), 1)
+    tp = stage_figures(problem, Layout.of(2, 1, 2), 1)
     # tp=2 inside the island: compute halves, 2 all-reduces of 1 MB each way at 100 GB/s (2 (t-1)/t = 1)
     assert tp.fwd_s[0] == pytest.approx(0.5e-3 + 2 * 1e6 / 100e9)
     assert tp.cut_bytes == [0.5e6] and tp.cut_s == [pytest.approx(0.5e6 / 10e9)]   # pp=2 crosses the network
     assert one.state_bytes[0] == pytest.approx(8e6 * (1 + 1 + 6))
-    shard = stage_figures(problem, Mesh(1, 4, 1, "shard"), 1)
+    shard = stage_figures(problem, Layout.of(1, 4, 1, "shard"), 1)
     assert shard.state_bytes[0] == pytest.approx(8e6 * (1 + 1 + 6 / 4))
-    assert problem.links(Mesh(1, 4, 1))["dp"].bandwidth_Bps == 10e9       # dp=4 spans both nodes
-    assert problem.links(Mesh(2, 2, 1))["dp"].bandwidth_Bps == 100e9      # dp inside the island, pp outside
-    assert problem.links(Mesh(2, 2, 1, order="dp-pp-tp"))["pp"].bandwidth_Bps == 100e9
+    assert problem.links(Layout.of(1, 4, 1))["dp"].bandwidth_Bps == 10e9       # dp=4 spans both nodes
+    assert problem.links(Layout.of(2, 2, 1))["dp"].bandwidth_Bps == 100e9      # dp inside the island, pp outside
+    assert problem.links(Layout.of(2, 2, 1, order="dp-pp-tp"))["pp"].bandwidth_Bps == 100e9
     assert all(m.tp <= 2 for m in mesh_shapes(problem))                    # tp never leaves the island
 
 
@@ -176,15 +177,15 @@ def test_the_search_enumerates_only_layouts_the_runtime_runs() -> None:
     for m in shapes:
         dims = ParallelDims.from_spec({"pp": m.pp, "dp": m.dp, "tp": m.tp, "dp_mode": m.dp_mode, "order": m.order},
                                       m.pp)
-        assert (dims.dp, dims.tp, dims.sharded or m.dp == 1) == (m.dp, m.tp, m.dp_mode == "shard" or m.dp == 1)
-        assert not (dims.tp > 1 and dims.dp > 1 and not dims.sharded), m
+        assert (dims.dp, dims.tp, dims.dp_mode == "shard" or m.dp == 1) == (m.dp, m.tp, m.dp_mode == "shard" or m.dp == 1)
+        assert not (dims.tp > 1 and dims.dp > 1 and dims.dp_mode == "replicate"), m
 
 
 def test_a_schedule_that_cannot_run_the_shape_is_named_not_memory() -> None:
     """Where no schedule and micro-batch count runs on the shape at all (ZB-V's two stages a device from a chain of
     too few pieces; one micro-batch under 1F1B), the error says so rather than blaming memory."""
     problem = chain(random.Random(1), 6, [Level(4, 200e9, 2e-6, "NV8")], 1e12, batch=8)
-    pp4 = Mesh(4, 1, 1, "replicate", "pp-dp-tp")
+    pp4 = Layout.of(4, 1, 1, "replicate", "pp-dp-tp")
     with pytest.raises(InfeasibleError, match=r"no schedule runs on pp=4 dp=1 tp=1 \(zb-v needs 8 stages of the "
                                               r"model's 6 pieces"):
         search_mesh(dataclasses.replace(problem, fixed=[pp4], schedules=("zb-v",)))

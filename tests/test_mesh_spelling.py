@@ -1,6 +1,8 @@
 """One spelling of a mesh (solvers.layout): fxpipe.plan's parser (parse_mesh) and fxpipe.launch's
 (ParallelDims.from_spec) read the same spellings as the same layout, and refuse the same mistakes alike."""
 
+import json
+
 import pytest
 
 from fxpipe.distributed.parallel import ParallelDims
@@ -38,7 +40,7 @@ def test_either_spelling_gives_the_same_layout_to_the_planner_and_to_launch(spel
 def test_dp_without_a_mode_is_both_modes_to_the_planner_and_fsdp_to_launch():
     assert [m.dp_mode for m in parse_mesh("pp=2,dp=4", 8)] == ["replicate", "shard"]
     assert ParallelDims.from_spec("dp=4", 2) == ParallelDims(pp=2, dp_shard=4)
-    assert parse_layout("dp=4") == Layout(dp_shard=4, sharded=None)
+    assert parse_layout("dp=4") == Layout(dp_shard=4, dp_mode=None)
 
 
 @pytest.mark.parametrize("spec, want", [("tp=2", True), ("tp=2,sp=1", True), ("tp=2,sp=off", False),
@@ -91,7 +93,42 @@ def test_each_reader_refuses_only_what_it_cannot_run():
     assert parse_mesh("dp=2,dp_mode=shard,order=dp-pp-tp", 8)[0].order == "dp-pp-tp"
     with pytest.raises(ValueError, match="runs the pipeline outermost"):
         ParallelDims.from_spec("dp=2,order=dp-pp-tp", 2)
-    with pytest.raises(ValueError, match=r"pp x dp x tp must be 8, the devices given \(got 6\)"):
+    with pytest.raises(ValueError, match=r"multiply to 6 but there are 8 devices"):
         parse_mesh("pp=3,dp_shard=2", 8)
     with pytest.raises(TypeError, match="a string like 'pp=2,dp=4,tp=1'"):
         parse_layout(8)
+
+
+def test_the_layout_record_round_trips_and_refuses_what_it_cannot_be():
+    from solvers.layout import Layout, LayoutError
+    full = Layout(pp=2, dp_replicate=2, dp_shard=2, tp=2, dp_mode="shard", sequence_parallel=False,
+                  schedule="zb-v", virtual_stages=2, recomputation=("never", "blocks:3", "selective", "always"))
+    assert Layout.from_dict(json.loads(json.dumps(full.to_dict()))) == full and full.data_parallel == "hsdp"
+    assert parse_layout(full.spec()) == full.degrees() and full.world == 16
+    assert Layout.of(2, 4, 1, "shard") == Layout(pp=2, dp_shard=4, dp_mode="shard")
+    for bad, why in [({"dp_shard": 2, "dp_mode": "replicate"}, "replicas .DDP. do not shard"),
+                     ({"dp_replicate": 2, "dp_shard": 2, "dp_mode": "replicate"}, "is HSDP"),
+                     ({"dp_replicate": 2}, "names its mode"), ({"tp": 0}, "positive int"),
+                     ({"recomputation": ("stages",)}, "recomputation 'stages' is not one of"),
+                     ({"order": "tp-pp-dp"}, "order must be one of")]:
+        with pytest.raises(LayoutError, match=why):
+            Layout(pp=1, **bad)
+    with pytest.raises(LayoutError, match="unknown"):
+        Layout.from_dict({"pp": 1, "ep": 2})
+
+
+def test_the_layout_rules_are_one_function():
+    """:func:`solvers.layout.refusal` says each rule's breach with its fix, and nothing for a layout that keeps
+    them; the runtime's rules only where asked."""
+    from solvers.layout import Layout, refusal
+    good = Layout.of(2, 2, 2, "shard")
+    assert refusal(good, world=8, workers=2, batch=4) is None
+    cases = [(Layout.of(2, 2, 1, "replicate", "dp-pp-tp"), {}, "order", "pass order=pp-dp-tp"),
+             (Layout.of(2, 2, 2, "replicate"), {}, "ddp_tp", "shard them with FSDP2"),
+             (good, {"workers": 4, "world": 16}, "workers", "use pp=4, dp=2"),
+             (good, {"world": 6}, "world", "multiply to 8 but there are 6"),
+             (good, {"batch": 3}, "batch", "multiple of 2")]
+    for layout, given, rule, text in cases:
+        found = refusal(layout, **given)
+        assert found is not None and found.rule == rule and text in found.message, (rule, found)
+    assert refusal(Layout.of(2, 2, 2, "replicate"), runtime=False) is None

@@ -217,7 +217,7 @@ def test_pp2_fsdp2_over_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_ba
     errors = [r["trace"] for r in results if "ok" not in r]
     assert not errors, errors[0]
     for r in results:   # DDP ("dp") over tensor-parallel stages, and a tp_plan without a tp dim: refused
-        assert "replicates tensor-parallel stages with DistributedDataParallel" in r["ok"]["refused"][0]
+        assert "DDP over tensor-parallel stages" in r["ok"]["refused"][0]
         assert "shard them with FSDP2" in r["ok"]["refused"][0] and len(r["ok"]["refused"]) == 2
     for family, schedules in MESH_CASES.items():
         reference = _reference(family, schedules)

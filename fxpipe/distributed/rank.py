@@ -48,6 +48,7 @@ from fxpipe.planning.plan import Plan, load_plan
 from fxpipe.runtime.block_recompute import apply_recompute
 from fxpipe.runtime.block_units import apply_units
 from fxpipe.runtime.losses import REDUCTIONS
+from solvers.layout import refusal
 
 __all__ = ["PipelineRank"]
 
@@ -61,8 +62,8 @@ class PipelineRank:
     a Hugging Face model planned with ``torch.export`` runs here too. ``loss_fn=None`` trains on the loss the
     model computes itself (``step(ids, labels=labels)``, :meth:`fxpipe.Pipeline.step`), on a mesh too.
 
-    ``mesh`` says how the processes run the plan: ``None`` (default) the mesh the plan was made for
-    (``plan.mesh``, e.g. from ``fxpipe.plan(mesh="auto")``), or one pipeline over every process (``group``'s)
+    ``mesh`` says how the processes run the plan: ``None`` (default) the layout the plan was made for
+    (``plan.layout``, e.g. from ``fxpipe.plan(mesh="auto")``), or one pipeline over every process (``group``'s)
     for a plan of one pipeline; a spelling as ``fxpipe plan --mesh`` takes it (``"dp_shard=2,tp=2"``,
     ``"dp=2,dp_mode=replicate"``; ``"dp=1"`` runs one pipeline even where the plan has a mesh); a
     :class:`fxpipe.distributed.ParallelDims`; or a ``DeviceMesh`` with dims named ``("pp", "dp")`` (DDP),
@@ -71,7 +72,7 @@ class PipelineRank:
     ``ColwiseParallel``/``RowwiseParallel``) replaces the default tensor-parallel plan
     (:mod:`fxpipe.distributed.parallel.tp`). With a ``tp`` dim the activations between the blocks also run on
     sequence shards (sequence parallelism, :mod:`fxpipe.distributed.parallel.sequence`), as the plan's mesh says
-    (``plan.mesh["sequence_parallel"]``) or, for a mesh given here, unless it says ``sp=0``
+    (``plan.layout.sequence_parallel``) or, for a mesh given here, unless it says ``sp=0``
     (``ParallelDims(sequence_parallel=False)``). On a mesh ``.grad`` holds the whole batch's gradients, averaged over
     data parallelism (FSDP2: this rank's shard of them, in ``DTensor`` parameters); the optimizer steps
     :meth:`parameters`.
@@ -142,7 +143,7 @@ class PipelineRank:
         group = DataParallelStep.group_of(grid, timeout_s)
         self.tp = apply_tensor_parallel(stages, mesh, dims, tp_plan, timeout_s)
         # FSDP2 shards each block as a unit of its own (.parallel.fsdp), whose recomputation then runs inside it
-        self._recompute(units=dims.sharded and dims.dp > 1 and stages.pipe.compiled is None)
+        self._recompute(units=dims.dp_mode == "shard" and dims.dp > 1 and stages.pipe.compiled is None)
         data = apply_data_parallel(stages, mesh, dims, grid, group, timeout_s)
         # a global gradient norm (fxd.clip_grad_norm_) counts each piece once: the sharded parameters replaced the
         # ones a tied weight's marks were on
@@ -253,9 +254,8 @@ def _mesh(mesh: Any, plan: Plan, group: Any, timeout_s: float) -> tuple[Any, Par
     if group is not None:
         raise ValueError(f"group= runs one pipeline over some of the processes, but {given} spans them all: pass "
                          "mesh='dp=1' with group=, or leave group out")
-    if dims.pp != plan.workers:
-        raise PlanMismatchError(f"{given}: pp={dims.pp} but the plan runs on {plan.workers} workers: leave pp "
-                                f"out (it is the plan's) or plan for {dims.pp} devices")
+    if (why := refusal(dims.layout, workers=plan.workers)) is not None:
+        raise PlanMismatchError(f"{given}: {why.message}")
     try:
         built = dims.build_mesh(rank_device_type([st.device for st in plan.stages]), timeout_s=timeout_s)
     except ValueError as exc:
@@ -281,11 +281,11 @@ def _user_mesh(mesh: Any, plan: Plan, group: Any, timeout_s: float) -> tuple[Any
 
 
 def _refuse_ddp_over_tp(dims: ParallelDims, given: str) -> None:
-    """A mesh that replicates tensor-parallel stages with DDP, whichever way it was given, refused naming the fix."""
-    if dims.tp > 1 and dims.dp > 1 and not dims.sharded:
-        raise ValueError(f"{given} replicates tensor-parallel stages with DistributedDataParallel, which fxpipe does "
-                         "not offer: shard them with FSDP2 instead (ParallelDims(pp=..., dp_shard=..., "
-                         "tp=...).build_mesh())")
+    """A layout the runtime does not run (:func:`solvers.layout.refusal`: DDP over tensor-parallel stages, the
+    pipeline not outermost), whichever way it was given, refused naming the fix."""
+    why = refusal(dims.layout)
+    if why is not None:
+        raise ValueError(f"{given}: {why.message}")
 
 
 def _bounded(mesh: Any, timeout_s: float) -> Any:

@@ -21,9 +21,9 @@ from fxpipe.cost.profile import NodeCost
 from fxpipe.planning.lowering import problem_device_ids
 from fxpipe.planning.plan import Plan
 from fxpipe.planning.planner import Planner
-from solvers.mesh import DP_MODES, ORDERS, Mesh, MeshProblem, allreduce_s
-from solvers.layout import mesh_fields, parse_layout, unrunnable
-from solvers.mesh_search import MeshChoice, MeshSearch, choice_layout
+from solvers.layout import DP_MODES, Layout, check_layout, mesh_fields, parse_layout, refusal
+from solvers.mesh import MeshProblem, allreduce_s
+from solvers.mesh_search import MeshChoice, MeshSearch
 
 __all__ = ["mesh_costs", "mesh_fields", "mesh_record", "mesh_rows", "mesh_sequence_parallel", "parse_mesh",
            "plan_for_choice"]
@@ -39,11 +39,13 @@ def mesh_sequence_parallel(spec: Any, given: bool | None) -> bool:
     return bool(given if given is not None else (said if said is not None else True))
 
 
-def parse_mesh(spec: Any, world: int) -> list[Mesh]:
+def parse_mesh(spec: Any, world: int) -> list[Layout]:
     """``"auto"`` -> [] (every shape); a mesh in either spelling of :func:`solvers.layout.parse_layout`
     (``"pp=2,dp=4,tp=1"`` with ``dp_mode=shard|replicate`` and ``order=...`` optional, or ``dp_shard=4`` /
     ``dp_replicate=4``), a string or a dict -> that shape (both dp modes when the spelling leaves the mode
-    unsaid, but FSDP2 alone over tensor-parallel stages, as the runtime runs them; ``pp`` left out: the devices ``dp x tp`` leaves). HSDP is refused: the planner cannot cost it yet."""
+    unsaid, but FSDP2 alone over tensor-parallel stages, as the runtime runs them; ``pp`` left out: the devices
+    ``dp x tp`` leaves), checked by :func:`solvers.layout.refusal` against the ``world`` of devices. HSDP is
+    refused: the planner cannot cost it yet."""
     if spec == "auto":
         return []
     if not isinstance(spec, (str, dict)):
@@ -56,15 +58,16 @@ def parse_mesh(spec: Any, world: int) -> list[Mesh]:
                          f"as HSDP with python -m fxpipe.launch --mesh dp_replicate={layout.dp_replicate},"
                          f"dp_shard={layout.dp_shard}")
     pp = layout.pp if layout.pp is not None else max(1, world // (dp * tp))
-    if pp * dp * tp != world:
-        raise ValueError(f"mesh pp={pp}, dp={dp}, tp={tp}: pp x dp x tp must be {world}, the devices given (got "
-                         f"{pp * dp * tp})")
-    if layout.sharded is None:   # both modes, or the one the runtime runs (FSDP2 over tensor-parallel stages)
+    try:
+        check_layout(dataclasses.replace(layout, pp=pp), world=world, runtime=False)
+    except ValueError as exc:
+        raise ValueError(f"mesh {spec!r}: {exc}") from None
+    if layout.dp_mode is None:   # both modes, or the one the runtime runs (FSDP2 over tensor-parallel stages)
         modes = list(DP_MODES)[:1 if dp == 1 else 2]
-        modes = [m for m in modes if not unrunnable(dp, tp, m, layout.order or ORDERS[0])] or modes
+        modes = [m for m in modes if not refusal(Layout.of(pp, dp, tp, m, layout.order))] or modes
     else:
-        modes = ["shard" if layout.sharded and layout.dp_replicate == 1 else "replicate"]
-    return [Mesh(pp, dp, tp, m, layout.order or ORDERS[0]) for m in modes]
+        modes = ["shard" if layout.dp_mode == "shard" and layout.dp_replicate == 1 else "replicate"]
+    return [Layout.of(pp, dp, tp, m, layout.order) for m in modes]
 
 
 def mesh_costs(costs: dict[str, NodeCost], profiled_samples: float, choice: MeshChoice, problem: MeshProblem,
@@ -115,12 +118,11 @@ def plan_for_choice(planner: Planner, costs: dict[str, NodeCost], choice: MeshCh
 
 
 def mesh_record(choice: MeshChoice, problem: MeshProblem, ranks: Sequence[int]) -> dict[str, Any]:
-    """What ``plan.mesh`` holds: the shape, the dp mode, the rank order, and the links each dimension crosses."""
-    m, layout = choice.mesh, choice_layout(choice, problem)
+    """What ``plan.mesh`` holds: where the mesh's dimensions run (the rank order of its dims, the links each
+    crosses, this pipeline's ranks); the degrees, mode and order are the plan's ``layout``."""
+    m = choice.mesh
     links = problem.links(m)
-    return {"pp": layout.pp, "dp": layout.dp, "tp": layout.tp, "dp_mode": m.dp_mode, "order": layout.order,
-            "sequence_parallel": bool(layout.sequence_parallel),
-            "dims": ["pp", "dp", "tp"] if m.order == "pp-dp-tp" else ["dp", "pp", "tp"],
+    return {"dims": ["pp", "dp", "tp"] if m.order == "pp-dp-tp" else ["dp", "pp", "tp"],
             "links": {k: (v.name if v is not None else None) for k, v in links.items()},
             "pipeline_ranks": list(ranks)}
 
@@ -154,9 +156,3 @@ def mesh_rows(search: MeshSearch, problem: MeshProblem, chosen: MeshChoice | Non
         rows.append({"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "dp_mode": mesh.dp_mode, "order": mesh.order,
                      "feasible": False, "chosen": False, "why": why})
     return rows
-
-
-def label(row: dict[str, Any]) -> str:
-    """``pp=2 dp=4(fsdp) tp=1`` of a row of :func:`mesh_rows` or of ``plan.mesh``."""
-    return Mesh(row["pp"], row["dp"], row["tp"], row.get("dp_mode", "replicate"), row.get("order", ORDERS[0])).label()
-

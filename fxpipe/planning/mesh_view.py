@@ -4,18 +4,20 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from solvers.layout import ORDERS, Layout
+
 __all__ = ["mesh_head", "mesh_table"]
 
 
 def _label(row: dict[str, Any]) -> str:
-    dp = f"{row['dp']}" + ("(fsdp)" if row.get("dp_mode") == "shard" and row["dp"] > 1 else "")
-    return f"pp={row['pp']} dp={dp} tp={row['tp']}" + (" dp-outer" if row.get("order") == "dp-pp-tp" else "")
+    """``pp=2 dp=4(fsdp) tp=1`` of a row of the mesh search's table."""
+    return Layout.of(row["pp"], row["dp"], row["tp"], row.get("dp_mode", "replicate"),
+                     row.get("order", ORDERS[0])).label()
 
 
 def mesh_head(plan: Any) -> list[str]:
     """Lines before the stage table: the mesh, what each dimension crosses, and what the table below is."""
-    m = plan.mesh
-    links = m.get("links", {})
+    layout, links = plan.layout, plan.mesh.get("links", {})
     crossing = ", ".join(f"{d} over {links[d]}" for d in ("tp", "dp", "pp") if links.get(d))
     p = plan.predicted
     step = (f"; predicted step {p['iteration_s'] * 1e3:.1f} ms = pipeline {p['pipeline_iteration_s'] * 1e3:.1f} ms + "
@@ -23,9 +25,9 @@ def mesh_head(plan: Any) -> list[str]:
     because = ([f"meshes searched by default: {plan.solver['mesh_because']} (mesh=None plans one pipeline)"]
                if plan.solver.get("mesh_because") else [])
     return because + [
-        f"mesh {_label(m)} on {m['pp'] * m['dp'] * m['tp']} devices ({crossing or 'one device'}; "
-        f"{'sequence parallel' if m.get('sequence_parallel') else 'no sequence parallelism'}){step}",
-        f"the pipeline below is one of {m['dp'] * m['tp']} (dp x tp); each stage's figures are one device's"]
+        f"mesh {layout.label()} on {layout.world} devices ({crossing or 'one device'}; "
+        f"{'sequence parallel' if layout.sequence_parallel else 'no sequence parallelism'}){step}",
+        f"the pipeline below is one of {layout.dp * layout.tp} (dp x tp); each stage's figures are one device's"]
 
 
 def mesh_table(plan: Any, table: Callable[[list[str], list[list[str]]], list[str]]) -> list[str]:

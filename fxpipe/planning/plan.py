@@ -17,7 +17,8 @@ from typing import Any, Callable
 from fxpipe.planning.memory_model import planned_mode, predict_worker_memory
 from fxpipe.planning.plan_format import PLAN_FORMAT, check_plan_document, read_plan_document
 from fxpipe.planning.throughput import throughput_line
-from solvers.layout import Layout, parse_layout
+from fxpipe.errors import PlanFormatError
+from solvers.layout import Layout
 from solvers.schedules import inflight, stage_worker
 
 # bytes per parameter and the memory table's short name of the dtype a plan was costed at (profile["dtype"])
@@ -94,9 +95,12 @@ class Plan:
     # compiled stages (fxpipe.runtime.compiled): {"options": torch.compile's arguments as JSON, "compile_s": seconds
     # the stages' first forward and backward spent compiling, "stage_compile_s": per stage}; None: eager stages
     compiled: dict[str, Any] | None = None
-    # the pp x dp x tp mesh this pipeline is one position of (fxpipe.plan(mesh=...): pp, dp, tp, dp_mode, order,
-    # sequence_parallel, the links each dimension crosses, the pipeline's ranks); None: a pipeline alone
+    # where the pp x dp x tp mesh this pipeline is one position of runs (fxpipe.plan(mesh=...): the order of its
+    # dims, the links each dimension crosses, the pipeline's ranks); None: a pipeline alone
     mesh: dict[str, Any] | None = None
+    # the layout's degrees, data-parallel mode, order and sequence parallelism; None: one pipeline of the plan's
+    # workers. Read and set as ``plan.layout`` (the whole record, with the schedule and recomputation)
+    _layout: Layout | None = field(default=None, repr=False)
 
     @property
     def workers(self) -> int:
@@ -196,21 +200,23 @@ class Plan:
         workers = len(peaks)
         return [peaks[stage_worker(self.schedule, s.index, workers)] for s in self.stages]
 
+    @property
     def layout(self) -> Layout:
-        """The layout this plan runs (:class:`solvers.layout.Layout`): its mesh's degrees, dp mode, order and
-        sequence parallelism (``plan.mesh``; one pipeline of ``workers`` without one), the schedule, the stages
-        per device and each stage's recomputation as the runtime runs it (``planned_mode``)."""
+        """The layout this plan runs (:class:`solvers.layout.Layout`, the plan JSON's ``layout``): its degrees,
+        dp mode, order and sequence parallelism (one pipeline of ``workers`` without a mesh), the schedule, the
+        stages per device and each stage's recomputation as the runtime runs it (``planned_mode``). Setting it
+        sets the degrees; the schedule and recomputation are the plan's own fields, read here."""
         planned = planned_mode(self)
         modes = tuple((st.checkpoint if planned == "auto" else planned) for st in self.stages)
-        runs = {"schedule": self.schedule, "virtual_stages": len(self.stages) // self.workers, "recomputation": modes}
-        if not self.mesh:
-            return Layout(pp=self.workers, **runs)
-        # plan.mesh in the one mesh spelling (solvers.layout.parse_layout); sp unsaid (an older plan): on, as the
-        # ranks run it
-        spec = {k: self.mesh[k] for k in ("pp", "dp", "tp", "dp_mode", "order") if k in self.mesh}
-        if self.mesh.get("tp", 1) > 1 and self.mesh.get("sequence_parallel") is not None:
-            spec["sp"] = bool(self.mesh["sequence_parallel"])
-        return dataclasses.replace(parse_layout(spec), **runs)
+        base = self._layout if self._layout is not None else Layout(pp=self.workers)
+        return dataclasses.replace(base, schedule=self.schedule, virtual_stages=len(self.stages) // self.workers,
+                                   recomputation=modes)
+
+    @layout.setter
+    def layout(self, value: Layout) -> None:
+        if value.pp != self.workers:
+            raise ValueError(f"layout {value}: pp={value.pp} but the plan runs on {self.workers} workers")
+        self._layout = value.degrees()
 
     def recomputation(self) -> str:
         """The checkpoint mode as the stages run it: ``"auto (never)"``, ``"auto (stage 0: always, 1: never)"``
@@ -298,8 +304,8 @@ class Plan:
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
         doc = asdict(self)
-        doc = {"format": PLAN_FORMAT, **doc}
-        return doc
+        del doc["_layout"]
+        return {"format": PLAN_FORMAT, **doc, "layout": self.layout.to_dict()}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -313,8 +319,26 @@ class Plan:
         """A plan from its JSON document, checked against the plan schema (:mod:`fxpipe.planning.plan_format`)."""
         doc = check_plan_document(doc)
         stages = [PlanStage(**{"index": i, **{k: v for k, v in s.items()}}) for i, s in enumerate(doc["stages"])]
-        kwargs = {k: doc[k] for k in cls.__dataclass_fields__ if k in doc and k != "stages"}
-        return cls(stages=stages, **kwargs)
+        kwargs = {k: doc[k] for k in cls.__dataclass_fields__ if k in doc and k not in ("stages", "layout")}
+        plan = cls(stages=stages, **kwargs)
+        try:
+            stored = Layout.from_dict(doc["layout"])
+            plan.layout = stored
+        except ValueError as exc:
+            raise PlanFormatError(f"plan field layout: {exc}; save the plan again with plan.save()") from None
+        _agrees(plan, stored)
+        return plan
+
+
+def _agrees(plan: Plan, stored: Layout) -> None:
+    """A stored layout's schedule, stages per device and recomputation (where it says them) are the plan's."""
+    runs = plan.layout
+    for name in ("schedule", "virtual_stages", "recomputation"):
+        said = getattr(stored, name)
+        if said not in (None, ()) and said != getattr(runs, name):
+            raise PlanFormatError(f"plan field layout/{name} is {said!r} but the plan runs {getattr(runs, name)!r} "
+                                  "(its schedule, stages and their checkpoint modes); save the plan again with "
+                                  "plan.save()")
 
 
 def load_plan(path: str | Path) -> Plan:

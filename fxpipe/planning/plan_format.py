@@ -7,7 +7,10 @@ they are read, nesting deeper than Python's recursion limit, non-finite numbers 
 against ``plan.schema.json`` (shipped in this package; validated with the ``jsonschema`` library) with its
 bounds: at most a million micro-batches, 65536 stages, no unknown keys. The schema's version is the plan's
 ``format``; :data:`MIGRATIONS` turns an older format into the current one: ``fxpipe-plan/1`` (before the
-``mesh`` field; a pipeline over all its devices) reads as ``fxpipe-plan/2`` without a mesh.
+``mesh`` field; a pipeline over all its devices) reads as ``fxpipe-plan/2`` without a mesh; ``fxpipe-plan/2``
+(the degrees in ``mesh``) reads as ``fxpipe-plan/3``, whose ``layout`` is the one record of the degrees, the
+data-parallel mode, the order, sequence parallelism, the schedule and each stage's recomputation
+(:class:`solvers.layout.Layout`), ``mesh`` keeping where its dimensions run.
 """
 
 from __future__ import annotations
@@ -25,10 +28,32 @@ from fxpipe.errors import PlanFormatError
 
 __all__ = ["MAX_PLAN_BYTES", "MIGRATIONS", "PLAN_FORMAT", "check_plan_document", "plan_schema", "read_plan_document"]
 
-PLAN_FORMAT = "fxpipe-plan/2"
+PLAN_FORMAT = "fxpipe-plan/3"
 MAX_PLAN_BYTES = 64 * 2**20
+_DEGREES = ("pp", "dp", "tp", "dp_mode", "order", "sequence_parallel")
+
+
+def _layout_of_v2(doc: dict[str, Any]) -> dict[str, Any]:
+    """An ``fxpipe-plan/2`` document as ``/3``: the degrees move from ``mesh`` to ``layout`` (a mesh's
+    ``dp_mode`` names where ``dp`` goes; a pipeline alone is ``pp`` of its workers); the recomputation is left for
+    the plan to read off its stages."""
+    stages, v = doc.get("stages") or [], doc.get("virtual_stages", 1) or 1
+    mesh = doc.get("mesh")
+    layout: dict[str, Any] = {"pp": max(1, len(stages) // v), "schedule": doc.get("schedule"), "virtual_stages": v}
+    if isinstance(mesh, dict):
+        dp, shard = mesh.get("dp", 1), mesh.get("dp_mode") == "shard"
+        layout.update(pp=mesh.get("pp", layout["pp"]), tp=mesh.get("tp", 1), order=mesh.get("order", "pp-dp-tp"),
+                      dp_mode="shard" if shard else "replicate", dp_shard=dp if shard else 1,
+                      dp_replicate=1 if shard else dp)
+        if mesh.get("tp", 1) > 1 and mesh.get("sequence_parallel") is not None:
+            layout["sequence_parallel"] = bool(mesh["sequence_parallel"])
+        mesh = {k: val for k, val in mesh.items() if k not in _DEGREES}
+    return {**doc, "format": "fxpipe-plan/3", "mesh": mesh, "layout": layout}
+
+
 MIGRATIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "fxpipe-plan/1": lambda doc: {**doc, "format": "fxpipe-plan/2"},   # /2 added the optional "mesh"
+    "fxpipe-plan/2": _layout_of_v2,                                     # /3: the degrees in "layout"
 }
 """``format`` of an older plan -> a function returning the document in the next format."""
 

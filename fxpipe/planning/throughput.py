@@ -40,8 +40,7 @@ def tokens_per_step(plan: Any) -> int | None:
 
 def devices_of(plan: Any) -> int:
     """The devices one step runs on: the mesh's, else the pipeline's workers."""
-    m = plan.mesh
-    return m["pp"] * m["dp"] * m["tp"] if m else plan.workers
+    return plan.layout.world
 
 
 def throughput_line(plan: Any) -> str | None:

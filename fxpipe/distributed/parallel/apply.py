@@ -72,7 +72,7 @@ def apply_data_parallel(stages: Any, mesh: Any, dims: ParallelDims, grid: list[l
     own = [stages.specs[k].module for k in stages.own]
     if dims.dp == 1:
         return SoloStages(own)
-    if not dims.sharded:
+    if dims.dp_mode == "replicate":
         return ReplicatedStages(own, group)
     dp_sub = mesh[ParallelDims.dp_names(mesh)] if dims.tp > 1 else None
     return ShardedStages(own, grid, group, mesh.device_type, timeout_s, [stages.model, stages.pipe._graph[0]],

@@ -1,15 +1,17 @@
-"""The degrees of a pipeline composed with data (and later tensor) parallelism, and the named ``DeviceMesh`` of them.
+"""The runtime's part of a layout: the named ``DeviceMesh`` of a :class:`solvers.layout.Layout`, and its groups.
 
-:class:`ParallelDims` is torchtitan's ``ParallelDims`` in small: ``pp`` (the plan's workers), ``dp_replicate``
-and ``dp_shard`` (data parallelism: replicas, FSDP2 shards, both = HSDP) and ``tp`` (tensor parallelism).
-:meth:`ParallelDims.validate` checks them against the world and the plan before anything is built, with the fix
-in the error; :meth:`ParallelDims.build_mesh` makes the ``DeviceMesh``; :meth:`ParallelDims.from_mesh` reads the
-degrees (and which data parallelism) back from a mesh the user made.
+:class:`ParallelDims` holds one :class:`~solvers.layout.Layout` (the degrees ``pp``, ``dp_replicate``,
+``dp_shard``, ``tp``, the data-parallel mode, sequence parallelism: the record the planner chose and the plan
+stores) and adds only what the runtime needs: :meth:`ParallelDims.build_mesh` makes the ``DeviceMesh``,
+:meth:`ParallelDims.from_mesh` reads the layout back from a mesh the user made, :meth:`ParallelDims.dp_ranks`
+reads the data-parallel groups. The rules (world size, the plan's workers, the order, DDP over tensor
+parallelism) are :func:`solvers.layout.refusal`'s, asked by :meth:`ParallelDims.of` and
+:meth:`ParallelDims.validate`.
 
 Mesh dims, in this order: ``("pp", "dp_replicate", "dp_shard", "tp")``. ``build_mesh`` always keeps ``pp`` and,
 for a sharded mesh, ``dp_shard`` (so a mesh of ``dp_shard=1`` still says "FSDP2", and one code path runs at
-every degree), and drops ``dp_replicate`` and ``tp`` where they are 1. The older replicated form, a dim named
-``"dp"`` (``DistributedDataParallel``), is ``ParallelDims(..., sharded=False)``: its mesh is ``("pp", "dp")``.
+every degree), and drops ``dp_replicate`` and ``tp`` where they are 1. The replicated form, a dim named
+``"dp"`` (``DistributedDataParallel``), is ``dp_mode="replicate"``: its mesh is ``("pp", "dp")``.
 Data parallelism is read from the names: ``dp`` or ``dp_replicate`` alone: replicate (DDP); ``dp_shard``:
 FSDP2; ``dp_replicate`` and ``dp_shard``: HSDP (``fully_shard`` over the 2-D sub-mesh). A mesh ``("pp", "tp")``
 has no data parallelism (``dp == 1``).
@@ -17,12 +19,13 @@ has no data parallelism (``dp == 1``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from fxpipe.errors import PlanMismatchError
-from solvers.layout import Layout, parse_layout
+from solvers.layout import Layout, LayoutError, check_layout, parse_layout
 
 __all__ = ["DATA_PARALLEL", "MESH_DIMS", "ParallelDims"]
 
@@ -32,48 +35,52 @@ _FORMS = ("('pp', 'dp') (DistributedDataParallel), ('pp', 'dp_shard') (FSDP2), (
           "'dp_shard') (HSDP), each optionally with 'tp' last, or ('pp', 'tp')")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ParallelDims:
-    """Degrees of each parallelism; ``sharded`` says whether data parallelism is FSDP2 (``dp_shard``, HSDP with
-    ``dp_replicate``) or DDP replicas (``dp_replicate`` only, the mesh dim named ``"dp"``)."""
+    """A :class:`~solvers.layout.Layout` as the runtime runs it: ``ParallelDims(layout)``, or of degrees as
+    torchtitan spells them, ``ParallelDims(pp=2, dp_shard=2, tp=2)`` (``dp_mode="shard"``, FSDP2, unless
+    ``dp_mode="replicate"``: DDP replicas of ``dp_replicate``). Its degrees are the layout's."""
 
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    sharded: bool = True
-    #: with ``tp`` > 1: the activations between the tensor-parallel blocks sharded by sequence
-    #: (:mod:`fxpipe.distributed.parallel.sequence`), as torchtitan and Megatron-LM run tensor parallelism
-    sequence_parallel: bool = True
+    layout: Layout
 
-    def __post_init__(self) -> None:
-        for name in MESH_DIMS:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"ParallelDims.{name} must be a positive int, got {value!r}")
-        if not self.sharded and self.dp_shard != 1:
-            raise ValueError(f"dp_shard={self.dp_shard} with sharded=False: replicas (DDP) do not shard; pass "
-                             "sharded=True for FSDP2, or put the degree in dp_replicate")
+    def __init__(self, layout: Optional[Layout] = None, *, pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1,
+                 tp: int = 1, dp_mode: str = "shard", sequence_parallel: bool = True) -> None:
+        if layout is None:
+            layout = Layout(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, dp_mode=dp_mode,
+                            sequence_parallel=sequence_parallel)
+        if layout.pp is None:
+            raise LayoutError(f"ParallelDims of {layout}: pp is unsaid; pass the plan's (ParallelDims.of(layout, "
+                              "pp))", "degree")
+        runs = {"dp_mode": layout.dp_mode or "shard",   # unsaid: FSDP2, as launch runs it
+                "sequence_parallel": layout.sequence_parallel is not False}
+        object.__setattr__(self, "layout", dataclasses.replace(layout.degrees(), **runs))
+
+    pp = property(lambda self: self.layout.pp, doc="Pipeline degree: the plan's workers.")
+    dp_replicate = property(lambda self: self.layout.dp_replicate, doc="DDP replicas (HSDP: of shard groups).")
+    dp_shard = property(lambda self: self.layout.dp_shard, doc="FSDP2 shards.")
+    tp = property(lambda self: self.layout.tp, doc="Tensor-parallel degree.")
+    dp_mode = property(lambda self: self.layout.dp_mode, doc='``"shard"`` (FSDP2, HSDP) or ``"replicate"`` (DDP).')
+    sequence_parallel = property(lambda self: bool(self.layout.sequence_parallel),
+                                 doc="With ``tp`` > 1: the activations between the tensor-parallel blocks sharded "
+                                     "by sequence (:mod:`fxpipe.distributed.parallel.sequence`).")
 
     @property
     def dp(self) -> int:
         """Data-parallel degree: how many shares of the batch (replicas times shards)."""
-        return self.dp_replicate * self.dp_shard
+        return self.layout.dp
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.layout.world
 
     @property
     def data_parallel(self) -> str:
         """``"replicate"`` (DDP), ``"shard"`` (FSDP2) or ``"hsdp"`` (FSDP2 shards, replicated)."""
-        if not self.sharded:
-            return "replicate"
-        return "hsdp" if self.dp_replicate > 1 else "shard"
+        return self.layout.data_parallel
 
     def dims(self) -> tuple[tuple[str, int], ...]:
         """The mesh's (name, size) dims, as :meth:`build_mesh` makes them (see the module docstring)."""
-        if not self.sharded:
+        if self.dp_mode == "replicate":
             out = [("pp", self.pp), ("dp", self.dp_replicate)]
         else:
             out = [("pp", self.pp)] + ([("dp_replicate", self.dp_replicate)] if self.dp_replicate > 1 else [])
@@ -82,17 +89,11 @@ class ParallelDims:
 
     def validate(self, world: int, workers: int | None = None) -> None:
         """Refuse degrees that do not multiply to ``world`` processes, or a ``pp`` other than the plan's
-        ``workers``, naming the fix."""
-        if self.world_size != world:
-            shown = " x ".join(f"{n}={getattr(self, n)}" for n in MESH_DIMS)
-            raise ValueError(f"the degrees {shown} need {self.world_size} processes but the world has {world}: start "
-                             f"{self.world_size} (torchrun --nproc-per-node {self.world_size} on one node), or choose "
-                             f"degrees whose product is {world}")
-        if workers is not None and self.pp != workers:
-            fix = (f"pp={workers}, dp={world // (workers * self.tp)}" if world % (workers * self.tp) == 0 else
-                   f"a world that is a multiple of {workers * self.tp}")
-            raise PlanMismatchError(f"the plan runs on {workers} workers but pp={self.pp}: use {fix}, or plan for "
-                                    f"{self.pp} devices")
+        ``workers``, naming the fix (:func:`solvers.layout.refusal`; ``PlanMismatchError`` for the workers)."""
+        try:
+            check_layout(self.layout, world=world, workers=workers, runtime=False)
+        except LayoutError as exc:
+            raise (PlanMismatchError(str(exc)) if exc.rule == "workers" else exc) from None
 
     def build_mesh(self, device_type: str = "cpu", timeout_s: float | None = None) -> Any:
         """The named ``DeviceMesh`` of these degrees (``torch.distributed`` initialised, world checked). With
@@ -122,26 +123,22 @@ class ParallelDims:
     @classmethod
     def of(cls, layout: Layout, pp: int, spec: Any = None) -> ParallelDims:
         """The degrees of ``layout`` (:class:`solvers.layout.Layout`: a mesh spelling's, ``spec``, or a plan's) around
-        a pipeline of ``pp`` workers; ``ValueError`` for an order the runtime does not run, or a ``pp`` that is
-        not the plan's."""
+        a pipeline of ``pp`` workers, checked by :func:`solvers.layout.refusal` as the runtime runs it:
+        ``ValueError`` for an order or a DDP over tensor parallelism it does not run, ``PlanMismatchError`` for a
+        ``pp`` that is not the plan's."""
         spec = spec if spec is not None else layout.spec()
-        if (layout.order or "pp-dp-tp") != "pp-dp-tp" and layout.dp > 1:
-            raise ValueError(f"mesh {spec!r}: order={layout.order}: fxpipe runs the pipeline outermost (pp-dp-tp: "
-                             "each pipeline's ranks apart, each tp group's ranks adjacent); pass order=pp-dp-tp")
-        if layout.pp is not None and layout.pp != pp:
-            raise PlanMismatchError(f"mesh {spec!r}: pp={layout.pp} but the plan runs on {pp} workers: leave pp out "
-                                    f"(it is the plan's) or plan for {layout.pp} devices")
-        sp = layout.sequence_parallel is not False
-        if layout.sharded is False:
-            return cls(pp=pp, dp_replicate=layout.dp_replicate, tp=layout.tp, sharded=False, sequence_parallel=sp)
-        return cls(pp=pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp,
-                   sequence_parallel=sp)
+        try:
+            check_layout(layout, workers=pp)
+        except LayoutError as exc:
+            raise (PlanMismatchError if exc.rule == "workers" else ValueError)(f"mesh {spec!r}: {exc}") from None
+        return cls(dataclasses.replace(layout, pp=pp))
 
     @classmethod
     def planned(cls, plan: Any) -> ParallelDims | None:
-        """The degrees of the mesh ``plan`` was made for (``plan.mesh``: ``fxpipe.plan(mesh=...)``), ``None`` for a
-        plan of one pipeline. A ``ValueError`` names what the runtime cannot run of it."""
-        return cls.of(plan.layout(), plan.workers) if plan.mesh else None
+        """The degrees of the layout ``plan`` was made for (``plan.layout``), ``None`` for a plan of one pipeline
+        (dp and tp 1). A ``ValueError`` names what the runtime cannot run of it."""
+        layout = plan.layout
+        return None if layout.dp == 1 and layout.tp == 1 else cls.of(layout, plan.workers)
 
     @classmethod
     def from_mesh(cls, mesh: Any) -> ParallelDims:
@@ -156,7 +153,8 @@ class ParallelDims:
                              "mesh_dim_names=('pp', 'dp')) or ParallelDims(pp=..., dp_shard=...).build_mesh()")
         size = {n: mesh.size(names.index(n)) for n in names}
         return cls(pp=size["pp"], dp_replicate=size.get("dp", size.get("dp_replicate", 1)),
-                   dp_shard=size.get("dp_shard", 1), tp=size.get("tp", 1), sharded="dp_shard" in names)
+                   dp_shard=size.get("dp_shard", 1), tp=size.get("tp", 1),
+                   dp_mode="shard" if "dp_shard" in names else "replicate")
 
     @staticmethod
     def dp_names(mesh: Any) -> tuple[str, ...]:
