@@ -3,7 +3,7 @@
 A small CNN and an MLP are trained on the 1,797 8x8 digits (a fixed 80/20 split, pixels scaled to [0, 1])
 by every variant in :data:`VARIANTS`: the unpartitioned model (``sync``), ``pipe.step`` under GPipe and
 1F1B on 2 CPU workers (exact: the same gradients up to summation order), and GPipe with each boundary
-compression (:mod:`fxpipe.runtime.compression`; ``int8/topk:0.01`` is int8 activations and top-k gradients). Each seed starts every variant from the same weights and
+compression (:mod:`fxpipe.runtime.boundaries.compression`; ``int8/topk:0.01`` is int8 activations and top-k gradients). Each seed starts every variant from the same weights and
 the same shuffles. Reported per variant and model: test accuracy after the last epoch (mean ± std over the
 seeds), the first epoch whose mean accuracy is within 0.5 pp of ``sync``'s final mean, the bytes that
 crossed the stage boundary per step as the transport counted them (forward and backward, and their share

@@ -1,12 +1,12 @@
 """What ``reduction="auto"`` (the default) costs per ``pipe.step`` against ``reduction="mean"`` (no check).
 
-Two ways ``"auto"`` can go (:mod:`fxpipe.runtime.auto_loss`):
+Two ways ``"auto"`` can go (:mod:`fxpipe.runtime.losses.auto_loss`):
 
 - *recognised*: ``loss_fn`` returns an ``F.cross_entropy`` mean, computed as its sum and count inside a
   ``TorchFunctionMode`` and weighted by the count (exact for padded labels); ``"token"`` with the same sum
   and count written by hand is shown beside it.
 - *checked*: any other loss; each micro-batch's ``loss_fn`` runs once more, forward and backward, on the
-  micro-batch plus a reference sample (:mod:`fxpipe.runtime.sample_mean_check`).
+  micro-batch plus a reference sample (:mod:`fxpipe.runtime.losses.sample_mean_check`).
 
 Models: a 4-layer Llama (width 64) with vocabularies of 512 and 8192 (the larger, the larger the loss's share
 of a step), batch 8 x 32 tokens, labels padded to lengths 3-32, 4 micro-batches on 2 CPU stages; an MLP with

@@ -7,7 +7,7 @@ micro-batches (the batch cut in ``--chunks`` with ``torch.tensor_split``):
 - ``compiled model``: the same, ``torch.compile(model)`` (inductor, its C++ backend on CPU);
 - ``eager pipeline``: ``fxpipe.compile(model, ["cpu", "cpu"], ...)``, 2 stages on 2 CPU workers, ``pipe.step``;
 - ``compiled pipeline``: ``fxpipe.compile(torch.compile(model), ...)``, each stage compiled with the model's
-  options (:mod:`fxpipe.runtime.compiled`), its plan made on the compiled stages' measured times.
+  options (:mod:`fxpipe.runtime.execute.compiled`), its plan made on the compiled stages' measured times.
 
 Each step is forward, loss, backward and an SGD step. One intra-op thread per worker everywhere (the
 unpartitioned models run on one thread too): a kernel runs as it does in the pipeline, so both speedups

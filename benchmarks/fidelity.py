@@ -15,7 +15,7 @@ here are later ones, after the compile. Then ``calibrate=True``: the plan made a
 stage times measured in two earlier steps, run and compared the same way.
 Peak memory per worker: :mod:`fxpipe.planning.memory_model` (on the stage sizes
 measured at compile time through the real loss, :mod:`fxpipe.refine.stage_memory`)
-against a profiled replay of the step (:mod:`fxpipe.runtime.memory_probe`). Prints one row per (model, workers, schedule,
+against a profiled replay of the step (:mod:`fxpipe.runtime.execute.memory_probe`). Prints one row per (model, workers, schedule,
 stage) and the median and 90th percentile of the absolute errors; ``run-to-run``
 is how far the median of the first half of the measured steps is from that of
 the second half, the measurement's own reproducibility on this machine.

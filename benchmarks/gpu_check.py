@@ -23,7 +23,7 @@ its exception, a row past the global ``--budget-s`` prints ``SKIPPED (budget)``,
   predicted forward + backward time per micro-batch (the plan: ``profile="measure"``) against the stage
   timed alone (:func:`fxpipe.refine.stage_profile.stage_factors`, synchronised), each worker's predicted
   peak activation memory (:mod:`fxpipe.planning.memory_model`) against its step replayed alone under
-  ``torch.cuda.max_memory_allocated`` (:mod:`fxpipe.runtime.memory_probe`), the error in %, and the
+  ``torch.cuda.max_memory_allocated`` (:mod:`fxpipe.runtime.execute.memory_probe`), the error in %, and the
   compile time (profiling included).
 - ``compiled``: ``fxpipe.compile(torch.compile(model), ...)``: outputs and gradients against the eager
   model, step time against the eager pipeline, and whether the stages were compiled.
@@ -531,10 +531,10 @@ def fidelity_model(ctx: Context, which: str) -> tuple[nn.Module, torch.Tensor, t
 
 def worker_peaks(pipe: fxpipe.Pipeline, inputs: tuple, target: Any, loss: Callable, schedule: str,
                  device: torch.device) -> list[int]:
-    """Each worker's step replayed alone (:mod:`fxpipe.runtime.memory_probe`'s replay), its peak measured on
+    """Each worker's step replayed alone (:mod:`fxpipe.runtime.execute.memory_probe`'s replay), its peak measured on
     ``device``: ``torch.cuda.max_memory_allocated`` above what the GPU held before, on a GPU. (fxpipe's own
     ``measure_worker_memory`` counts the replay's allocations with the profiler, as on CPU workers.)"""
-    from fxpipe.runtime.memory_probe import Replay, allocations, replaying
+    from fxpipe.runtime.execute.memory_probe import Replay, allocations, replaying
     from solvers.schedules import get_schedule, worker_orders
 
     micro = pipe.inputs.micro_batches(inputs, {})
@@ -555,8 +555,8 @@ def worker_peaks(pipe: fxpipe.Pipeline, inputs: tuple, target: Any, loss: Callab
 def row_fidelity(ctx: Context, which: str) -> Row:
     from fxpipe.planning.memory_model import predict_worker_memory
     from fxpipe.refine.stage_profile import stage_factors
-    from fxpipe.runtime.memory_probe import measure_worker_memory
-    from fxpipe.runtime.structure import FlatInputs, flat_inputs
+    from fxpipe.runtime.execute.memory_probe import measure_worker_memory
+    from fxpipe.runtime.execute.structure import FlatInputs, flat_inputs
 
     model, x, y, loss_fn, chunks = fidelity_model(ctx, which)
     name = {"resnet": ctx.sizes["resnet"]["name"], "gpt2": "gpt2", "llama": "llama"}[which]
@@ -627,7 +627,8 @@ def stage_modules_compiled(pipe: fxpipe.Pipeline) -> tuple[int, int, str]:
         return sum(bool(f) for f in flag), len(mods), "pipe.compiled"
     if isinstance(flag, bool):
         return (len(mods) if flag else 0), len(mods), "pipe.compiled"
-    if isinstance(flag, dict):   # the torch.compile options every stage was compiled with (fxpipe.runtime.compiled)
+    # the torch.compile options every stage was compiled with (fxpipe.runtime.execute.compiled)
+    if isinstance(flag, dict):
         return len(mods), len(mods), f"pipe.compiled={flag!r}"
     return wrapped, len(mods), "stage module types" if flag is None else f"pipe.compiled={flag!r}"
 

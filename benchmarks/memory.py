@@ -2,7 +2,7 @@
 
 For each model, schedule and checkpoint mode, one training step's operations of
 every worker are replayed alone under ``torch.profiler`` with ``profile_memory``
-(:mod:`fxpipe.runtime.memory_probe`): the peak of the allocator's running total is that
+(:mod:`fxpipe.runtime.execute.memory_probe`): the peak of the allocator's running total is that
 worker's peak memory above its parameters and gradients, i.e. activations plus
 the transient buffers of forward, loss and backward. Beside it, the planner's
 prediction (:mod:`fxpipe.planning.memory_model`): the worker's schedule walked with each
@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import fxpipe  # noqa: E402
 from fxpipe.planning.memory_model import predict_worker_memory  # noqa: E402
-from fxpipe.runtime.memory_probe import measure_worker_memory  # noqa: E402
+from fxpipe.runtime.execute.memory_probe import measure_worker_memory  # noqa: E402
 from speed import build, leaves  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")

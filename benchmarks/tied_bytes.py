@@ -1,6 +1,6 @@
 """Bytes moved per training step across stage boundaries for a GPT-2-shaped model with its LM head tied to the
 embedding, on 4 stages: the tied weight sent as a value every micro-batch (and its gradient back), as fxpipe did
-before, against a copy per reading stage with one all-reduce of its gradient per step (fxpipe.runtime.tied).
+before, against a copy per reading stage with one all-reduce of its gradient per step (fxpipe.runtime.boundaries.tied).
 
 Two parts:
 
@@ -33,9 +33,9 @@ from fxpipe.cost.profile import profile_graph
 from fxpipe.frontend.trace import trace
 from fxpipe.planning.boundaries import boundary_table
 from fxpipe.planning.tied_cost import tied_weights
-from fxpipe.runtime.microbatch import scatter
-from fxpipe.runtime.step import run_step
-from fxpipe.runtime.transport import Transport
+from fxpipe.runtime.execute.microbatch import scatter
+from fxpipe.runtime.execute.step import run_step
+from fxpipe.runtime.boundaries.transport import Transport
 
 sys.path.insert(0, str(Path(__file__).parent))
 from make_problems import GPT  # noqa: E402

@@ -18,8 +18,8 @@ from fxpipe.errors import (
 from fxpipe.frontend.trace import trace
 from fxpipe.options import CompileOptions, ProfileOptions
 from fxpipe.planning.plan import Plan, PlanStage, load_plan
-from fxpipe.runtime.asynchronous import AsyncTrainer
-from fxpipe.runtime.pipeline import Pipeline
+from fxpipe.runtime.execute.asynchronous import AsyncTrainer
+from fxpipe.runtime.execute.pipeline import Pipeline
 
 import fxpipe.distributed.torch_pipelining  # noqa: E402,F401  registers Plan.to_torch_pipelining
 

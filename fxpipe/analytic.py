@@ -43,9 +43,9 @@ from fxpipe.planning.plan import Plan
 from fxpipe.planning.planner import Planner
 from fxpipe.planning import throughput
 from fxpipe.planning.topology import links_from_classes
-from fxpipe.runtime.guards import input_signature
-from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, scatter
-from fxpipe.runtime.structure import FlatInputs, flat_inputs
+from fxpipe.runtime.checks.guards import input_signature
+from fxpipe.runtime.execute.microbatch import BatchLayout, batch_size_of, scatter
+from fxpipe.runtime.execute.structure import FlatInputs, flat_inputs
 import solvers
 from solvers.layout import Layout, refusal
 from solvers.mesh import MeshProblem, state_bytes
@@ -75,7 +75,7 @@ class AnalyticModel:
     #: ``tp`` -> why the runtime's default tensor-parallel plan cannot shard the model over ``tp`` ranks (``None``:
     #: it can); :func:`plan_costed_mesh` plans no mesh of a refused ``tp``
     tp_refusal: Callable[[int], str | None] = lambda tp: None
-    #: the example inputs' names, dtypes and shapes (:func:`fxpipe.runtime.guards.input_signature`): a call of
+    #: the example inputs' names, dtypes and shapes (:func:`fxpipe.runtime.checks.guards.input_signature`): a call of
     #: another dtype or rank is refused before its step, as for a compiled plan
     signature: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 

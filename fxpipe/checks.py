@@ -21,9 +21,9 @@ from fxpipe.options import CompileOptions, ProfileOptions, stage_compile_kwargs
 from fxpipe.planning.lowering import device_memory_bytes
 from fxpipe.planning.memory_model import CHECKPOINT_SPELLINGS, block_mode, is_checkpoint_mode, refuse_with_schedule
 from fxpipe.planning.plan import Plan
-from fxpipe.runtime.aliasing import written_buffers
-from fxpipe.runtime.compiled import options_of
-from fxpipe.runtime.microbatch import BatchLayout, batch_size_of
+from fxpipe.runtime.boundaries.aliasing import written_buffers
+from fxpipe.runtime.execute.compiled import options_of
+from fxpipe.runtime.execute.microbatch import BatchLayout, batch_size_of
 from solvers.schedules import REGISTRY, SCHEDULES, check_schedule, get_schedule
 
 __all__ = ["auto_schedules", "batch_layout", "check_arguments", "check_batch", "check_call", "check_plan", "check_plan_layout", "compiled_model", "memory_limits",
@@ -43,7 +43,7 @@ def _optimized(model: Any) -> bool:
 
 def compiled_model(model: Any) -> tuple[Any, dict[str, Any] | None]:
     """The module that ``torch.compile`` wrapped and the ``torch.compile`` options it was given
-    (:func:`fxpipe.runtime.compiled.options_of`); ``(model, None)`` for any other model.
+    (:func:`fxpipe.runtime.execute.compiled.options_of`); ``(model, None)`` for any other model.
 
     An ``OptimizedModule`` has no forward of its own to trace (``*args, **kwargs``), and profiling it would
     time dynamo's compilation as the model's first operations. Its ``_orig_mod`` holds the same parameters,
@@ -323,7 +323,7 @@ def warn_buffer_updates(gm: fx.GraphModule, chunks: int, model: nn.Module) -> No
 
 def auto_schedules(compiled: dict[str, Any] | None, checkpoint: str = "auto") -> tuple[str, ...]:
     """The schedules ``schedule="auto"`` tries: all, but those with a split backward for compiled stages
-    (:func:`fxpipe.runtime.compiled.refuse_split_backward` says why) and for a per-block ``checkpoint``
+    (:func:`fxpipe.runtime.execute.compiled.refuse_split_backward` says why) and for a per-block ``checkpoint``
     (``"blocks"``, ``"blocks:K"``, ``"selective"``: :func:`fxpipe.planning.memory_model.refuse_with_schedule`)."""
     split = compiled is not None or block_mode(checkpoint) is not None
     return tuple(s for s in SCHEDULES if not (split and get_schedule(s).split_backward))

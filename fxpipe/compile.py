@@ -31,17 +31,17 @@ from fxpipe.planning.planner import Planner
 from fxpipe.planning.report import predicted_times
 from fxpipe.refine.rounds import record_compilation, refine
 from fxpipe.refine.stage_profile import stage_compile_seconds
-from fxpipe.runtime.assemble import build_pipeline
-from fxpipe.runtime.batch_check import check_micro_batching
-from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
-from fxpipe.runtime.compiled import refuse_split_backward
-from fxpipe.runtime.compression import BoundaryCompression, codec_seconds_per_byte
-from fxpipe.runtime.guards import ModelGuard, input_signature
-from fxpipe.runtime.host import UNSHARED
-from fxpipe.runtime.losses import scalar_of
-from fxpipe.runtime.microbatch import scatter
-from fxpipe.runtime.pipeline import Pipeline
-from fxpipe.runtime.structure import FlatInputs, flat_inputs, model_output
+from fxpipe.runtime.execute.assemble import build_pipeline
+from fxpipe.runtime.checks.batch_check import check_micro_batching
+from fxpipe.runtime.execute.batchnorm import convert_deferred_batch_norm
+from fxpipe.runtime.execute.compiled import refuse_split_backward
+from fxpipe.runtime.boundaries.compression import BoundaryCompression, codec_seconds_per_byte
+from fxpipe.runtime.checks.guards import ModelGuard, input_signature
+from fxpipe.runtime.execute.host import UNSHARED
+from fxpipe.runtime.losses.losses import scalar_of
+from fxpipe.runtime.execute.microbatch import scatter
+from fxpipe.runtime.execute.pipeline import Pipeline
+from fxpipe.runtime.execute.structure import FlatInputs, flat_inputs, model_output
 from solvers.schedule_search import chunk_choices
 
 __all__ = ["compile", "parse_devices"]
@@ -73,7 +73,7 @@ def compile(
     Args:
         model: an ``nn.Module`` (its parameters are used in place, moved to the stage devices, like
             torchgpipe), ``torch.compile(module, ...)`` (the module is partitioned and every stage module
-            compiled with those options, :mod:`fxpipe.runtime.compiled`; ``CompileOptions(compile_stages=...)``
+            compiled with those options, :mod:`fxpipe.runtime.execute.compiled`; ``CompileOptions(compile_stages=...)``
             says it for a plain module), or a ``torch.fx.GraphModule`` / ``torch.export.ExportedProgram`` the
             user traced, partitioned as given.
         devices: torch device strings, one per pipeline stage at most; ``["cpu", "cpu"]`` is two CPU workers.
@@ -97,7 +97,7 @@ def compile(
             every activation), and if no plan fits without recomputing, plans with every stage recomputing and
             chooses again; with ``plan=``, the plan's own modes. Or one mode for every stage: ``"never"``,
             ``"except_last"`` (torchgpipe's default), ``"always"`` (whole stages), ``"blocks"``, ``"blocks:K"``,
-            ``"selective"`` (per repeated block, :mod:`fxpipe.runtime.block_recompute`).
+            ``"selective"`` (per repeated block, :mod:`fxpipe.runtime.backward.block_recompute`).
         plan: a plan from :func:`fxpipe.load_plan`; skips profiling and solving.
         stages: a fixed number of stages; default lets the solver choose up to ``len(devices)``. With
             ``interleaved-1f1b``: ``v`` times the number of devices used.
@@ -123,7 +123,7 @@ def compile(
             Hugging Face config's ``use_cache=True`` is off while tracing (no generation cache is returned).
 
     With ``chunks > 1`` the example batch is run once whole and once as micro-batches, in eval mode
-    (:mod:`fxpipe.runtime.batch_check`): a model whose outputs change when its batch is split (a
+    (:mod:`fxpipe.runtime.checks.batch_check`): a model whose outputs change when its batch is split (a
     sequence-first layout split along time, a batch-level operation) is refused. A train-mode BatchNorm
     with ``chunks > 1`` gets a warning: micro-batch statistics are not a full batch's.
     """

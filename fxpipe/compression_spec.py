@@ -6,7 +6,7 @@
 (``"int8/topk:0.01"``: activations in int8, gradients top-k; ``"fp32"`` leaves a direction exact); or a dict
 of such names by producing stage (the boundary after that stage). :func:`parse_codec` checks a name and :meth:`CodecSpec.sent_bytes` is what a
 codec puts on the wire for a float tensor, which the planner's transfer cost and ``plan.summary()`` read; the
-codecs themselves are :mod:`fxpipe.runtime.compression`. Lives at the base of the data flow because the
+codecs themselves are :mod:`fxpipe.runtime.boundaries.compression`. Lives at the base of the data flow because the
 options (checked when made), the planner and the runtime all read it.
 """
 

@@ -132,7 +132,7 @@ class CompileOptions:
     Attributes:
         concrete_args: tracing option (see :func:`fxpipe.frontend.trace.trace`).
         deferred_batch_norm: in training, update BatchNorm running statistics once per mini-batch
-            from all its micro-batches (:mod:`fxpipe.runtime.batchnorm`, as torchgpipe) instead of once
+            from all its micro-batches (:mod:`fxpipe.runtime.execute.batchnorm`, as torchgpipe) instead of once
             per micro-batch; the user's buffers are updated in place.
         optimizer_state_factor: optimizer state per parameter byte (Adam: 2) for the memory limit.
         memory_bytes: per-device memory override for the memory limit.
@@ -143,7 +143,7 @@ class CompileOptions:
             input's, and a nested input may take the same structure of numbers (one per tensor).
         check_micro_batching: with ``chunks > 1``, run the example batch whole and as micro-batches at
             compile (eval mode, no gradients) and refuse a model whose outputs differ
-            (:mod:`fxpipe.runtime.batch_check`). ``False`` for a model whose micro-batches are meant to be
+            (:mod:`fxpipe.runtime.checks.batch_check`). ``False`` for a model whose micro-batches are meant to be
             successive calls (one whose forward reads a buffer it updates from its batch, as the pipeline
             then does once per micro-batch, in order).
         output_batch_dim, target_batch_dim: the dimension the outputs are gathered along and the one
@@ -158,9 +158,9 @@ class CompileOptions:
             ``"topk:R"`` (the share ``R`` of largest magnitudes; gradients with error feedback) for the
             activations that cross a boundary and their gradients, ``"FORWARD/BACKWARD"`` for one codec each
             way (``"int8/topk:0.01"``; ``"fp32"``: exact), or a dict ``{stage: name}`` for the boundary after
-            that stage (:mod:`fxpipe.runtime.compression`). ``pipe(x)`` stays exact. The planner costs the
+            that stage (:mod:`fxpipe.runtime.boundaries.compression`). ``pipe(x)`` stays exact. The planner costs the
             compressed bytes; ``plan.summary()`` lists each boundary's bytes before and after.
-        compile_stages: ``torch.compile`` each stage module after partitioning (:mod:`fxpipe.runtime.compiled`):
+        compile_stages: ``torch.compile`` each stage module after partitioning (:mod:`fxpipe.runtime.execute.compiled`):
             ``True`` (torch.compile's defaults), a dict of ``torch.compile`` keyword arguments
             (``{"mode": "max-autotune", "fullgraph": True}``), ``False`` (eager stages), or ``None`` (default):
             as the model, that is compiled with its own options when ``fxpipe.compile`` is given a

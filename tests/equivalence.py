@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 import fxpipe
-from fxpipe.runtime.microbatch import gather, scatter
+from fxpipe.runtime.execute.microbatch import gather, scatter
 
 __all__ = ["reference_step", "pipeline_step", "assert_same_step", "max_relative_error", "calibrate_batchnorm"]
 

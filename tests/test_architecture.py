@@ -91,8 +91,8 @@ TYPED_GRAPH = _graph(typed=True)
 
 
 def test_the_walk_sees_the_imports_it_must():
-    assert "fxpipe.planning.plan" in GRAPH.successors("fxpipe.runtime.pipeline")
-    assert "torch" in GRAPH.successors("fxpipe.runtime.step")
+    assert "fxpipe.planning.plan" in GRAPH.successors("fxpipe.runtime.execute.pipeline")
+    assert "torch" in GRAPH.successors("fxpipe.runtime.execute.step")
     assert "solvers.dp" in GRAPH.successors("solvers.anchors")
     assert len([m for m in MODULES if m.startswith("fxpipe.")]) > 30
 
@@ -124,12 +124,12 @@ def test_the_runtime_does_not_know_the_cpu_sharing_model():
 
 def test_an_upward_import_is_caught(tmp_path):
     """The checks above can fail: a runtime module that imported the refine step would be upward."""
-    assert layer("fxpipe.refine.rounds") > layer("fxpipe.runtime.step")
+    assert layer("fxpipe.refine.rounds") > layer("fxpipe.runtime.execute.step")
     assert layer("fxpipe.errors") < layer("fxpipe.frontend.trace") < layer("fxpipe.cost.profile") \
-        < layer("fxpipe.planning.plan") < layer("fxpipe.runtime.pipeline") < layer("fxpipe.compile")
+        < layer("fxpipe.planning.plan") < layer("fxpipe.runtime.execute.pipeline") < layer("fxpipe.compile")
     fake = tmp_path / "step.py"
     fake.write_text("def f():\n    from fxpipe.refine.rounds import refine\n")
-    assert "fxpipe.refine.rounds" in _imports(fake, "fxpipe.runtime.step")
+    assert "fxpipe.refine.rounds" in _imports(fake, "fxpipe.runtime.execute.step")
     hidden = tmp_path / "typed.py"
     hidden.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fxpipe.compile import compile\n")
     assert "fxpipe.compile" not in _imports(hidden, "fxpipe.runtime.typed")

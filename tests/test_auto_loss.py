@@ -17,7 +17,7 @@ from torch import nn
 
 import fxpipe
 from equivalence import max_relative_error
-from fxpipe.runtime.mean_calls import MeanCalls
+from fxpipe.runtime.losses.mean_calls import MeanCalls
 
 LENGTHS = [32, 5, 20, 9, 32, 3, 17, 28]
 

@@ -63,7 +63,7 @@ def test_a_plan_made_from_shapes_refuses_inputs_of_another_dtype_too():
     """fxpipe.plan (a preset, bfloat16) records its inputs as compile does: a rank given float32 images for the
     bfloat16 model is told to cast them before any stage runs, rather than failing inside one."""
     from fxpipe.frontend.capture import capture_as_planned
-    from fxpipe.runtime.call_inputs import CallInputs
+    from fxpipe.runtime.execute.call_inputs import CallInputs
     model = _mlp().to(torch.bfloat16)
     plan = fxpipe.plan(model, fxpipe.Devices.preset("h100", 2), (torch.randn(8, 8, dtype=torch.bfloat16),),
                        schedule="1f1b", chunks=2)

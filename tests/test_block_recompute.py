@@ -11,7 +11,7 @@ import torch
 
 import fxpipe
 from fxpipe.planning.memory_model import predict_worker_memory, recompute_s, stage_bytes
-from fxpipe.runtime.memory_probe import allocations
+from fxpipe.runtime.execute.memory_probe import allocations
 
 transformers = pytest.importorskip("transformers")
 from hf_models import build, padded_batch  # noqa: E402

@@ -1,4 +1,4 @@
-"""Compiled stages (:mod:`fxpipe.runtime.compiled`): ``fxpipe.compile(torch.compile(model))`` compiles every
+"""Compiled stages (:mod:`fxpipe.runtime.execute.compiled`): ``fxpipe.compile(torch.compile(model))`` compiles every
 stage module with the model's torch.compile options, and the pipeline computes what the eager model computes
 (outputs, loss, gradients within float tolerance) under every schedule that can run compiled stages, with
 and without checkpointing; the zero-bubble schedules are refused with the reason, and ``schedule="auto"``
@@ -20,7 +20,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.planning.plan import Plan
-from fxpipe.runtime.compiled import options_of
+from fxpipe.runtime.execute.compiled import options_of
 from models import SkipCNN
 
 TOL = dict(rtol=1e-4, atol=1e-5)   # inductor reorders float sums: not bit-equal to eager
@@ -120,7 +120,7 @@ def test_the_refusal_is_torchs_a_compiled_backward_does_not_run_twice(cnn_pipe, 
     """What a zero-bubble schedule would do with compiled stages: its weight pass runs the stage's compiled
     backward again, which torch refuses (pytorch/pytorch#161904). If this test fails, torch has learnt it and
     the refusal can go."""
-    import fxpipe.runtime.pipeline as pipeline
+    import fxpipe.runtime.execute.pipeline as pipeline
 
     pipe, model, _ = cnn_pipe
     pipe.checkpoint = "never"
@@ -293,7 +293,8 @@ def test_pipeline_ranks_compile_their_stages_as_the_plan_says():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_compiled_stages_on_a_gpu_compute_the_eager_model():
-    """Inductor's Triton kernels on the stages' compute streams (:mod:`fxpipe.runtime.streams`): both stages on
+    """Inductor's Triton kernels on the stages' compute streams (:mod:`fxpipe.runtime.boundaries.streams`): both
+    stages on
     the first GPU, 1F1B with the first stage recomputed, an uneven last batch; loss and gradients are the eager
     model's."""
     torch.manual_seed(0)

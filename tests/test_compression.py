@@ -9,7 +9,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.compression_spec import parse_boundary, parse_codec
-from fxpipe.runtime.compression import BoundaryCompression, decode, encode
+from fxpipe.runtime.boundaries.compression import BoundaryCompression, decode, encode
 from tests.forced_cuts import compile_with_cuts
 
 

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.runtime.batch_check import check_micro_batching
-from fxpipe.runtime.microbatch import BatchLayout
+from fxpipe.runtime.checks.batch_check import check_micro_batching
+from fxpipe.runtime.execute.microbatch import BatchLayout
 
 
 def _model() -> nn.Module:

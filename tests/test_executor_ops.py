@@ -1,7 +1,7 @@
 """What ``pipe.step`` adds to the model's own operators, counted: the executor's cost, which becomes kernel launches
 and host time on a GPU.
 
-The caller's ``TorchDispatchMode`` reaches the stage workers (:mod:`fxpipe.runtime.caller_state`), so a mode
+The caller's ``TorchDispatchMode`` reaches the stage workers (:mod:`fxpipe.runtime.execute.caller_state`), so a mode
 around ``pipe.step`` sees every ATen operator the step dispatches, on every worker. The reference is the plain
 model: ``loss_fn(model(x), y).backward()`` for one micro-batch, and for ``m`` micro-batches the usual gradient
 accumulation loop (each micro-batch's loss weighted ``n_i / N``, then ``backward``). Operator counts on CPU are
@@ -208,7 +208,7 @@ def test_workers_outlive_the_step_and_keep_no_state_of_it(pipes):
     """The stage workers are borrowed from a pool (a fresh thread's first matrix products cost milliseconds): the
     same threads run the next step, none is left lent out, and none keeps the step's grad mode, autocast or
     dispatch modes."""
-    from fxpipe.runtime.worker import POOL, spawn_workers
+    from fxpipe.runtime.execute.worker import POOL, spawn_workers
 
     model, pipe = _pair(pipes, 2, 2)
     pipe.step(X, Y, _loss, chunks=2)

@@ -18,7 +18,7 @@ from torch import nn
 
 import fxpipe
 from equivalence import max_relative_error
-from fxpipe.runtime.worker import POOL
+from fxpipe.runtime.execute.worker import POOL
 
 
 def _threads() -> int:

@@ -6,7 +6,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.planning.memory_model import predict_worker_memory
-from fxpipe.runtime.memory_probe import measure_worker_memory
+from fxpipe.runtime.execute.memory_probe import measure_worker_memory
 from solvers.activation_memory import StageBytes, worker_peak_bytes
 from solvers.schedules import worker_orders
 
@@ -35,7 +35,8 @@ def test_activation_peaks_by_hand():
 
 def test_a_checkpointed_split_backward_recomputes_then_holds_until_its_weight_pass():
     """Under a zero-bubble schedule a checkpointed micro-batch's B recomputes its forward and keeps the recomputed
-    activations for its deferred W (fxpipe.runtime.recompute.forward_saving_nothing): W's peak counts for it too.
+    activations for its deferred W (fxpipe.runtime.backward.recompute.forward_saving_nothing): W's peak counts for it
+    too.
     Worker 1 of ZB-H1 on 2 stages runs F0 I0 F1 I1 W0 F2 I2 W1 F3 I3 W2 W3."""
     base = dict(full=10, checkpointed=1, forward_peak=0, forward_peak_checkpointed=0, backward_peak=0,
                 backward_peak_checkpointed=12, backward_peak_split=0, weight_pending=20, weight_peak=100)

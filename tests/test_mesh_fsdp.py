@@ -200,7 +200,7 @@ def _fx_units(mesh: Any, plan_json: str) -> dict:
     """A ModuleList model captured by torch.fx (its layers called whole), tied head, over the HSDP mesh: each block an
     FSDP2 unit; losses and parameters after three SGD steps."""
     from fxpipe.distributed import PipelineRank
-    from fxpipe.runtime.block_units import units_of
+    from fxpipe.runtime.backward.block_units import units_of
     stage = PipelineRank(fxpipe.Plan.from_dict(json.loads(plan_json)), _skip_tied, _skip_loss, mesh=mesh, timeout_s=60)
     opt = torch.optim.SGD(stage.parameters(), lr=0.1)
     losses = []
@@ -237,7 +237,7 @@ def _units_on_one_stage(mesh: Any, plan_json: str) -> dict:
     from torch.distributed.fsdp import FSDPModule
     from fxpipe.distributed import PipelineRank
     from fxpipe.distributed.parallel.fsdp import ShardedStages
-    from fxpipe.runtime.block_units import units_of
+    from fxpipe.runtime.backward.block_units import units_of
     from torch.distributed.tensor import DTensor
     calls: list[str] = []   # this process's reduce-scatters and end-of-step reductions, in order
     scatter, reduce = dist.reduce_scatter_single, ShardedStages.reduce

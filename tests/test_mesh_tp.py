@@ -33,7 +33,7 @@ SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 # pp=2 x tp=2: every family under every schedule, and Qwen3 (a per-head RMS norm between q_proj and attention) once
 # and Llama on its own loss (loss_fn=None, labels= split over the replicas) once
 TP_CASES = {**{family: SCHEDULES for family in FAMILIES}, "qwen3": ("1f1b",), "llama" + OWN: ("zb-h1",)}
-# Qwen3's plan recomputes per block (fxpipe.runtime.block_recompute): after tensor parallelism, under FSDP2
+# Qwen3's plan recomputes per block (fxpipe.runtime.backward.block_recompute): after tensor parallelism, under FSDP2
 RECOMPUTED = {"qwen3": ("selective", "blocks")}
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.runtime.batchnorm import DeferredBatchNorm
+from fxpipe.runtime.execute.batchnorm import DeferredBatchNorm
 from equivalence import assert_same_step
 
 EST = fxpipe.ProfileOptions(mode="estimate")
@@ -146,7 +146,7 @@ def test_a_dropout_of_rate_zero_does_not_make_the_graph_depend_on_the_mode(front
     pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, stages=2, frontend=frontend,
                           profile=fxpipe.ProfileOptions(mode="estimate"))
     assert not pipe._mode_dependent
-    assert not any(fxpipe.runtime.rng.is_random(stage) for stage in pipe.stages)
+    assert not any(fxpipe.runtime.backward.rng.is_random(stage) for stage in pipe.stages)
     model.eval()
     pipe.eval()
     with torch.no_grad():

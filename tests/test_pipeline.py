@@ -12,7 +12,7 @@ from torch import nn
 import fxpipe
 from equivalence import assert_same_step, max_relative_error
 from models import Boom, ModeBranch, SkipTied, WithBoom
-from fxpipe.runtime.worker import POOL
+from fxpipe.runtime.execute.worker import POOL
 
 
 def _threads() -> int:

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 import fxpipe
-from fxpipe.runtime.microbatch import scatter
+from fxpipe.runtime.execute.microbatch import scatter
 
 D, S, VOCAB = 8, 3, 11
 EXAMPLES = int(os.environ.get("FXPIPE_PROPERTY_EXAMPLES", "200"))

@@ -26,7 +26,7 @@ def _stages(family: str):
     from fxpipe.distributed.parallel.tp import _kinds
     from fxpipe.distributed.parallel.tp_plans import default_tp_plan
     from fxpipe.frontend.capture import capture_as_planned
-    from fxpipe.runtime.codegen import split_graph
+    from fxpipe.runtime.execute.codegen import split_graph
     plan = fxpipe.Plan.from_dict(json.loads(_plan(family)))
     model = _builder(family)()
     captured = capture_as_planned(model, plan.frontend, ())

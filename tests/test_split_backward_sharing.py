@@ -10,7 +10,7 @@ from torch import nn
 
 from equivalence import max_relative_error
 from forced_cuts import compile_with_cuts
-from fxpipe.runtime.split_backward import backward_inputs
+from fxpipe.runtime.backward.split_backward import backward_inputs
 
 
 class SharedTwoLevelsDown(nn.Module):

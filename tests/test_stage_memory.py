@@ -11,7 +11,7 @@ from torch import nn
 
 import fxpipe
 from fxpipe.planning.memory_model import choose_checkpoints, predict_worker_memory
-from fxpipe.runtime.memory_probe import measure_worker_memory
+from fxpipe.runtime.execute.memory_probe import measure_worker_memory
 from fxpipe.refine.stage_memory import measure_stage_bytes
 
 

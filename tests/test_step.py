@@ -10,8 +10,8 @@ from torch import nn
 
 import fxpipe
 from equivalence import max_relative_error
-from fxpipe.runtime.codegen import split_graph
-from fxpipe.runtime.step import run_step
+from fxpipe.runtime.execute.codegen import split_graph
+from fxpipe.runtime.execute.step import run_step
 from models import SkipTied
 from solvers.schedules import worker_orders
 

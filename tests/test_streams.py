@@ -1,4 +1,4 @@
-"""fxpipe.runtime.streams: no-ops on CPU; on a GPU, copies ordered by events and kept alive by record_stream.
+"""fxpipe.runtime.boundaries.streams: no-ops on CPU; on a GPU, copies ordered by events and kept alive by record_stream.
 
 The GPU tests run wherever torch sees a GPU (skipped on the CPU-only CI machine).
 """
@@ -9,7 +9,7 @@ from torch import nn
 
 import fxpipe
 from equivalence import max_relative_error
-from fxpipe.runtime.streams import DeviceStreams
+from fxpipe.runtime.boundaries.streams import DeviceStreams
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 

@@ -1,7 +1,8 @@
 """Tied weights: each Parameter object lives in exactly one stage module, and its gradient is the model's,
 whether tied by assignment (``head.proj.weight = emb.weight``), read functionally
 (``F.linear(h, self.emb.weight)``), tied into a module the user made a leaf, or read under two names (the
-torch.export front end). A parameter that several stages read has a copy on each of them (fxpipe.runtime.tied):
+torch.export front end). A parameter that several stages read has a copy on each of them
+(fxpipe.runtime.boundaries.tied):
 pipe.step sums the copies' gradients into the model's once per step, the copies follow the optimizer's updates,
 a copy updated apart is refused, and the planner charges the tie once per step."""
 
@@ -14,7 +15,7 @@ from torch import nn
 
 import fxpipe
 from equivalence import assert_same_step, max_relative_error
-from fxpipe.runtime.tied import TiedCopy, TiedWeightsDiverged
+from fxpipe.runtime.boundaries.tied import TiedCopy, TiedWeightsDiverged
 
 EST = fxpipe.ProfileOptions(mode="estimate")
 

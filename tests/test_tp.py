@@ -113,7 +113,7 @@ def test_an_exported_graph_calls_its_linear_layers_as_modules_again_and_computes
 def _stages(family: str, cut_module: str):
     """The exported graph split in two before the first node of ``cut_module``."""
     from fxpipe.frontend.capture import capture
-    from fxpipe.runtime.codegen import split_graph
+    from fxpipe.runtime.execute.codegen import split_graph
     model, ids = build(family), padded_batch(family)["input_ids"]
     gm = capture(model, frontend="export", args=(ids,), other_mode=False).graph
     stage, stage_of = 0, {}

@@ -45,9 +45,9 @@ from fxpipe.distributed.tied import COUNTED_ELSEWHERE
 from fxpipe.errors import FxpipeError, PlanMismatchError
 from fxpipe.planning.memory_model import planned_mode
 from fxpipe.planning.plan import Plan, load_plan
-from fxpipe.runtime.block_recompute import apply_recompute
-from fxpipe.runtime.block_units import apply_units
-from fxpipe.runtime.losses import REDUCTIONS
+from fxpipe.runtime.backward.block_recompute import apply_recompute
+from fxpipe.runtime.backward.block_units import apply_units
+from fxpipe.runtime.losses.losses import REDUCTIONS
 from solvers.layout import refusal
 
 __all__ = ["PipelineRank"]

@@ -39,12 +39,13 @@ from fxpipe.errors import FxpipeError, PlanMismatchError
 from fxpipe.frontend.capture import capture_as_planned
 from fxpipe.options import stage_compile_kwargs
 from fxpipe.planning.plan import Plan, load_plan
-from fxpipe.runtime.batchnorm import convert_deferred_batch_norm
-from fxpipe.runtime.codegen import StageSpec, move_stage, split_graph
-from fxpipe.runtime.compiled import compile_stages as compile_stage_modules, planned_compilation, refuse_split_backward
-from fxpipe.runtime.compression import BoundaryCompression
-from fxpipe.runtime.pipeline import Pipeline
-from fxpipe.runtime.tied import TiedWeights
+from fxpipe.runtime.execute.batchnorm import convert_deferred_batch_norm
+from fxpipe.runtime.execute.codegen import StageSpec, move_stage, split_graph
+from fxpipe.runtime.execute.compiled import (compile_stages as compile_stage_modules, planned_compilation,
+                                             refuse_split_backward)
+from fxpipe.runtime.boundaries.compression import BoundaryCompression
+from fxpipe.runtime.execute.pipeline import Pipeline
+from fxpipe.runtime.boundaries.tied import TiedWeights
 
 __all__ = ["RankStages"]
 

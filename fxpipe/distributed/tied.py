@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxpipe.runtime.tied import Tie, TiedWeights, TiedWeightsDiverged, checksum
+from fxpipe.runtime.boundaries.tied import Tie, TiedWeights, TiedWeightsDiverged, checksum
 
 __all__ = ["RankTies", "install_representatives", "COUNTED_ELSEWHERE"]
 

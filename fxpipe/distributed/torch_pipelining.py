@@ -31,7 +31,7 @@ from fxpipe.errors import FxpipeError, PlanMismatchError
 from fxpipe.frontend.capture import capture_as_planned
 from fxpipe.planning import plan as plan_module
 from fxpipe.planning.plan import Plan
-from fxpipe.runtime.codegen import StageSpec, move_stage, split_graph
+from fxpipe.runtime.execute.codegen import StageSpec, move_stage, split_graph
 from solvers.schedules import REGISTRY, stage_worker, worker_orders
 
 __all__ = ["NotAdjacentError", "TORCH_SCHEDULES", "adjacent_stages", "compute_actions_csv", "to_torch_pipelining"]

@@ -44,11 +44,11 @@ from fxpipe.distributed.waiting import PeerFailed, Receiver, Statuses, lost
 from fxpipe.distributed.wire import (MAX_TENSORS, STATUS_BYTES, STATUS_TAG, Header, decode_header, encode_header,
                                      encode_status, header_of, signature, tag, nccl_order_hazard)
 from fxpipe.errors import FxpipeError
-from fxpipe.runtime.codegen import StageSpec
-from fxpipe.runtime.compression import Payload, decode, payload_layout
-from fxpipe.runtime.step import StepFailure
-from fxpipe.runtime.streams import DeviceStreams, Event
-from fxpipe.runtime.transport import LOSS, Transport
+from fxpipe.runtime.execute.codegen import StageSpec
+from fxpipe.runtime.boundaries.compression import Payload, decode, payload_layout
+from fxpipe.runtime.execute.step import StepFailure
+from fxpipe.runtime.boundaries.streams import DeviceStreams, Event
+from fxpipe.runtime.boundaries.transport import LOSS, Transport
 
 __all__ = ["P2P"]
 

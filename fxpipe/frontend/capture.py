@@ -45,7 +45,7 @@ class Captured:
     mode_dependent: bool      # tracing in the other train/eval mode gives another graph
     # {"name": "fx"|"export"|"given", "reason": ..., "inputs": the example inputs' record (input_record.py)}
     frontend: dict[str, Any] = field(default_factory=dict)
-    # The model in eval mode, for checks that need it (fxpipe.runtime.batch_check): ``graph`` itself unless
+    # The model in eval mode, for checks that need it (fxpipe.runtime.checks.batch_check): ``graph`` itself unless
     # that was traced in train mode and depends on the mode (a BatchNorm traced through computes batch
     # statistics whatever gm.eval() says), then the eval-mode trace; None where eval mode does not trace.
     eval_graph: fx.GraphModule | None = None

@@ -11,7 +11,7 @@ The graph fxpipe partitions is ``ExportedProgram.module()``: its ``get_attr`` no
 ``model.parameters()``). It is made flat: its placeholders are the leaves of ``(args, kwargs)`` and its
 output a tuple of the leaves of the result; the two pytree specs (``gm.meta["fxpipe_in_spec"]`` and
 ``["fxpipe_out_spec"]``) give the user back the model's own input and output structure
-(:mod:`fxpipe.runtime.structure`). The batch dimension of every input leaf is exported as a symbolic size,
+(:mod:`fxpipe.runtime.execute.structure`). The batch dimension of every input leaf is exported as a symbolic size,
 so one graph runs every micro-batch size; a model whose code fixes the batch size is refused.
 """
 

@@ -13,7 +13,7 @@ with ``num_items_in_batch``). This module rewrites the captured graph so that it
   counts, per micro-batch, what the mean would have divided by (the targets that are not ``ignore_index``,
   or the sum of their class weights).
 
-The pipeline then trains with ``reduction="token"`` (:mod:`fxpipe.runtime.losses`: the sums backpropagated,
+The pipeline then trains with ``reduction="token"`` (:mod:`fxpipe.runtime.losses.losses`: the sums backpropagated,
 the gradients divided once by the whole batch's count) and reports ``sum / count`` as the loss: the full
 batch's own mean, exactly. A loss computed otherwise (a mean of another operation, a sum of losses, targets
 that depend on the model's values) is left as it is and the graph is marked with why

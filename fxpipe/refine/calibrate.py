@@ -26,7 +26,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.errors import FxpipeError
-from fxpipe.runtime.no_trace import leaving_no_trace
+from fxpipe.runtime.execute.no_trace import leaving_no_trace
 from fxpipe.planning.memory_model import recompute_s
 from fxpipe.planning.plan import Plan
 from solvers.simulate import per_micro_batch

@@ -20,8 +20,8 @@ from fxpipe.refine.calibrate import scale_costs, stage_time_factors
 from fxpipe.refine.contention import measure_contention
 from fxpipe.refine.stage_memory import measure_stage_bytes
 from fxpipe.refine.stage_profile import stage_compile_seconds, stage_factors
-from fxpipe.runtime.compiled import describe
-from fxpipe.runtime.pipeline import Pipeline
+from fxpipe.runtime.execute.compiled import describe
+from fxpipe.runtime.execute.pipeline import Pipeline
 
 __all__ = ["record_compilation", "refine", "until_cuts_settle"]
 
@@ -31,7 +31,7 @@ def refine(planner: Planner, costs: dict[str, Any], plan: Plan, build: Callable[
            example_target: Any = None, compiled: dict[str, Any] | None = None) -> Pipeline:
     """The pipeline of ``plan`` refined as ``options`` ask (stage timing, calibration, memory, contention).
 
-    With ``compiled`` stages (``torch.compile`` keyword arguments, :mod:`fxpipe.runtime.compiled`) and measured
+    With ``compiled`` stages (``torch.compile`` keyword arguments, :mod:`fxpipe.runtime.execute.compiled`) and measured
     costs, the stages are timed compiled whatever the effort: fusion crosses the nodes' boundaries, so only a
     compiled stage timed whole says what it costs; the time its first run spent compiling goes to
     ``plan.compiled`` (:func:`record_compilation`), apart from the stage times. ``build`` should return the

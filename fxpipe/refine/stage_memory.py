@@ -6,8 +6,8 @@ only the whole stage shows: autograd's own buffers, gradients that meet in a
 skip connection, the loss (a cross-entropy keeps its softmax and makes two
 gradients the size of the logits). :func:`measure_stage_bytes` measures the
 sizes instead, on micro-batch 0 and the stage's real inputs, by running the
-operations the executor runs (:class:`fxpipe.runtime.memory_probe.Replay`) each under
-:func:`fxpipe.runtime.memory_probe.allocations` (CPU: ``torch.profiler``'s allocator
+operations the executor runs (:class:`fxpipe.runtime.execute.memory_probe.Replay`) each under
+:func:`fxpipe.runtime.execute.memory_probe.allocations` (CPU: ``torch.profiler``'s allocator
 events; CUDA: the caching allocator's counters):
 
 - a forward and its backward: ``full`` (what the forward leaves allocated, fresh
@@ -18,7 +18,7 @@ events; CUDA: the caching allocator's counters):
   ``backward_peak_split``, ``weight_pending`` (what the forward and the
   input-gradient pass leave) and ``weight_peak``; checkpointed (the input pass
   recomputes first): ``backward_peak_split_checkpointed``, ``weight_pending_checkpointed``. Compiled stages
-  (:mod:`fxpipe.runtime.compiled`) run no split backward: these are their unsplit backward's sizes.
+  (:mod:`fxpipe.runtime.execute.compiled`) run no split backward: these are their unsplit backward's sizes.
 
 Parameter gradients exist during the measurement (as after a first step), and
 one unmeasured forward and backward comes first, so one-off allocations are not
@@ -26,7 +26,7 @@ counted. The last stage's backward starts at ``loss_fn(output, target)`` when
 ``compile`` is given them; otherwise at gradients of ones, with the loss's
 buffers estimated as a softmax cross-entropy's (three model-output sizes: the
 saved softmax, its gradient and the output's gradient). Gradients, buffers and
-the RNG are left as they were (:func:`fxpipe.runtime.memory_probe.replaying`).
+the RNG are left as they were (:func:`fxpipe.runtime.execute.memory_probe.replaying`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from fxpipe.runtime.memory_probe import Replay, allocations, replaying
+from fxpipe.runtime.execute.memory_probe import Replay, allocations, replaying
 
 __all__ = ["measure_stage_bytes"]
 
@@ -67,7 +67,8 @@ def measure_stage_bytes(pipe: Any, example_inputs: Any, target: Any = None,
             if pipe.compiled is None:
                 forward_s, backward_s, weight = measured(k, False, True, "FIW")
                 forward_sc, backward_sc, _ = measured(k, True, True, "FIW")
-            else:   # a compiled stage's backward does not split (fxpipe.runtime.compiled): no zero-bubble schedule
+            else:   # a compiled stage's backward does not split (fxpipe.runtime.execute.compiled): no zero-bubble
+                # schedule
                 (forward_s, backward_s), (forward_sc, backward_sc) = (forward, backward), (forward_c, backward_c)
                 weight = measured(k, False, False, "F")[0]   # any: the split sizes are never read
             loss = 1.5 * pipe.plan.stages[k].loss_bytes if k == last and loss_fn is None else 0.0

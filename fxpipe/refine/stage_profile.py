@@ -7,7 +7,7 @@ such as MobileNet). The planner needs per-node costs to place cuts, but once
 the cuts are placed the stage itself can be timed: :func:`stage_factors` runs
 micro-batch 0 through the stages in order to get each stage's real inputs, then
 times each stage's forward (inputs from earlier stages as leaves that require
-grad, as in :mod:`fxpipe.runtime.step`) and its backward into ``.grad`` (ones as output
+grad, as in :mod:`fxpipe.runtime.execute.step`) and its backward into ``.grad`` (ones as output
 gradients; accumulation included, as in training), with warm-up, repeats and
 their lower quartile (:func:`_typical`), alone on its device, on a worker
 thread like the executor's; the last stage's backward starts at the training
@@ -16,7 +16,7 @@ node sums scale the node costs (:func:`fxpipe.refine.calibrate.scale_costs`) and
 planner solves again; the compiler repeats until the cuts stop moving, so the
 plan's stage times are the measured ones. How much slower a stage runs beside the others when CPU workers
 share the processors is measured afterwards, on the final plan, in steps of its
-schedule (:mod:`fxpipe.refine.contention`). A compiled stage (:mod:`fxpipe.runtime.compiled`) compiles in
+schedule (:mod:`fxpipe.refine.contention`). A compiled stage (:mod:`fxpipe.runtime.execute.compiled`) compiles in
 its first forward and backward: the warm-up, kept out of its times, and what it took beyond a typical run is
 its compile time (``compile_seconds``, :func:`stage_compile_seconds`). Nothing is left behind: gradients, buffers
 (BatchNorm statistics) and the RNG state are restored. ``calibrate=True``
@@ -32,9 +32,9 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fxpipe.runtime.no_trace import leaving_no_trace
+from fxpipe.runtime.execute.no_trace import leaving_no_trace
 from fxpipe.cost.profile import device_sync
-from fxpipe.runtime.worker import spawn_workers
+from fxpipe.runtime.execute.worker import spawn_workers
 
 __all__ = ["stage_compile_seconds", "stage_factors"]
 
@@ -42,7 +42,8 @@ MIN_REPEATS = 5       # a stage's time is the lower quartile of at least this ma
 
 
 def _args(inputs: list[tuple[Any, bool]]) -> list[Any]:
-    """Fresh leaves of a stage's inputs: those from earlier stages require grad, as in :mod:`fxpipe.runtime.step`."""
+    """Fresh leaves of a stage's inputs: those from earlier stages require grad, as in
+    :mod:`fxpipe.runtime.execute.step`."""
     return [tree_map(lambda t, g=grad: t.detach().requires_grad_(g and t.is_floating_point())
                      if isinstance(t, torch.Tensor) else t, value) for value, grad in inputs]
 
@@ -115,7 +116,7 @@ def stage_factors(pipe: Any, example_inputs: tuple, warmup: int = 1, repeats: in
     """Each stage's ``[forward, backward]`` time alone over its planned time; with ``loss_fn`` and a full
     batch's ``target`` the last stage's backward starts at the loss, as in a step. See the module doc.
     ``compile_seconds``, if given, receives per stage the seconds its first forward and backward took beyond
-    its typical ones: the compile time of a compiled stage (:mod:`fxpipe.runtime.compiled`)."""
+    its typical ones: the compile time of a compiled stage (:mod:`fxpipe.runtime.execute.compiled`)."""
     times = _measure(pipe, example_inputs, warmup, max(repeats, MIN_REPEATS), target, loss_fn, compile_seconds)
     return [[fwd / st.fwd_s if st.fwd_s > 0 else 1.0, bwd / st.bwd_s if st.bwd_s > 0 else 1.0]
             for (fwd, bwd), st in zip(times, pipe.plan.stages)]

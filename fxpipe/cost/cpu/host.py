@@ -1,6 +1,6 @@
 """The host of CPU workers: they take turns on the processors and slow each other down.
 
-Implements the runtime's :class:`fxpipe.runtime.host.Host` interface (structurally: the runtime comes after
+Implements the runtime's :class:`fxpipe.runtime.execute.host.Host` interface (structurally: the runtime comes after
 the cost model in the data flow, so this module does not import it). GPU devices among the workers never
 wait and do not count as sharing.
 """

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxpipe.runtime.block_units import units_of
+from fxpipe.runtime.backward.block_units import units_of
 
 __all__ = ["ShardedStages", "apply_fsdp", "broadcast_states", "dp_mesh", "repoint"]
 

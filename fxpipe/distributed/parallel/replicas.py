@@ -34,8 +34,8 @@ import torch.distributed as dist
 
 from fxpipe.distributed.parallel.tp import sum_partial_grads
 from fxpipe.errors import FxpipeError, LossReductionError
-from fxpipe.runtime.losses import Replicas
-from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, scatter
+from fxpipe.runtime.losses.losses import Replicas
+from fxpipe.runtime.execute.microbatch import BatchLayout, batch_size_of, scatter
 from solvers.schedules import get_schedule
 
 __all__ = ["DataParallelStep", "STEP_OPTIONS"]

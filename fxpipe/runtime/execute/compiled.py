@@ -17,11 +17,11 @@ would change what the model computes (a BatchNorm's statistics, a loss averaged 
 
 Split backward: a stage compiled through AOT autograd is one autograd node whose backward is one compiled
 graph computing the input and the weight gradients together. The zero-bubble schedules' weight pass
-(:mod:`fxpipe.runtime.split_backward`) would run that graph a second time (torch refuses: its buffers are
+(:mod:`fxpipe.runtime.backward.split_backward`) would run that graph a second time (torch refuses: its buffers are
 donated to the first backward, ``retain_graph`` is not allowed; pytorch/pytorch#161904, and torchtitan and
 AReaL turn compilation off for these schedules), so ``zb-h1`` and ``zb-v`` are refused with compiled
 stages (:func:`refuse_split_backward`) and ``schedule="auto"`` leaves them out. Checkpointing
-(``torch.utils.checkpoint`` around the compiled stage, :mod:`fxpipe.runtime.recompute`) recomputes the
+(``torch.utils.checkpoint`` around the compiled stage, :mod:`fxpipe.runtime.backward.recompute`) recomputes the
 compiled forward and works with every other schedule.
 """
 

@@ -40,7 +40,7 @@ def forward_error(stage: int, micro_batch: int, device: torch.device, exc: BaseE
 
 
 def step_error(failure: Any, devices: list[torch.device]) -> StageError:
-    """A :class:`fxpipe.runtime.step.StepFailure` of ``pipe.step``, as the caller's error."""
+    """A :class:`fxpipe.runtime.execute.step.StepFailure` of ``pipe.step``, as the caller's error."""
     k, i, exc = failure.stage, failure.micro_batch, failure.exc
     if failure.kind == "loss" and isinstance(exc, LossReductionError):   # refused, not failed: its own words
         return LossReductionError(str(exc), stage=k, micro_batch=i, node=None)

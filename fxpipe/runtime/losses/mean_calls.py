@@ -1,6 +1,6 @@
 """``F.cross_entropy`` and ``F.nll_loss`` means seen inside ``loss_fn``, each computed as ``(sum, count)``.
 
-Under ``reduction="auto"`` (:mod:`fxpipe.runtime.auto_loss`) ``loss_fn`` runs inside :class:`MeanCalls`, a
+Under ``reduction="auto"`` (:mod:`fxpipe.runtime.losses.auto_loss`) ``loss_fn`` runs inside :class:`MeanCalls`, a
 ``torch.overrides.TorchFunctionMode``. A call of ``F.cross_entropy`` or ``F.nll_loss`` (``nn.CrossEntropyLoss``
 and ``nn.NLLLoss`` call them) with ``reduction="mean"`` is computed as the same call with
 ``reduction="sum"`` divided by what the mean divides by (:func:`sum_and_count`): the targets that are not

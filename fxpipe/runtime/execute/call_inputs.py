@@ -3,8 +3,8 @@
 ``pipe(*args, **kwargs)`` and ``pipe.step(inputs, target, ...)`` take what the model takes; the stages
 take the graph's placeholders. :class:`CallInputs` binds one to the other (positional, keyword and
 default arguments; a torch.export graph's flat leaves through its input spec), checks the call against
-what was compiled (:mod:`fxpipe.runtime.guards`) and splits inputs and targets along their batch
-dimensions (:mod:`fxpipe.runtime.microbatch`).
+what was compiled (:mod:`fxpipe.runtime.checks.guards`) and splits inputs and targets along their batch
+dimensions (:mod:`fxpipe.runtime.execute.microbatch`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.planning.plan import Plan
-from fxpipe.runtime.guards import ModelGuard, check_inputs
-from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, leaf_batch_sizes, scatter
-from fxpipe.runtime.structure import flat_inputs
+from fxpipe.runtime.checks.guards import ModelGuard, check_inputs
+from fxpipe.runtime.execute.microbatch import BatchLayout, batch_size_of, leaf_batch_sizes, scatter
+from fxpipe.runtime.execute.structure import flat_inputs
 
 __all__ = ["CallInputs"]
 

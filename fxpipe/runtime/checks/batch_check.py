@@ -1,6 +1,6 @@
 """Compile-time check that micro-batching computes the model: the example batch run whole and as micro-batches.
 
-A pipeline splits the batch along its batch dimension (:mod:`fxpipe.runtime.microbatch`). That is only
+A pipeline splits the batch along its batch dimension (:mod:`fxpipe.runtime.execute.microbatch`). That is only
 the model's function when no sample sees another along that dimension. A sequence-first ``nn.LSTM`` or
 ``nn.TransformerEncoder`` (``batch_first=False``: inputs ``(sequence, batch, ...)``) split along dimension
 0 is cut along time: every output has the right shape and the wrong numbers. So once per compile, in eval
@@ -36,9 +36,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 from fxpipe.errors import FxpipeError
 from fxpipe.frontend.fingerprint import is_dropout_call
 from fxpipe.frontend.failures import eager_failure, run_failure
-from fxpipe.runtime.microbatch import BatchLayout, batch_size_of, scatter
-from fxpipe.runtime.no_trace import leaving_no_trace
-from fxpipe.runtime.rng import is_random
+from fxpipe.runtime.execute.microbatch import BatchLayout, batch_size_of, scatter
+from fxpipe.runtime.execute.no_trace import leaving_no_trace
+from fxpipe.runtime.backward.rng import is_random
 
 __all__ = ["check_micro_batching", "RTOL", "RTOL_FLOAT64", "SENSITIVITY"]
 

@@ -13,7 +13,7 @@ A residual whose shape no longer matches (a smaller last batch) is dropped.
 
 :class:`BoundaryCompression` is one pipeline's: which codec each boundary (the values a stage sends to
 other stages) uses, the residuals, and a lock (workers encode concurrently). The in-process transport
-(:mod:`fxpipe.runtime.transport`) applies it to forward activations that require gradients and to the
+(:mod:`fxpipe.runtime.boundaries.transport`) applies it to forward activations that require gradients and to the
 gradients sent back; integer tensors (ids, masks) and values that need no gradient pass untouched. Between
 processes (:mod:`fxpipe.distributed.transport`) the payload's tensors are what goes over the wire, and the
 receiver, which knows the value's shape, allocates them from :func:`payload_layout`. The

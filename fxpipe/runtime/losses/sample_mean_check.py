@@ -30,7 +30,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.errors import LossReductionError
-from fxpipe.runtime.losses import TOKEN_EXAMPLE
+from fxpipe.runtime.losses.losses import TOKEN_EXAMPLE
 
 __all__ = ["SampleMeanCheck", "TOLERANCE"]
 

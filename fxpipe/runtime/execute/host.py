@@ -1,7 +1,7 @@
 """What the runtime asks of the machine beyond its devices: may an operation run now, and how workers share it.
 
-The schedule interpreter (:mod:`fxpipe.runtime.step`) and the forward of
-:class:`~fxpipe.runtime.pipeline.Pipeline` run every operation inside
+The schedule interpreter (:mod:`fxpipe.runtime.execute.step`) and the forward of
+:class:`~fxpipe.runtime.execute.pipeline.Pipeline` run every operation inside
 ``turns.turn(device)``, where ``turns = host.turns(devices, workers)`` for one call or step, and
 :meth:`Pipeline.report` simulates the step with ``host.sharing(plan, devices)``. On GPUs nothing waits (work
 is queued on streams) and devices do not slow each other: :data:`UNSHARED`. CPU workers that share a few

@@ -2,7 +2,7 @@
 
 The graph's loss leaf holds each micro-batch's summed loss and :class:`fxpipe.frontend.model_loss.ModelLoss`
 counts what the model's mean divides by (:mod:`fxpipe.frontend.model_loss`). Here those pairs become the
-step's ``reduction="token"`` loss (:mod:`fxpipe.runtime.losses`), the model's output gets the whole batch's
+step's ``reduction="token"`` loss (:mod:`fxpipe.runtime.losses.losses`), the model's output gets the whole batch's
 ``sum / count`` as its loss, and a ``loss_fn`` the user passes on such a graph sees each micro-batch's own
 mean in the output's loss, as the model would have returned it for that micro-batch.
 """
@@ -15,7 +15,7 @@ import torch
 
 from fxpipe.errors import FxpipeError
 from fxpipe.frontend.model_loss import UNCOMBINED, ModelLoss
-from fxpipe.runtime.microbatch import gather
+from fxpipe.runtime.execute.microbatch import gather
 
 __all__ = ["own_loss", "with_micro_batch_mean", "gather_outputs", "no_model_loss_error"]
 

@@ -6,7 +6,7 @@ stage ``b > a + 1`` (a skip connection) goes straight to ``b``, not through the
 stages between; and each ``Parameter`` belongs to exactly one stage module. A
 parameter read by several stages (tied weights) is, with ``copies=True``, read by
 the first of them as the model's own and by each later one through its own copy
-(:mod:`fxpipe.runtime.tied`: gradients summed once per step); with ``copies=False``
+(:mod:`fxpipe.runtime.boundaries.tied`: gradients summed once per step); with ``copies=False``
 it belongs to the first and reaches the others as a value every micro-batch (its
 gradient flowing back through autograd), as torch.distributed.pipelining and
 asynchronous training need. The stage graphs are built with ``Graph.node_copy``;
@@ -22,8 +22,8 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.errors import FxpipeError
-from fxpipe.runtime.aliasing import aliases_of, is_inplace, written_buffers, written_inputs
-from fxpipe.runtime.tied import install_copies, shared_parameter_reads
+from fxpipe.runtime.boundaries.aliasing import aliases_of, is_inplace, written_buffers, written_inputs
+from fxpipe.runtime.boundaries.tied import install_copies, shared_parameter_reads
 
 __all__ = ["StageSpec", "split_graph", "is_inplace", "move_stage"]
 
@@ -43,7 +43,7 @@ def _protect_mutated_inputs(graph: fx.Graph, root: torch.nn.Module) -> None:
     re-read when a checkpointed stage recomputes; writing into it in place would
     corrupt both, so the stage works on its own copy. The write may come through
     any alias of the input (``nn.Identity`` then ``ReLU(inplace=True)``, a view
-    then ``add_``: :mod:`fxpipe.runtime.aliasing`); an input nothing writes is
+    then ``add_``: :mod:`fxpipe.runtime.boundaries.aliasing`); an input nothing writes is
     not copied.
     """
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -94,7 +94,7 @@ def _is_module(gm: fx.GraphModule, target: str) -> bool:
 def split_graph(gm: fx.GraphModule, stage_of: dict[str, int], num_stages: int, copies: bool = False
                 ) -> list[StageSpec]:
     """Split ``gm`` by ``stage_of`` (node name -> stage); placeholders are the pipeline's inputs. With ``copies``
-    a parameter several stages read gets a copy in each later one (:mod:`fxpipe.runtime.tied`)."""
+    a parameter several stages read gets a copy in each later one (:mod:`fxpipe.runtime.boundaries.tied`)."""
     nodes = list(gm.graph.nodes)
     compute = [n for n in nodes if n.op not in ("placeholder", "output")]
     missing = [n.name for n in compute if n.name not in stage_of]
@@ -109,7 +109,7 @@ def split_graph(gm: fx.GraphModule, stage_of: dict[str, int], num_stages: int, c
                 )
     _refuse_buffers_updated_across_stages(gm, stage_of)
     # A buffer is read where it is used, never sent as a value: a stage that updates it in place must update
-    # the buffer itself (not a copy of a value), and its recomputation must see it (fxpipe.runtime.recompute).
+    # the buffer itself (not a copy of a value), and its recomputation must see it (fxpipe.runtime.backward.recompute).
     # So is a submodule a node reads (torch.export's grad-mode and autocast regions call theirs): a module is
     # code, not a value, and each stage that calls it holds it.
     buffers = {name for name, _ in gm.named_buffers(remove_duplicate=False)}

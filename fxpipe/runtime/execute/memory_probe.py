@@ -15,7 +15,7 @@ does not depend on their values); parameter gradients already exist (fresh
 zeros, as after a first step), so the number is activation memory plus the
 transient buffers of forward and backward: what the schedule and checkpointing
 change. The caller's gradients, BatchNorm statistics and the RNG state are
-left as they were (:func:`fxpipe.runtime.no_trace.leaving_no_trace`).
+left as they were (:func:`fxpipe.runtime.execute.no_trace.leaving_no_trace`).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ import torch.fx as fx
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fxpipe.runtime.losses import scalar_of
-from fxpipe.runtime.no_trace import leaving_no_trace
-from fxpipe.runtime.split_backward import WeightPass, backward_inputs, full_backward
-from fxpipe.runtime.recompute import checkpoint_stage, forward_saving_nothing
+from fxpipe.runtime.losses.losses import scalar_of
+from fxpipe.runtime.execute.no_trace import leaving_no_trace
+from fxpipe.runtime.backward.split_backward import WeightPass, backward_inputs, full_backward
+from fxpipe.runtime.backward.recompute import checkpoint_stage, forward_saving_nothing
 from solvers.schedules import BACKWARDS, get_schedule, worker_orders
 
 # Kineto, the profiler's backend, writes two lines to stderr ("profiler_start", "profiler_stop") for every
@@ -144,7 +144,8 @@ def measure_worker_memory(pipe: Any, inputs: Any, target: Any, loss_fn: Callable
 
 
 class Replay:
-    """A worker's operations run one by one on the calling thread, as :func:`fxpipe.runtime.step.run_step` runs them:
+    """A worker's operations run one by one on the calling thread, as :func:`fxpipe.runtime.execute.step.run_step`
+    runs them:
     ``run("F", k, i)`` keeps the stage's inputs (fresh copies, as a transfer delivers them) and outputs until
     ``run("B", k, i)`` (``"I"`` under a split backward); the last stage's backward starts at
     ``loss_fn(output, target)`` (without ``loss_fn``, at gradients of ones like the other stages); with

@@ -2,17 +2,15 @@
 
 ``pipe.step(inputs, target, loss_fn)`` is the training step: forward and
 backward of every micro-batch per stage, in the plan's schedule (GPipe or
-1F1B), each stage on its own thread (:mod:`fxpipe.runtime.step`).
+1F1B), each stage on its own thread (:mod:`fxpipe.runtime.execute.step`).
 
-``pipe(x)`` is the call of the model (GPipe fill-drain forward), one worker
-thread per stage. At clock ``c`` stage ``k`` processes micro-batch ``c - k``;
-a clock ends when all its tasks have. Backward is left to autograd: the gathered output is an ordinary autograd tensor, so
-``loss.backward()`` reaches every parameter, and gradients accumulate over
-micro-batches exactly as one full-batch backward would (except through a train-mode BatchNorm,
-which normalises each micro-batch by its own statistics). Checkpointing uses
-``torch.utils.checkpoint`` (non-reentrant, RNG state preserved, buffers replayed
-and left alone by the recomputation: :mod:`fxpipe.runtime.recompute`) per stage
-and micro-batch, with torchgpipe's modes.
+``pipe(x)`` is the call of the model (GPipe fill-drain forward), one worker thread per stage
+(:mod:`fxpipe.runtime.execute.fill_drain`). At clock ``c`` stage ``k`` processes micro-batch ``c - k``; a clock
+ends when all its tasks have. Backward is left to autograd: the gathered output is an ordinary autograd tensor, so
+``loss.backward()`` reaches every parameter, and gradients accumulate over micro-batches exactly as one full-batch
+backward would (except through a train-mode BatchNorm, which normalises each micro-batch by its own statistics).
+Checkpointing uses ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved, buffers replayed and left alone
+by the recomputation: :mod:`fxpipe.runtime.backward.recompute`) per stage and micro-batch, with torchgpipe's modes.
 """
 
 from __future__ import annotations
@@ -26,34 +24,32 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from fxpipe.runtime.batchnorm import commit_statistics, tracking
-from fxpipe.runtime.caller_state import CallerState
-from fxpipe.runtime.codegen import StageSpec, split_graph
+from fxpipe.runtime.execute.batchnorm import commit_statistics
+from fxpipe.runtime.execute.caller_state import CallerState
+from fxpipe.runtime.execute.codegen import StageSpec, split_graph
 from fxpipe.errors import FxpipeError
-from fxpipe.runtime.failures import forward_error, step_error
-from fxpipe.runtime.call_inputs import CallInputs
-from fxpipe.runtime.input_grads import InputGraphs
+from fxpipe.runtime.execute.failures import step_error
+from fxpipe.runtime.execute.fill_drain import fill_drain
+from fxpipe.runtime.execute.call_inputs import CallInputs
+from fxpipe.runtime.backward.input_grads import InputGraphs
 from fxpipe.frontend.model_loss import MODEL_LOSS, ModelLoss
-from fxpipe.runtime.model_loss import gather_outputs, no_model_loss_error, own_loss, with_micro_batch_mean
+from fxpipe.runtime.losses.model_loss import gather_outputs, no_model_loss_error, own_loss, with_micro_batch_mean
 from fxpipe.planning.memory_model import (CHECKPOINT_SPELLINGS, checkpointed, is_checkpoint_mode,
                                           refuse_with_schedule)
-from fxpipe.runtime.memory_probe import allocations, measure_worker_memory
+from fxpipe.runtime.execute.memory_probe import allocations, measure_worker_memory
 from fxpipe.planning.plan import Plan
 from fxpipe.planning.report import step_report
-from fxpipe.runtime.guards import ModelGuard
-from fxpipe.runtime.host import UNSHARED, Host, Turns
-from fxpipe.runtime.rng import is_random, rng_guard, step_seed
-from fxpipe.runtime.losses import REDUCTIONS
-from fxpipe.runtime.structure import FlatInputs, flat_inputs, model_output
-from fxpipe.runtime.traced_mode import TracedMode
-from fxpipe.runtime.step import OpTiming, StepFailure, run_step
-from fxpipe.runtime.tied import TiedWeights
-from fxpipe.runtime.streams import DeviceStreams, Event
-from fxpipe.runtime.compiled import refuse_split_backward
-from fxpipe.runtime.compression import BoundaryCompression
-from fxpipe.runtime.transport import Transport
-from fxpipe.runtime.worker import spawn_workers
-from fxpipe.runtime.recompute import checkpoint_stage
+from fxpipe.runtime.checks.guards import ModelGuard
+from fxpipe.runtime.execute.host import UNSHARED, Host
+from fxpipe.runtime.backward.rng import is_random, step_seed
+from fxpipe.runtime.losses.losses import REDUCTIONS
+from fxpipe.runtime.execute.structure import FlatInputs, flat_inputs, model_output
+from fxpipe.runtime.checks.traced_mode import TracedMode
+from fxpipe.runtime.execute.step import OpTiming, StepFailure, run_step
+from fxpipe.runtime.boundaries.tied import TiedWeights
+from fxpipe.runtime.execute.compiled import refuse_split_backward
+from fxpipe.runtime.boundaries.compression import BoundaryCompression
+from fxpipe.runtime.boundaries.transport import Transport
 from solvers.schedules import SCHEDULES, get_schedule, worker_orders
 
 __all__ = ["Pipeline", "CHECKPOINT_MODES", "STEP_SCHEDULES"]
@@ -89,13 +85,13 @@ class Pipeline(nn.Module):
         self.host = host   # CPU workers take turns through it (fxpipe.cost.cpu.CpuHost); GPUs never wait
         self.transport: Transport | None = None   # how stages exchange values in pipe.step (default: in-process)
         self.compression: BoundaryCompression | None = None   # CompileOptions.compression, kept across steps
-        # the torch.compile keyword arguments every stage module was compiled with (fxpipe.runtime.compiled);
+        # the torch.compile keyword arguments every stage module was compiled with (fxpipe.runtime.execute.compiled);
         # None: the stages run eagerly
         self.compiled = compiled
         self._output = next(n for n in graph_module.graph.nodes if n.op == "output")
         self._graph = (graph_module,)   # a tuple: not a submodule (its parameters are the stages')
         self._value_specs: list[StageSpec] | None = None
-        # a torch.export graph is flat: the model's input and output structures (fxpipe.runtime.structure)
+        # a torch.export graph is flat: the model's input and output structures (fxpipe.runtime.execute.structure)
         self._out_spec = graph_module.meta.get("fxpipe_out_spec")
         self._out_dict_types = graph_module.meta.get("fxpipe_out_dict_types")   # fx: an OrderedDict's type
         self._meta = graph_module.meta
@@ -114,7 +110,7 @@ class Pipeline(nn.Module):
 
     @property
     def guard(self) -> ModelGuard | None:
-        """The compiled model's parameters, checked unchanged at every call (:mod:`fxpipe.runtime.guards`)."""
+        """The compiled model's parameters, checked unchanged at every call (:mod:`fxpipe.runtime.checks.guards`)."""
         return self.inputs.guard
 
     @guard.setter
@@ -123,7 +119,7 @@ class Pipeline(nn.Module):
 
     def specs_sending_tied_weights(self) -> list[StageSpec]:
         """The stages with each tied parameter held by the first stage that reads it only and sent to the others
-        as a value every micro-batch (:func:`fxpipe.runtime.codegen.split_graph` without copies): what
+        as a value every micro-batch (:func:`fxpipe.runtime.execute.codegen.split_graph` without copies): what
         asynchronous training runs, where each stage's optimizer steps its own parameters. :attr:`specs` where
         no parameter is tied across stages."""
         if not self.tied:
@@ -142,7 +138,7 @@ class Pipeline(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def _check_mode(self) -> None:
-        """Refuse the other train/eval mode of a mode-dependent graph (:mod:`fxpipe.runtime.traced_mode`)."""
+        """Refuse the other train/eval mode of a mode-dependent graph (:mod:`fxpipe.runtime.checks.traced_mode`)."""
         self._mode.check(self.training, self.guard.model if self.guard is not None else None)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -151,28 +147,10 @@ class Pipeline(nn.Module):
         caller = CallerState.capture()   # grad mode and autocast are thread-local: the workers enter the caller's
         self.tied.prepare()
         self.tied.read_primary(caller.grad)   # loss.backward() then reaches the model's own tied parameters
-        m, p = len(micro), len(self.specs)
         random = self._random_stages()
         seed = step_seed(random)
-        streams = DeviceStreams(self.devices)
-        turns = self.host.turns(self.devices, p)
-        ready: list[dict[str, Event]] = [{} for _ in range(m)]   # micro-batch -> value name -> producer's event
-        with spawn_workers(p) as workers:
-            for clock in range(m + p - 1):
-                tasks = [(k, clock - k) for k in range(p) if 0 <= clock - k < m]
-                for k, i in tasks:
-                    workers.submit(k, (k, i), self._task(k, i, micro[i], caller, self._checkpointed(k, i, m),
-                                                         random[k], seed, streams, turns, ready[i]))
-                failures = []
-                for _ in tasks:
-                    (k, i), ok, value = workers.collect()
-                    if not ok:
-                        failures.append((k, i, value))
-                if failures:
-                    commit_statistics(self.modules(), discard=True)
-                    k, i, exc = min(failures, key=lambda f: (f[0], f[1]))
-                    raise forward_error(k, i, self.devices[k], exc) from exc
-        commit_statistics(self.modules())
+        # GPipe fill-drain, one worker per stage (fxpipe.runtime.execute.fill_drain)
+        fill_drain(self, self.specs, self.devices, micro, caller, self._checkpointed, random, seed, self.host)
         outputs = [fx.node.map_arg(self._output.args[0], lambda n, e=env: e[n.name]) for env in micro]
         return self._joined(outputs, self._counts(micro))
 
@@ -186,11 +164,11 @@ class Pipeline(nn.Module):
         ``inputs`` is the model's input (a tuple for several; tensors inside tuples, lists and dicts
         are split); ``target`` (a tensor or such a structure) is split into micro-batches like them,
         moved to the last stage's device, and ``loss_fn(output, target)`` is applied per micro-batch
-        there (:mod:`fxpipe.runtime.losses`); ``target=None`` passes ``None`` to every call (a loss of
+        there (:mod:`fxpipe.runtime.losses.losses`); ``target=None`` passes ``None`` to every call (a loss of
         the output alone):
 
         - ``reduction="auto"`` (the default) weighs each micro-batch exactly or refuses the step
-          (:mod:`fxpipe.runtime.auto_loss`): an ``F.cross_entropy``/``F.nll_loss`` mean that ``loss_fn``
+          (:mod:`fxpipe.runtime.losses.auto_loss`): an ``F.cross_entropy``/``F.nll_loss`` mean that ``loss_fn``
           returns as it is (``nn.CrossEntropyLoss`` too; padded labels with ``ignore_index``, class weights,
           shifted logits) is weighted by its own count, the non-ignored targets, as ``"token"`` would; a
           ``(loss_sum, count)`` pair is ``"token"``; any other scalar loss is checked, micro-batch by
@@ -225,7 +203,7 @@ class Pipeline(nn.Module):
         batch of fewer samples than the micro-batches (a data loader's short last batch) runs one per sample.
         ``measure_memory`` records each worker's peak memory for :meth:`report`
         (``torch.cuda.max_memory_allocated`` on GPUs; on CPU a profiled replay of each
-        worker after the step, :mod:`fxpipe.runtime.memory_probe`, which costs about one more step; a rank of
+        worker after the step, :mod:`fxpipe.runtime.execute.memory_probe`, which costs about one more step; a rank of
         ``fxpipe.distributed`` on CPU runs its one worker on the calling thread under ``torch.profiler``:
         ``last_step["memory"]`` is then that rank's peak above what it held before the step).
         """
@@ -271,7 +249,7 @@ class Pipeline(nn.Module):
         counts = self._counts(micro)   # the model's own loss: what each micro-batch's sum divides by
         if self._model_loss is None:
             loss_fn = self.structured_loss(loss_fn)
-        elif loss_fn is None:   # (fxpipe.runtime.model_loss)
+        elif loss_fn is None:   # (fxpipe.runtime.losses.model_loss)
             loss_fn, targets, reduction = own_loss(self._model_loss), counts, "token"
         else:
             loss_fn = with_micro_batch_mean(self.structured_loss(loss_fn), self._model_loss)
@@ -365,7 +343,7 @@ class Pipeline(nn.Module):
 
     def cpu_sharing(self) -> Any:
         """How this pipeline's workers share the machine, as the report simulates it: the host's answer
-        (:meth:`fxpipe.runtime.host.Host.sharing`; for CPU workers :class:`fxpipe.cost.cpu.CpuSharing`, with
+        (:meth:`fxpipe.runtime.execute.host.Host.sharing`; for CPU workers :class:`fxpipe.cost.cpu.CpuSharing`, with
         each stage's speed beside the others measured at compile time); ``None`` where devices run on their own."""
         return self.host.sharing(self.plan, self.devices)
 
@@ -405,29 +383,8 @@ class Pipeline(nn.Module):
         return "\n".join(lines)
 
     def _random_stages(self) -> list[bool]:
-        """Which stages draw random numbers in the current train/eval mode (:mod:`fxpipe.runtime.rng`)."""
+        """Which stages draw random numbers in the current train/eval mode (:mod:`fxpipe.runtime.backward.rng`)."""
         return [is_random(spec.module) for spec in self.specs]
-
-    def _task(self, k: int, i: int, env: dict[str, Any], caller: CallerState, checkpointed: bool, random: bool,
-              seed: int | None, streams: DeviceStreams, turns: Turns, ready: dict[str, Event]):
-        spec, device = self.specs[k], self.devices[k]
-        use_checkpoint = caller.grad and checkpointed
-
-        def run() -> None:
-            with turns.turn(device), streams.computing(device):
-                moved = [streams.move(env[name], device, ready.get(name)) for name in spec.inputs]
-                streams.wait(device, [event for _, event in moved])
-                inputs = [value for value, _ in moved]
-                with caller.entered(keep_casts=True), tracking(), rng_guard(device, random, seed, k, i):
-                    if use_checkpoint:
-                        outs = checkpoint_stage(spec.module, *inputs, preserve_rng_state=random)
-                    else:
-                        outs = spec.module(*inputs)
-                event = streams.record(device)
-            for name, value in zip(spec.outputs, outs):
-                env[name] = value
-                ready[name] = event
-        return run
 
     def extra_repr(self) -> str:
         return (f"stages={len(self.specs)}, chunks={self.chunks}, checkpoint={self.checkpoint!r}"

@@ -11,15 +11,15 @@ GPipe, 1F1B, interleaved 1F1B with several stages per worker, ZB-H1, ZB-V), wait
 only for the data it needs: ``F(k, i)`` after the producers' forwards of
 micro-batch ``i``, ``B(k, i)`` after its consumers' backwards. A zero-bubble
 schedule's ``B`` computes only the gradients of the stage's inputs and its ``W``
-the parameters' (:mod:`fxpipe.runtime.split_backward`). The order never deadlocks: its
+the parameters' (:mod:`fxpipe.runtime.backward.split_backward`). The order never deadlocks: its
 needs are implied by the simulator's dependencies, under which it runs to the
 end (tested for every schedule). On GPUs each worker enqueues on its device's
 compute stream and values cross devices on copy streams, ordered by events
-(:mod:`fxpipe.runtime.streams`); on CPU the same calls do nothing, and CPU workers
-beyond the processors take turns, one operation at a time (the host's turns, :mod:`fxpipe.runtime.host`). The loss of micro-batch ``i`` is computed on the last stage before
-``B(p-1, i)`` and combined as :mod:`fxpipe.runtime.losses` says (``reduction="mean"``: weighted
+(:mod:`fxpipe.runtime.boundaries.streams`); on CPU the same calls do nothing, and CPU workers
+beyond the processors take turns, one operation at a time (the host's turns, :mod:`fxpipe.runtime.execute.host`). The loss of micro-batch ``i`` is computed on the last stage before
+``B(p-1, i)`` and combined as :mod:`fxpipe.runtime.losses.losses` says (``reduction="mean"``: weighted
 ``n_i / N``; ``"sum"``; ``"token"``: ``(sum, count)`` divided by the global count; ``"auto"``: one of those
-as :mod:`fxpipe.runtime.auto_loss` finds, or refused), so the accumulated gradients are those of one
+as :mod:`fxpipe.runtime.losses.auto_loss` finds, or refused), so the accumulated gradients are those of one
 full-batch backward of that loss.
 """
 
@@ -33,19 +33,19 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from fxpipe.runtime.batchnorm import tracking
-from fxpipe.runtime.caller_state import CallerState
-from fxpipe.runtime.codegen import StageSpec
-from fxpipe.runtime.host import UNSHARED, Host
-from fxpipe.runtime.auto_loss import AutoLoss
-from fxpipe.runtime.losses import REDUCTIONS, LossFailure, StepGradients, total_count, weigh
-from fxpipe.runtime.microbatch import batch_size_of
-from fxpipe.runtime.rng import is_random, rng_guard, step_seed
-from fxpipe.runtime.split_backward import WeightPass, backward_inputs, full_backward, leaf_nodes
-from fxpipe.runtime.streams import DeviceStreams, Event
-from fxpipe.runtime.transport import LOSS, Transport
-from fxpipe.runtime.step_board import Board, OpTiming, StepFailure, run_workers
-from fxpipe.runtime.recompute import checkpoint_stage, forward_saving_nothing
+from fxpipe.runtime.execute.batchnorm import tracking
+from fxpipe.runtime.execute.caller_state import CallerState
+from fxpipe.runtime.execute.codegen import StageSpec
+from fxpipe.runtime.execute.host import UNSHARED, Host
+from fxpipe.runtime.losses.auto_loss import AutoLoss
+from fxpipe.runtime.losses.losses import REDUCTIONS, LossFailure, StepGradients, total_count, weigh
+from fxpipe.runtime.execute.microbatch import batch_size_of
+from fxpipe.runtime.backward.rng import is_random, rng_guard, step_seed
+from fxpipe.runtime.backward.split_backward import WeightPass, backward_inputs, full_backward, leaf_nodes
+from fxpipe.runtime.boundaries.streams import DeviceStreams, Event
+from fxpipe.runtime.boundaries.transport import LOSS, Transport
+from fxpipe.runtime.execute.step_board import Board, OpTiming, StepFailure, run_workers
+from fxpipe.runtime.backward.recompute import checkpoint_stage, forward_saving_nothing
 from solvers.schedules import Op, worker_orders
 
 __all__ = ["run_step", "StepFailure", "REDUCTIONS", "OpTiming"]
@@ -66,18 +66,18 @@ def run_step(specs: list[StageSpec], devices: list[torch.device], output_arg: An
     ``workers`` threads (default: one per stage; fewer for ``interleaved-1f1b`` and ``zb-v``) run
     the operations of :func:`solvers.schedules.worker_orders`. ``timings``, if given,
     receives an :class:`OpTiming` per operation. ``random[k]`` says that stage ``k`` draws
-    random numbers (:mod:`fxpipe.runtime.rng`; default: found from its graph). Every operation runs
-    inside a turn of ``host`` (:mod:`fxpipe.runtime.host`: CPU workers beyond the processors take turns) and in
-    ``caller``'s grad mode and autocast (:mod:`fxpipe.runtime.caller_state`; default: this thread's now).
+    random numbers (:mod:`fxpipe.runtime.backward.rng`; default: found from its graph). Every operation runs
+    inside a turn of ``host`` (:mod:`fxpipe.runtime.execute.host`: CPU workers beyond the processors take turns) and in
+    ``caller``'s grad mode and autocast (:mod:`fxpipe.runtime.execute.caller_state`; default: this thread's now).
     ``sizes`` are the micro-batches' sample counts (default: dimension 0 of their inputs); with
     ``reduction="token"`` the gradients of ``grad_tensors`` (default: the stages' parameters) are the ones
-    divided by the global count. ``transport`` (:mod:`fxpipe.runtime.transport`; default: every stage in this
+    divided by the global count. ``transport`` (:mod:`fxpipe.runtime.boundaries.transport`; default: every stage in this
     process) moves values and gradients between stages and says which workers run here; where the last
     stage runs elsewhere the loss is that process's (from :meth:`Transport.end`) and the outputs are ``None``.
     ``orders`` replaces the schedule's per-worker orders (one stage per worker; :mod:`solvers.asynchronous`
     holds forwards back for bounded staleness), and ``around(kind, stage, micro_batch)``, a context manager,
     wraps each operation on its worker (asynchronous training swaps weight versions and steps optimizers in it,
-    :mod:`fxpipe.runtime.asynchronous`). ``reduction="auto"`` (:mod:`fxpipe.runtime.auto_loss`) reads the
+    :mod:`fxpipe.runtime.execute.asynchronous`). ``reduction="auto"`` (:mod:`fxpipe.runtime.losses.auto_loss`) reads the
     outputs' and targets' batch dimensions from ``loss_dims``; ``auto`` is its state (default: a new one; given
     with another ``reduction``, it computes the losses and the step does not divide by their counts). ``inline``:
     a process running one worker runs it on the calling thread (a profiler started there sees its allocations).
@@ -231,7 +231,7 @@ class _Step:
                 root, self.losses[i], self.counts[i] = weigh(self.loss_fn(structure, target), self.reduction,
                                                              self.sizes[i], self.total,
                                                              1.0 if replicas is None else replicas.count)
-        except Exception as exc:   # the user's loss, not a stage: reported as such (fxpipe.runtime.pipeline)
+        except Exception as exc:   # the user's loss, not a stage: reported as such (fxpipe.runtime.execute.pipeline)
             raise LossFailure(exc) from exc
         if auto is None:
             root.backward()
@@ -312,7 +312,7 @@ class _Step:
         for kind, k, i in self.orders[w]:
             if not board.wait(self.needs(kind, k, i)):
                 return
-            with self.turns.turn(self.devices[k]):   # may this operation run now (fxpipe.runtime.host)
+            with self.turns.turn(self.devices[k]):   # may this operation run now (fxpipe.runtime.execute.host)
                 start = time.perf_counter()
                 try:
                     with self.streams.computing(self.devices[k]), in_op(), wrap(kind, k, i):

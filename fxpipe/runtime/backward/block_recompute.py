@@ -16,7 +16,7 @@ checkpointing does:
 The blocks are the planner's (:func:`fxpipe.planning.blocks.repeated_blocks`: the children of one container,
 of one class, called in turn). :func:`recompute_blocks` rewrites a stage module in place: each block's operations
 are fused into one submodule with torch.fx's own pass (:func:`torch.fx.passes.utils.fuser_utils.fuse_by_partitions`)
-and called through :func:`fxpipe.runtime.recompute.checkpoint_stage` (so a block that updates a buffer, a
+and called through :func:`fxpipe.runtime.backward.recompute.checkpoint_stage` (so a block that updates a buffer, a
 BatchNorm's statistics, replays it in its recomputation rather than updating it twice). The parameters stay where
 they are: ``get_attr`` nodes are left outside the fused blocks and reach them as arguments, and a block's layers
 (``call_module``) are the stage's own module objects, held by a wrapper that does not register them, so the
@@ -24,7 +24,7 @@ stage's ``state_dict``, ``named_parameters``, tensor parallelism's and FSDP2's p
 
 It runs after tensor parallelism (which rewrites the stage graph's layer calls and shapes) and before the stage is
 compiled (lazily, at its first call) or wrapped by FSDP2/DDP: :func:`apply_recompute`, called by
-:func:`fxpipe.runtime.assemble.build_pipeline` and :class:`fxpipe.distributed.PipelineRank`. A split backward
+:func:`fxpipe.runtime.execute.assemble.build_pipeline` and :class:`fxpipe.distributed.PipelineRank`. A split backward
 (ZB-H1, ZB-V) asks a checkpointed block for its saved tensors in both passes: torch's non-reentrant checkpoint
 recomputes the block for each, so those schedules run it with the recomputation paid twice (as the time model
 charges it).
@@ -44,7 +44,7 @@ from fxpipe.errors import FxpipeError
 from fxpipe.planning.block_figures import OPERATIONS
 from fxpipe.planning.blocks import repeated_blocks
 from fxpipe.planning.memory_model import block_mode
-from fxpipe.runtime.recompute import checkpoint_stage
+from fxpipe.runtime.backward.recompute import checkpoint_stage
 
 __all__ = ["recompute_blocks", "apply_recompute", "block_spans", "selective_policy", "KEPT_BY_SELECTIVE"]
 

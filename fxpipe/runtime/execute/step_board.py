@@ -1,5 +1,5 @@
 """What a step's workers share: the board of finished operations (any failure wakes every worker), the failure
-of an operation, each operation's timing, and running the workers on their threads (:mod:`fxpipe.runtime.step`
+of an operation, each operation's timing, and running the workers on their threads (:mod:`fxpipe.runtime.execute.step`
 runs a step on them)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from fxpipe.runtime.worker import spawn_workers
+from fxpipe.runtime.execute.worker import spawn_workers
 
 __all__ = ["Board", "OpTiming", "StepFailure", "run_workers"]
 
@@ -60,7 +60,8 @@ class Board:
 
 
 def run_workers(work: Callable[[int], None], ids: list[int], board: Board, inline: bool = False) -> None:
-    """``work(w)`` for every worker ``w`` of ``ids``, each on a thread of its own (:mod:`fxpipe.runtime.worker`),
+    """``work(w)`` for every worker ``w`` of ``ids``, each on a thread of its own
+    (:mod:`fxpipe.runtime.execute.worker`),
     until all have returned; ``inline`` with one worker: on the calling thread (what a profiler started there
     sees). Ctrl-C while they run stops every worker at its next operation before it is raised."""
     if inline and len(ids) == 1:

@@ -1,11 +1,11 @@
 """``reduction="auto"``, the default: each micro-batch's loss weighted exactly, or the step refused.
 
 A step's gradients are those of the full batch's loss only if the micro-batches' losses are combined as
-the full batch would combine them (:mod:`fxpipe.runtime.losses`). :class:`AutoLoss` decides per micro-batch:
+the full batch would combine them (:mod:`fxpipe.runtime.losses.losses`). :class:`AutoLoss` decides per micro-batch:
 
 - ``loss_fn`` returned ``(loss_sum, count)``: the ``"token"`` reduction (the step divides by the whole
   batch's count).
-- ``loss_fn`` returned an ``F.cross_entropy``/``F.nll_loss`` mean as it is (:mod:`fxpipe.runtime.mean_calls`:
+- ``loss_fn`` returned an ``F.cross_entropy``/``F.nll_loss`` mean as it is (:mod:`fxpipe.runtime.losses.mean_calls`:
   padded labels with ``ignore_index``, class weights, label smoothing, shifted logits): the same, with that
   call's sum and count, so a token-level loss is exact with no change to ``loss_fn``.
 - anything else: weighted ``n_i / N`` as ``"mean"`` (bit for bit), after :class:`SampleMeanCheck` has
@@ -35,9 +35,9 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.errors import LossReductionError
-from fxpipe.runtime.losses import token_pair
-from fxpipe.runtime.mean_calls import MeanCalls
-from fxpipe.runtime.sample_mean_check import SampleMeanCheck
+from fxpipe.runtime.losses.losses import token_pair
+from fxpipe.runtime.losses.mean_calls import MeanCalls
+from fxpipe.runtime.losses.sample_mean_check import SampleMeanCheck
 
 __all__ = ["AutoLoss"]
 

@@ -7,7 +7,8 @@ before its first operation and held to its last. torchtitan shards each transfor
 root for what lies outside the blocks, so that only a block or two is unsharded at a time and the next block's
 all-gather overlaps the current block's compute. :func:`block_units` gives a stage graph the same structure.
 
-It rewrites a stage in place: each block's operations (:func:`fxpipe.runtime.block_recompute.block_spans`) and the
+It rewrites a stage in place: each block's operations (:func:`fxpipe.runtime.backward.block_recompute.block_spans`)
+and the
 ``get_attr`` reads of the parameters and buffers that only those operations read are fused into one graph
 (torch.fx's :func:`~torch.fx.passes.utils.fuser_utils.fuse_by_partitions`), run by a :class:`BlockUnit` installed
 at the block's own path (``model.layers.3``) and called there by the stage graph. The unit and its graph share one
@@ -20,9 +21,9 @@ A block some of whose parameters are read outside it (a weight tied across block
 module outside it, stays in the stage graph (its parameters then belong to the stage's root unit).
 
 The stage's per-block recomputation (``"blocks"``, ``"blocks:K"``, ``"selective"``:
-:mod:`fxpipe.runtime.block_recompute`) runs inside the unit: the block's graph under ``torch.utils.checkpoint``
+:mod:`fxpipe.runtime.backward.block_recompute`) runs inside the unit: the block's graph under ``torch.utils.checkpoint``
 within the FSDP2 unit, as torchtitan wraps a block in ``checkpoint_wrapper`` before ``fully_shard``. The rewrite
-runs after tensor parallelism and in place of :func:`~fxpipe.runtime.block_recompute.apply_recompute`
+runs after tensor parallelism and in place of :func:`~fxpipe.runtime.backward.block_recompute.apply_recompute`
 (:func:`apply_units`); stages that run compiled are not rewritten (FSDP2 then shards each stage whole).
 """
 
@@ -37,8 +38,8 @@ from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 from fxpipe.errors import FxpipeError
 from fxpipe.planning.blocks import repeated_blocks
 from fxpipe.planning.memory_model import block_mode
-from fxpipe.runtime.block_recompute import block_spans, selective_policy
-from fxpipe.runtime.recompute import checkpoint_stage
+from fxpipe.runtime.backward.block_recompute import block_spans, selective_policy
+from fxpipe.runtime.backward.recompute import checkpoint_stage
 
 __all__ = ["BlockUnit", "apply_units", "block_units", "units_of"]
 
@@ -138,8 +139,8 @@ def units_of(stage: nn.Module) -> list[BlockUnit]:
 def apply_units(graph_module: fx.GraphModule, stages: Iterable[tuple[fx.GraphModule, str | None]]) -> None:
     """Each ``(stage module, recomputation mode)`` of ``stages`` made into block units (:func:`block_units`), the
     blocks found once in ``graph_module`` (the whole traced model); a model without repeated blocks is left
-    alone, unless a stage asks for a block mode (refused, as :func:`~fxpipe.runtime.block_recompute.apply_recompute`
-    refuses it)."""
+    alone, unless a stage asks for a block mode (refused, as
+    :func:`~fxpipe.runtime.backward.block_recompute.apply_recompute` refuses it)."""
     todo = list(stages)
     blocks = repeated_blocks(graph_module)
     if not blocks:

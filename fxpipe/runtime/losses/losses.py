@@ -1,5 +1,5 @@
 """How the micro-batches' losses make one step's loss and gradients: ``reduction="mean"``, ``"sum"``, ``"token"``
-(and ``"auto"``, the default, which picks ``"token"`` or ``"mean"`` or refuses: :mod:`fxpipe.runtime.auto_loss`).
+(and ``"auto"``, the default, which picks ``"token"`` or ``"mean"`` or refuses: :mod:`fxpipe.runtime.losses.auto_loss`).
 
 ``"mean"`` weights micro-batch ``i``'s loss by ``n_i / N`` (its share of the samples): exact for a loss that
 averages over samples of equal weight (``mse_loss``, ``cross_entropy`` on one label per sample), since the

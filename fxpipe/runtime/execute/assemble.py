@@ -1,4 +1,4 @@
-"""Codegen and wrap: a traced graph and a plan become a runnable :class:`~fxpipe.runtime.pipeline.Pipeline`."""
+"""Codegen and wrap: a traced graph and a plan become a runnable :class:`~fxpipe.runtime.execute.pipeline.Pipeline`."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import torch
 import torch.fx as fx
 
 from fxpipe.planning.plan import Plan
-from fxpipe.runtime.codegen import StageSpec, move_stage, split_graph
-from fxpipe.runtime.block_recompute import apply_recompute
-from fxpipe.runtime.compiled import compile_stages
-from fxpipe.runtime.guards import ModelGuard
-from fxpipe.runtime.host import UNSHARED, Host
-from fxpipe.runtime.pipeline import Pipeline
+from fxpipe.runtime.execute.codegen import StageSpec, move_stage, split_graph
+from fxpipe.runtime.backward.block_recompute import apply_recompute
+from fxpipe.runtime.execute.compiled import compile_stages
+from fxpipe.runtime.checks.guards import ModelGuard
+from fxpipe.runtime.execute.host import UNSHARED, Host
+from fxpipe.runtime.execute.pipeline import Pipeline
 
 __all__ = ["build_pipeline"]
 
@@ -23,7 +23,7 @@ def build_pipeline(gm: fx.GraphModule, plan: Plan, checkpoint: str, mode_depende
                    specs: list[StageSpec] | None = None) -> Pipeline:
     """One stage module per planned stage, moved to its device, run by a :class:`Pipeline` on ``host``; with
     ``compiled`` (``torch.compile`` keyword arguments) each stage module is compiled in place
-    (:mod:`fxpipe.runtime.compiled`). ``specs``: stages built before for the same cuts and devices, reused
+    (:mod:`fxpipe.runtime.execute.compiled`). ``specs``: stages built before for the same cuts and devices, reused
     (compiled stages keep the code they compiled)."""
     stage_devices = [torch.device(s.device) for s in plan.stages]
     if specs is None:

@@ -22,7 +22,7 @@ orders, stashes their versions and steps their optimizers, with values and gradi
 ``staleness`` bounds the lag in every mode (:mod:`solvers.asynchronous` holds forwards back). The
 weights live as the model's parameters (the optimizers' copy); a version is a detached clone that the
 forward runs on in place of the parameters (swapped in as ``torch.func.functional_call`` does), inside ``pipe.step``'s schedule interpreter
-(:func:`fxpipe.runtime.step.run_step`, given the orders and a wrapper around every operation).
+(:func:`fxpipe.runtime.execute.step.run_step`, given the orders and a wrapper around every operation).
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ from torch import nn
 
 from fxpipe.errors import FxpipeError, LossReductionError
 from fxpipe.planning.memory_model import WorkerPrediction, predict_worker_memory
-from fxpipe.runtime.batchnorm import commit_statistics
-from fxpipe.runtime.auto_loss import AutoLoss
-from fxpipe.runtime.caller_state import CallerState
-from fxpipe.runtime.failures import step_error
-from fxpipe.runtime.input_grads import InputGraphs
-from fxpipe.runtime.step import StepFailure, run_step
-from fxpipe.runtime.transport import Transport
+from fxpipe.runtime.execute.batchnorm import commit_statistics
+from fxpipe.runtime.losses.auto_loss import AutoLoss
+from fxpipe.runtime.execute.caller_state import CallerState
+from fxpipe.runtime.execute.failures import step_error
+from fxpipe.runtime.backward.input_grads import InputGraphs
+from fxpipe.runtime.execute.step import StepFailure, run_step
+from fxpipe.runtime.boundaries.transport import Transport
 from solvers.asynchronous import ASYNC_MODES, async_orders, check_orders, stashed_versions
 from solvers.schedules import REGISTRY
 

@@ -8,7 +8,7 @@ micro-batches left it rather than as the first forward saw it: statistics that
 move twice per micro-batch, and gradients of another computation.
 
 torchgpipe handles BatchNorm alone (its recomputation skips the update). Here
-any buffer the stage may write (:func:`fxpipe.runtime.aliasing.written_buffers`)
+any buffer the stage may write (:func:`fxpipe.runtime.boundaries.aliasing.written_buffers`)
 is copied as the forward begins, and each recomputation runs with fresh copies
 of those values swapped into the stage's modules, then puts the live buffers
 back: the recomputation computes exactly what the forward computed and its
@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.checkpoint import (checkpoint as torch_checkpoint, create_selective_checkpoint_contexts,
                                     set_checkpoint_early_stop)
 
-from fxpipe.runtime.aliasing import written_buffers
+from fxpipe.runtime.boundaries.aliasing import written_buffers
 
 __all__ = ["checkpoint_stage", "forward_saving_nothing"]
 
@@ -165,7 +165,7 @@ def forward_saving_nothing(module: fx.GraphModule, *args: Any) -> tuple[Any, Cal
     """``module(*args)`` keeping no tensor for backward (its outputs carry ``requires_grad`` for the next stage,
     but are never backpropagated), and ``again()``: the forward run once more, the written buffers as this
     forward found them and left unchanged, returning outputs whose graph keeps what backward needs. The caller
-    replays the random numbers around ``again()`` (the seeded guard of :mod:`fxpipe.runtime.rng`)."""
+    replays the random numbers around ``again()`` (the seeded guard of :mod:`fxpipe.runtime.backward.rng`)."""
     snapshot = _Snapshot(_written(module))
     with snapshot, torch.autograd.graph.saved_tensors_hooks(_drop, _never_unpacked):
         result = module(*args)

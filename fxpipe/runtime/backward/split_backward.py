@@ -31,7 +31,7 @@ frontier *below* it on the input path (a module applied twice in a row) cannot b
 asked for its own share alone (autograd sums every path), so such a stage does its
 whole backward at once (:func:`_reached_from_below`). A checkpointed micro-batch splits too: checkpoint's
 own recomputation cannot serve two passes, so its forward saves nothing and the executor recomputes it by
-hand just before the input pass (:func:`fxpipe.runtime.recompute.forward_saving_nothing`).
+hand just before the input pass (:func:`fxpipe.runtime.backward.recompute.forward_saving_nothing`).
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """How values and gradients cross between stages during a step: the executor's only contact with where they live.
 
-:func:`fxpipe.runtime.step.run_step` never reads another stage's value or gradient directly; it asks a
+:func:`fxpipe.runtime.execute.step.run_step` never reads another stage's value or gradient directly; it asks a
 :class:`Transport`. The transport here is the in-process one: every stage runs in this process (one
 worker thread per device), a value one stage produced is read from a shared table and copied to the
-consumer's device (:meth:`fxpipe.runtime.streams.DeviceStreams.move`, ordered by the producer's event),
+consumer's device (:meth:`fxpipe.runtime.boundaries.streams.DeviceStreams.move`, ordered by the producer's event),
 and a gradient is copied back to the device of the value it belongs to and summed with the other
 consumers'. :class:`fxpipe.distributed.transport.P2P` subclasses it for one process per rank: the same
 calls for stages of this rank, torch.distributed point-to-point for the others.
 
 The consumer :data:`LOSS` is the loss, computed beside the last stage from the model's outputs.
 
-With ``compression`` (:class:`fxpipe.runtime.compression.BoundaryCompression`) a value that crosses from one
+With ``compression`` (:class:`fxpipe.runtime.boundaries.compression.BoundaryCompression`) a value that crosses from one
 stage to another, and its gradient back, is what its codec's receiver decodes; either way :attr:`moved` counts
 the bytes that crossed in the step (``raw``: as produced, ``sent``: as encoded), measured on the tensors.
 """
@@ -25,10 +25,10 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fxpipe.runtime.codegen import StageSpec
-from fxpipe.runtime.compression import BoundaryCompression
-from fxpipe.runtime.losses import Replicas
-from fxpipe.runtime.streams import DeviceStreams, Event
+from fxpipe.runtime.execute.codegen import StageSpec
+from fxpipe.runtime.boundaries.compression import BoundaryCompression
+from fxpipe.runtime.losses.losses import Replicas
+from fxpipe.runtime.boundaries.streams import DeviceStreams, Event
 
 __all__ = ["LOSS", "Transport", "fresh_leaves"]
 
