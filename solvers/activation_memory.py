@@ -17,7 +17,7 @@ follows the worker's operations in order and returns the largest total:
   until ``W(i)`` (``weight_peak`` on top while it runs). A checkpointed micro-batch's ``I``
   first recomputes its activations (``full - checkpointed`` more) and keeps them, with the
   gradients at the weight frontier, until its ``W``
-  (:func:`fxpipe.runtime.recompute.forward_saving_nothing`).
+  (:func:`fxpipe.runtime.backward.recompute.forward_saving_nothing`).
 
 The sizes come measured (:mod:`fxpipe.refine.stage_memory`: one forward and backward of
 every stage under the allocator's eye) or estimated (:meth:`StageBytes.estimate`).

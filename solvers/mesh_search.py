@@ -4,7 +4,7 @@ For every candidate (:func:`solvers.mesh_candidates.candidates`: each mesh shape
 it can run, each micro-batch count that divides a dp replica's samples — powers of two and the whole local
 batch — without recomputation, and with each stage in the fastest recomputation mode that fits its memory
 (:func:`solvers.mesh_candidates.modes`: the whole stage, each repeated block, every other block, or selectively, as
-:mod:`fxpipe.runtime.block_recompute` runs them and the node-level costing chooses them per stage) — the step is
+:mod:`fxpipe.runtime.backward.block_recompute` runs them and the node-level costing chooses them per stage) — the step is
 screened by a closed form of the
 schedule's timeline in the bottleneck stage time ``τ`` (the largest per-micro-batch forward + backward +
 pipeline transfers of the ``pp × v`` stages):

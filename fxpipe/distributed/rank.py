@@ -92,7 +92,7 @@ class PipelineRank:
     ``checkpoint``: the recomputation (:meth:`fxpipe.Pipeline.step`'s modes, per block too); ``None`` (default) the
     plan's, as it was planned: each stage's chosen mode for ``checkpoint="auto"``, else the plan's mode.
     ``compile_stages`` (:attr:`fxpipe.CompileOptions.compile_stages`: ``True``, a dict of ``torch.compile``
-    arguments, ``False``) compiles this rank's stage modules (:mod:`fxpipe.runtime.compiled`); ``None``
+    arguments, ``False``) compiles this rank's stage modules (:mod:`fxpipe.runtime.execute.compiled`); ``None``
     (default) compiles them as the plan's were (``plan.compiled``), eager for a plan of eager stages.
     """
 
@@ -128,8 +128,8 @@ class PipelineRank:
 
     def _recompute(self, units: bool = False) -> None:
         """Per-block recomputation of this rank's stages, where the plan or ``checkpoint`` asks for it
-        (:mod:`fxpipe.runtime.block_recompute`), or with ``units`` every block made a module of its own that
-        recomputes as asked (:mod:`fxpipe.runtime.block_units`): after tensor parallelism, before data
+        (:mod:`fxpipe.runtime.backward.block_recompute`), or with ``units`` every block made a module of its own that
+        recomputes as asked (:mod:`fxpipe.runtime.backward.block_units`): after tensor parallelism, before data
         parallelism."""
         pipe = self.ranked.pipe
         (apply_units if units else apply_recompute)(

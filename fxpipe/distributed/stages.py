@@ -106,7 +106,7 @@ class RankStages:
         p = len(plan.stages)
         stage_rank = stage_ranks(plan, self.rank, world, group)
         # a parameter several stages read (a tied weight): a copy in each later reading stage
-        # (fxpipe.runtime.tied), each owning rank's own parameter, all-reduced over the owners (fxpipe.distributed.tied)
+        # (fxpipe.runtime.boundaries.tied), each owning rank's own parameter, all-reduced over the owners (fxpipe.distributed.tied)
         specs = split_graph(captured.graph, plan.stage_of(), p, copies=True)
         self.own = [k for k in range(p) if stage_rank[k] == self.rank]
         tied = TiedWeights([s.module for s in specs], local=lambda k: k in self.own)

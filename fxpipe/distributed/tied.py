@@ -1,7 +1,7 @@
 """Tied weights over torch.distributed: each rank whose stages read a tied parameter keeps its own copy, and the
 copies' gradients are all-reduced over those ranks once per step (Megatron-LM's embedding group).
 
-In one process the copies' gradients are summed into the model's parameter (:mod:`fxpipe.runtime.tied`). On
+In one process the copies' gradients are summed into the model's parameter (:mod:`fxpipe.runtime.boundaries.tied`). On
 ranks, each *owning* rank (one whose stages read the parameter) holds one tensor of it as its own parameter (the
 model's own where it holds the first reading stage, else its copy, put in the model under the parameter's names
 so that ``named_parameters``, weights and checkpoints find it by them); :meth:`PipelineRank.parameters` yields it
@@ -17,9 +17,9 @@ last on one worker) sums its other copy into it first. Then:
   so only the step's own gradient is summed.
 - every owner applies the same gradient with the same optimizer, so the copies stay equal (Megatron's
   embedding group; DeepSpeed's ``ds_pipe_replicated`` does the same). At the start of each step every rank
-  of the pipeline compares the owners' checksums of each copy (:func:`fxpipe.runtime.tied.checksum`, one small
+  of the pipeline compares the owners' checksums of each copy (:func:`fxpipe.runtime.boundaries.tied.checksum`, one small
   all-gather): copies that diverged (one rank's optimizer stepped and another's did not) are refused on every
-  rank with :class:`fxpipe.runtime.tied.TiedWeightsDiverged` before anything is updated.
+  rank with :class:`fxpipe.runtime.boundaries.tied.TiedWeightsDiverged` before anything is updated.
 - ``clip_grad_norm_`` counts a tied parameter once: the copies on ranks other than the first owner's are marked
   ``fxpipe_counted_elsewhere``.
 """

@@ -1,7 +1,7 @@
 """``plan.to_torch_pipelining(model, loss_fn)``: a plan's stages as torch.distributed.pipelining's own objects.
 
 This rank's stages become ``torch.distributed.pipelining.PipelineStage`` s, built from fxpipe's stage
-``GraphModule`` s (:func:`fxpipe.runtime.codegen.split_graph`), and the plan's schedule one of torch's:
+``GraphModule`` s (:func:`fxpipe.runtime.execute.codegen.split_graph`), and the plan's schedule one of torch's:
 ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, or, with ``schedule="fxpipe"``, fxpipe's own
 per-worker order (:func:`solvers.schedules.worker_orders`, ZB-H1 included) written as torch's compute-action CSV
 and loaded into ``_PipelineScheduleRuntime``. torch then runs it; fxpipe only translated.

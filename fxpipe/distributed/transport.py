@@ -1,6 +1,6 @@
 """The executor's transport over torch.distributed: one process per rank, point-to-point between them.
 
-:class:`P2P` is :class:`fxpipe.runtime.transport.Transport` (so :func:`fxpipe.runtime.step.run_step`, the one
+:class:`P2P` is :class:`fxpipe.runtime.boundaries.transport.Transport` (so :func:`fxpipe.runtime.execute.step.run_step`, the one
 schedule interpreter, runs unchanged on each rank) where a value or gradient whose other end is a stage of
 this rank; where it is another rank's it goes through ``torch.distributed.isend``/``irecv`` (gloo on CPUs,
 NCCL on GPUs), straight from the producing rank to the consuming one: a skip connection from the first stage
@@ -9,7 +9,7 @@ to the last is one message, relayed by no rank in between, and so is its gradien
 With boundary compression (``PipelineRank(compression=...)``, the values of ``CompileOptions.compression``) a
 value or gradient goes over the wire as its codec's payload (an int8 tensor and its scales, top-k's values and
 indices, a half-precision copy) and is decoded by the receiver, which knows the payload's shapes from the value's
-(:func:`fxpipe.runtime.compression.payload_layout`): the bytes moved are the compressed ones, and the step is
+(:func:`fxpipe.runtime.boundaries.compression.payload_layout`): the bytes moved are the compressed ones, and the step is
 the in-process executor's compressed step (top-k's error-feedback residuals are kept by the sending rank).
 
 On GPUs the data goes over NCCL, which ignores tags and matches the sends from one rank to another with

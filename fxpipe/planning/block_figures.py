@@ -24,7 +24,7 @@ __all__ = ["OPERATIONS", "block_figures", "kept_by_selective", "recompute_fracti
 
 OPERATIONS = ("call_function", "call_method", "call_module")   # what a block's figures and its fusion count
 # the graph-level names of what torch's selective policy keeps at dispatch
-# (fxpipe.runtime.block_recompute.KEPT_BY_SELECTIVE): matrix products, convolutions, attention
+# (fxpipe.runtime.backward.block_recompute.KEPT_BY_SELECTIVE): matrix products, convolutions, attention
 _KEPT = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "conv1d", "conv2d", "conv3d", "convolution",
          "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
          "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",

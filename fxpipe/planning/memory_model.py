@@ -10,7 +10,7 @@ top. The stage sizes are measured by :mod:`fxpipe.refine.stage_memory` when the 
 was compiled with ``profile="measure"``; otherwise they are estimated from the
 profile's node sizes (saved activations, boundary values, twice the largest
 node output as workspace, twice the model output for the loss).
-:mod:`fxpipe.runtime.memory_probe` measures the activation part, so the two can be
+:mod:`fxpipe.runtime.execute.memory_probe` measures the activation part, so the two can be
 compared term for term (``benchmarks/memory.py``, ``benchmarks/fidelity.py``).
 """
 
@@ -36,7 +36,7 @@ _BLOCKS = re.compile(r"^blocks(?::([1-9][0-9]*))?$")
 
 
 def block_mode(mode: str | None) -> tuple[int, bool] | None:
-    """``(every, selective)`` of a per-block recomputation mode (:mod:`fxpipe.runtime.block_recompute`):
+    """``(every, selective)`` of a per-block recomputation mode (:mod:`fxpipe.runtime.backward.block_recompute`):
     ``"blocks"`` (1, False), ``"blocks:K"`` (K, False), ``"selective"`` (1, True); ``None`` for any other."""
     if mode == "selective":
         return 1, True
@@ -54,7 +54,7 @@ def refuse_with_schedule(mode: str, schedule: str) -> None:
     measured on a 4-block Llama under ZB-H1, 2.15 MB on the second worker against 0.27 MB planned and 0.94 MB
     without any recomputation. Selective checkpointing allows one backward through a region at all. A whole
     stage (``"always"``, ``"except_last"``) is recomputed by hand once, before the input pass
-    (:mod:`fxpipe.runtime.split_backward`), and runs as planned."""
+    (:mod:`fxpipe.runtime.backward.split_backward`), and runs as planned."""
     if block_mode(mode) is not None and splits_backward(schedule):
         why = ("torch's selective checkpointing allows one backward through a region" if mode == "selective" else
                "torch's checkpointing recomputes each block in both passes and holds the first recomputation until "

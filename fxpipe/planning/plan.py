@@ -92,7 +92,7 @@ class Plan:
     batch_dims: dict[str, Any] = field(default_factory=dict)
     # the front end that traced the model and why that one: {"name": "fx"|"export"|"given", "reason": ...}
     frontend: dict[str, Any] = field(default_factory=dict)   # name, reason, the example inputs' record
-    # compiled stages (fxpipe.runtime.compiled): {"options": torch.compile's arguments as JSON, "compile_s": seconds
+    # compiled stages (fxpipe.runtime.execute.compiled): {"options": torch.compile's arguments as JSON, "compile_s": seconds
     # the stages' first forward and backward spent compiling, "stage_compile_s": per stage}; None: eager stages
     compiled: dict[str, Any] | None = None
     # where the pp x dp x tp mesh this pipeline is one position of runs (fxpipe.plan(mesh=...): the order of its

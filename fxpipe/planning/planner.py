@@ -79,7 +79,7 @@ class Planner:
     profile: str
     training: bool
     profile_extra: dict[str, Any] = field(default_factory=dict)
-    batch_dims: dict[str, Any] = field(default_factory=dict)   # fxpipe.runtime.microbatch.BatchLayout, as data
+    batch_dims: dict[str, Any] = field(default_factory=dict)   # fxpipe.runtime.execute.microbatch.BatchLayout, as data
     frontend: dict[str, str] = field(default_factory=dict)     # fxpipe.frontend.capture.Captured.frontend
     # the auto search's solutions by (schedule, chunks, recompute): one under a looser memory model is
     # reused where it fits (solvers.schedule_search.reuse), not solved again

@@ -10,7 +10,7 @@ simulator lets concurrent operations share them, and the predicted time of an
 operation is its simulated duration, not its time alone. Memory,
 when the step measured it (``pipe.step(..., measure_memory=True)``), is the
 peak above parameters and gradients per worker: ``torch.cuda.max_memory_allocated``
-on a GPU, a profiled replay of the worker on CPU (:mod:`fxpipe.runtime.memory_probe`),
+on a GPU, a profiled replay of the worker on CPU (:mod:`fxpipe.runtime.execute.memory_probe`),
 against :mod:`fxpipe.planning.memory_model`. Transfers happen inside the consumer's
 forward and the producer's backward on CPU workers, so they are part of the
 measured times, not a column of their own.

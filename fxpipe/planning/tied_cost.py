@@ -1,7 +1,7 @@
 """What a tied weight costs a plan: its gradient summed once per step, not the weight sent every micro-batch.
 
 A parameter that several stages read (a tied embedding and LM head) has a copy on each of them
-(:mod:`fxpipe.runtime.tied`): nothing of it crosses a boundary per micro-batch; once per step its gradient is
+(:mod:`fxpipe.runtime.boundaries.tied`): nothing of it crosses a boundary per micro-batch; once per step its gradient is
 summed over the copies (an all-reduce over the owning ranks, :mod:`fxpipe.distributed.tied`; in one process the
 copies' gradients are added into the model's and the copies refreshed after the optimizer steps).
 

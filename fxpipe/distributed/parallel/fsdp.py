@@ -1,7 +1,7 @@
 """FSDP2 per pipeline stage and per block: this rank's stage modules ``fully_shard``-ed over the data-parallel mesh.
 
 :func:`apply_fsdp` shards, as torchtitan's ``apply_fsdp`` does, each repeated block of a stage (its
-:class:`fxpipe.runtime.block_units.BlockUnit`, one FSDP2 unit each) and then the stage module itself, the root
+:class:`fxpipe.runtime.backward.block_units.BlockUnit`, one FSDP2 unit each) and then the stage module itself, the root
 unit of what lies outside the blocks (the embedding, the head, a stage without blocks), over the ``dp`` sub-mesh
 (1-D ``dp_shard``: FSDP; 2-D ``dp_replicate`` x ``dp_shard``: HSDP). A block's parameters are all-gathered by its
 own forward pre-hook, so on a GPU the next block's all-gather overlaps this block's compute (FSDP2's all-gather
@@ -20,7 +20,7 @@ units through a pipeline step the way ``torch.distributed.pipelining`` drives FS
   reduce-scatters its gradients as its backward ends, while the blocks before it still run theirs (as
   ``torch.distributed.pipelining`` syncs a stage's last backward); with ``set_manual_backward_finalization(True)``
   FSDP2's own hooks never end the backward iteration. fxpipe's runtime splits a backward by hand
-  (:mod:`fxpipe.runtime.split_backward`): the input pass is an ``autograd.grad`` that fires FSDP2's
+  (:mod:`fxpipe.runtime.backward.split_backward`): the input pass is an ``autograd.grad`` that fires FSDP2's
   post-backward hook before the weight gradients exist, and the weight pass a later ``autograd.backward`` into
   the unsharded parameters (``module.parameters()`` at that time): neither reduces anything here;
 - :meth:`ShardedStages.reduce` (called once this rank's last backward and weight pass are over: the
@@ -32,7 +32,7 @@ units through a pipeline step the way ``torch.distributed.pipelining`` drives FS
 
 The reduction averages over every data-parallel rank (FSDP2's default ``ReduceOp.AVG`` over the shard group and,
 under HSDP, over the replicate group; no custom divide factor), exactly what ``DistributedDataParallel`` does on
-the replicated path, so :class:`fxpipe.runtime.losses.Replicas` weighs micro-batches identically on both.
+the replicated path, so :class:`fxpipe.runtime.losses.losses.Replicas` weighs micro-batches identically on both.
 Every replica starts from dp rank 0's weights (broadcast before sharding, as DDP does). The mesh is made from
 process groups with the step's ``timeout_s`` (``DeviceMesh.from_group``), so a collective with a dead replica
 ends with an error, not a hang.
@@ -70,7 +70,7 @@ def dp_mesh(grid: list[list[int]], device_type: str, timeout_s: float) -> Any:
 
 
 def apply_fsdp(modules: Iterable[nn.Module], mesh: Any) -> list[Any]:
-    """``fully_shard`` each module's block units (:func:`fxpipe.runtime.block_units.units_of`), then the module,
+    """``fully_shard`` each module's block units (:func:`fxpipe.runtime.backward.block_units.units_of`), then the module,
     over ``mesh`` (1-D: FSDP, 2-D replicate x shard: HSDP); returns the ``FSDPModule`` s (the roots). Called after
     tensor parallelism (whose DTensor parameters FSDP2 then shards along ``dp``) and the block units' rewrite."""
     from torch.distributed.fsdp import fully_shard
@@ -98,7 +98,7 @@ def broadcast_states(modules: Iterable[nn.Module], src: int, group: Any) -> None
 def repoint(holders: Iterable[nn.Module], replaced: dict[int, nn.Parameter]) -> None:
     """Put ``fully_shard``'s sharded parameters wherever ``holders`` (the model, the traced graph) held the ones
     they replace (by identity), so that lookups by name find the shards: ``named_parameters``, a tied weight's
-    primary (:class:`fxpipe.runtime.tied.TiedCopy.primary`), checkpoints."""
+    primary (:class:`fxpipe.runtime.boundaries.tied.TiedCopy.primary`), checkpoints."""
     for holder in holders:
         for sub in holder.modules():
             for name, param in list(sub._parameters.items()):

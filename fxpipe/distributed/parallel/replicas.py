@@ -4,12 +4,12 @@ Every rank is given the whole batch; :meth:`DataParallelStep.share` keeps this r
 value (``torch.tensor_split`` along the plan's batch dims: shares differ by at most one sample): the positional
 inputs, the target, and the model's keyword inputs (``labels=labels``, or a dict batch given as ``kwargs=``), so
 the model's own loss trains on a mesh as it does on one pipeline. The step weighs its micro-batches over the whole
-batch (:class:`fxpipe.runtime.losses.Replicas`): a micro-batch of ``n`` samples counts ``dp * n / N`` of a mean,
+batch (:class:`fxpipe.runtime.losses.losses.Replicas`): a micro-batch of ``n`` samples counts ``dp * n / N`` of a mean,
 and a token loss's count (the model's own loss, ``reduction="token"``, or ``"auto"`` finding an
 ``F.cross_entropy`` mean) is summed over the replicas before any rank divides by it, so the gradients and the
 returned loss are the whole batch's, as one process would compute them, even when the shares differ. Under
 ``"auto"`` the last stages' replicas also check their reference samples against each other
-(:meth:`fxpipe.runtime.sample_mean_check.SampleMeanCheck.tie`), so a loss whose samples weigh differently is
+(:meth:`fxpipe.runtime.losses.sample_mean_check.SampleMeanCheck.tie`), so a loss whose samples weigh differently is
 refused on every rank even where each replica's own samples weigh alike.
 
 The reduction (all-reduce, or reduce-scatter) overlaps the pipeline's drain: it starts the moment this rank's own
