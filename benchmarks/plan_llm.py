@@ -24,6 +24,7 @@ import torch
 
 import fxpipe
 import fxpipe.analytic as analytic
+import fxpipe.analytic_model as analytic_model
 from fxpipe.cost.devices import PRESETS
 
 SHAPES = {
@@ -66,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ids = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
     devices = fxpipe.Devices.preset("h100", gpus)
     phases: dict[str, float] = {}   # the phases of fxpipe.plan, timed where analytic.py calls them
-    analytic.capture = timed(phases, "capture (torch.export)", analytic.capture)
-    analytic.profile_graph = timed(phases, "costs (FakeTensor roofline)", analytic.profile_graph)
+    analytic_model.capture = timed(phases, "capture (torch.export)", analytic_model.capture)
+    analytic_model.profile_graph = timed(phases, "costs (FakeTensor roofline)", analytic_model.profile_graph)
     analytic.plan_auto = timed(phases, "search (schedules x micro-batches)", analytic.plan_auto)
     analytic.plan_costed_mesh = timed(phases, "search (meshes x schedules x ...)", analytic.plan_costed_mesh)
     started = time.perf_counter()

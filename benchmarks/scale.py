@@ -37,6 +37,8 @@ import torch
 
 import fxpipe
 import fxpipe.analytic as analytic
+import fxpipe.analytic_mesh as analytic_mesh
+import fxpipe.analytic_model as analytic_model
 from fxpipe.cli.hf import parse_config
 from fxpipe.cli.models import load_model
 from fxpipe.cost.devices import ACHIEVABLE, PRESETS
@@ -159,10 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     peak = PRESETS[args.preset][0].flops["bfloat16"] / ACHIEVABLE["flops"]
     flops = model_flops(model, args.batch, args.seq_len)
     phases: dict[str, float] = {}
-    analytic.capture = timed(phases, "capture (torch.export)", analytic.capture)
-    analytic.profile_graph = timed(phases, "costs (FakeTensor roofline)", analytic.profile_graph)
-    analytic.search_mesh = timed(phases, "mesh search (solvers.mesh_search)", analytic.search_mesh)
-    analytic.plan_for_choice = timed(phases, "node-level costing of the choice", analytic.plan_for_choice)
+    analytic_model.capture = timed(phases, "capture (torch.export)", analytic_model.capture)
+    analytic_model.profile_graph = timed(phases, "costs (FakeTensor roofline)", analytic_model.profile_graph)
+    analytic_mesh.search_mesh = timed(phases, "mesh search (solvers.mesh_search)", analytic_mesh.search_mesh)
+    analytic_mesh.plan_for_choice = timed(phases, "node-level costing of the choice", analytic_mesh.plan_for_choice)
     params = sum(p.numel() for p in model.parameters())
     print(f"{args.model} ({params / 1e9:.1f}B parameters, bf16, built on meta in {built:.1f} s); batch {args.batch} x "
           f"{args.seq_len} tokens; {world} x {devices.specs[0].name} on {args.nodes} node(s) "

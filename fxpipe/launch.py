@@ -49,6 +49,7 @@ import torch.distributed as dist
 from fxpipe.cli.launch_inputs import (LOSSES, OPTIMIZERS, UsageError, compare, data_source,  # noqa: F401 (LOSSES:
                                       loss_function, model_factory)                      # tests import it here)
 from fxpipe.errors import FxpipeError
+from fxpipe.options import CompileOptions
 from fxpipe.planning.plan import load_plan
 from solvers.layout import refusal
 
@@ -142,7 +143,7 @@ def _train(args: argparse.Namespace, rank: int) -> None:
     dims = _mesh_dims(args, plan)
     try:
         stage = PipelineRank(plan, model_fn, loss_fn, mesh="dp=1" if dims is None else dims, weights=args.weights,
-                             timeout_s=args.timeout, compression=args.compression)
+                             timeout_s=args.timeout, options=CompileOptions(compression=args.compression))
     except TPPlanError as exc:   # the rank's fix (tp_plan=) is not a flag here
         raise UsageError(f"{exc.cause}; fxpipe.launch runs the default tensor-parallel plan: give --mesh a tp that "
                          "it divides (PipelineRank(tp_plan=...) takes a plan of your own)") from exc

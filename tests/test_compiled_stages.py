@@ -242,7 +242,8 @@ def _compiled_ranks(rank: int, world: int, plan_json: str, batches: list, compil
     from fxpipe.distributed import PipelineRank
     plan = fxpipe.Plan.from_dict(json.loads(plan_json))
     torch.manual_seed(0)
-    stage = PipelineRank(plan, SkipCNN, F.cross_entropy, timeout_s=120, compile_stages=compile_stages)
+    stage = PipelineRank(plan, SkipCNN, F.cross_entropy, timeout_s=120,
+                         options=fxpipe.CompileOptions(compile_stages=compile_stages))
     opt = torch.optim.SGD(stage.parameters(), lr=0.1)
     losses = []
     for x, y in batches:
@@ -252,7 +253,7 @@ def _compiled_ranks(rank: int, world: int, plan_json: str, batches: list, compil
         opt.zero_grad()
     plan.schedule = "zb-h1"
     try:
-        PipelineRank(plan, SkipCNN, F.cross_entropy, compile_stages=compile_stages)
+        PipelineRank(plan, SkipCNN, F.cross_entropy, options=fxpipe.CompileOptions(compile_stages=compile_stages))
         refused = ""
     except fxpipe.FxpipeError as exc:
         refused = str(exc)

@@ -338,7 +338,7 @@ def _compressed_ranks(rank: int, world: int, plan_json: str, compression: str) -
     from fxpipe.distributed import PipelineRank
     plan = fxpipe.Plan.from_dict(__import__("json").loads(plan_json))
     stage = PipelineRank(plan, functools.partial(_make, "gpt"), functools.partial(_loss, "gpt"), timeout_s=60,
-                         broadcast_loss=True, compression=compression)
+                         broadcast_loss=True, options=fxpipe.CompileOptions(compression=compression))
     opt = torch.optim.SGD(stage.parameters(), lr=0.1)
     losses, moved = [], []
     for x, y in _batches("gpt", 7):
@@ -396,7 +396,7 @@ def _async_ranks(rank: int, world: int, plan_json: str) -> dict:
     found = {}
     for mode, kwargs, compression in ASYNC_CASES:
         stage = PipelineRank(plan, functools.partial(_make, "cnn"), functools.partial(_loss, "cnn"), timeout_s=60,
-                             compression=compression)
+                             options=fxpipe.CompileOptions(compression=compression))
         trainer = fxpipe.AsyncTrainer(stage, lambda ps: torch.optim.SGD(ps, lr=0.05), mode=mode, **kwargs)
         losses = trainer.train(_async_batches(), functools.partial(_loss, "cnn"))
         found[f"{mode} {compression}"] = {"losses": losses, "versions": trainer.last["versions"],

@@ -134,9 +134,7 @@ def test_a_mesh_that_does_not_fit_the_plan_is_refused_with_the_numbers():
 
 
 def _on_the_plans_mesh(rank: int, world: int, plan_json: str, too_wide_json: str) -> dict:
-    import warnings
     from fxpipe.distributed import PipelineRank
-    from fxpipe.distributed.mesh import MeshPipelineRank
     plan = fxpipe.Plan.from_dict(json.loads(plan_json))
     from fxpipe.distributed import clip_grad_norm_
     stage = PipelineRank(plan, _make, _loss, timeout_s=60)   # no mesh given: the plan's (pp=1 x dp_shard=2)
@@ -153,18 +151,14 @@ def _on_the_plans_mesh(rank: int, world: int, plan_json: str, too_wide_json: str
             PipelineRank(fxpipe.Plan.from_dict(json.loads(wrong)), _make, _loss, mesh=mesh, timeout_s=60)
         except fxpipe.PlanMismatchError as exc:
             refused.append(str(exc))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        old = MeshPipelineRank(plan, _make, _loss, mesh="dp_shard=2", timeout_s=60)
     return {"losses": losses, "params": {n: p.full_tensor() for n, p in stage.named_parameters()},
-            "mesh": stage.mesh.mesh_dim_names, "refused": refused, "alias": isinstance(old, PipelineRank),
-            "warned": [str(w.message) for w in caught if w.category is DeprecationWarning]}
+            "mesh": stage.mesh.mesh_dim_names, "refused": refused}
 
 
 def test_a_rank_runs_the_mesh_its_plan_was_made_for_unless_told_otherwise():
     """``PipelineRank(plan, ...)`` without ``mesh=`` runs ``plan.layout`` (here FSDP2 over 2 copies of a 1-worker
     pipeline, exact against one process); a plan's mesh the world does not hold, and ``mesh="dp=1"`` (one pipeline)
-    on a world of two, are refused naming the fix; ``MeshPipelineRank`` is the same class, with a deprecation."""
+    on a world of two, are refused naming the fix."""
     x = _batches(8)[0][0]
     with torch.device("meta"):
         model = _make()
@@ -185,8 +179,6 @@ def test_a_rank_runs_the_mesh_its_plan_was_made_for_unless_told_otherwise():
         assert "the plan's mesh (pp=1 x dp_shard=4" in too_wide_error and "multiply to 4" in too_wide_error
         assert "mesh='dp=1' runs one pipeline instead" in too_wide_error, too_wide_error
         assert "process group has 2 processes" in one_pipeline_error and "dp_shard=2" in one_pipeline_error
-        assert got["alias"] and "MeshPipelineRank is PipelineRank(plan, model_fn, loss_fn, mesh=...)" in \
-            got["warned"][0], got["warned"]
 
 
 SLEEP_S = 0.5   # each backward of the slow first stage

@@ -10,16 +10,15 @@ rank killed mid-save never leaves a half-written one to resume from); :func:`cli
 :mod:`fxpipe.distributed.torch_pipelining` hands a plan's stages to torch.distributed.pipelining;
 :class:`PipelineRank` with ``mesh=`` (by default the plan's) runs pp × dp × tp on a ``DeviceMesh``, dp replicated
 (DDP), sharded (FSDP2) or both (HSDP), each parallelism applied in :mod:`fxpipe.distributed.parallel`
-(:class:`ParallelDims` builds the mesh); ``MeshPipelineRank`` is its former name (:mod:`fxpipe.distributed.mesh`).
+(:class:`ParallelDims` builds the mesh).
 """
 
 from fxpipe.distributed import checkpoint, snapshots, torch_pipelining
 from fxpipe.distributed.clip import clip_grad_norm_
-from fxpipe.distributed.mesh import MeshPipelineRank
 from fxpipe.distributed.parallel import ParallelDims
 from fxpipe.distributed.rank import PipelineRank
 from fxpipe.distributed.transport import P2P
 from fxpipe.distributed.waiting import PeerFailed
 
-__all__ = ["MeshPipelineRank", "P2P", "ParallelDims", "PeerFailed", "PipelineRank", "checkpoint", "clip_grad_norm_",
+__all__ = ["P2P", "ParallelDims", "PeerFailed", "PipelineRank", "checkpoint", "clip_grad_norm_",
            "snapshots", "torch_pipelining"]

@@ -5,7 +5,8 @@ initialises ``torch.distributed``). Without a mesh the processes are one pipelin
 (node, local device) of a stage runs it (:mod:`fxpipe.distributed.placement`; one stage per process, several with
 ``interleaved-1f1b``). With a mesh (``pp`` × data parallel × ``tp``, the one the plan was made for by default)
 each pipeline runs on the mesh's ``pp`` dim, and this rank's stages are built
-(:class:`fxpipe.distributed.stages.RankStages`), then parallelised in one fixed order, each by its own function
+(:func:`fxpipe.distributed.stages.build_stages`, a :class:`~fxpipe.distributed.stages.RankStages` record), then
+parallelised in one fixed order, each by its own function
 (:mod:`fxpipe.distributed.parallel.apply`, as torchtitan's ``parallelize``): tensor parallelism over ``tp``, then
 DDP, FSDP2 or HSDP over the data-parallel dims. A step gives each data-parallel replica its share of the batch
 (:mod:`fxpipe.distributed.parallel.replicas`) and leaves the whole batch's gradients, as one process computes them.
@@ -34,19 +35,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fxpipe.distributed.clip import mark_copies
-from fxpipe.distributed.parallel.apply import TensorParallel, apply_data_parallel, apply_tensor_parallel
+from fxpipe.distributed.parallel.apply import parallelize
 from fxpipe.distributed.parallel.bounded import bounded_mesh, mesh_timeout_s
 from fxpipe.distributed.parallel.dims import ParallelDims
 from fxpipe.distributed.parallel.replicas import DataParallelStep
 from fxpipe.distributed.placement import rank_device_type
-from fxpipe.distributed.stages import RankStages
-from fxpipe.distributed.tied import COUNTED_ELSEWHERE
+from fxpipe.distributed.stages import build_stages, train_step
 from fxpipe.errors import FxpipeError, PlanMismatchError
+from fxpipe.options import CompileOptions
 from fxpipe.planning.memory_model import planned_mode
 from fxpipe.planning.plan import Plan, load_plan
-from fxpipe.runtime.backward.block_recompute import apply_recompute
-from fxpipe.runtime.backward.block_units import apply_units
 from fxpipe.runtime.losses.losses import REDUCTIONS
 from solvers.layout import refusal
 
@@ -86,23 +84,23 @@ class PipelineRank:
     ``device`` puts this rank's stages elsewhere than the plan says (e.g. ``cuda:<LOCAL_RANK>``); by default they
     run on the plan's device where this process has it, else on its own
     (:func:`fxpipe.distributed.placement.rank_devices`: a plan made for H100s from shapes runs on gloo CPU
-    processes too, with a warning). ``timeout_s`` bounds every wait for another rank. ``compression`` compresses
-    what crosses stage boundaries (the values of :attr:`fxpipe.CompileOptions.compression`: ``"int8"``,
-    ``"topk:0.01"``, ``"fp16/int8"``, or a dict by stage); every rank must be given the same.
+    processes too, with a warning). ``timeout_s`` bounds every wait for another rank.
     ``checkpoint``: the recomputation (:meth:`fxpipe.Pipeline.step`'s modes, per block too); ``None`` (default) the
     plan's, as it was planned: each stage's chosen mode for ``checkpoint="auto"``, else the plan's mode.
-    ``compile_stages`` (:attr:`fxpipe.CompileOptions.compile_stages`: ``True``, a dict of ``torch.compile``
-    arguments, ``False``) compiles this rank's stage modules (:mod:`fxpipe.runtime.execute.compiled`); ``None``
-    (default) compiles them as the plan's were (``plan.compiled``), eager for a plan of eager stages.
+    ``options`` (:class:`fxpipe.CompileOptions`, as ``fxpipe.compile`` takes them; every rank must be given the
+    same): its ``compression`` compresses what crosses stage boundaries (``"int8"``, ``"topk:0.01"``,
+    ``"fp16/int8"``, or a dict by stage); its ``compile_stages`` (``True``, a dict of ``torch.compile`` arguments,
+    ``False``) compiles this rank's stage modules (:mod:`fxpipe.runtime.execute.compiled`), by default (``None``)
+    as the plan's were (``plan.compiled``), eager for a plan of eager stages; its ``deferred_batch_norm``
+    updates BatchNorm statistics once a batch. Its planning fields do not apply to a plan already made.
     """
 
     def __init__(self, plan: Plan | str | Path, model_fn: Callable[[], nn.Module],
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *, mesh: Any = None,
                  tp_plan: dict[str, Any] | None = None, reduction: str = "auto", checkpoint: str | None = None,
                  group: Any = None, device: str | torch.device | None = None, timeout_s: float = 300.0,
-                 leaf_modules: Iterable[type | str] = (), deferred_batch_norm: bool = False,
-                 broadcast_loss: bool = False, weights: Any = None, compression: Any = None,
-                 compile_stages: bool | dict[str, Any] | None = None) -> None:
+                 leaf_modules: Iterable[type | str] = (), broadcast_loss: bool = False, weights: Any = None,
+                 options: CompileOptions | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise FxpipeError("fxpipe.distributed needs torch.distributed initialised: run under torchrun and call "
                               "torch.distributed.init_process_group('gloo' or 'nccl') before PipelineRank")
@@ -115,46 +113,13 @@ class PipelineRank:
                              "(mesh='tp=2', or ParallelDims(pp=..., tp=...)) or drop tp_plan")
         pp_group = group if self.mesh is None else self.mesh.get_group("pp")
         checkpoint = checkpoint or planned_mode(plan)
-        self.ranked = RankStages(plan, model_fn, loss_fn, reduction=reduction, checkpoint=checkpoint,
-                                 group=pp_group, device=device, timeout_s=timeout_s, leaf_modules=leaf_modules,
-                                 deferred_batch_norm=deferred_batch_norm, broadcast_loss=broadcast_loss,
-                                 weights=weights, compression=compression, compile_stages=compile_stages)
-        self.replicas: DataParallelStep | None = None
-        self.tp = TensorParallel()
-        if self.mesh is not None:
-            self._parallelise(tp_plan, float(timeout_s))
-        else:
-            self._recompute()
-
-    def _recompute(self, units: bool = False) -> None:
-        """Per-block recomputation of this rank's stages, where the plan or ``checkpoint`` asks for it
-        (:mod:`fxpipe.runtime.backward.block_recompute`), or with ``units`` every block made a module of its own that
-        recomputes as asked (:mod:`fxpipe.runtime.backward.block_units`): after tensor parallelism, before data
-        parallelism."""
-        pipe = self.ranked.pipe
-        (apply_units if units else apply_recompute)(
-            pipe._graph[0], [(self.ranked.specs[k].module, pipe.stage_checkpoint(k)) for k in self.own])
-
-    def _parallelise(self, tp_plan: dict[str, Any] | None, timeout_s: float) -> None:
-        """Tensor parallelism, then data parallelism over it, on this rank's stages (:mod:`.parallel.apply`)."""
-        dims, mesh, stages = self.dims, self.mesh, self.ranked
-        elsewhere = {n for n, p in stages.named_parameters() if getattr(p, COUNTED_ELSEWHERE, False)}
-        grid = ParallelDims.dp_ranks(mesh)   # this rank's dp ranks: rows are replicas, columns shards
-        group = DataParallelStep.group_of(grid, timeout_s)
-        self.tp = apply_tensor_parallel(stages, mesh, dims, tp_plan, timeout_s)
-        # FSDP2 shards each block as a unit of its own (.parallel.fsdp), whose recomputation then runs inside it
-        self._recompute(units=dims.dp_mode == "shard" and dims.dp > 1 and stages.pipe.compiled is None)
-        data = apply_data_parallel(stages, mesh, dims, grid, group, timeout_s)
-        # a global gradient norm (fxd.clip_grad_norm_) counts each piece once: the sharded parameters replaced the
-        # ones a tied weight's marks were on
-        for name, param in stages.named_parameters():
-            if name in elsewhere:
-                setattr(param, COUNTED_ELSEWHERE, True)
-        mark_copies(stages.parameters(), dims.dp * dims.tp)
-        if self.tp.plan is not None:   # a per-head norm's weight: the parameter FSDP2 left, resolved once
-            summed = set(self.tp.plan.summed)
-            self.tp.summed = [p for n, p in stages.named_parameters() if n in summed]
-        self.replicas = DataParallelStep(stages, grid, group, data, self.tp, timeout_s)
+        self.ranked = build_stages(plan, model_fn, loss_fn, reduction=reduction, checkpoint=checkpoint,
+                                   group=pp_group, device=device, timeout_s=timeout_s, leaf_modules=leaf_modules,
+                                   broadcast_loss=broadcast_loss, weights=weights, options=options or CompileOptions())
+        parallel = parallelize(self.ranked, self.dims, self.mesh, tp_plan, float(timeout_s))
+        self.tp = parallel.tp
+        self.replicas: DataParallelStep | None = None if parallel.data is None else DataParallelStep(
+            self.ranked, parallel.grid, parallel.group, parallel.data, parallel.tp, float(timeout_s))
 
     # -- this rank's stages, as a user and the tools see them -------------------------------------------------------
     @property
@@ -230,7 +195,7 @@ class PipelineRank:
         ``kwargs=batch``); on a mesh each data-parallel replica trains its share of all of them. Returns the whole
         batch's loss on the last stage's ranks (on every rank with ``broadcast_loss=True``), else ``None``."""
         if self.replicas is None:
-            return self.ranked.step(inputs, target, **kwargs)
+            return train_step(self.ranked, inputs, target, **kwargs)
         return self.replicas.step(inputs, target, kwargs)
 
 

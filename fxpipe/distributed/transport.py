@@ -6,7 +6,7 @@ this rank; where it is another rank's it goes through ``torch.distributed.isend`
 NCCL on GPUs), straight from the producing rank to the consuming one: a skip connection from the first stage
 to the last is one message, relayed by no rank in between, and so is its gradient.
 
-With boundary compression (``PipelineRank(compression=...)``, the values of ``CompileOptions.compression``) a
+With boundary compression (``PipelineRank(options=CompileOptions(compression=...))``) a
 value or gradient goes over the wire as its codec's payload (an int8 tensor and its scales, top-k's values and
 indices, a half-precision copy) and is decoded by the receiver, which knows the payload's shapes from the value's
 (:func:`fxpipe.runtime.boundaries.compression.payload_layout`): the bytes moved are the compressed ones, and the step is

@@ -1,21 +1,29 @@
 """Each parallelism of a mesh applied to one rank's pipeline stages, by a function of its own, as torchtitan's
-``parallelize`` applies ``apply_tp`` then ``apply_fsdp``.
+``parallelize_llama`` applies ``apply_tp``, ``apply_ac``, ``apply_compile`` then ``apply_fsdp``.
 
 :class:`fxpipe.distributed.PipelineRank` builds this rank's stages over the mesh's ``pp`` group
-(:class:`fxpipe.distributed.stages.RankStages`), then, in this fixed order:
+(:class:`fxpipe.distributed.stages.RankStages`), then calls :func:`parallelize`, which reads top to bottom, in
+this fixed order:
 
 1. :func:`apply_tensor_parallel`: the stages' blocks sharded over the ``tp`` dim
    (:func:`fxpipe.distributed.parallel.tp.shard_stages`; ``tp_plan=`` or the default plan), and with
    ``ParallelDims.sequence_parallel`` the activations between them by sequence
    (:mod:`fxpipe.distributed.parallel.sequence`); compiled stages are refused here (tensor parallelism on
    compiled stages is not verified);
-2. recomputation and compilation are the plan's and were applied when the stages were built (the runtime's
-   ``checkpoint=`` policy, ``compile_stages=``);
+2. :func:`apply_recomputation`: per-block recomputation where the plan or ``checkpoint=`` asks for it
+   (:mod:`fxpipe.runtime.backward.block_recompute`), under FSDP2 each block made a unit of its own that
+   recomputes inside it (:mod:`fxpipe.runtime.backward.block_units`); whole-stage recomputation is the
+   executor's, per micro-batch. Compilation (``CompileOptions.compile_stages``) was applied when the stages were
+   built, before the stages take the rank's devices (tensor parallelism refuses compiled stages, and FSDP2 runs
+   the blocks of eager ones only);
 3. :func:`apply_data_parallel`: the (tensor-parallel) stages replicated with DDP, sharded with FSDP2, or both
    (HSDP) over the data-parallel dims (:mod:`fxpipe.distributed.parallel.ddp`, :mod:`.fsdp`), or nothing to
    reduce where the mesh has no data parallelism.
 
-Each function puts the parameters it replaces (``DTensor`` s) wherever the model and the traced graph held the old
+4. :func:`count_once`: the marks a global gradient norm reads, so each piece of a parameter is counted once
+   over the mesh (:mod:`fxpipe.distributed.clip`).
+
+Without a mesh only recomputation applies. Each function puts the parameters it replaces (``DTensor`` s) wherever the model and the traced graph held the old
 ones, so names still find them.
 """
 
@@ -26,12 +34,18 @@ from typing import Any
 
 from torch import nn
 
+from fxpipe.distributed.clip import mark_copies
 from fxpipe.distributed.parallel.ddp import ReplicatedStages, SoloStages
 from fxpipe.distributed.parallel.dims import ParallelDims
 from fxpipe.distributed.parallel.fsdp import ShardedStages
+from fxpipe.distributed.parallel.replicas import DataParallelStep
 from fxpipe.distributed.parallel.tp import shard_stages, tp_mesh_of
+from fxpipe.distributed.tied import COUNTED_ELSEWHERE
+from fxpipe.runtime.backward.block_recompute import apply_recompute
+from fxpipe.runtime.backward.block_units import apply_units
 
-__all__ = ["TensorParallel", "apply_data_parallel", "apply_tensor_parallel"]
+__all__ = ["Parallelized", "TensorParallel", "apply_data_parallel", "apply_recomputation", "apply_tensor_parallel",
+           "count_once", "parallelize"]
 
 
 @dataclass
@@ -77,3 +91,53 @@ def apply_data_parallel(stages: Any, mesh: Any, dims: ParallelDims, grid: list[l
     dp_sub = mesh[ParallelDims.dp_names(mesh)] if dims.tp > 1 else None
     return ShardedStages(own, grid, group, mesh.device_type, timeout_s, [stages.model, stages.pipe._graph[0]],
                          dp_sub, pipelined=len(stages.specs) > 1, stage_ids=list(stages.own))
+
+
+def apply_recomputation(stages: Any, units: bool) -> None:
+    """Per-block recomputation of ``stages``' own modules where the plan or ``checkpoint=`` asks for it; with
+    ``units`` (FSDP2, eager stages) every block made a module of its own that recomputes as asked."""
+    pipe = stages.pipe
+    (apply_units if units else apply_recompute)(
+        pipe._graph[0], [(stages.specs[k].module, pipe.stage_checkpoint(k)) for k in stages.own])
+
+
+def count_once(stages: Any, elsewhere: set[str], copies: int, tp: TensorParallel) -> None:
+    """Mark ``stages``' parameters for a global gradient norm (:func:`fxpipe.distributed.clip_grad_norm_`): those
+    named in ``elsewhere`` (a tied weight another rank counts) again, now that sharding replaced them, every one
+    held by ``copies`` ranks, and the tensor-parallel plan's summed parameters resolved to the ones FSDP2 left."""
+    for name, param in stages.named_parameters():
+        if name in elsewhere:
+            setattr(param, COUNTED_ELSEWHERE, True)
+    mark_copies(stages.parameters(), copies)
+    if tp.plan is not None:   # a per-head norm's weight: the parameter FSDP2 left, resolved once
+        summed = set(tp.plan.summed)
+        tp.summed = [p for n, p in stages.named_parameters() if n in summed]
+
+
+@dataclass
+class Parallelized:
+    """What :func:`parallelize` applied: the tensor parallelism, and over a mesh this rank's data-parallel grid
+    (rows replicas, columns shards), their process group and the stages' reducer (``None`` without a mesh)."""
+
+    tp: TensorParallel
+    grid: list[list[int]] = field(default_factory=list)
+    group: Any = None
+    data: Any = None
+
+
+def parallelize(stages: Any, dims: ParallelDims | None, mesh: Any, tp_plan: dict[str, Any] | None,
+                timeout_s: float) -> Parallelized:
+    """Every parallelism of ``dims`` (the layout, :class:`ParallelDims`) on ``stages``
+    (:class:`fxpipe.distributed.stages.RankStages`) over ``mesh``, in the order of the module docstring;
+    ``dims`` ``None``: one pipeline, recomputation alone."""
+    if dims is None:
+        apply_recomputation(stages, units=False)
+        return Parallelized(TensorParallel())
+    elsewhere = {n for n, p in stages.named_parameters() if getattr(p, COUNTED_ELSEWHERE, False)}
+    grid = ParallelDims.dp_ranks(mesh)
+    group = DataParallelStep.group_of(grid, timeout_s)
+    tp = apply_tensor_parallel(stages, mesh, dims, tp_plan, timeout_s)
+    apply_recomputation(stages, units=dims.dp_mode == "shard" and dims.dp > 1 and stages.pipe.compiled is None)
+    data = apply_data_parallel(stages, mesh, dims, grid, group, timeout_s)
+    count_once(stages, elsewhere, dims.dp * dims.tp, tp)
+    return Parallelized(tp, grid, group, data)

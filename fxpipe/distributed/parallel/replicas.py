@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.distributed.parallel.tp import sum_partial_grads
+from fxpipe.distributed.stages import train_step
 from fxpipe.errors import FxpipeError, LossReductionError
 from fxpipe.runtime.losses.losses import Replicas
 from fxpipe.runtime.execute.microbatch import BatchLayout, batch_size_of, scatter
@@ -105,7 +106,7 @@ class DataParallelStep:
         self._early = getattr(self.data, "reduces_in_backward", False) and not split
         self.data.begin(split)
         try:
-            loss = stages.step(inputs, target, **kwargs)   # its transport reduces when this rank is done
+            loss = train_step(stages, inputs, target, **kwargs)   # its transport reduces when this rank is done
         except Exception as exc:
             if not self.tp.ranks:
                 raise

@@ -1,0 +1,126 @@
+"""A model costed for :func:`fxpipe.plan` (:class:`AnalyticModel`, :func:`cost_model`) and the planner of its
+pipeline (:func:`planner_for`): the two halves :mod:`fxpipe.analytic` and :mod:`fxpipe.analytic_mesh` plan from
+(a benchmark costs a model once and plans it for several device counts)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from fxpipe.checks import batch_layout, most_micro_batches, unwrap_compiled, worker_devices
+from fxpipe.cost.devices import ACHIEVABLE, PRESETS, Devices, DeviceSpec
+from fxpipe.cost.optimizer_state import optimizer_state_factor, training_dtype
+from fxpipe.cost.profile import NodeCost, profile_graph
+from fxpipe.distributed.parallel.tp_plans import tp_refusal
+from fxpipe.frontend.capture import Captured, capture
+from fxpipe.options import CompileOptions
+from fxpipe.planning.plan import Plan
+from fxpipe.planning.planner import Planner
+from fxpipe.planning import throughput
+from fxpipe.planning.topology import links_from_classes
+from fxpipe.runtime.checks.guards import input_signature
+from fxpipe.runtime.execute.microbatch import BatchLayout, batch_size_of, scatter
+from fxpipe.runtime.execute.structure import FlatInputs, flat_inputs
+
+__all__ = ["AnalyticModel", "cost_model", "planner_for", "with_model_flops"]
+
+
+@dataclass
+class AnalyticModel:
+    """A model captured and costed from shapes on one device spec: what :func:`plan` plans from."""
+
+    captured: Captured
+    costs: dict[str, NodeCost]   # per node, for micro-batches of the batch cut in ``profiled``
+    batch: int                   # samples in the example batch
+    most: int                    # the most micro-batches ``chunks="auto"`` makes of it
+    profiled: int
+    layout: BatchLayout
+    dtype: torch.dtype           # the dtype the model trains in (its parameters')
+    training: bool
+    model_name: str
+    spec: DeviceSpec
+    #: ``tp`` -> why the runtime's default tensor-parallel plan cannot shard the model over ``tp`` ranks (``None``:
+    #: it can); :func:`plan_costed_mesh` plans no mesh of a refused ``tp``
+    tp_refusal: Callable[[int], str | None] = lambda tp: None
+    #: the example inputs' names, dtypes and shapes (:func:`fxpipe.runtime.checks.guards.input_signature`): a call of
+    #: another dtype or rank is refused before its step, as for a compiled plan
+    signature: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+def cost_model(model: nn.Module, example_inputs: tuple, spec: DeviceSpec, micro_batches: int | None = None, *,
+               workers: int = 8, example_kwargs: dict[str, Any] | None = None,
+               leaf_modules: Iterable[type | str] = (), frontend: str = "auto",
+               options: CompileOptions | None = None) -> AnalyticModel:
+    """Capture ``model`` as compile does and cost every node for ``spec`` on micro-batches of the batch cut in
+    ``micro_batches`` (default: what compile profiles at, 4 per worker of ``workers`` and at most one sample
+    each)."""
+    model = unwrap_compiled(model)
+    options = options or CompileOptions()
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    captured = capture(model, leaf_modules, options.concrete_args, frontend, example_inputs,   # 1. trace
+                       example_kwargs, options.batch_dim, other_mode=False)   # nothing here runs the graph
+    inputs = example_inputs
+    if captured.graph.meta.get("fxpipe_in_spec") is not None:   # torch.export's flat graph: its leaves
+        inputs = FlatInputs(flat_inputs(example_inputs, example_kwargs or {}, captured.graph.meta["fxpipe_in_spec"])[0])
+    layout = batch_layout(options, captured.graph)
+    dims = layout.input_dims([n.target for n in captured.graph.graph.nodes if n.op == "placeholder"])
+    dims = dims[:len(inputs)] + [0] * (len(inputs) - len(dims))
+    batch = batch_size_of(list(inputs), dims)
+    most = most_micro_batches(model, batch)
+    profiled = micro_batches if micro_batches is not None else min(most, 4 * workers)
+    if batch == 0 or profiled > batch:
+        raise ValueError(f"example_inputs hold a batch of {batch} samples, which cannot be split into {profiled} "
+                         "micro-batches: pass the batch the pipeline will train on")
+    first = tuple(scatter(list(inputs), profiled, dims)[0])
+    costs = profile_graph(captured.graph, first, torch.device("cpu"), mode="analytic", spec=spec)   # 2. cost
+    return AnalyticModel(captured, costs, batch, most, profiled, layout, training_dtype(model), model.training,
+                         type(model).__name__, spec, functools.lru_cache(functools.partial(tp_refusal, model)),
+                         input_signature(captured.graph, tuple(inputs)))
+
+
+def with_model_flops(result: Plan, costed: AnalyticModel) -> Plan:
+    """``result`` with a step's model FLOPs and, planned for a preset, its devices' dense peak
+    (:mod:`fxpipe.planning.throughput`): the costs are one micro-batch's of ``costed.profiled``."""
+    dtype = str(costed.dtype).removeprefix("torch.")
+    preset = costed.spec.name in {spec.name for spec, _ in PRESETS.values()}
+    rate = costed.spec.flops.get(dtype, costed.spec.flops["float32"])
+    throughput.record(result, sum(c.flops for c in costed.costs.values()) * costed.profiled,
+                      rate / ACHIEVABLE["flops"] if preset else None)
+    return result
+
+
+def planner_for(costed: AnalyticModel, devices: Devices, *, schedule: str = "1f1b", stages: int | None = None,
+                virtual_stages: int = 1, optimizer: str = "adam", checkpoint: str = "auto",
+                options: CompileOptions | None = None, time_limit_s: float | None = 2.0) -> Planner:
+    """The :class:`Planner` of ``costed`` on ``devices`` (its first ``len(devices)`` workers, or fewer for a
+    fixed ``stages`` of several stages per worker), at ``costed.profiled`` micro-batches."""
+    options = options or CompileOptions()
+    factor = optimizer_state_factor(optimizer, costed.dtype)
+    all_ids = [torch.device(i) for i in devices.ids]
+    workers = worker_devices(all_ids, schedule, virtual_stages, stages, costed.profiled)
+    n = len(workers)
+    specs = devices.specs[:n]
+    memory = list(options.memory_bytes) if options.memory_bytes is not None else [s.memory_bytes for s in specs]
+    if len(memory) < n:
+        raise ValueError(f"options.memory_bytes has {len(memory)} entries for {n} devices")
+    dtype = str(costed.dtype).removeprefix("torch.")
+
+    def rate(s: DeviceSpec) -> float:
+        return s.flops.get(dtype, s.flops["float32"])
+    return Planner(gm=costed.captured.graph, fingerprint=costed.captured.fingerprint, model_name=costed.model_name,
+                   devices=workers, all_devices=all_ids, memory_bytes=memory[:n], chunks=costed.profiled,
+                   stages=stages, virtual_stages=virtual_stages, schedule=schedule, checkpoint=checkpoint,
+                   optimizer_state_factor=factor, batch=costed.batch, profile="analytic", training=costed.training,
+                   batch_dims=costed.layout.to_dict(), frontend=costed.captured.frontend,
+                   keep_blocks_whole=options.keep_blocks_whole,
+                   profile_extra={"device": costed.spec.name, "dtype": dtype, "optimizer": optimizer,
+                                  "inputs": costed.signature},
+                   links=links_from_classes([row[:n] for row in devices.link_classes[:n]], devices.bandwidth_Bps),
+                   speeds=[rate(s) / rate(specs[0]) for s in specs], hosts=list(devices.nodes[:n]),
+                   time_limit_s=time_limit_s)
