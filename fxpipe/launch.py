@@ -236,7 +236,7 @@ def _mesh_dims(args: argparse.Namespace, plan: Any) -> Any:
     if dims.dp == 1 and dims.tp == 1:
         return None
     world = dist.get_world_size()
-    if refusal(dims.layout, world=world) is not None:
+    if refusal(dims.layout, world=world, runtime=False) is not None:
         raise UsageError(f"{given} is {dims} but torchrun started {world}: start {dims.world_size} "
                          f"(torchrun --nproc-per-node {dims.world_size}), or pass --mesh with degrees whose product "
                          f"with pp={dims.pp} is {world}")

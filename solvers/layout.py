@@ -36,7 +36,7 @@ Torch-free.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 __all__ = ["DP_MODES", "KEYS", "ORDERS", "RECOMPUTATION", "Layout", "LayoutError", "Refusal", "check_layout",
@@ -87,7 +87,7 @@ class Layout:
     sequence_parallel: Optional[bool] = None
     schedule: Optional[str] = None
     virtual_stages: int = 1
-    recomputation: tuple[str, ...] = field(default=())
+    recomputation: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in DEGREES:

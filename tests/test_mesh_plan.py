@@ -111,6 +111,13 @@ def test_a_plan_stores_its_layout_whole_and_plans_of_format_2_migrate(costed, tm
     path.write_text(json.dumps(old))
     again = fxpipe.load_plan(path)
     assert again.layout == layout and again.mesh == plan.mesh, (again.layout, layout)
+    # a /2 mesh that left dp_mode out: unsaid, which the ranks run as FSDP2 (as /2 plans ran)
+    from fxpipe.distributed.parallel import ParallelDims
+    unsaid = {k: v for k, v in old["mesh"].items() if k != "dp_mode"}
+    path.write_text(json.dumps({**old, "mesh": unsaid}))
+    read = fxpipe.load_plan(path).layout
+    assert read.dp_mode is None and read.dp_shard == layout.dp, read
+    assert ParallelDims.of(read, plan.workers) == ParallelDims.of(layout, plan.workers)
     wrong = {**doc, "layout": {**doc["layout"], "schedule": "gpipe"}}
     with pytest.raises(fxpipe.PlanFormatError, match="layout/schedule is 'gpipe' but the plan runs '1f1b'"):
         fxpipe.Plan.from_dict(wrong)

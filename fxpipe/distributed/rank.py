@@ -115,7 +115,7 @@ class PipelineRank:
         checkpoint = checkpoint or planned_mode(plan)
         self.ranked = build_stages(plan, model_fn, loss_fn, reduction=reduction, checkpoint=checkpoint,
                                    group=pp_group, device=device, timeout_s=timeout_s, leaf_modules=leaf_modules,
-                                   broadcast_loss=broadcast_loss, weights=weights, options=options or CompileOptions())
+                                   broadcast_loss=broadcast_loss, weights=weights, options=options)
         parallel = parallelize(self.ranked, self.dims, self.mesh, tp_plan, float(timeout_s))
         self.tp = parallel.tp
         self.replicas: DataParallelStep | None = None if parallel.data is None else DataParallelStep(

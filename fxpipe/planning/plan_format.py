@@ -35,16 +35,17 @@ _DEGREES = ("pp", "dp", "tp", "dp_mode", "order", "sequence_parallel")
 
 def _layout_of_v2(doc: dict[str, Any]) -> dict[str, Any]:
     """An ``fxpipe-plan/2`` document as ``/3``: the degrees move from ``mesh`` to ``layout`` (a mesh's
-    ``dp_mode`` names where ``dp`` goes; a pipeline alone is ``pp`` of its workers); the recomputation is left for
+    ``dp_mode`` names where ``dp`` goes: replicas for ``replicate``, else shards, the mode unsaid where the mesh
+    did not say it, as ``/2`` read it; a pipeline alone is ``pp`` of its workers); the recomputation is left for
     the plan to read off its stages."""
     stages, v = doc.get("stages") or [], doc.get("virtual_stages", 1) or 1
     mesh = doc.get("mesh")
     layout: dict[str, Any] = {"pp": max(1, len(stages) // v), "schedule": doc.get("schedule"), "virtual_stages": v}
     if isinstance(mesh, dict):
-        dp, shard = mesh.get("dp", 1), mesh.get("dp_mode") == "shard"
+        dp, mode = mesh.get("dp", 1), mesh.get("dp_mode")
+        replicas = mode == "replicate"
         layout.update(pp=mesh.get("pp", layout["pp"]), tp=mesh.get("tp", 1), order=mesh.get("order", "pp-dp-tp"),
-                      dp_mode="shard" if shard else "replicate", dp_shard=dp if shard else 1,
-                      dp_replicate=1 if shard else dp)
+                      dp_mode=mode, dp_shard=1 if replicas else dp, dp_replicate=dp if replicas else 1)
         if mesh.get("tp", 1) > 1 and mesh.get("sequence_parallel") is not None:
             layout["sequence_parallel"] = bool(mesh["sequence_parallel"])
         mesh = {k: val for k, val in mesh.items() if k not in _DEGREES}

@@ -13,18 +13,17 @@ this fixed order:
 2. :func:`apply_recomputation`: per-block recomputation where the plan or ``checkpoint=`` asks for it
    (:mod:`fxpipe.runtime.backward.block_recompute`), under FSDP2 each block made a unit of its own that
    recomputes inside it (:mod:`fxpipe.runtime.backward.block_units`); whole-stage recomputation is the
-   executor's, per micro-batch. Compilation (``CompileOptions.compile_stages``) was applied when the stages were
-   built, before the stages take the rank's devices (tensor parallelism refuses compiled stages, and FSDP2 runs
-   the blocks of eager ones only);
+   executor's, per micro-batch. Compilation (``CompileOptions.compile_stages``) is not applied here but when
+   the stages are built (:func:`fxpipe.distributed.stages.build_stages`, once they are on this rank's devices):
+   tensor parallelism refuses compiled stages, and FSDP2 makes block units of eager stages only;
 3. :func:`apply_data_parallel`: the (tensor-parallel) stages replicated with DDP, sharded with FSDP2, or both
    (HSDP) over the data-parallel dims (:mod:`fxpipe.distributed.parallel.ddp`, :mod:`.fsdp`), or nothing to
-   reduce where the mesh has no data parallelism.
-
+   reduce where the mesh has no data parallelism;
 4. :func:`count_once`: the marks a global gradient norm reads, so each piece of a parameter is counted once
    over the mesh (:mod:`fxpipe.distributed.clip`).
 
-Without a mesh only recomputation applies. Each function puts the parameters it replaces (``DTensor`` s) wherever the model and the traced graph held the old
-ones, so names still find them.
+Without a mesh only recomputation applies. Each function puts the parameters it replaces (``DTensor`` s) wherever
+the model and the traced graph held the old ones, so names still find them.
 """
 
 from __future__ import annotations
