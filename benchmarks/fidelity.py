@@ -130,16 +130,16 @@ def main(argv: list[str] | None = None) -> int:
                 model = build().train()
                 x, y = make_x(), make_y()
                 pipe = fxpipe.compile(model, ["cpu"] * workers, (x,), chunks=4, stages=workers, schedule=schedule,
-                                      checkpoint="never", loss_fn=loss_fn, example_target=y,
-                                      profile=fxpipe.ProfileOptions(effort="thorough", cache=False))
+                                      checkpoint="never", profile=fxpipe.ProfileOptions(effort="thorough",
+                                      cache=False, loss_fn=loss_fn, example_target=y))
                 timings = run(pipe, x, y, loss_fn, args.steps)
                 pipe.step(x, y, loss_fn, measure_memory=True)
                 memory = pipe.last_step["memory"]
                 predicted_memory = predict_worker_memory(pipe.plan, schedule)
                 calibrated = fxpipe.compile(model, ["cpu"] * workers, (x,), chunks=4, stages=workers,
                                             schedule=schedule, checkpoint="never",
-                                            loss_fn=loss_fn, example_target=y,
-                                            profile=fxpipe.ProfileOptions(effort="thorough", calibrate=True))
+                                            profile=fxpipe.ProfileOptions(effort="thorough", calibrate=True,
+                                            loss_fn=loss_fn, example_target=y))
                 cal_timings = run(calibrated, x, y, loss_fn, args.steps)
                 # Analytic costs of the same graph, summed per stage.
                 analytic = profile_graph(fxpipe.trace(model), (x[: x.shape[0] // 4],), torch.device("cpu"),

@@ -563,8 +563,8 @@ def row_fidelity(ctx: Context, which: str) -> Row:
     row = Row(f"fidelity:{name}", "INFO")
     started = time.perf_counter()
     pipe = fxpipe.compile(model, ctx.devices(2), (x,), chunks=chunks, stages=2, schedule="gpipe",
-                          checkpoint="never", loss_fn=loss_fn, example_target=y,
-                          profile=fxpipe.ProfileOptions(cache=False))   # measured now, not read from a cache
+                          checkpoint="never", profile=fxpipe.ProfileOptions(cache=False, loss_fn=loss_fn,
+                          example_target=y))   # measured now, not read from a cache
     compile_s = time.perf_counter() - started
     loss = pipe.structured_loss(loss_fn)
     inputs: tuple = (x,)

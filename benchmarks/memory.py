@@ -57,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
             rows = []
             for checkpoint in MODES:
                 pipe = fxpipe.compile(model, ["cpu"] * workers, (x,), chunks=args.chunks, stages=workers,
-                                      checkpoint=checkpoint, leaf_modules=leaves(ns), loss_fn=loss_fn,
-                                      example_target=y, profile="thorough")   # measured memory
+                                      checkpoint=checkpoint, profile=fxpipe.ProfileOptions(effort='thorough',
+                                      loss_fn=loss_fn, example_target=y),
+                                      options=fxpipe.CompileOptions(leaf_modules=leaves(ns)))   # measured memory
                 estimated_plan = copy.deepcopy(pipe.plan)
                 for st in estimated_plan.stages:
                     st.measured_bytes = None

@@ -147,7 +147,7 @@ def _rank_process(rank: int, args: argparse.Namespace, port: int, plan_path: str
             opt.step()
     else:
         ranked = PipelineRank(plan, lambda: build(args)[0], loss_fn, checkpoint=args.checkpoint,
-                              leaf_modules=leaves(args))
+                              options=fxpipe.CompileOptions(leaf_modules=leaves(args)))
         opt = torch.optim.SGD(ranked.parameters(), lr=1e-3)
 
         def step() -> None:
@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                 extra = {"virtual_stages": 2} if schedule == "interleaved-1f1b" else {"stages": workers}
                 pipe = fxpipe.compile(model, pipeline_devices(args, workers), (x,), chunks=args.chunks,
                                       schedule="interleaved-1f1b" if schedule == "interleaved-1f1b" else "gpipe",
-                                      checkpoint=args.checkpoint, leaf_modules=leaves(args), profile="thorough", **extra)
+                                      checkpoint=args.checkpoint, profile="thorough", **extra,
+                                      options=fxpipe.CompileOptions(leaf_modules=leaves(args)))
                 opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
                 if schedule != "interleaved-1f1b":
                     shared = (pipe, opt, x, y, loss_fn)

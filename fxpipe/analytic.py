@@ -19,7 +19,7 @@ benchmark costs a model once and plans it for several device counts, or costs a 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -52,12 +52,8 @@ def plan(
     virtual_stages: int | None = None,
     optimizer: str = "adam",
     checkpoint: str = "auto",
-    leaf_modules: Iterable[type | str] = (),
-    frontend: str = "auto",
-    options: CompileOptions | None = None,
-    time_limit_s: float = 2.0,
     mesh: str | dict[str, Any] | None = "if_needed",
-    sequence_parallel: bool | None = None,
+    options: CompileOptions | None = None,
 ) -> Plan:
     """Plan ``model`` for ``devices`` (e.g. ``fxpipe.Devices.preset("h100", 8)``) from shapes alone.
 
@@ -73,10 +69,6 @@ def plan(
         optimizer: ``"adam"`` (default), ``"momentum"``, ``"sgd"`` or ``"none"``: the memory kept per parameter.
         checkpoint: ``"auto"`` (default: per device the cheapest mode that fits), or ``"always"``,
             ``"except_last"``, ``"never"``.
-        leaf_modules, frontend, options: as for :func:`fxpipe.compile` (``options``: ``batch_dim``,
-            ``concrete_args``, ``keep_blocks_whole``, ``memory_bytes`` per device).
-        time_limit_s: the solver's limit per solve (default 2 s; the auto search solves once or twice per
-            schedule and micro-batch count, and a search stopped by it says so with its gap in the plan).
         mesh: ``"if_needed"`` (default): one pipeline over all the devices where the devices are one node's
             and one pipeline holds the model, else ``"auto"`` (devices on several nodes, or no pipeline that fits;
             ``plan.solver["mesh_because"]`` and the summary say why). ``None``: one pipeline over all the devices,
@@ -91,11 +83,14 @@ def plan(
             costs those of one device of the mesh; ``plan.mesh`` records the shape and ``plan.summary()`` the
             best plan of every other shape. ``chunks`` is then the micro-batches of one dp replica's share,
             ``stages``/``virtual_stages`` are not taken (interleaved-1f1b runs 2 stages per device).
-        sequence_parallel: with a mesh, whether tensor parallelism also shards the activations outside its
-            matmuls by sequence (Megatron-LM's sequence parallelism), as ``PipelineRank`` then runs it
-            (:mod:`fxpipe.distributed.parallel.sequence`). ``None`` (default): the mesh spelling's ``sp`` key, else
-            on, as torchtitan runs tensor parallelism; ``False`` plans (and runs) the activations outside the
-            tensor-parallel blocks whole on every tp rank.
+            With tensor parallelism the activations outside its matmuls are also sharded by sequence
+            (Megatron-LM's sequence parallelism), as ``PipelineRank`` then runs it
+            (:mod:`fxpipe.distributed.parallel.sequence`), as torchtitan runs tensor parallelism; ``sp=0`` in
+            the spelling (``"pp=2,tp=4,sp=0"``, ``"auto,sp=0"``) plans (and runs) them whole on every tp rank.
+        options: as for :func:`fxpipe.compile`: the front end and ``leaf_modules``, ``batch_dim``,
+            ``concrete_args``, ``keep_blocks_whole``, ``memory_bytes`` per device, and ``time_limit_s``, the
+            solver's limit per solve (default here 2 s; the auto search solves once or twice per schedule and
+            micro-batch count, and a search stopped by it says so with its gap in the plan).
 
     Raises :class:`fxpipe.InfeasiblePlanError` when nothing fits.
     """
@@ -109,26 +104,23 @@ def plan(
     if mesh == IF_NEEDED:
         planning = functools.partial(plan, model, devices, example_inputs, example_kwargs=example_kwargs,
                                      chunks=chunks, schedule=schedule, optimizer=optimizer, checkpoint=checkpoint,
-                                     leaf_modules=leaf_modules, frontend=frontend, options=options,
-                                     time_limit_s=time_limit_s)
-        return _pipeline_or_mesh(planning, len(set(devices.nodes)), stages, virtual_stages, sequence_parallel)
+                                     options=options)
+        return _pipeline_or_mesh(planning, len(set(devices.nodes)), stages, virtual_stages)
     if mesh is not None:
         if stages is not None or virtual_stages is not None:
             raise ValueError("with mesh=, the mesh search chooses the stages: leave stages and virtual_stages unset")
-        check_arguments(checkpoint, schedule, None, None, ProfileOptions(), None, None)
+        check_arguments(checkpoint, schedule, None, None, ProfileOptions())
         return plan_mesh(model, devices, example_inputs, mesh, example_kwargs=example_kwargs,
                          chunks=None if auto_chunks else chunks, schedule=schedule, optimizer=optimizer,
-                         checkpoint=checkpoint, leaf_modules=leaf_modules, frontend=frontend, options=options,
-                         sequence_parallel=sequence_parallel)
-    v = check_arguments(checkpoint, schedule, virtual_stages, None, ProfileOptions(), None, None)
+                         checkpoint=checkpoint, options=options)
+    v = check_arguments(checkpoint, schedule, virtual_stages, None, ProfileOptions())
     # costs at one micro-batch count (4 per worker, as compile profiles); the auto search scales them to others
     workers = len(worker_devices([torch.device(i) for i in devices.ids], "gpipe" if schedule == "auto" else schedule,
                                  v, stages, None if auto_chunks else chunks))
     costed = cost_model(model, example_inputs, devices.specs[0], None if auto_chunks else chunks, workers=workers,
-                        example_kwargs=example_kwargs, leaf_modules=leaf_modules, frontend=frontend, options=options)
+                        example_kwargs=example_kwargs, options=options)
     planner = planner_for(costed, devices, schedule="gpipe" if schedule == "auto" else schedule, stages=stages,
-                          virtual_stages=v, optimizer=optimizer, checkpoint=checkpoint, options=options,
-                          time_limit_s=time_limit_s)
+                          virtual_stages=v, optimizer=optimizer, checkpoint=checkpoint, options=options)
     try:
         if schedule == "auto" or auto_chunks:                                                # 3. plan
             counts = chunk_choices(costed.most, workers) if auto_chunks else [chunks]
@@ -146,9 +138,8 @@ def plan(
                                   "(tensor parallel)", exc.min_peak_bytes) from exc
 
 
-
-def _pipeline_or_mesh(planning: Callable[..., Plan], nodes: int, stages: int | None, virtual_stages: int | None,
-                      sequence_parallel: bool | None) -> Plan:
+def _pipeline_or_mesh(planning: Callable[..., Plan], nodes: int, stages: int | None,
+                      virtual_stages: int | None) -> Plan:
     """``fxpipe.plan``'s default mesh (:data:`IF_NEEDED`): one pipeline (``planning(mesh=None)``) where the
     devices are one node's and it fits, or where the pipeline's shape is fixed (``stages``, ``virtual_stages``);
     else the mesh search (``mesh="auto"``), ``plan.solver["mesh_because"]`` saying why."""
@@ -164,7 +155,7 @@ def _pipeline_or_mesh(planning: Callable[..., Plan], nodes: int, stages: int | N
     because = (f"the devices are on {nodes} nodes" if pipeline_error is None else
                f"no single pipeline holds the model ({pipeline_error.split(';')[0]})")
     try:
-        result = planning(mesh="auto", sequence_parallel=sequence_parallel)
+        result = planning(mesh="auto")
     except InfeasiblePlanError as exc:
         raise InfeasiblePlanError(f"{pipeline_error or because}; and no mesh of the devices fits either: {exc}",
                                   exc.min_peak_bytes) from exc

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-from typing import Any, Iterable
+from typing import Any
 
 from torch import nn
 
@@ -16,8 +16,7 @@ from fxpipe.cost.optimizer_state import optimizer_state_factor
 from fxpipe.options import CompileOptions
 from fxpipe.errors import InfeasiblePlanError
 from fxpipe.planning.mesh_chain import chain_pieces, levels_of, pipeline_ranks
-from fxpipe.planning.mesh_plan import (mesh_costs, mesh_record, mesh_rows, mesh_sequence_parallel, parse_mesh,
-                                       plan_for_choice)
+from fxpipe.planning.mesh_plan import MeshAsked, ask_mesh, mesh_costs, mesh_record, mesh_rows, plan_for_choice
 from fxpipe.planning.plan import Plan
 import solvers
 from solvers.layout import Layout, refusal
@@ -29,29 +28,27 @@ from fxpipe.analytic_model import AnalyticModel, cost_model, planner_for, with_m
 __all__ = ["plan_costed_mesh", "plan_mesh"]
 
 
-def plan_mesh(model: nn.Module, devices: Devices, example_inputs: tuple, mesh: str | dict[str, Any], *,
+def plan_mesh(model: nn.Module, devices: Devices, example_inputs: tuple, mesh: str | dict[str, Any] | MeshAsked, *,
               example_kwargs: dict[str, Any] | None = None, chunks: int | None = None, schedule: str = "auto",
-              optimizer: str = "adam", checkpoint: str = "auto", leaf_modules: Iterable[type | str] = (),
-              frontend: str = "auto", options: CompileOptions | None = None,
-              sequence_parallel: bool | None = None) -> Plan:
+              optimizer: str = "adam", checkpoint: str = "auto", options: CompileOptions | None = None) -> Plan:
     """:func:`plan` with ``mesh=``: capture and cost as :func:`plan` does, build the chain of pieces
     (:mod:`fxpipe.planning.mesh_chain`), search (:func:`solvers.mesh_search.search_mesh`), and cost the
     choice node by node (:mod:`fxpipe.planning.mesh_plan`); a choice the node-level memory model refuses gives
     way to the next fastest shape. ``plan.solver["mesh_search_s"]`` is the search's time."""
-    parse_mesh(mesh, len(devices))   # a mesh the planner cannot take is refused before the model is costed
+    asked = ask_mesh(mesh, len(devices))   # read once: a mesh the planner cannot take is refused before costing
     costed = cost_model(model, example_inputs, devices.specs[0], workers=len(devices), example_kwargs=example_kwargs,
-                        leaf_modules=leaf_modules, frontend=frontend, options=options)
-    return plan_costed_mesh(costed, devices, mesh, chunks=chunks, schedule=schedule, optimizer=optimizer,
-                            checkpoint=checkpoint, options=options, sequence_parallel=sequence_parallel)
+                        options=options)
+    return plan_costed_mesh(costed, devices, asked, chunks=chunks, schedule=schedule, optimizer=optimizer,
+                            checkpoint=checkpoint, options=options)
 
 
-def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[str, Any], *, chunks: int | None = None,
-                     schedule: str = "auto", optimizer: str = "adam", checkpoint: str = "auto",
-                     options: CompileOptions | None = None, sequence_parallel: bool | None = None) -> Plan:
+def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[str, Any] | MeshAsked, *,
+                     chunks: int | None = None, schedule: str = "auto", optimizer: str = "adam",
+                     checkpoint: str = "auto", options: CompileOptions | None = None) -> Plan:
     """The second half of :func:`plan_mesh`, for a model costed once (:func:`cost_model`) and planned for several
-    meshes or devices."""
-    fixed = parse_mesh(mesh, len(devices))
-    sequence_parallel = mesh_sequence_parallel(mesh, sequence_parallel)
+    meshes or devices (``mesh`` a spelling, or as :func:`fxpipe.planning.mesh_plan.ask_mesh` read it)."""
+    asked = ask_mesh(mesh, len(devices))
+    fixed, sequence_parallel = list(asked.shapes), asked.sequence_parallel
     levels = levels_of(devices)
     island = levels[0].size
     # the tps the search tries (inside the island) and a fixed mesh's own, which may lie past it

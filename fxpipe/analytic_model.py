@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -54,7 +54,6 @@ class AnalyticModel:
 
 def cost_model(model: nn.Module, example_inputs: tuple, spec: DeviceSpec, micro_batches: int | None = None, *,
                workers: int = 8, example_kwargs: dict[str, Any] | None = None,
-               leaf_modules: Iterable[type | str] = (), frontend: str = "auto",
                options: CompileOptions | None = None) -> AnalyticModel:
     """Capture ``model`` as compile does and cost every node for ``spec`` on micro-batches of the batch cut in
     ``micro_batches`` (default: what compile profiles at, 4 per worker of ``workers`` and at most one sample
@@ -63,8 +62,8 @@ def cost_model(model: nn.Module, example_inputs: tuple, spec: DeviceSpec, micro_
     options = options or CompileOptions()
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    captured = capture(model, leaf_modules, options.concrete_args, frontend, example_inputs,   # 1. trace
-                       example_kwargs, options.batch_dim, other_mode=False)   # nothing here runs the graph
+    captured = capture(model, options.leaf_modules, options.concrete_args, options.frontend,   # 1. trace
+                       example_inputs, example_kwargs, options.batch_dim, other_mode=False)   # nothing runs the graph
     inputs = example_inputs
     if captured.graph.meta.get("fxpipe_in_spec") is not None:   # torch.export's flat graph: its leaves
         inputs = FlatInputs(flat_inputs(example_inputs, example_kwargs or {}, captured.graph.meta["fxpipe_in_spec"])[0])
@@ -95,9 +94,12 @@ def with_model_flops(result: Plan, costed: AnalyticModel) -> Plan:
     return result
 
 
+PLAN_TIME_LIMIT_S = 2.0   # fxpipe.plan's solver limit per solve (CompileOptions.time_limit_s=None)
+
+
 def planner_for(costed: AnalyticModel, devices: Devices, *, schedule: str = "1f1b", stages: int | None = None,
                 virtual_stages: int = 1, optimizer: str = "adam", checkpoint: str = "auto",
-                options: CompileOptions | None = None, time_limit_s: float | None = 2.0) -> Planner:
+                options: CompileOptions | None = None) -> Planner:
     """The :class:`Planner` of ``costed`` on ``devices`` (its first ``len(devices)`` workers, or fewer for a
     fixed ``stages`` of several stages per worker), at ``costed.profiled`` micro-batches."""
     options = options or CompileOptions()
@@ -123,4 +125,4 @@ def planner_for(costed: AnalyticModel, devices: Devices, *, schedule: str = "1f1
                                   "inputs": costed.signature},
                    links=links_from_classes([row[:n] for row in devices.link_classes[:n]], devices.bandwidth_Bps),
                    speeds=[rate(s) / rate(specs[0]) for s in specs], hosts=list(devices.nodes[:n]),
-                   time_limit_s=time_limit_s)
+                   time_limit_s=PLAN_TIME_LIMIT_S if options.time_limit_s is None else options.time_limit_s)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -156,7 +156,7 @@ def check_batch(example_inputs: Sequence[Any], layout: BatchLayout, gm: fx.Graph
 
 
 def check_arguments(checkpoint: str, schedule: str, virtual_stages: int | None, plan: Plan | None,
-                    profile: ProfileOptions, loss_fn: Callable | None, example_target: Any) -> int:
+                    profile: ProfileOptions) -> int:
     """Refuse arguments that cannot go together; return ``v``, the stages per device (1 unless interleaved)."""
     if not is_checkpoint_mode(checkpoint) and checkpoint != "auto":
         raise ValueError(f"checkpoint must be one of {CHECKPOINT_SPELLINGS} or 'auto', got {checkpoint!r}")
@@ -171,11 +171,6 @@ def check_arguments(checkpoint: str, schedule: str, virtual_stages: int | None, 
     v = 1 if record is None else record.stages_per_worker(virtual_stages or 2)
     if v < 1:
         raise ValueError(f"virtual_stages must be at least 1, got {v}")
-    if (loss_fn is None) != (example_target is None):
-        raise ValueError("pass loss_fn and example_target together (the loss and a full batch's target, used to "
-                         "measure the last stage's memory), or neither")
-    if loss_fn is not None and not callable(loss_fn):
-        raise ValueError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
     if plan is not None and profile.calibrate:
         raise ValueError("calibrate=True re-plans from a profile; it cannot refine a loaded plan= "
                          "(compile with example_inputs instead)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -54,19 +54,15 @@ def compile(
     devices: Sequence[str | torch.device],
     example_inputs: tuple | None = None,
     *,
+    example_kwargs: dict[str, Any] | None = None,
     chunks: int | str | None = "auto",
     schedule: str = "auto",
     checkpoint: str = "auto",
-    plan: Plan | None = None,
     stages: int | None = None,
     virtual_stages: int | None = None,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-    example_target: Any = None,
-    leaf_modules: Iterable[type | str] = (),
+    plan: Plan | None = None,
     profile: str | ProfileOptions = "measure",
     options: CompileOptions | None = None,
-    frontend: str = "auto",
-    example_kwargs: dict[str, Any] | None = None,
 ) -> Pipeline:
     """Compile ``model`` into a pipeline over ``devices``.
 
@@ -103,24 +99,16 @@ def compile(
             ``interleaved-1f1b``: ``v`` times the number of devices used.
         virtual_stages: ``v``, the stages per device of ``interleaved-1f1b`` (default 2); the plan then has
             ``v·p`` stages, stage ``s`` on device ``s % p`` (Megatron-LM's layout).
-        loss_fn, example_target: the training loss and a full batch's target (both or neither): with
-            ``profile="thorough"`` the last stage's memory and time are measured, and calibration times it,
-            through the real loss; without them (and with the default ``effort="fast"``, which measures
-            neither) the loss's buffers are estimated (a softmax cross-entropy's).
-        leaf_modules: module types or qualified names traced as one node each (see :func:`fxpipe.trace`).
         profile: how costs are measured: ``"measure"`` (default: every node timed once, ``effort="fast"``),
             ``"thorough"`` (also every stage timed whole until the cuts settle, its memory and the CPU
             workers' contention measured: several training steps more), ``"estimate"`` (FLOP counts), or
             :class:`fxpipe.ProfileOptions` for the measurement's knobs (effort, repeats, stage timing,
-            contention steps, calibration, the profile cache, progress).
-        options: :class:`fxpipe.CompileOptions`, settings most users never touch (``concrete_args``,
-            ``deferred_batch_norm``, ``batch_dim``, the memory limit's ``optimizer_state_factor`` and
-            ``memory_bytes``).
-        frontend: ``"auto"`` (default), ``"fx"`` or ``"export"`` (:mod:`fxpipe.frontend.capture`): auto uses
-            torch.fx where it traces the model faithfully and ``torch.export`` otherwise (a model fx cannot
-            trace, keyword inputs, a torch.nn stack of layers fx would keep whole such as
-            ``nn.TransformerEncoder``); ``plan.frontend`` and ``plan.summary()`` say which and why. A
-            Hugging Face config's ``use_cache=True`` is off while tracing (no generation cache is returned).
+            contention steps, calibration, the profile cache, progress, and the loss and target a thorough
+            measurement runs through).
+        options: :class:`fxpipe.CompileOptions`, settings most users never touch: the front end (``"auto"``,
+            ``"fx"``, ``"export"``) and ``leaf_modules`` kept whole, ``concrete_args``, ``deferred_batch_norm``,
+            ``batch_dim``, the memory limit's ``optimizer_state_factor`` and ``memory_bytes``, boundary
+            ``compression``, ``compile_stages`` and the solver's ``time_limit_s``.
 
     With ``chunks > 1`` the example batch is run once whole and once as micro-batches, in eval mode
     (:mod:`fxpipe.runtime.checks.batch_check`): a model whose outputs change when its batch is split (a
@@ -129,15 +117,14 @@ def compile(
     """
     model, compiled_as, example_inputs, devs, auto_chunks = check_call(model, example_inputs, devices, chunks)
     profiling, options = ProfileOptions.of(profile), options or CompileOptions()
-    v = check_arguments(checkpoint, schedule, virtual_stages, plan, profiling, loss_fn, example_target)
+    v = check_arguments(checkpoint, schedule, virtual_stages, plan, profiling)
     compiled = stage_compilation(options, compiled_as)   # torch.compile's arguments for every stage, or None
     refuse_split_backward(schedule, compiled)
     if plan is not None:
         refuse_split_backward(plan.schedule, compiled)
         checkpoint = planned_mode(plan) if checkpoint == "auto" else checkpoint   # a plan has chosen already
     given = (example_inputs, example_kwargs)   # as the caller passed them, for the model run as written
-    captured, model, example_inputs = _capture(model, plan, frontend, example_inputs, example_kwargs,   # 1. trace
-                                               leaf_modules, options)
+    captured, model, example_inputs = _capture(model, plan, example_inputs, example_kwargs, options)   # 1. trace
     host = CpuHost() if any(d.type == "cpu" for d in devs) else UNSHARED
 
     built: dict[tuple, list] = {}   # compiled stages by cuts and devices: the refinement's rounds compile once
@@ -175,7 +162,7 @@ def compile(
                       schedule="gpipe" if schedule == "auto" else schedule, checkpoint=checkpoint,
                       optimizer_state_factor=options.optimizer_state_factor, batch=batch, profile=profiling.mode,
                       training=model.training, batch_dims=layout.to_dict(), frontend=captured.frontend,
-                      keep_blocks_whole=options.keep_blocks_whole,
+                      keep_blocks_whole=options.keep_blocks_whole, time_limit_s=options.time_limit_s,
                       profile_extra={"threads": torch.get_num_threads(), "from_cache": costed.cached,
                                      "inputs": input_signature(captured.graph, example_inputs)},
                       compression=options.compression, codec_s_per_byte=codec_cost(options.compression, workers[0]))
@@ -194,10 +181,11 @@ def compile(
     warn_batch_norm(model, first_plan.chunks, options.deferred_batch_norm)
     warn_buffer_updates(captured.graph, first_plan.chunks, model)
     spec, types = captured.graph.meta.get("fxpipe_out_spec"), captured.graph.meta.get("fxpipe_out_dict_types")
+    loss_fn = profiling.loss_fn
     measured_loss = ((lambda out, target: scalar_of(loss_fn(model_output(out, spec, types), target)))
                      if loss_fn is not None else None)
     pipe = refine(planner, costs, first_plan, build, example_inputs, profiling,         # 5. refine
-                  loss_fn=measured_loss, example_target=example_target, compiled=compiled)
+                  loss_fn=measured_loss, example_target=profiling.example_target, compiled=compiled)
     if search is not None:   # what was tried, for plan.summary() and the saved plan
         pipe.plan.solver["search"] = search_rows(search.trials, search.best)
         if profiling.mode == "measure":   # measured costs: plans this close count as equally fast
@@ -240,18 +228,18 @@ def _cost(model: nn.Module, captured: Any, example_inputs: Any, given: tuple, la
     return _Costed(costs, cached, workers, profiled, most, check_graph)
 
 
-def _capture(model: Any, plan: Plan | None, frontend: str, example_inputs: tuple | None,
-             example_kwargs: dict[str, Any] | None, leaf_modules: Iterable[type | str],
+def _capture(model: Any, plan: Plan | None, example_inputs: tuple | None, example_kwargs: dict[str, Any] | None,
              options: CompileOptions) -> tuple[Any, nn.Module, Any]:
     """Step 1: the model's graph (traced as a loaded plan's model was, so the fingerprints compare), the module
     the pipeline runs (an ExportedProgram's graph module), and the example inputs as the flat graph's leaves
     (profiling, checks and refinement run the graph on them)."""
+    frontend = options.frontend
     if plan is not None and frontend == "auto" and plan.frontend.get("name") in ("fx", "export"):
         frontend = plan.frontend["name"]
     if frontend == "export" and example_inputs is None:
         raise ValueError("the torch.export front end traces the model on example inputs: pass example_inputs "
                          "(and example_kwargs) with plan=, as for the compile that made the plan")
-    captured = capture(model, leaf_modules, options.concrete_args, frontend, example_inputs, example_kwargs,
+    captured = capture(model, options.leaf_modules, options.concrete_args, frontend, example_inputs, example_kwargs,
                        options.batch_dim)
     if example_inputs is not None and captured.graph.meta.get("fxpipe_in_spec") is not None:
         example_inputs = FlatInputs(flat_inputs(example_inputs, example_kwargs or {},

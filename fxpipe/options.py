@@ -9,16 +9,17 @@ before anything runs.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten
 from fxpipe.compression_spec import check_compression
 
-__all__ = ["COMPILE_MODES", "CONTENTION_STEPS", "EFFORTS", "TIMINGS", "CompileOptions", "ProfileOptions",
+__all__ = ["COMPILE_MODES", "CONTENTION_STEPS", "EFFORTS", "FRONTENDS", "TIMINGS", "CompileOptions", "ProfileOptions",
            "stage_compile_kwargs"]
 
+FRONTENDS = ("auto", "export", "fx")   # the front ends of fxpipe.frontend.capture
 COMPILE_MODES = ("measure", "estimate")   # cost.profile also has "analytic", for fxpipe.plan()
 TIMINGS = ("graph", "node")   # how "measure" times the nodes (fxpipe.cost.graph_timing)
 CONTENTION_STEPS = 3
@@ -74,6 +75,11 @@ class ProfileOptions:
             ``False``: always profile).
         progress: a tqdm bar of the node profiling on stderr when it is a terminal (quiet otherwise); the
             time it took is logged at INFO under the ``fxpipe`` logger either way.
+        loss_fn, example_target: the training loss and a full batch's target (both or neither), what the
+            measurement runs through: with ``effort="thorough"`` the last stage's memory and time are measured,
+            and calibration times it, through the real loss; without them (and with the default
+            ``effort="fast"``, which measures neither) the loss's buffers are estimated (a softmax
+            cross-entropy's). The pipeline's own loss is :meth:`fxpipe.Pipeline.step`'s.
     """
 
     mode: str = "measure"
@@ -87,8 +93,15 @@ class ProfileOptions:
     calibration_steps: int = 2
     cache: bool | str = True
     progress: bool = False
+    loss_fn: Callable[[Any, Any], Any] | None = field(default=None, compare=False)
+    example_target: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if (self.loss_fn is None) != (self.example_target is None):
+            raise ValueError("pass loss_fn and example_target together (the loss and a full batch's target, used to "
+                             "measure the last stage's memory), or neither")
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise ValueError(f"loss_fn must be callable as loss_fn(output, target), got {self.loss_fn!r}")
         if self.mode not in COMPILE_MODES:
             raise ValueError(f"profile mode must be one of {', '.join(COMPILE_MODES)}, got {self.mode!r}")
         if self.effort not in EFFORTS:
@@ -127,9 +140,17 @@ class ProfileOptions:
 
 @dataclass(frozen=True)
 class CompileOptions:
-    """Rarely needed settings of ``fxpipe.compile``.
+    """Rarely needed settings of ``fxpipe.compile`` (and of ``fxpipe.plan`` and ``PipelineRank``, which take the
+    same record).
 
     Attributes:
+        frontend: ``"auto"`` (default), ``"fx"`` or ``"export"`` (:mod:`fxpipe.frontend.capture`): auto uses
+            torch.fx where it traces the model faithfully and ``torch.export`` otherwise (a model fx cannot
+            trace, keyword inputs, a torch.nn stack of layers fx would keep whole such as
+            ``nn.TransformerEncoder``); ``plan.frontend`` and ``plan.summary()`` say which and why. A
+            Hugging Face config's ``use_cache=True`` is off while tracing (no generation cache is returned).
+        leaf_modules: module types or qualified names traced as one node each, kept whole in one stage (see
+            :func:`fxpipe.trace`).
         concrete_args: tracing option (see :func:`fxpipe.frontend.trace.trace`).
         deferred_batch_norm: in training, update BatchNorm running statistics once per mini-batch
             from all its micro-batches (:mod:`fxpipe.runtime.execute.batchnorm`, as torchgpipe) instead of once
@@ -167,8 +188,13 @@ class CompileOptions:
             ``torch.compile(model, ...)``. The stages are timed compiled before the final plan, the compile time
             is reported apart (``plan.compiled``, ``plan.summary()``), and ``zb-h1``/``zb-v`` are refused
             (their split backward would run a compiled backward twice).
+        time_limit_s: the cut solver's limit per solve; ``None`` (default): ``fxpipe.compile``'s 10 s,
+            ``fxpipe.plan``'s 2 s (its auto search solves once or twice per schedule and micro-batch count; a
+            search stopped by it says so with its gap in the plan).
     """
 
+    frontend: str = "auto"
+    leaf_modules: Iterable[type | str] = ()
     concrete_args: dict[str, Any] | None = None
     deferred_batch_norm: bool = False
     optimizer_state_factor: float = 0.0
@@ -180,8 +206,19 @@ class CompileOptions:
     keep_blocks_whole: bool = True
     compression: str | Mapping[int, str] | None = None
     compile_stages: bool | Mapping[str, Any] | None = None
+    time_limit_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.frontend not in FRONTENDS:
+            raise ValueError(f"frontend must be one of {', '.join(FRONTENDS)}, got {self.frontend!r}")
+        if isinstance(self.leaf_modules, (str, type)):
+            raise ValueError(f"leaf_modules is a list of module types or qualified names, got {self.leaf_modules!r}: "
+                             f"pass [{self.leaf_modules!r}]" if isinstance(self.leaf_modules, str) else
+                             f"leaf_modules is a list of module types or qualified names, got "
+                             f"{self.leaf_modules.__name__}: pass [{self.leaf_modules.__name__}]")
+        object.__setattr__(self, "leaf_modules", tuple(self.leaf_modules))   # frozen: a list given becomes a tuple
+        if self.time_limit_s is not None and not self.time_limit_s > 0:
+            raise ValueError(f"time_limit_s must be a positive number of seconds or None, got {self.time_limit_s!r}")
         check_compression(self.compression)   # ValueError naming the allowed codecs
         stage_compile_kwargs(self.compile_stages)   # ValueError for a key torch.compile does not take
         if self.optimizer_state_factor < 0:

@@ -239,14 +239,15 @@ def test_inputs_the_model_itself_rejects_are_named_as_such_not_blamed_on_micro_b
     itself = r"the model fails on example_inputs themselves \((the whole batch|run as written)"
     with pytest.raises(ValueError, match=itself) as got:
         fxpipe.compile(_FixedImage(), ["cpu", "cpu"], (torch.randn(8, 3, 8, 8),), chunks=2, profile=ESTIMATE,
-                       frontend=frontend)
+                       options=fxpipe.CompileOptions(frontend=frontend))
     assert "must match the size" in str(got.value) and "x.size(0)" not in str(got.value)
 
 
 def test_the_error_for_inputs_the_model_rejects_shows_the_whole_batchs_shapes():
     """It names the whole batch: the shapes in it are the batch's (8x9), not a micro-batch's (2x9)."""
     with pytest.raises(ValueError, match=r"fails on example_inputs themselves \(the whole batch") as got:
-        fxpipe.compile(_mlp(), ["cpu", "cpu"], (torch.randn(8, 9),), chunks=4, profile=ESTIMATE, frontend="fx")
+        fxpipe.compile(_mlp(), ["cpu", "cpu"], (torch.randn(8, 9),), chunks=4, profile=ESTIMATE,
+                       options=fxpipe.CompileOptions(frontend="fx"))
     assert "8x9" in str(got.value) and "2x9" not in str(got.value), str(got.value)
 
 
@@ -280,7 +281,8 @@ class _ValueBranch(nn.Module):
 
 def test_an_export_failure_names_the_models_own_line():
     with pytest.raises(fxpipe.TraceError) as got:
-        fxpipe.compile(_ValueBranch(), ["cpu", "cpu"], (torch.randn(8, 8),), profile=ESTIMATE, frontend="export")
+        fxpipe.compile(_ValueBranch(), ["cpu", "cpu"], (torch.randn(8, 8),), profile=ESTIMATE,
+                       options=fxpipe.CompileOptions(frontend="export"))
     assert "test_bad_input.py" in got.value.operation and "`if h.sum() > 0:" in got.value.operation
     assert got.value.operation in str(got.value)
 

@@ -189,8 +189,8 @@ def test_export_batch_dim_by_name_reaches_keyword_inputs_and_pytree_leaves(shape
         args, kwargs, dims = (x,), {"memory": memory}, {"memory": 1}
     else:
         args, kwargs, dims = ({"x": x, "memory": memory},), {}, {"batch": {"x": 0, "memory": 1}}
-    pipe = fxpipe.compile(model, ["cpu"] * 2, args, example_kwargs=kwargs, chunks=4, stages=2, frontend="export",
-                          profile=ESTIMATE, options=fxpipe.CompileOptions(batch_dim=dims))
+    pipe = fxpipe.compile(model, ["cpu"] * 2, args, example_kwargs=kwargs, chunks=4, stages=2, profile=ESTIMATE,
+                          options=fxpipe.CompileOptions(batch_dim=dims, frontend="export"))
     with torch.no_grad():
         got, want = pipe(*args, **kwargs), model(*args, **kwargs)
     assert type(got) is dict and max_relative_error(got["out"], want["out"]) <= 1e-6
@@ -211,8 +211,8 @@ def test_export_batch_dim_naming_no_input_is_refused_with_the_inputs():
     with pytest.raises(ValueError, match=r"batch_dim for input 'batch' must be one number or numbers in the "
                                          r"structure of the input"):
         fxpipe.compile(NestedMemory(), ["cpu"] * 2, ({"x": torch.randn(B, F), "memory": torch.randn(T, B, F)},),
-                       frontend="export", profile=ESTIMATE,
-                       options=fxpipe.CompileOptions(batch_dim={"batch": {"x": 0}}))
+                       profile=ESTIMATE,
+                       options=fxpipe.CompileOptions(batch_dim={"batch": {"x": 0}}, frontend="export"))
 
 
 @pytest.mark.parametrize("frontend", ["auto", "export"])
@@ -227,8 +227,8 @@ def test_a_sequence_first_model_with_dropout_is_refused_under_export_too(fronten
             if isinstance(m, nn.Dropout):
                 m.p = 0.1
     with pytest.raises(fxpipe.FxpipeError, match="mixes samples along the split dimension"):
-        fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(T, B, F),), chunks=4, stages=2, frontend=frontend,
-                       profile=ESTIMATE)
+        fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(T, B, F),), chunks=4, stages=2, profile=ESTIMATE,
+                       options=fxpipe.CompileOptions(frontend=frontend))
     assert model.training
 
 
@@ -268,13 +268,14 @@ def test_a_train_mode_graph_with_batch_statistics_is_checked_in_eval_mode(fronte
     torch.manual_seed(0)
     model, x = _TracedBatchNormNet().train(), torch.randn(B, F)
     with pytest.warns(UserWarning, match="chunks=4"):
-        pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, profile=ESTIMATE, frontend=frontend)
+        pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=4, stages=2, profile=ESTIMATE,
+                              options=fxpipe.CompileOptions(frontend=frontend))
     with torch.no_grad():   # the train-mode model, micro-batch by micro-batch
         assert max_relative_error(pipe(x), torch.cat([model(part) for part in x.chunk(4)])) <= 1e-6
     # ... and a model that mixes samples in eval mode too is still refused.
     with pytest.raises(fxpipe.FxpipeError, match="batch-level operation"):
         fxpipe.compile(_TracedBatchNormNet(mix_samples=True).train(), ["cpu", "cpu"], (x,), chunks=4, stages=2,
-                       profile=ESTIMATE, frontend=frontend)
+                       profile=ESTIMATE, options=fxpipe.CompileOptions(frontend=frontend))
 
 
 def test_an_output_that_is_not_per_sample_is_refused_as_such():

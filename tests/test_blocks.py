@@ -60,7 +60,8 @@ def test_blocks_are_kept_whole_and_the_cuts_named_by_block(frontend):
     torch.manual_seed(0)
     model = Stack([32, 32, 256, 32, 32, 64]).eval()     # blocks of unequal cost
     x = torch.randn(6, 8)
-    pipe = fxpipe.compile(model, ["cpu"] * 3, (x,), chunks=3, stages=3, frontend=frontend, profile=EST)
+    pipe = fxpipe.compile(model, ["cpu"] * 3, (x,), chunks=3, stages=3, profile=EST,
+                          options=fxpipe.CompileOptions(frontend=frontend))
     assert pipe.plan.frontend["name"] == frontend
     blocks = repeated_blocks(capture(model, frontend=frontend, args=(x,)).graph)
     assert sorted(blocks) == [f"layers.{i}" for i in range(6)]
@@ -82,7 +83,8 @@ def test_too_few_blocks_for_the_stages_falls_back_to_cutting_inside_them(fronten
     torch.manual_seed(0)
     model = nn.Sequential(Block(16, 64), Block(16, 64)).train()    # 2 blocks, nothing else, on 4 stages
     x = torch.randn(8, 16)
-    pipe = fxpipe.compile(model, ["cpu"] * 4, (x,), chunks=2, stages=4, frontend=frontend, profile=EST)
+    pipe = fxpipe.compile(model, ["cpu"] * 4, (x,), chunks=2, stages=4, profile=EST,
+                          options=fxpipe.CompileOptions(frontend=frontend))
     assert len(pipe.plan.stages) == 4
     assert "cut inside blocks: no plan keeps the 2 blocks (0 … 1) whole" in pipe.plan.summary()
     model.zero_grad(set_to_none=True)
@@ -106,8 +108,9 @@ def test_keep_blocks_whole_false_lets_the_planner_cut_anywhere():
     torch.manual_seed(0)
     model = Stack([32, 512, 32]).eval()     # one heavy block: the balanced cut lies inside it
     x = torch.randn(6, 8)
-    kept, free = (fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=3, stages=2, frontend="export", profile=EST,
-                                 options=fxpipe.CompileOptions(keep_blocks_whole=keep)) for keep in (True, False))
+    kept, free = (fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=3, stages=2, profile=EST,
+                                 options=fxpipe.CompileOptions(keep_blocks_whole=keep,
+                                 frontend="export")) for keep in (True, False))
     assert "kept whole: 3 blocks" in kept.plan.summary() and "kept whole" not in free.plan.summary()
     assert free.plan.predicted["iteration_s"] <= kept.plan.predicted["iteration_s"] * (1 + 1e-9)
     with torch.no_grad():

@@ -80,9 +80,9 @@ def test_calibration_repeats_until_the_cuts_settle_and_uses_the_given_loss():
     torch.manual_seed(14)
     model = ConvNet().train()
     x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 5, (8,))
-    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, loss_fn=nn.functional.cross_entropy,
-                          example_target=y,
-                          profile=fxpipe.ProfileOptions(mode="estimate", calibrate=True, calibration_steps=1))
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2,
+                          profile=fxpipe.ProfileOptions(mode="estimate", calibrate=True, calibration_steps=1,
+                          loss_fn=nn.functional.cross_entropy, example_target=y))
     calibration = pipe.plan.profile["calibration"]
     assert calibration["loss"] == "loss_fn" and 1 <= len(calibration["rounds"]) <= 3
     assert calibration["factors"] == calibration["rounds"][-1]["factors"]

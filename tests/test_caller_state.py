@@ -35,7 +35,8 @@ def _model():
 
 
 def _compile(model, x, **kw):
-    return fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, stages=2, leaf_modules=[Probe], **{"profile": EST, **kw})
+    return fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, stages=2, **{"profile": EST, **kw},
+                          options=fxpipe.CompileOptions(leaf_modules=[Probe]))
 
 
 def _micro_reference(model, x, t=None):

@@ -96,7 +96,7 @@ def test_four_cpu_workers_on_two_cores_take_turns_and_compute_the_same(monkeypat
     model = nn.Sequential(*[Sleepy() for _ in range(4)])
     x, y = torch.randn(16, 8), torch.randn(16, 8)
     pipe = fxpipe.compile(model, ["cpu"] * 4, (x,), chunks=4, stages=4, schedule=schedule, checkpoint="never",
-                          profile="estimate", leaf_modules=[Sleepy])
+                          profile="estimate", options=fxpipe.CompileOptions(leaf_modules=[Sleepy]))
     loss = pipe.step(x, y, nn.functional.mse_loss)
     intervals = [(t.start_s, t.end_s) for t in pipe.last_step["timings"]]
     assert len(intervals) == 4 * 4 * (3 if schedule == "zb-h1" else 2)     # every F, B (and W) timed

@@ -180,7 +180,7 @@ def _failing_ranks(rank: int, world: int, plan_json: str) -> dict:
     Boom.armed = True
     plan = fxpipe.Plan.from_dict(__import__("json").loads(plan_json))
     torch.manual_seed(0)
-    stage = PipelineRank(plan, WithBoom, F.mse_loss, timeout_s=60, leaf_modules=(Boom,))
+    stage = PipelineRank(plan, WithBoom, F.mse_loss, timeout_s=60, options=fxpipe.CompileOptions(leaf_modules=(Boom,)))
     x, y = torch.randn(7, 8), torch.randn(7, 8)   # micro-batches of 2, 2, 2 and 1 samples
     started = time.monotonic()
     try:
@@ -200,7 +200,8 @@ def _failing_ranks(rank: int, world: int, plan_json: str) -> dict:
 
 def test_a_failing_rank_ends_every_ranks_step_with_an_error_naming_it():
     torch.manual_seed(0)
-    plan = copy.deepcopy(compile_with_cuts(WithBoom(), (torch.randn(7, 8),), ["boom"], chunks=4, leaf_modules=(Boom,)).plan)
+    plan = copy.deepcopy(compile_with_cuts(WithBoom(), (torch.randn(7, 8),), ["boom"], chunks=4,
+                                           options=fxpipe.CompileOptions(leaf_modules=(Boom,))).plan)
     results = run_ranks(2, _failing_ranks, plan.to_json())
     errors = [r["trace"] for r in results if "ok" not in r]
     assert not errors, errors[0]

@@ -65,7 +65,7 @@ def _model() -> nn.Sequential:
 def _compiled(schedule: str):
     model = _model()
     pipe = fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(8, 6),), chunks=4, stages=2, schedule=schedule,
-                          checkpoint="never", leaf_modules=[Trap], profile=ESTIMATE)
+                          checkpoint="never", profile=ESTIMATE, options=fxpipe.CompileOptions(leaf_modules=[Trap]))
     return model, pipe
 
 

@@ -144,7 +144,8 @@ def test_region_in_traced_forward_is_refused_naming_module_operation_and_fix(cls
     before = {c: c.__dict__[n] for c, n in [(grad_mode.no_grad, "__enter__"), (grad_mode.set_grad_enabled, "__init__"),
                                              (torch.amp.autocast_mode.autocast, "__enter__")]}
     with pytest.raises(fxpipe.TraceError) as info:
-        fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(8, 8),), profile=EST, frontend="fx")
+        fxpipe.compile(model, ["cpu", "cpu"], (torch.randn(8, 8),), profile=EST,
+                       options=fxpipe.CompileOptions(frontend="fx"))
     err, msg = info.value, str(info.value)
     assert err.module == "blk.1"
     assert f"submodule 'blk.1' ({cls.__name__})" in msg
@@ -243,7 +244,8 @@ def test_the_fix_a_leaf_keeps_the_region_and_gradients_equal_the_models(cls):
     x, t = torch.randn(8, 8), torch.randn(8, 4)
 
     def build():
-        return fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, leaf_modules=[cls], profile=EST)
+        return fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, profile=EST,
+                              options=fxpipe.CompileOptions(leaf_modules=[cls]))
     assert_same_step(model, build, (x,), chunks=2)
 
     pipe = build()
@@ -264,7 +266,8 @@ def test_the_fix_a_leaf_keeps_the_region_and_gradients_equal_the_models(cls):
 def test_autocast_region_inside_a_leaf_keeps_the_models_dtype_and_values():
     model = _model(Autocast)
     x = torch.randn(8, 8)
-    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, leaf_modules=[Autocast], profile=EST)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, profile=EST,
+                          options=fxpipe.CompileOptions(leaf_modules=[Autocast]))
     stage = next(s for s in pipe.stages if any(isinstance(m, Autocast) for m in s.modules()))
     assert any(n.op == "call_module" and n.target == "blk.1" for n in stage.graph.nodes)
     with torch.no_grad():
@@ -318,7 +321,8 @@ def test_a_tensor_hook_registered_in_forward_is_refused_not_dropped(frontend):
     """torch.export keeps the operations, not the hook: the pipeline's gradients were off by half (0.5
     relative) without a word. Refused, naming the hook, the line and the fix."""
     with pytest.raises(fxpipe.TraceError) as info:
-        fxpipe.compile(_model(TensorHook), ["cpu", "cpu"], (torch.randn(8, 8),), profile=EST, frontend=frontend)
+        fxpipe.compile(_model(TensorHook), ["cpu", "cpu"], (torch.randn(8, 8),), profile=EST,
+                       options=fxpipe.CompileOptions(frontend=frontend))
     msg = str(info.value)
     assert "gradient hook on a tensor (Tensor.register_hook)" in msg and "h.register_hook(lambda g: 2 * g)" in msg
     assert "frontend='fx'" in msg and "leaf_modules=[" in msg
@@ -329,5 +333,7 @@ def test_the_fix_a_leaf_runs_the_tensor_hook_under_every_schedule(schedule):
     model = _model(TensorHook)
     x = torch.randn(8, 8)
     assert_same_step(model, lambda: fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, schedule=schedule,
-                                                   leaf_modules=[TensorHook], frontend="fx", profile=EST),
+                                                   profile=EST,
+                                                   options=fxpipe.CompileOptions(leaf_modules=[TensorHook],
+                                                   frontend="fx")),
                      (x,), chunks=2)

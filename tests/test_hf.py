@@ -224,8 +224,8 @@ def test_fx_front_end_refuses_keyword_inputs_with_the_fix():
     model = build("gpt2").eval()
     ids, mask = batch(4)
     with pytest.raises(ValueError, match="frontend='export'"):
-        fxpipe.compile(model, ["cpu"] * 2, (ids,), example_kwargs={"attention_mask": mask}, frontend="fx",
-                       profile=fxpipe.ProfileOptions(mode="estimate"))
+        fxpipe.compile(model, ["cpu"] * 2, (ids,), example_kwargs={"attention_mask": mask},
+                       profile=fxpipe.ProfileOptions(mode="estimate"), options=fxpipe.CompileOptions(frontend="fx"))
 
 
 def test_a_graph_module_or_exported_program_is_partitioned_as_given():
@@ -259,8 +259,8 @@ def test_leaf_modules_with_the_export_front_end_are_kept_whole(leaves):
     ids, mask = batch(6)
     kept = [GPT2Block] if leaves == "class" else ["transformer.h.1.mlp", "transformer.h.4"]
     pipe = fxpipe.compile(model, ["cpu"] * 4, (ids,), example_kwargs={"attention_mask": mask}, chunks=3,
-                          stages=4, leaf_modules=kept, profile=fxpipe.ProfileOptions(mode="estimate"),
-                          options=fxpipe.CompileOptions(keep_blocks_whole=False))
+                          stages=4, profile=fxpipe.ProfileOptions(mode="estimate"),
+                          options=fxpipe.CompileOptions(keep_blocks_whole=False, leaf_modules=kept))
     assert pipe.plan.frontend["name"] == "export" and "leaf_modules kept whole" in pipe.plan.frontend["reason"]
     summary = pipe.plan.summary()
     assert "also in one stage: " in summary and "blocks (" not in summary, summary
@@ -286,7 +286,8 @@ def test_leaf_modules_naming_no_submodule_is_refused_with_the_fix():
     ids, mask = batch(4)
     with pytest.raises(ValueError, match=r"leaf_modules names \['transformer.h.9'\].*not submodules.*'transformer.h.0'"):
         fxpipe.compile(model, ["cpu"] * 2, (ids,), example_kwargs={"attention_mask": mask},
-                       leaf_modules=["transformer.h.9"], profile=fxpipe.ProfileOptions(mode="estimate"))
+                       profile=fxpipe.ProfileOptions(mode="estimate"),
+                       options=fxpipe.CompileOptions(leaf_modules=["transformer.h.9"]))
 
 
 def _lm(config_class, model_class, **sizes):

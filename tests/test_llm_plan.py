@@ -112,7 +112,7 @@ def test_keyword_inputs_and_the_front_end_are_compiles():
                        schedule="gpipe", chunks=2)
     assert plan.frontend["name"] == "export" and "keyword" in plan.frontend["reason"] and plan.chunks == 2
     with pytest.raises(fxpipe.TraceError, match="torch.fx cannot trace"):
-        fxpipe.plan(model, fxpipe.Devices.preset("a100", 2), (ids,), frontend="fx")
+        fxpipe.plan(model, fxpipe.Devices.preset("a100", 2), (ids,), options=fxpipe.CompileOptions(frontend="fx"))
 
 
 def test_a_plan_made_from_shapes_runs_under_compile():

@@ -223,7 +223,8 @@ def _overlap_ranks(rank: int, world: int, plan_json: str, fail_rank: int, dp_dim
         return F.mse_loss(out, target)
     plan = fxpipe.Plan.from_dict(json.loads(plan_json))
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", dp_dim))   # "dp_shard": FSDP2
-    stage = PipelineRank(plan, _make_slow, loss, mesh=mesh, timeout_s=60, leaf_modules=[SlowBackward])
+    stage = PipelineRank(plan, _make_slow, loss, mesh=mesh, timeout_s=60,
+                         options=fxpipe.CompileOptions(leaf_modules=[SlowBackward]))
     opt = torch.optim.SGD(stage.parameters(), lr=0.1)
     spans = []
     for x, y in _slow_batches():
@@ -238,7 +239,7 @@ def _overlap_ranks(rank: int, world: int, plan_json: str, fail_rank: int, dp_dim
 def _slow_plan() -> str:
     x = _slow_batches()[0][0]
     return copy.deepcopy(compile_with_cuts(_make_slow(), (x,), ["rest"], chunks=2,
-                                           leaf_modules=[SlowBackward]).plan).to_json()
+                                           options=fxpipe.CompileOptions(leaf_modules=[SlowBackward])).plan).to_json()
 
 
 @pytest.mark.parametrize("dp_dim", ["dp", pytest.param("dp_shard", marks=pytest.mark.slow)])

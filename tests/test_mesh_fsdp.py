@@ -293,8 +293,8 @@ def test_hsdp_two_replicas_of_two_shards_train_as_one_process():
     plan = copy.deepcopy(fxpipe.compile(make_small(), ["cpu"], (x,), chunks=2, profile=EST).plan)
     ids = padded_batch("llama")["input_ids"]
     llama = fxpipe.compile(_builder("llama")(), ["cpu"], (ids,), chunks=2, profile=EST, schedule="1f1b").plan
-    skip = fxpipe.compile(_skip_tied(), ["cpu"], (_skip_batches()[0][0],), chunks=2, frontend="fx", profile=EST,
-                          schedule="1f1b").plan
+    skip = fxpipe.compile(_skip_tied(), ["cpu"], (_skip_batches()[0][0],), chunks=2, profile=EST,
+                          schedule="1f1b", options=fxpipe.CompileOptions(frontend="fx")).plan
     assert skip.frontend["name"] == "fx"
     results = run_ranks(4, _hsdp_ranks, plan.to_json(), llama.to_json(), skip.to_json(), deadline_s=300)
     errors = [r["text"] for r in results if "ok" not in r]

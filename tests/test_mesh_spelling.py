@@ -46,15 +46,15 @@ def test_dp_without_a_mode_is_both_modes_to_the_planner_and_fsdp_to_launch():
 @pytest.mark.parametrize("spec, want", [("tp=2", True), ("tp=2,sp=1", True), ("tp=2,sp=off", False),
                                         ({"tp": 2, "sp": False}, False), ("tp=2,sp=TRUE", True)])
 def test_sequence_parallelism_is_on_unless_the_spelling_says_sp_0_for_the_planner_and_launch(spec, want):
-    from fxpipe.planning.mesh_plan import mesh_sequence_parallel
+    from fxpipe.planning.mesh_plan import ask_mesh
     assert ParallelDims.from_spec(spec, 2).sequence_parallel is want
-    assert mesh_sequence_parallel(spec, None) is want
-    assert mesh_sequence_parallel("auto", None) is True and mesh_sequence_parallel("auto", False) is False
-    if "sp" in spec:   # said twice, differently
-        with pytest.raises(ValueError, match=r"says sp=\d but sequence_parallel=\w+: say it once"):
-            mesh_sequence_parallel(spec, not want)
-    else:   # said once: the argument
-        assert mesh_sequence_parallel(spec, False) is False
+    asked = ask_mesh(spec, 8)   # fxpipe.plan reads its mesh= once, here
+    assert asked.sequence_parallel is want and [m.tp for m in asked.shapes] == [2] * len(asked.shapes)
+    assert ask_mesh(asked, 8) is asked
+    assert ask_mesh("auto", 8).sequence_parallel is True and ask_mesh("auto", 8).shapes == ()
+    assert ask_mesh("auto,sp=0", 8).sequence_parallel is False and ask_mesh("auto, sp=on", 8).sequence_parallel
+    with pytest.raises(ValueError, match=r"'auto' searches every shape and takes only sp= beside it"):
+        ask_mesh("auto,tp=2", 8)
     with pytest.raises(ValueError, match=r"sp is 1 or 0 \(on/off, true/false: sequence parallelism\), got 'yes'"):
         parse_layout("tp=2,sp=yes")
 

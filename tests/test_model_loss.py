@@ -119,7 +119,7 @@ def test_a_model_loss_that_cannot_be_combined_exactly_is_refused_with_the_reason
     model = SumOfLosses()
     ids, labels = torch.randint(0, 16, (4, 6)), torch.randint(0, 16, (4, 6))
     pipe = fxpipe.compile(model, ["cpu", "cpu"], (ids,), example_kwargs={"labels": labels}, chunks=2, profile=EST,
-                          frontend="export")
+                          options=fxpipe.CompileOptions(frontend="export"))
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(fxpipe.FxpipeError, match="cannot be combined exactly.*aten.add.*reduction='token'"):
         pipe.step(ids, labels=labels)

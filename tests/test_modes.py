@@ -107,8 +107,10 @@ def test_a_model_switched_to_eval_after_an_export_compile_is_warned_about_once(r
     torch.manual_seed(0)
     model, x = _Dropped().train(), torch.randn(8, 8)
     est = fxpipe.ProfileOptions(mode="estimate")
-    exported = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, stages=2, frontend="export", profile=est)
-    traced = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, stages=2, frontend="fx", profile=est)
+    exported = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, stages=2, profile=est,
+                              options=fxpipe.CompileOptions(frontend="export"))
+    traced = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, stages=2, profile=est,
+                            options=fxpipe.CompileOptions(frontend="fx"))
     exported(x)
     assert not [w for w in recwarn if "mode" in str(w.message)]
     model.eval()
@@ -143,8 +145,9 @@ def test_a_dropout_of_rate_zero_does_not_make_the_graph_depend_on_the_mode(front
 
     torch.manual_seed(0)
     model, x = Zero().train(), torch.randn(8, 8)
-    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, stages=2, frontend=frontend,
-                          profile=fxpipe.ProfileOptions(mode="estimate"))
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, stages=2,
+                          profile=fxpipe.ProfileOptions(mode="estimate"),
+                          options=fxpipe.CompileOptions(frontend=frontend))
     assert not pipe._mode_dependent
     assert not any(fxpipe.runtime.backward.rng.is_random(stage) for stage in pipe.stages)
     model.eval()
@@ -182,7 +185,8 @@ def test_a_plan_records_whether_its_graph_depends_on_the_mode_and_a_rank_capturi
     x = torch.randn(8, 8)
     for model, dependent in ((_Dropped().train(), frontend == "export"), (nn.Sequential(Reads(), nn.Linear(8, 4)), True),
                              (nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)), False)):
-        plan = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, stages=2, frontend=frontend, profile=EST).plan
+        plan = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, stages=2, profile=EST,
+                              options=fxpipe.CompileOptions(frontend=frontend)).plan
         assert plan.frontend["mode_dependent"] is dependent, (type(model).__name__, plan.frontend)
         plan = fxpipe.Plan.from_dict(plan.to_dict())   # as a rank reads it
         traces = []

@@ -45,7 +45,8 @@ def _net(hook_on: str = "blk"):
 @pytest.mark.parametrize("frontend", ["fx", "export", "auto"])
 def test_a_backward_hook_the_graph_would_drop_is_refused(frontend):
     with pytest.raises(ValueError, match=r"backward hook\(s\) on blk \(_halving\)(.|\n)*leaf_modules=\["):
-        fxpipe.compile(_net(), ["cpu", "cpu"], (torch.randn(8, 8),), profile=EST, frontend=frontend)
+        fxpipe.compile(_net(), ["cpu", "cpu"], (torch.randn(8, 8),), profile=EST,
+                       options=fxpipe.CompileOptions(frontend=frontend))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zb-v"])
@@ -54,7 +55,9 @@ def test_backward_hooks_on_leaves_run_and_give_the_models_gradients(schedule):
     for hook_on, leaves in (("blk", [Block]), ("a", [])):
         model, x = _net(hook_on), torch.randn(8, 8)
         assert_same_step(model, lambda: fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, schedule=schedule,
-                                                       leaf_modules=leaves, frontend="fx", profile=EST),
+                                                       profile=EST,
+                                                       options=fxpipe.CompileOptions(leaf_modules=leaves,
+                                                       frontend="fx")),
                          (x,), chunks=2)
 
 
@@ -65,10 +68,10 @@ def test_a_forward_hook_that_would_not_run_is_warned_about_and_runs_in_a_leaf():
     model.blk.register_forward_hook(lambda module, args, out: seen.append(out.shape[0]))
     with pytest.warns(UserWarning, match=r"forward hook\(s\) on blk \(.*<lambda>\) ran once while the model was "
                                          r"traced(.|\n)*will not call them"):
-        fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, profile=EST, frontend="fx")
+        fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, profile=EST, options=fxpipe.CompileOptions(frontend="fx"))
     # no checkpointing: a recomputed forward calls its hooks again, as torch.utils.checkpoint's does
-    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, profile=EST, frontend="fx", leaf_modules=[Block],
-                          checkpoint="never")
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, profile=EST, checkpoint="never",
+                          options=fxpipe.CompileOptions(frontend="fx", leaf_modules=[Block]))
     seen.clear()
     pipe.step(x, None, lambda out, target: out.sum(), reduction="sum")
     assert seen == [4, 4]   # once per micro-batch, as the model called on each

@@ -6,6 +6,7 @@ A function's lines are its body's, its docstring, blank lines and comment-only l
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,3 +44,18 @@ def test_the_count_leaves_out_the_docstring_and_comments(tmp_path):
                        f'def long():\n{body}\n    return x0\n')
     found = [line.split(" ", 1)[1] for line in _long_functions(scratch, "f.py")]
     assert found == [f"long ({MOST + 1} lines)"], found
+
+
+def test_the_entry_points_take_few_words_their_rare_settings_in_records():
+    """``compile``, ``plan`` and ``PipelineRank`` take at most 12 parameters each (the house rule): the tracing
+    settings are ``CompileOptions`` fields, the loss a measurement runs through ``ProfileOptions``'."""
+    import inspect
+
+    import fxpipe
+    from fxpipe.distributed import PipelineRank
+
+    counts = {f.__qualname__: len([p for p in inspect.signature(f).parameters if p != "self"])
+              for f in (fxpipe.compile, fxpipe.plan, PipelineRank.__init__)}
+    assert max(counts.values()) <= 12, counts
+    assert {"leaf_modules", "frontend", "time_limit_s"} <= {f.name for f in dataclasses.fields(fxpipe.CompileOptions)}
+    assert {"loss_fn", "example_target"} <= {f.name for f in dataclasses.fields(fxpipe.ProfileOptions)}

@@ -90,7 +90,7 @@ def test_stage_exception_names_stage_micro_batch_and_node_and_leaves_no_thread()
     x = torch.rand(6, 8) + 1.0
     before = _threads()
     pipe = fxpipe.compile(model, ["cpu", "cpu", "cpu"], (x,), chunks=3, stages=3, profile="estimate",
-                          leaf_modules=[Boom])
+                          options=fxpipe.CompileOptions(leaf_modules=[Boom]))
     boom_stage = next(s.index for s in pipe.plan.stages if "boom" in s.nodes)
     bad = torch.rand(5, 8)  # micro-batches of 2, 2 and 1: the third one fails
     Boom.armed = True
@@ -259,8 +259,9 @@ def test_dict_subclasses_come_back_as_the_models_own_types(frontend):
     torch.manual_seed(0)
     model = Typed()
     x, target = torch.randn(4, 4), torch.randn(4, 2)
-    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, stages=2, frontend=frontend,
-                          profile=fxpipe.ProfileOptions(mode="estimate"))
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, stages=2,
+                          profile=fxpipe.ProfileOptions(mode="estimate"),
+                          options=fxpipe.CompileOptions(frontend=frontend))
     want = model(x)
 
     def same_types(got, ref):

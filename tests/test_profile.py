@@ -103,7 +103,8 @@ def test_an_in_place_aten_operation_is_timed_on_a_clone_of_its_inputs():
     assert costs[inplace[0].name].fwd_s > 0
     costs = profile_graph(gm, (x,), torch.device("cpu"), mode="measure", warmup=0, repeats=1, timing="graph")
     assert costs[inplace[0].name].fwd_s > 0   # in a whole-graph run it writes into its input, as in a step
-    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), frontend="export", chunks=2, stages=2)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, stages=2,
+                          options=fxpipe.CompileOptions(frontend="export"))
     target = torch.randn(6)
     (model(x) * target).mean().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -243,12 +243,14 @@ def _compile(model: nn.Module, setup: dict[str, Any], inputs: tuple) -> fxpipe.P
     options = dict(chunks=setup["chunks"], schedule=setup["schedule"], checkpoint=setup["checkpoint"],
                    stages=setup["stages"], profile=ESTIMATE)
     try:
-        return fxpipe.compile(model, setup["devices"], inputs, leaf_modules=[NoGradCentre], **options)
+        return fxpipe.compile(model, setup["devices"], inputs, **options,
+                              options=fxpipe.CompileOptions(leaf_modules=[NoGradCentre]))
     except fxpipe.FxpipeError as refused:   # never a silent wrong answer: refused, and its fix must work
         if "is updated in place and used in stages" not in str(refused):
             raise
         event("a buffer's updates cut across stages: refused; compiled again with the fix it names")
-        return fxpipe.compile(model, setup["devices"], inputs, leaf_modules=[NoGradCentre, RunningMean], **options)
+        return fxpipe.compile(model, setup["devices"], inputs, **options,
+                              options=fxpipe.CompileOptions(leaf_modules=[NoGradCentre, RunningMean]))
 
 
 def _micro_batch_reference(model: nn.Module, inputs: tuple, chunks: int) -> dict[str, torch.Tensor]:

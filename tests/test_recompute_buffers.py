@@ -3,6 +3,7 @@ them: BatchNorm statistics and any custom in-place buffer end as after each micr
 equal the unpartitioned model's (issue 15, item 2)."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -161,6 +162,7 @@ def test_a_buffer_update_cut_across_stages_is_refused_and_the_leaf_it_names_work
                                                  r"leaf_modules=\['avg'\]"):
         compile_with_cuts(model, (x,), ["sin"], chunks=CHUNKS, options=SUCCESSIVE)
     want_buffers, want_grads = _micro_batched_reference(model, x, target, nn.functional.mse_loss)
-    pipe = compile_with_cuts(model, (x,), ["out"], chunks=CHUNKS, options=SUCCESSIVE, leaf_modules=["avg"])
+    pipe = compile_with_cuts(model, (x,), ["out"], chunks=CHUNKS,
+                             options=dataclasses.replace(SUCCESSIVE, leaf_modules=["avg"]))
     pipe.step(x, target, nn.functional.mse_loss, schedule="1f1b")
     _assert_same(model, want_buffers, want_grads)

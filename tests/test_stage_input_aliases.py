@@ -146,10 +146,12 @@ def test_an_in_place_aten_op_of_the_export_front_end_on_a_stage_input_leaves_the
     model = AliasThenWrite(ALIASES[alias], WRITES[write])
     x, target = torch.randn(8, 6), torch.randn(8, 6)
     want_out, want_grads = _micro_batched(model, x, target, nn.functional.mse_loss)
-    gm = fxpipe.compile(model, ["cpu"], (x,), frontend="export", profile="estimate").specs[0].module
+    gm = fxpipe.compile(model, ["cpu"], (x,), profile="estimate",
+                        options=fxpipe.CompileOptions(frontend="export")).specs[0].module
     names = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     cut = names[next(i for i, n in enumerate(names) if n.startswith("view")) + 1]
-    pipe = compile_with_cuts(model, (x,), [cut], chunks=CHUNKS, checkpoint="always", frontend="export")
+    pipe = compile_with_cuts(model, (x,), [cut], chunks=CHUNKS, checkpoint="always",
+                             options=fxpipe.CompileOptions(frontend="export"))
     assert sum(n.target is torch.clone for n in pipe.specs[1].module.graph.nodes) == 1
     loss, out = pipe.step(x, target, nn.functional.mse_loss, schedule="1f1b", return_outputs=True)
     assert max_relative_error(out, want_out) <= 1e-5

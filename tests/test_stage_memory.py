@@ -45,8 +45,8 @@ def data():
 def test_prediction_on_measured_sizes_equals_the_replay(data, checkpoint):
     model, x, y = data
     loss = nn.functional.cross_entropy
-    pipe = fxpipe.compile(model, ["cpu"] * 3, (x,), chunks=4, stages=3, checkpoint=checkpoint, loss_fn=loss,
-                          example_target=y, profile=fxpipe.ProfileOptions(effort="thorough", cache=False))
+    pipe = fxpipe.compile(model, ["cpu"] * 3, (x,), chunks=4, stages=3, checkpoint=checkpoint,
+                          profile=fxpipe.ProfileOptions(effort="thorough", cache=False, loss_fn=loss, example_target=y))
     assert all(st.measured_bytes for st in pipe.plan.stages)
     for schedule in SCHEDULES:
         measured = measure_worker_memory(pipe, x, y, loss, schedule=schedule)
@@ -59,7 +59,7 @@ def test_interleaved_workers_walk_their_stages_on_measured_sizes_too(data):
     model, x, y = data
     loss = nn.functional.cross_entropy
     pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, schedule="interleaved-1f1b", checkpoint="except_last",
-                          loss_fn=loss, example_target=y, profile=fxpipe.ProfileOptions(effort="thorough", cache=False))
+                          profile=fxpipe.ProfileOptions(effort="thorough", cache=False, loss_fn=loss, example_target=y))
     assert len(pipe.plan.stages) == 4
     measured = measure_worker_memory(pipe, x, y, loss)
     for w, pred in zip(measured, predict_worker_memory(pipe.plan)):
@@ -84,8 +84,8 @@ def test_measuring_leaves_gradients_buffers_and_rng_alone(data):
         p.grad = g
     state = torch.random.get_rng_state()
     try:
-        fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, loss_fn=nn.functional.cross_entropy,
-                       example_target=y, profile=fxpipe.ProfileOptions(effort="thorough", cache=False))
+        fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, profile=fxpipe.ProfileOptions(effort="thorough",
+                       cache=False, loss_fn=nn.functional.cross_entropy, example_target=y))
         assert all(p.grad is g and bool((g == 0.5).all()) for p, g in zip(model.parameters(), grads))
         assert torch.equal(torch.random.get_rng_state(), state)
     finally:
@@ -116,15 +116,15 @@ def test_estimate_profile_measures_nothing(data):
 def test_loss_and_target_go_together_and_must_match(data):
     model, x, y = data
     with pytest.raises(ValueError, match="loss_fn and example_target together"):
-        fxpipe.compile(model, ["cpu"] * 2, (x,), loss_fn=nn.functional.cross_entropy)
+        fxpipe.compile(model, ["cpu"] * 2, (x,), profile=fxpipe.ProfileOptions(loss_fn=nn.functional.cross_entropy))
     with pytest.raises(ValueError, match="loss_fn and example_target together"):
-        fxpipe.compile(model, ["cpu"] * 2, (x,), example_target=y)
+        fxpipe.compile(model, ["cpu"] * 2, (x,), profile=fxpipe.ProfileOptions(example_target=y))
     with pytest.raises(ValueError, match="loss_fn must be callable"):
-        fxpipe.compile(model, ["cpu"] * 2, (x,), loss_fn="cross_entropy", example_target=y)
+        fxpipe.compile(model, ["cpu"] * 2, (x,), profile=fxpipe.ProfileOptions(loss_fn="cross_entropy",
+                       example_target=y))
     with pytest.raises(ValueError, match="check that example_target matches"):
-        fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, loss_fn=nn.functional.cross_entropy,
-                       example_target=torch.randint(0, 512, (64, 3)),
-                       profile=fxpipe.ProfileOptions(effort="thorough", cache=False))
+        fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, profile=fxpipe.ProfileOptions(effort="thorough",
+                       cache=False, loss_fn=nn.functional.cross_entropy, example_target=torch.randint(0, 512, (64, 3))))
 
 
 def test_auto_checkpointing_chooses_on_the_measured_sizes(data):
@@ -150,8 +150,8 @@ def test_auto_checkpointing_chooses_on_the_measured_sizes(data):
     assert choose_checkpoints(plan) == ["never", "except_last"]
     assert [st.checkpoint for st in plan.stages] == ["never", "except_last"]
 
-    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, checkpoint="auto", loss_fn=loss,
-                          example_target=y, profile=fxpipe.ProfileOptions(effort="thorough", cache=False))
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=4, stages=2, checkpoint="auto",
+                          profile=fxpipe.ProfileOptions(effort="thorough", cache=False, loss_fn=loss, example_target=y))
     assert all(st.measured_bytes for st in pipe.plan.stages)
     for st, pred in zip(pipe.plan.stages, predict_worker_memory(pipe.plan)):
         assert st.checkpoint == "never" and 0 < pred.peak_bytes <= st.memory_bytes

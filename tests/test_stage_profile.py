@@ -40,7 +40,7 @@ def _net_pipe(seed: int):
     model = Net().train()
     x = torch.randn(8, 4)
     return model, x, fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, stages=2, profile="estimate",
-                                    leaf_modules=[Sleepy])
+                                    options=fxpipe.CompileOptions(leaf_modules=[Sleepy]))
 
 
 def test_stage_factors_time_each_stage_whole_forward_and_backward():
@@ -151,8 +151,9 @@ def test_contention_is_measured_in_steps_of_the_plan_on_its_own_stages(spin):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)    # one intra-op thread per worker: two workers fit two processors
     try:
-        pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=8, stages=2, leaf_modules=[Busy], schedule="gpipe",
-                              profile=fxpipe.ProfileOptions(effort="thorough", cache=False))
+        pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=8, stages=2, schedule="gpipe",
+                              profile=fxpipe.ProfileOptions(effort="thorough", cache=False),
+                              options=fxpipe.CompileOptions(leaf_modules=[Busy]))
     finally:
         torch.set_num_threads(threads)
     found = pipe.plan.profile["contention"]

@@ -197,7 +197,7 @@ def test_a_failing_backward_names_stage_micro_batch_and_pass_and_a_later_step_wo
     x, target = torch.randn(6, 4), torch.randn(6, 4)
     before = threading.active_count()
     pipe = fxpipe.compile(model, ["cpu"] * 3, (x,), chunks=3, stages=3, schedule="1f1b", profile="estimate",
-                          leaf_modules=[Fragile])
+                          options=fxpipe.CompileOptions(leaf_modules=[Fragile]))
     stage = next(s.index for s in pipe.plan.stages if "fragile" in s.nodes)
     loss_fn = nn.MSELoss()
     FailingBackward.armed = True

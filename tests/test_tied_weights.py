@@ -74,8 +74,8 @@ def test_a_tied_parameter_lives_in_one_stage_module_and_gets_the_models_gradient
     built = []
 
     def factory():
-        built.append(fxpipe.compile(model, ["cpu"] * 3, (ids,), chunks=3, stages=3, leaf_modules=leaves,
-                                    profile=EST))
+        built.append(fxpipe.compile(model, ["cpu"] * 3, (ids,), chunks=3, stages=3, profile=EST,
+                                    options=fxpipe.CompileOptions(leaf_modules=leaves)))
         return built[-1]
     assert_same_step(model, factory, (ids,), chunks=3)
     every = _owners(built[0])
@@ -86,7 +86,8 @@ def test_a_tied_parameter_lives_in_one_stage_module_and_gets_the_models_gradient
 def test_a_tie_inside_a_leaf_keeps_the_leaf_whole():
     model = InsideLeaf()
     ids = torch.randint(0, 16, (4, 5))
-    pipe = fxpipe.compile(model, ["cpu"] * 2, (ids,), chunks=2, leaf_modules=["inner"], profile=EST)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (ids,), chunks=2, profile=EST,
+                          options=fxpipe.CompileOptions(leaf_modules=["inner"]))
     assert any(n.op == "call_module" and n.target == "inner" for s in pipe.specs for n in s.module.graph.nodes)
 
 
@@ -94,7 +95,8 @@ def test_an_untraceable_leaf_sharing_a_parameter_outside_it_is_refused_with_the_
     model = LM(untraceable=True)
     ids = torch.randint(0, 16, (4, 5))
     with pytest.raises(fxpipe.TraceError) as info:
-        fxpipe.compile(model, ["cpu"] * 2, (ids,), leaf_modules=[Head], frontend="fx", profile=EST)
+        fxpipe.compile(model, ["cpu"] * 2, (ids,), profile=EST, options=fxpipe.CompileOptions(leaf_modules=[Head],
+                       frontend="fx"))
     msg = str(info.value)
     assert "'head' is a leaf but holds a Parameter that code outside it reads too" in msg
     assert "untie the weight" in msg and "h.sum() > 0" in msg
@@ -103,8 +105,10 @@ def test_an_untraceable_leaf_sharing_a_parameter_outside_it_is_refused_with_the_
 # ---------------------------------------------------------------- a copy per stage, summed once per step
 
 SCHEDULES = {"gpipe": 4, "1f1b": 4, "zb-h1": 4, "zb-v": 2, "interleaved-1f1b": 2}   # schedule -> workers
-FORMS = {"module": (LM, {}), "functional": (FunctionalLM, {}), "leaf traced through": (LM, {"leaf_modules": [Head]}),
-         "export": (LM, {"frontend": "export"}), "export functional": (FunctionalLM, {"frontend": "export"})}
+FORMS = {"module": (LM, {}), "functional": (FunctionalLM, {}),
+         "leaf traced through": (LM, {"options": fxpipe.CompileOptions(leaf_modules=[Head])}),
+         "export": (LM, {"options": fxpipe.CompileOptions(frontend="export")}),
+         "export functional": (FunctionalLM, {"options": fxpipe.CompileOptions(frontend="export")})}
 
 
 def _lm_loss(out, target):
@@ -182,7 +186,8 @@ def test_every_tying_form_puts_a_copy_on_the_reading_stage_and_each_parameter_in
 def test_a_tie_inside_a_leaf_has_no_copy():
     model = InsideLeaf()
     ids = torch.randint(0, 16, (4, 5))
-    pipe = fxpipe.compile(model, ["cpu"] * 2, (ids,), chunks=2, leaf_modules=["inner"], profile=EST)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (ids,), chunks=2, profile=EST,
+                          options=fxpipe.CompileOptions(leaf_modules=["inner"]))
     assert not pipe.tied
     _in_one_stage_module_each(pipe)
 

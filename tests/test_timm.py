@@ -118,12 +118,13 @@ def test_what_fx_cannot_trace_is_named_with_a_fix_that_works_and_auto_exports_it
     model = build("nest_tiny").eval()
     x = torch.randn(4, 3, 64, 64)
     with pytest.raises(fxpipe.TraceError) as info:
-        fxpipe.compile(model, ["cpu"] * 2, (x,), frontend="fx", profile=EST)
+        fxpipe.compile(model, ["cpu"] * 2, (x,), profile=EST, options=fxpipe.CompileOptions(frontend="fx"))
     assert info.value.module == "levels.0" and "int(math.sqrt(T))" in info.value.operation
-    assert "NestLevel" in str(info.value) and "fix: make it a leaf: fxpipe.compile(..., leaf_modules=[NestLevel])" \
-        in str(info.value)
+    fix = "fix: make it a leaf: fxpipe.compile(..., options=fxpipe.CompileOptions(leaf_modules=[NestLevel]))"
+    assert "NestLevel" in str(info.value) and fix in str(info.value)
     want = torch.cat([model(part) for part in x.tensor_split(2)]).detach()
-    fixed = fxpipe.compile(model, ["cpu"] * 2, (x,), frontend="fx", leaf_modules=[NestLevel], chunks=2, profile=EST)
+    fixed = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, profile=EST,
+                           options=fxpipe.CompileOptions(frontend="fx", leaf_modules=[NestLevel]))
     auto = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, profile=EST)
     assert auto.plan.frontend["name"] == "export" and "torch.fx cannot trace it" in auto.plan.frontend["reason"]
     with torch.no_grad():

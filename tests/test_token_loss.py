@@ -122,13 +122,13 @@ def test_token_reduction_with_nothing_counted_is_an_error():
 
 
 def test_a_token_loss_works_where_compile_and_step_measure_through_the_loss():
-    """compile(loss_fn=...) times and measures the last stage through the loss, measure_memory replays it."""
+    """compile(profile=ProfileOptions(loss_fn=...)) times and measures the last stage through the loss, measure_memory replays it."""
     torch.manual_seed(0)
     model = TinyGPT()
     tokens, labels = _batch(8)
-    measure = fxpipe.ProfileOptions(mode="measure", effort="thorough", warmup=0, repeats=1, contention_steps=0, cache=False)
-    pipe = fxpipe.compile(model, ["cpu", "cpu"], (tokens,), chunks=4, stages=2, checkpoint="never",
-                          loss_fn=token_loss, example_target=labels, profile=measure)
+    measure = fxpipe.ProfileOptions(mode="measure", effort="thorough", warmup=0, repeats=1, contention_steps=0,
+                                    cache=False, loss_fn=token_loss, example_target=labels)
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (tokens,), chunks=4, stages=2, checkpoint="never", profile=measure)
     _, want = _reference(model, tokens, labels)
     pipe.step(tokens, labels, token_loss, reduction="token", measure_memory=True)
     assert len(pipe.last_step["memory"]) == 2

@@ -52,7 +52,8 @@ def test_trace_error_names_module_operation_and_fix(inner, operation):
 def test_leaf_module_fixes_untraceable_submodule():
     model = Outer(DataDependent())
     x = torch.randn(6, 4)
-    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, leaf_modules=[DataDependent], profile="estimate")
+    pipe = fxpipe.compile(model, ["cpu", "cpu"], (x,), chunks=2, profile="estimate",
+                          options=fxpipe.CompileOptions(leaf_modules=[DataDependent]))
     assert torch.equal(pipe(x), torch.cat([model(x[:3]), model(x[3:])]))
 
 
@@ -211,8 +212,8 @@ def test_a_torch_nn_stack_of_layers_is_exported_so_that_its_layers_can_be_cut():
     for n, p in model.named_parameters():
         assert torch.allclose(p.grad, want[n], rtol=1e-4, atol=1e-6), n
     # what the user keeps whole stays whole, and a torch.nn leaf without a stack of layers stays fx's
-    kept = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, leaf_modules=[nn.TransformerEncoder],
-                          profile=fxpipe.ProfileOptions(mode="estimate"))
+    kept = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, profile=fxpipe.ProfileOptions(mode="estimate"),
+                          options=fxpipe.CompileOptions(leaf_modules=[nn.TransformerEncoder]))
     assert (kept.plan.frontend["name"], kept.plan.frontend["reason"]) == ("fx", "torch.fx traces the model faithfully")
     assert fxpipe.compile(_Recurrent(), ["cpu"] * 2, (x,), chunks=2, profile=fxpipe.ProfileOptions(mode="estimate")
                           ).plan.frontend["name"] == "fx"
@@ -249,7 +250,7 @@ def test_a_buffer_assigned_in_forward_is_refused_by_fx_and_exported_by_auto():
     est = fxpipe.ProfileOptions(mode="estimate")
     with pytest.raises(fxpipe.TraceError, match=r"cannot trace the update of self\.calls in the model "
                                                 r"\(_Reassigning\)(.|\n)*fix: update it in place"):
-        fxpipe.compile(model, ["cpu", "cpu"], (x,), frontend="fx", profile=est)
+        fxpipe.compile(model, ["cpu", "cpu"], (x,), profile=est, options=fxpipe.CompileOptions(frontend="fx"))
     assert type(model.calls) is torch.Tensor and model.calls.item() == 0   # the model is as it was
     # torch.export records `+=` as add_ on the buffer; the no-op write-back export appends at the end of the
     # graph is dropped, so the update stays in the first stage and four stages are no conflict.
@@ -293,8 +294,10 @@ def test_a_variadic_forward_is_exported_by_auto_and_refused_by_fx():
     import fxpipe
     model, x, y = _Variadic(), torch.randn(8, 8), torch.randn(8, 8)
     est = fxpipe.ProfileOptions(mode="estimate")
-    with pytest.raises(fxpipe.TraceError, match=r"takes \*xs, \*\*options(.|\n)*fix: compile with frontend='export'"):
-        fxpipe.compile(model, ["cpu", "cpu"], (x, y), chunks=2, frontend="fx", profile=est)
+    fix = r"fix: compile with options=fxpipe.CompileOptions\(frontend='export'\)"
+    with pytest.raises(fxpipe.TraceError, match=r"takes \*xs, \*\*options(.|\n)*" + fix):
+        fxpipe.compile(model, ["cpu", "cpu"], (x, y), chunks=2, profile=est,
+                       options=fxpipe.CompileOptions(frontend="fx"))
     pipe = fxpipe.compile(model, ["cpu", "cpu"], (x, y), chunks=2, profile=est)
     assert pipe.plan.frontend["name"] == "export"
     want = model(x, y)

@@ -74,8 +74,8 @@ def run(args: argparse.Namespace) -> int:
     model.zero_grad(set_to_none=True)
     profile = dataclasses.replace(fxpipe.ProfileOptions.of(args.profile), progress=not args.quiet)
     started = time.perf_counter()
-    pipe = fxpipe.compile(model, devices, inputs, chunks=args.chunks, schedule=args.schedule,
-                          leaf_modules=leaf_types(model, args.leaf_modules), profile=profile)
+    pipe = fxpipe.compile(model, devices, inputs, chunks=args.chunks, schedule=args.schedule, profile=profile,
+                          options=fxpipe.CompileOptions(leaf_modules=leaf_types(model, args.leaf_modules)))
     compiled = time.perf_counter() - started
     piped = _median(lambda: pipe.step(inputs, target, loss_fn), args.steps)
     pipe.report()   # fills plan.measured: the prediction with CPU workers sharing the processors

@@ -167,14 +167,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         if analytic:
             plan = fxpipe.plan(model, devices, inputs, example_kwargs=kwargs, chunks=args.chunks,
-                               schedule=args.schedule, leaf_modules=leaves, time_limit_s=args.time_limit,
-                               checkpoint=args.checkpoint,
-                               mesh=_mesh(getattr(args, "mesh", None)))
+                               schedule=args.schedule, checkpoint=args.checkpoint,
+                               mesh=_mesh(getattr(args, "mesh", None)),
+                               options=fxpipe.CompileOptions(leaf_modules=leaves, time_limit_s=args.time_limit))
         else:
             profile = dataclasses.replace(fxpipe.ProfileOptions.of(args.profile), progress=not args.quiet)
             plan = fxpipe.compile(model, devices, inputs, example_kwargs=kwargs, chunks=args.chunks,
-                                  schedule=args.schedule, checkpoint=args.checkpoint, leaf_modules=leaves,
-                                  profile=profile).plan
+                                  schedule=args.schedule, checkpoint=args.checkpoint, profile=profile,
+                                  options=fxpipe.CompileOptions(leaf_modules=leaves)).plan
     except RuntimeError as exc:   # torch's own: most often inputs the model cannot take
         shapes = [tuple(t.shape) for t in inputs if isinstance(t, torch.Tensor)]
         fix = ("pass --seq-len and --batch (and --config)" if language

@@ -29,7 +29,7 @@ every wait of every dim ends after ``timeout_s``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -61,8 +61,9 @@ class PipelineRank:
     model computes itself (``step(ids, labels=labels)``, :meth:`fxpipe.Pipeline.step`), on a mesh too.
 
     ``mesh`` says how the processes run the plan: ``None`` (default) the layout the plan was made for
-    (``plan.layout``, e.g. from ``fxpipe.plan(mesh="auto")``), or one pipeline over every process (``group``'s)
-    for a plan of one pipeline; a spelling as ``fxpipe plan --mesh`` takes it (``"dp_shard=2,tp=2"``,
+    (``plan.layout``, e.g. from ``fxpipe.plan(mesh="auto")``), or one pipeline over every process for a plan of
+    one pipeline; a ``torch.distributed`` process group: one pipeline over its ranks (the others run something
+    else); a spelling as ``fxpipe plan --mesh`` takes it (``"dp_shard=2,tp=2"``,
     ``"dp=2,dp_mode=replicate"``; ``"dp=1"`` runs one pipeline even where the plan has a mesh); a
     :class:`fxpipe.distributed.ParallelDims`; or a ``DeviceMesh`` with dims named ``("pp", "dp")`` (DDP),
     ``("pp", "dp_shard")`` (FSDP2), ``("pp", "dp_replicate", "dp_shard")`` (HSDP), each optionally with
@@ -92,29 +93,30 @@ class PipelineRank:
     ``"fp16/int8"``, or a dict by stage); its ``compile_stages`` (``True``, a dict of ``torch.compile`` arguments,
     ``False``) compiles this rank's stage modules (:mod:`fxpipe.runtime.execute.compiled`), by default (``None``)
     as the plan's were (``plan.compiled``), eager for a plan of eager stages; its ``deferred_batch_norm``
-    updates BatchNorm statistics once a batch. Its planning fields do not apply to a plan already made.
+    updates BatchNorm statistics once a batch; its ``leaf_modules`` are those the plan was made with, traced as one
+    node each here too. Its planning fields do not apply to a plan already made.
     """
 
     def __init__(self, plan: Plan | str | Path, model_fn: Callable[[], nn.Module],
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *, mesh: Any = None,
                  tp_plan: dict[str, Any] | None = None, reduction: str = "auto", checkpoint: str | None = None,
-                 group: Any = None, device: str | torch.device | None = None, timeout_s: float = 300.0,
-                 leaf_modules: Iterable[type | str] = (), broadcast_loss: bool = False, weights: Any = None,
-                 options: CompileOptions | None = None) -> None:
+                 device: str | torch.device | None = None, timeout_s: float = 300.0, broadcast_loss: bool = False,
+                 weights: Any = None, options: CompileOptions | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise FxpipeError("fxpipe.distributed needs torch.distributed initialised: run under torchrun and call "
                               "torch.distributed.init_process_group('gloo' or 'nccl') before PipelineRank")
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
         plan = load_plan(plan) if isinstance(plan, (str, Path)) else plan
-        self.mesh, self.dims = _mesh(mesh, plan, group, float(timeout_s))
+        group = mesh if isinstance(mesh, dist.ProcessGroup) else None   # one pipeline over that group's ranks
+        self.mesh, self.dims = _mesh("dp=1" if group is not None else mesh, plan, float(timeout_s))
         if tp_plan is not None and (self.dims is None or self.dims.tp == 1):
             raise ValueError("tp_plan was given but the mesh has no 'tp' dimension: add one "
                              "(mesh='tp=2', or ParallelDims(pp=..., tp=...)) or drop tp_plan")
         pp_group = group if self.mesh is None else self.mesh.get_group("pp")
         checkpoint = checkpoint or planned_mode(plan)
         self.ranked = build_stages(plan, model_fn, loss_fn, reduction=reduction, checkpoint=checkpoint,
-                                   group=pp_group, device=device, timeout_s=timeout_s, leaf_modules=leaf_modules,
+                                   group=pp_group, device=device, timeout_s=timeout_s,
                                    broadcast_loss=broadcast_loss, weights=weights, options=options)
         parallel = parallelize(self.ranked, self.dims, self.mesh, tp_plan, float(timeout_s))
         self.tp = parallel.tp
@@ -199,7 +201,7 @@ class PipelineRank:
         return self.replicas.step(inputs, target, kwargs)
 
 
-def _mesh(mesh: Any, plan: Plan, group: Any, timeout_s: float) -> tuple[Any, ParallelDims | None]:
+def _mesh(mesh: Any, plan: Plan, timeout_s: float) -> tuple[Any, ParallelDims | None]:
     """The ``DeviceMesh`` and degrees ``mesh`` (:class:`PipelineRank`) names, or ``(None, None)`` for one pipeline."""
     if isinstance(mesh, (str, dict)):
         dims, given = ParallelDims.from_spec(mesh, plan.workers), f"mesh={mesh!r}"
@@ -212,13 +214,10 @@ def _mesh(mesh: Any, plan: Plan, group: Any, timeout_s: float) -> tuple[Any, Par
             raise PlanMismatchError(f"the plan's mesh: {exc}; pass mesh= with one fxpipe runs") from exc
         given = f"the plan's mesh ({dims}; mesh='dp=1' runs one pipeline instead)"
     else:
-        return _user_mesh(mesh, plan, group, timeout_s)
+        return _user_mesh(mesh, plan, timeout_s)
     if dims is None or (dims.dp == 1 and dims.tp == 1):
         return None, None
     _refuse_ddp_over_tp(dims, given)
-    if group is not None:
-        raise ValueError(f"group= runs one pipeline over some of the processes, but {given} spans them all: pass "
-                         "mesh='dp=1' with group=, or leave group out")
     if (why := refusal(dims.layout, workers=plan.workers)) is not None:
         raise PlanMismatchError(f"{given}: {why.message}")
     try:
@@ -228,11 +227,9 @@ def _mesh(mesh: Any, plan: Plan, group: Any, timeout_s: float) -> tuple[Any, Par
     return built, dims
 
 
-def _user_mesh(mesh: Any, plan: Plan, group: Any, timeout_s: float) -> tuple[Any, ParallelDims]:
+def _user_mesh(mesh: Any, plan: Plan, timeout_s: float) -> tuple[Any, ParallelDims]:
     """A ``DeviceMesh`` the user made: its degrees checked against the plan, its waits bounded by ``timeout_s``."""
     dims = ParallelDims.from_mesh(mesh)   # names that say pp and a data parallelism (or tp), or the fix
-    if group is not None:
-        raise ValueError("pass group= (one pipeline over some of the processes) or mesh=, not both")
     _refuse_ddp_over_tp(dims, f"mesh {mesh.mesh_dim_names}")
     if dims.pp != plan.workers:
         world, w = mesh.size(), plan.workers

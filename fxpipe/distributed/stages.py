@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -110,9 +110,8 @@ class RankStages:
 def build_stages(plan: Plan | str | Path, model_fn: Callable[[], nn.Module],
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, *, reduction: str = "auto",
                  checkpoint: str = "except_last", group: Any = None, device: str | torch.device | None = None,
-                 timeout_s: float = 300.0, leaf_modules: Iterable[type | str] = (),
-                 broadcast_loss: bool = False, weights: Any = None, options: CompileOptions | None = None
-                 ) -> RankStages:
+                 timeout_s: float = 300.0, broadcast_loss: bool = False, weights: Any = None,
+                 options: CompileOptions | None = None) -> RankStages:
     """This rank's stages of ``plan`` in the pipeline of ``group`` (module docstring); the arguments are
     :class:`fxpipe.distributed.PipelineRank`'s."""
     if not dist.is_available() or not dist.is_initialized():
@@ -135,7 +134,7 @@ def build_stages(plan: Plan | str | Path, model_fn: Callable[[], nn.Module],
     else:
         model = model_fn()
     with tracing:
-        captured = capture_as_planned(model, plan.frontend, leaf_modules)
+        captured = capture_as_planned(model, plan.frontend, options.leaf_modules)
     if captured.fingerprint != plan.fingerprint:
         raise PlanMismatchError(f"rank {rank}: " + (captured.dtype_mismatch(plan.profile.get("dtype")) or
             f"the plan was made for another model ({plan.model}, fingerprint "

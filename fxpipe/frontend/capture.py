@@ -30,10 +30,9 @@ from fxpipe.frontend.kept_whole import KEEP_WHOLE, module_groups
 from fxpipe.frontend.input_record import record_inputs, recorded_inputs
 from fxpipe.frontend.modes import keeping_modes
 from fxpipe.frontend.trace import has_submodule, trace
+from fxpipe.options import FRONTENDS
 
 __all__ = ["Captured", "capture", "capture_as_planned", "hidden_layer_stacks", "FRONTENDS"]
-
-FRONTENDS = ("auto", "export", "fx")
 
 
 @dataclass
@@ -88,7 +87,8 @@ def _choose(model: nn.Module, frontend: str, leaf_modules: list[Any], concrete_a
     if frontend == "fx":
         if kwargs:
             raise ValueError("frontend='fx' binds inputs by position and cannot take example_kwargs: pass them "
-                             "in example_inputs in the forward's order, or use frontend='export' (or 'auto')")
+                             "in example_inputs in the forward's order, or use CompileOptions(frontend='export') "
+                             "(or 'auto')")
         return trace(model, leaf_modules, concrete_args), "fx", "frontend='fx' was asked for"
     if frontend == "export":
         return exported(), "export", "frontend='export' was asked for"

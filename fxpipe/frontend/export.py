@@ -72,9 +72,9 @@ def _fail(model: nn.Module, exc: BaseException) -> TraceError:
         return TraceError(
             f"the torch.export front end cannot keep the {region.operation} in {type(model).__name__}: the "
             "exported graph holds the operations but not the hook, so the pipeline would compute other gradients "
-            f"than the model\n  operation: {region.where}\n  fix: compile with frontend='fx' and make the module "
-            "that registers it a leaf (leaf_modules=[ThatModule] runs its forward as written, hook included), or "
-            "register the hook on the module's output from outside the model", module=None,
+            f"than the model\n  operation: {region.where}\n  fix: compile with CompileOptions(frontend='fx') and "
+            "make the module that registers it a leaf (leaf_modules=[ThatModule] runs its forward as written, hook "
+            "included), or register the hook on the module's output from outside the model", module=None,
             operation=region.where)
     if region is not None:
         return TraceError(
@@ -82,7 +82,7 @@ def _fail(model: nn.Module, exc: BaseException) -> TraceError:
             "records the operations inside it but not the region (it keeps no_grad, enable_grad, "
             f"set_grad_enabled and autocast regions, not this one), so the pipeline would compute other "
             f"gradients than the model\n  operation: {region.where}\n  fix: use `with torch.no_grad():` there "
-            "(kept), or compile with frontend='fx' and make the module that holds it a leaf "
+            "(kept), or compile with CompileOptions(frontend='fx') and make the module that holds it a leaf "
             "(leaf_modules=[ThatModule] runs its forward as written)", module=None, operation=region.where)
     text = str(exc).strip().splitlines()
     first = next((line for line in text if line.strip()), type(exc).__name__)
@@ -92,7 +92,7 @@ def _fail(model: nn.Module, exc: BaseException) -> TraceError:
         f"  operation: {where or 'no frame of the model in the traceback (torch.export failed in its own code)'}\n"
         "  fix: a model that returns objects torch.export does not know (a cache object: use_cache=False for "
         "Hugging Face models) or whose Python control flow depends on tensor values must be changed there, or "
-        "traced with frontend='fx' and leaf_modules=[...] around the untraceable part",
+        "traced with CompileOptions(frontend='fx', leaf_modules=[...]) around the untraceable part",
         module=None, operation=where or first,
     )
 
@@ -111,7 +111,8 @@ def _check_own_tensors(model: nn.Module, gm: fx.GraphModule) -> None:
             # A constant the program made (a lifted tensor constant) is fine; one of the model's is not.
             if node.target in own:
                 raise TraceError(f"torch.export gave a copy of {node.target!r} instead of the model's own tensor; "
-                                 "its gradient would not reach model.parameters(). fix: use frontend='fx'",
+                                 "its gradient would not reach model.parameters(). fix: use "
+                                 "CompileOptions(frontend='fx')",
                                  module=node.target.rpartition(".")[0] or None, operation=node.target)
 
 

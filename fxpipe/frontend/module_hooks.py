@@ -53,12 +53,13 @@ def check_module_hooks(gm: fx.GraphModule, model: nn.Module) -> None:
         raise ValueError(
             f"backward hook(s) on {', '.join(backward)}: the traced graph does not call these modules as "
             "themselves, so the pipeline would never call the hooks (and a hook that changes gradients would "
-            "leave it computing other gradients than the model); compile with frontend='fx' and "
-            "leaf_modules=[...] naming those modules (a leaf runs as written, hooks included), or remove the "
-            "hooks before compiling")
+            "leave it computing other gradients than the model); compile with "
+            "options=fxpipe.CompileOptions(frontend='fx', leaf_modules=[...]) naming those modules (a leaf runs "
+            "as written, hooks included), or remove the hooks before compiling")
     if forward:
         warnings.warn(
             f"forward hook(s) on {', '.join(forward[:5])}{' and more' if len(forward) > 5 else ''} ran once "
             "while the model was traced: what they do to values is in the graph, but the pipeline will not call "
             "them (a hook that saves activations or counts calls sees nothing). Make those modules leaves "
-            "(frontend='fx', leaf_modules=[...]) if the hooks must run", UserWarning, stacklevel=3)
+            "(fxpipe.CompileOptions(frontend='fx', leaf_modules=[...])) if the hooks must run", UserWarning,
+            stacklevel=3)

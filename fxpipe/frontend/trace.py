@@ -209,7 +209,8 @@ def _trace_once(model: nn.Module, tracer: _Tracer, concrete_args: dict[str, Any]
             "the computation but not the assignment, so the pipeline would never update it\n"
             f"  operation: assignment to {exc.where}\n"
             "  fix: update it in place (self.x.add_(1), self.x.mul_(0.9).add_(y, alpha=0.1)), which torch.fx "
-            "records, or compile with frontend='export' (or 'auto' with example_inputs), which records it",
+            "records, or compile with options=fxpipe.CompileOptions(frontend='export') (or 'auto' with "
+            "example_inputs), which records it",
             module=exc.module or None, operation=f"assignment to {exc.where}") from None
     except Exception as exc:  # fx raises TraceError, TypeError, RuntimeError, AttributeError...
         module = tracer.failed_in or ""
@@ -217,10 +218,11 @@ def _trace_once(model: nn.Module, tracer: _Tracer, concrete_args: dict[str, Any]
         where = f"submodule {module!r} ({kind})" if module else f"the model's own forward ({kind})"
         region = dropped_region(exc)
         if region is not None:
-            fix = (f"make the module that holds it a leaf: fxpipe.compile(..., leaf_modules=[{kind}]) runs its "
-                   "forward as written, region included, inside one stage" if module else
-                   "move the region into a submodule and make that a leaf (fxpipe.compile(..., "
-                   "leaf_modules=[ThatModule]) runs its forward as written, region included)")
+            fix = (f"make the module that holds it a leaf: fxpipe.compile(..., options=fxpipe.CompileOptions("
+                   f"leaf_modules=[{kind}])) runs its forward as written, region included, inside one stage"
+                   if module else "move the region into a submodule and make that a leaf (fxpipe.compile(..., "
+                   "options=fxpipe.CompileOptions(leaf_modules=[ThatModule])) runs its forward as written, region "
+                   "included)")
             raise TraceError(
                 f"the torch.fx front end cannot keep the {region.operation} in {where}: tracing records the "
                 "operations inside it but not the region, so the pipeline would compute other gradients or "
@@ -228,7 +230,8 @@ def _trace_once(model: nn.Module, tracer: _Tracer, concrete_args: dict[str, Any]
                 "the model's forward (around the whole call, `with torch.autocast(...): pipe(x)`, it is kept)",
                 module=module or None, operation=region.where,
             ) from exc
-        fix = (f"make it a leaf: fxpipe.compile(..., leaf_modules=[{kind}]) keeps it whole inside one stage"
+        fix = (f"make it a leaf: fxpipe.compile(..., options=fxpipe.CompileOptions(leaf_modules=[{kind}])) keeps "
+               "it whole inside one stage"
                if module else "pass concrete_args for the input that drives the control flow, "
                "or move the untraceable code into a submodule and make that a leaf")
         forced = sorted(f for f in tracer.forced if not module or module == f or module.startswith(f + "."))
@@ -298,8 +301,9 @@ def _refuse_variadic_forward(model: nn.Module) -> None:
         raise TraceError(
             f"torch.fx cannot trace the model's own forward ({type(model).__name__}): it takes {shown}, which "
             "torch.fx makes one input holding all those values, where the pipeline binds one input per "
-            f"argument\n  operation: def forward(self, ..., {shown})\n  fix: compile with frontend='export' "
-            "(or 'auto' with example_inputs), which binds every value, or name the arguments in forward",
+            f"argument\n  operation: def forward(self, ..., {shown})\n  fix: compile with "
+            "options=fxpipe.CompileOptions(frontend='export') (or 'auto' with example_inputs), which binds every "
+            "value, or name the arguments in forward",
             module=None, operation=f"forward(..., {shown})")
 
 

@@ -25,18 +25,36 @@ from solvers.layout import DP_MODES, Layout, check_layout, mesh_fields, parse_la
 from solvers.mesh import MeshProblem, allreduce_s
 from solvers.mesh_search import MeshChoice, MeshSearch
 
-__all__ = ["mesh_costs", "mesh_fields", "mesh_record", "mesh_rows", "mesh_sequence_parallel", "parse_mesh",
+__all__ = ["MeshAsked", "ask_mesh", "mesh_costs", "mesh_fields", "mesh_record", "mesh_rows", "parse_mesh",
            "plan_for_choice"]
 
 
-def mesh_sequence_parallel(spec: Any, given: bool | None) -> bool:
-    """Whether a mesh is planned with sequence parallelism: ``given`` (``fxpipe.plan(sequence_parallel=)``), else
-    the spelling's ``sp``, else on (as torchtitan runs tensor parallelism and ``PipelineRank`` runs it by
-    default); ``ValueError`` where the two disagree."""
-    said = None if spec == "auto" or not isinstance(spec, (str, dict)) else parse_layout(spec).sequence_parallel
-    if given is not None and said is not None and bool(given) != said:
-        raise ValueError(f"mesh {spec!r} says sp={int(said)} but sequence_parallel={given}: say it once")
-    return bool(given if given is not None else (said if said is not None else True))
+@dataclasses.dataclass(frozen=True)
+class MeshAsked:
+    """A ``mesh=`` of :func:`fxpipe.plan` read once: the shapes to plan (empty: every shape, ``"auto"``) and
+    whether tensor parallelism also shards the activations by sequence (the spelling's ``sp``, else on, as
+    torchtitan runs tensor parallelism and ``PipelineRank`` runs it by default)."""
+
+    shapes: tuple[Layout, ...]
+    sequence_parallel: bool
+    spelling: Any
+
+
+def ask_mesh(spec: Any, world: int) -> MeshAsked:
+    """Read ``mesh=`` once (:class:`MeshAsked`): ``"auto"`` (``"auto,sp=0"``: every shape, tensor parallelism
+    without sequence parallelism) or a shape as :func:`parse_mesh` takes it; ``ValueError`` or ``TypeError``
+    naming what is wrong, before anything is costed. A :class:`MeshAsked` is returned as it is."""
+    if isinstance(spec, MeshAsked):
+        return spec
+    if isinstance(spec, str) and spec.split(",")[0].strip() == "auto":
+        rest = [part.strip() for part in spec.split(",")[1:] if part.strip()]
+        if {part.split("=")[0].strip() for part in rest} - {"sp"}:
+            raise ValueError(f"mesh {spec!r}: 'auto' searches every shape and takes only sp= beside it "
+                             "('auto,sp=0'); fix the shape instead ('pp=2,dp=4,tp=1')")
+        said = parse_layout(",".join(rest)).sequence_parallel if rest else None
+        return MeshAsked((), True if said is None else said, spec)
+    said = parse_layout(spec).sequence_parallel if isinstance(spec, (str, dict)) else None
+    return MeshAsked(tuple(parse_mesh(spec, world)), True if said is None else said, spec)
 
 
 def parse_mesh(spec: Any, world: int) -> list[Layout]:

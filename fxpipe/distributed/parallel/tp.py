@@ -252,5 +252,5 @@ def locate_tp_layers(stage_modules: Sequence[nn.Module], plan: TPPlan, model: nn
             raise TPPlanError(
                 f"a stage boundary cuts the tensor-parallel block {group[0].rpartition('.')[0]} ({where}): the wire "
                 "would carry a sharded value; plan with its layers in one stage (cuts between blocks, e.g. "
-                "leaf_modules=[TheBlockClass]) or pass tp_plan=... without this block")
+                "CompileOptions(leaf_modules=[TheBlockClass])) or pass tp_plan=... without this block")
     return located
