@@ -12,7 +12,6 @@ from typing import Any
 from torch import nn
 
 from fxpipe.cost.devices import Devices
-from fxpipe.cost.optimizer_state import optimizer_state_factor
 from fxpipe.options import CompileOptions
 from fxpipe.errors import InfeasiblePlanError
 from fxpipe.planning.mesh_chain import chain_pieces, levels_of, pipeline_ranks
@@ -67,7 +66,7 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
     samples = costed.batch / costed.profiled
     launch = costed.spec.launch_s
     pieces, cuts, broadcast, piece_nodes = chain_pieces(costed.captured.graph, costed.costs, samples, launch)
-    factor = optimizer_state_factor(optimizer, costed.dtype)
+    factor = costed.state_factor(optimizer)
     grad = min(1.0, factor)
     memory = (options.memory_bytes[0] if options is not None and options.memory_bytes is not None
               else devices.specs[0].memory_bytes)
@@ -127,7 +126,7 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
     result, choice = best
     result.mesh = mesh_record(choice, problem, pipeline_ranks(choice.mesh.pp, choice.mesh.dp, choice.mesh.tp,
                                                               choice.mesh.order))
-    result.layout = choice_layout(choice, problem)
+    result.layout = dataclasses.replace(choice_layout(choice, problem), precision=result.layout.precision)
     result.solver.update(mesh_search=mesh_rows(search, problem, choice, result), mesh_search_s=search.time_s,
                          mesh_candidates=search.tried, mesh_refused=failures, mesh_costed=costed_rows)
     return with_model_flops(result, costed)

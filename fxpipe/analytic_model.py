@@ -18,6 +18,8 @@ from fxpipe.cost.optimizer_state import optimizer_state_factor, training_dtype
 from fxpipe.cost.profile import NodeCost, profile_graph
 from fxpipe.distributed.parallel.tp_plans import tp_refusal
 from fxpipe.frontend.capture import Captured, capture
+from fxpipe.frontend.precision import (COMPUTE_DTYPE, is_mixed, resolve_precision, traced_as_computed,
+                                       with_precision)
 from fxpipe.options import CompileOptions
 from fxpipe.planning.plan import Plan
 from fxpipe.planning.planner import Planner
@@ -50,6 +52,23 @@ class AnalyticModel:
     #: the example inputs' names, dtypes and shapes (:func:`fxpipe.runtime.checks.guards.input_signature`): a call of
     #: another dtype or rank is refused before its step, as for a compiled plan
     signature: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    #: what the plan runs (:mod:`fxpipe.frontend.precision`): the graph was rewritten for it before costing
+    precision: str = "fp32"
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the step computes in: bfloat16 under ``"bf16-mixed"``, else the parameters'."""
+        return COMPUTE_DTYPE if is_mixed(self.precision) else self.dtype
+
+    def state_factor(self, optimizer: str) -> float:
+        """Bytes kept per parameter byte besides the parameter (:func:`optimizer_state_factor`), with the bfloat16
+        compute copy under ``"bf16-mixed"`` (:func:`fxpipe.frontend.precision.compute_copy` keeps one a parameter)."""
+        factor = optimizer_state_factor(optimizer, self.dtype)
+        return factor + (0.5 if is_mixed(self.precision) and factor > 0 else 0.0)   # 2 B per 4 B parameter
+
+    def rate(self, spec: DeviceSpec) -> float:
+        """``spec``'s achievable FLOP/s in :attr:`compute_dtype` (float32's where it has no figure for it)."""
+        return spec.flops.get(str(self.compute_dtype).removeprefix("torch."), spec.flops["float32"])
 
 
 def cost_model(model: nn.Module, example_inputs: tuple, spec: DeviceSpec, micro_batches: int | None = None, *,
@@ -62,8 +81,12 @@ def cost_model(model: nn.Module, example_inputs: tuple, spec: DeviceSpec, micro_
     options = options or CompileOptions()
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    captured = capture(model, options.leaf_modules, options.concrete_args, options.frontend,   # 1. trace
-                       example_inputs, example_kwargs, options.batch_dim, other_mode=False)   # nothing runs the graph
+    precision = resolve_precision(options.precision, training_dtype(model), gpu_plan=False)   # asked, or own
+    frontend = "export" if is_mixed(precision) and options.frontend == "auto" else options.frontend   # flat graph
+    with traced_as_computed(model, precision):
+        captured = capture(model, options.leaf_modules, options.concrete_args, frontend,   # 1. trace
+                           example_inputs, example_kwargs, options.batch_dim, other_mode=False)   # nothing runs it
+    with_precision(captured, precision)
     inputs = example_inputs
     if captured.graph.meta.get("fxpipe_in_spec") is not None:   # torch.export's flat graph: its leaves
         inputs = FlatInputs(flat_inputs(example_inputs, example_kwargs or {}, captured.graph.meta["fxpipe_in_spec"])[0])
@@ -80,15 +103,14 @@ def cost_model(model: nn.Module, example_inputs: tuple, spec: DeviceSpec, micro_
     costs = profile_graph(captured.graph, first, torch.device("cpu"), mode="analytic", spec=spec)   # 2. cost
     return AnalyticModel(captured, costs, batch, most, profiled, layout, training_dtype(model), model.training,
                          type(model).__name__, spec, functools.lru_cache(functools.partial(tp_refusal, model)),
-                         input_signature(captured.graph, tuple(inputs)))
+                         input_signature(captured.graph, tuple(inputs)), precision)
 
 
 def with_model_flops(result: Plan, costed: AnalyticModel) -> Plan:
     """``result`` with a step's model FLOPs and, planned for a preset, its devices' dense peak
     (:mod:`fxpipe.planning.throughput`): the costs are one micro-batch's of ``costed.profiled``."""
-    dtype = str(costed.dtype).removeprefix("torch.")
     preset = costed.spec.name in {spec.name for spec, _ in PRESETS.values()}
-    rate = costed.spec.flops.get(dtype, costed.spec.flops["float32"])
+    rate = costed.rate(costed.spec)
     throughput.record(result, sum(c.flops for c in costed.costs.values()) * costed.profiled,
                       rate / ACHIEVABLE["flops"] if preset else None)
     return result
@@ -103,7 +125,7 @@ def planner_for(costed: AnalyticModel, devices: Devices, *, schedule: str = "1f1
     """The :class:`Planner` of ``costed`` on ``devices`` (its first ``len(devices)`` workers, or fewer for a
     fixed ``stages`` of several stages per worker), at ``costed.profiled`` micro-batches."""
     options = options or CompileOptions()
-    factor = optimizer_state_factor(optimizer, costed.dtype)
+    factor = costed.state_factor(optimizer)
     all_ids = [torch.device(i) for i in devices.ids]
     workers = worker_devices(all_ids, schedule, virtual_stages, stages, costed.profiled)
     n = len(workers)
@@ -112,9 +134,7 @@ def planner_for(costed: AnalyticModel, devices: Devices, *, schedule: str = "1f1
     if len(memory) < n:
         raise ValueError(f"options.memory_bytes has {len(memory)} entries for {n} devices")
     dtype = str(costed.dtype).removeprefix("torch.")
-
-    def rate(s: DeviceSpec) -> float:
-        return s.flops.get(dtype, s.flops["float32"])
+    rate = costed.rate
     return Planner(gm=costed.captured.graph, fingerprint=costed.captured.fingerprint, model_name=costed.model_name,
                    devices=workers, all_devices=all_ids, memory_bytes=memory[:n], chunks=costed.profiled,
                    stages=stages, virtual_stages=virtual_stages, schedule=schedule, checkpoint=checkpoint,
@@ -125,4 +145,5 @@ def planner_for(costed: AnalyticModel, devices: Devices, *, schedule: str = "1f1
                                   "inputs": costed.signature},
                    links=links_from_classes([row[:n] for row in devices.link_classes[:n]], devices.bandwidth_Bps),
                    speeds=[rate(s) / rate(specs[0]) for s in specs], hosts=list(devices.nodes[:n]),
-                   time_limit_s=PLAN_TIME_LIMIT_S if options.time_limit_s is None else options.time_limit_s)
+                   time_limit_s=PLAN_TIME_LIMIT_S if options.time_limit_s is None else options.time_limit_s,
+                   precision=costed.precision)

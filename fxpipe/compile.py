@@ -19,8 +19,10 @@ from fxpipe.checks import (auto_schedules, batch_layout, check_arguments, check_
                            warn_buffer_updates, worker_devices)
 from fxpipe.cost.cpu import CpuHost
 from fxpipe.cost.node_costs import node_costs
+from fxpipe.cost.optimizer_state import training_dtype
 from fxpipe.cost.profile import MEASURED_NOISE
 from fxpipe.frontend.capture import capture
+from fxpipe.frontend.precision import is_mixed, resolve_precision, traced_as_computed, with_precision
 from fxpipe.frontend.failures import judged_by_the_model
 from fxpipe.frontend.module_hooks import check_module_hooks
 from fxpipe.options import CompileOptions, ProfileOptions
@@ -124,7 +126,9 @@ def compile(
         refuse_split_backward(plan.schedule, compiled)
         checkpoint = planned_mode(plan) if checkpoint == "auto" else checkpoint   # a plan has chosen already
     given = (example_inputs, example_kwargs)   # as the caller passed them, for the model run as written
-    captured, model, example_inputs = _capture(model, plan, example_inputs, example_kwargs, options)   # 1. trace
+    precision = _precision(options, plan, model)
+    captured, model, example_inputs = _capture(model, plan, example_inputs, example_kwargs, options,   # 1. trace
+                                               precision)
     host = CpuHost() if any(d.type == "cpu" for d in devs) else UNSHARED
 
     built: dict[tuple, list] = {}   # compiled stages by cuts and devices: the refinement's rounds compile once
@@ -163,6 +167,7 @@ def compile(
                       optimizer_state_factor=options.optimizer_state_factor, batch=batch, profile=profiling.mode,
                       training=model.training, batch_dims=layout.to_dict(), frontend=captured.frontend,
                       keep_blocks_whole=options.keep_blocks_whole, time_limit_s=options.time_limit_s,
+                      precision=precision,
                       profile_extra={"threads": torch.get_num_threads(), "from_cache": costed.cached,
                                      "inputs": input_signature(captured.graph, example_inputs)},
                       compression=options.compression, codec_s_per_byte=codec_cost(options.compression, workers[0]))
@@ -229,7 +234,7 @@ def _cost(model: nn.Module, captured: Any, example_inputs: Any, given: tuple, la
 
 
 def _capture(model: Any, plan: Plan | None, example_inputs: tuple | None, example_kwargs: dict[str, Any] | None,
-             options: CompileOptions) -> tuple[Any, nn.Module, Any]:
+             options: CompileOptions, precision: str | None) -> tuple[Any, nn.Module, Any]:
     """Step 1: the model's graph (traced as a loaded plan's model was, so the fingerprints compare), the module
     the pipeline runs (an ExportedProgram's graph module), and the example inputs as the flat graph's leaves
     (profiling, checks and refinement run the graph on them)."""
@@ -239,8 +244,12 @@ def _capture(model: Any, plan: Plan | None, example_inputs: tuple | None, exampl
     if frontend == "export" and example_inputs is None:
         raise ValueError("the torch.export front end traces the model on example inputs: pass example_inputs "
                          "(and example_kwargs) with plan=, as for the compile that made the plan")
-    captured = capture(model, options.leaf_modules, options.concrete_args, frontend, example_inputs, example_kwargs,
-                       options.batch_dim)
+    if frontend == "auto" and plan is None and is_mixed(precision):
+        frontend = "export"   # bf16-mixed reads every parameter in the graph: torch.export's flat graph
+    with traced_as_computed(model, precision):
+        captured = capture(model, options.leaf_modules, options.concrete_args, frontend, example_inputs,
+                           example_kwargs, options.batch_dim)
+    with_precision(captured, precision)
     if example_inputs is not None and captured.graph.meta.get("fxpipe_in_spec") is not None:
         example_inputs = FlatInputs(flat_inputs(example_inputs, example_kwargs or {},
                                                 captured.graph.meta["fxpipe_in_spec"])[0])
@@ -249,6 +258,21 @@ def _capture(model: Any, plan: Plan | None, example_inputs: tuple | None, exampl
     if options.deferred_batch_norm and convert_deferred_batch_norm(captured.graph) == 0:
         log.info("deferred_batch_norm=True but %s has no BatchNorm layer", type(model).__name__)
     return captured, model, example_inputs
+
+
+def _precision(options: CompileOptions, plan: Plan | None, model: Any) -> str | None:
+    """The precision the pipeline runs (:mod:`fxpipe.frontend.precision`): a loaded plan's, else
+    ``options.precision`` checked against the model's dtype, else the model's own (a measured plan runs the
+    model as built; ``"bf16-mixed"`` is asked for)."""
+    if plan is not None:
+        planned = plan.layout.precision
+        if options.precision is not None and planned is not None and options.precision != planned:
+            raise ValueError(f"options.precision={options.precision!r} but the plan was made for {planned!r}: "
+                             "leave precision out with plan= (the plan says it), or plan again")
+        return planned
+    if not isinstance(model, nn.Module):   # a GraphModule or ExportedProgram as given: its own dtypes
+        return options.precision
+    return resolve_precision(options.precision, training_dtype(model), gpu_plan=False)
 
 
 def predict_shared_step(pipe: Pipeline) -> Pipeline:

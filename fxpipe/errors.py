@@ -24,7 +24,7 @@ class PlanMismatchError(FxpipeError):
 
 
 class PlanFormatError(FxpipeError, ValueError):
-    """A plan file is not a valid plan document (``fxpipe-plan/3``, or an earlier format it migrates)."""
+    """A plan file is not a valid plan document (``fxpipe-plan/4``, or an earlier format it migrates)."""
 
 
 class InfeasiblePlanError(FxpipeError):

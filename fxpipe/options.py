@@ -188,6 +188,12 @@ class CompileOptions:
             ``torch.compile(model, ...)``. The stages are timed compiled before the final plan, the compile time
             is reported apart (``plan.compiled``, ``plan.summary()``), and ``zb-h1``/``zb-v`` are refused
             (their split backward would run a compiled backward twice).
+        precision: what the parameters are kept in and the step computes in (:mod:`fxpipe.frontend.precision`):
+            ``"bf16-mixed"`` (float32 parameters, gradients and optimizer state; forward and backward in
+            bfloat16, as FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``; a float32
+            model), or the model as it is built, ``"fp32"`` / ``"bf16"`` / ``"fp16"`` (the model's dtype, checked).
+            ``None`` (default): the model's own dtype (``"bf16-mixed"`` is asked for, for now also for GPU
+            presets). The plan records it (``plan.layout.precision``) and the ranks run it.
         time_limit_s: the cut solver's limit per solve; ``None`` (default): ``fxpipe.compile``'s 10 s,
             ``fxpipe.plan``'s 2 s (its auto search solves once or twice per schedule and micro-batch count; a
             search stopped by it says so with its gap in the plan).
@@ -206,9 +212,15 @@ class CompileOptions:
     keep_blocks_whole: bool = True
     compression: str | Mapping[int, str] | None = None
     compile_stages: bool | Mapping[str, Any] | None = None
+    precision: str | None = None
     time_limit_s: float | None = None
 
     def __post_init__(self) -> None:
+        from solvers.layout import PRECISIONS   # torch-free: the layout record's spellings
+
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)} or None (the default: bf16-mixed "
+                             f"for GPU presets in fxpipe.plan, else the model's own dtype), got {self.precision!r}")
         if self.frontend not in FRONTENDS:
             raise ValueError(f"frontend must be one of {', '.join(FRONTENDS)}, got {self.frontend!r}")
         if isinstance(self.leaf_modules, (str, type)):

@@ -3,7 +3,8 @@ mesh: ``"pp=2,dp=4,dp_mode=shard"`` or ``"dp_shard=4"``, as a string or a dict.
 
 :class:`Layout` is the one record of how a step runs, from the search to the ranks: the degrees (pp,
 dp_replicate, dp_shard, tp), the data-parallel mode, the order, sequence parallelism, the schedule with its
-virtual stages per device, and each stage's recomputation. The mesh search enumerates layouts
+virtual stages per device, each stage's recomputation, and the precision (:data:`PRECISIONS`: the dtype the
+parameters and the optimizer's state are kept in and the one the forward and backward compute in). The mesh search enumerates layouts
 (:func:`solvers.mesh.mesh_shapes`: :meth:`Layout.of` each shape) and returns its choice as one
 (:func:`solvers.mesh_search.choice_layout`); a plan stores the one it runs whole (``plan.layout``, the plan
 JSON's ``layout``: :meth:`Layout.to_dict`); the ranks build their ``DeviceMesh`` from it
@@ -11,7 +12,9 @@ JSON's ``layout``: :meth:`Layout.to_dict`); the ranks build their ``DeviceMesh``
 
 One spelling for each field: the data-parallel mode is :attr:`Layout.dp_mode` (``"shard"``: FSDP2, HSDP
 with ``dp_replicate`` > 1; ``"replicate"``: DDP; ``None``: not said, which only a mesh spelling leaves);
-recomputation is one of :data:`RECOMPUTATION` per stage (``"always"``: the whole stage, every micro-batch).
+recomputation is one of :data:`RECOMPUTATION` per stage (``"always"``: the whole stage, every micro-batch);
+precision is one of :data:`PRECISIONS` (``"bf16-mixed"``: float32 parameters, gradients and optimizer state,
+bfloat16 compute, :mod:`fxpipe.frontend.precision`; ``None``: not said, the model's own dtype).
 
 ``fxpipe plan --mesh`` / ``fxpipe.plan(mesh=...)`` and ``python -m fxpipe.launch --mesh`` /
 ``PipelineRank(mesh=...)`` all read a mesh with :func:`parse_layout`, so either spelling means the same layout:
@@ -39,7 +42,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-__all__ = ["DP_MODES", "KEYS", "ORDERS", "RECOMPUTATION", "Layout", "LayoutError", "Refusal", "check_layout",
+__all__ = ["DP_MODES", "KEYS", "ORDERS", "PRECISIONS", "RECOMPUTATION", "Layout", "LayoutError", "Refusal", "check_layout",
            "is_recomputation", "mesh_fields", "parse_layout", "refusal"]
 
 DP_MODES = ("replicate", "shard")
@@ -47,7 +50,9 @@ ORDERS = ("pp-dp-tp", "dp-pp-tp")
 #: a stage's recomputation: none, the whole stage (every micro-batch), each block, every other block, the
 #: cheap parts of each block (:func:`fxpipe.planning.memory_model.block_mode`)
 RECOMPUTATION = ("never", "always", "except_last", "blocks", "blocks:2", "selective")
-
+#: what the parameters (with their gradients and the optimizer's state) are kept in and what the step computes
+#: in: one dtype for both (the model as it is built), or float32 kept and bfloat16 computed (``"bf16-mixed"``)
+PRECISIONS = ("fp32", "bf16", "fp16", "fp64", "bf16-mixed")
 
 
 def is_recomputation(mode: Any) -> bool:
@@ -76,7 +81,8 @@ class Layout:
     """A run's layout (module docstring). From a mesh spelling (:func:`parse_layout`) only the degrees are said:
     ``pp`` ``None`` where it was left out, ``dp_mode`` ``None`` where the mode was, ``sequence_parallel`` ``None``
     where ``sp`` was (on). A plan's or the search's says everything: ``schedule``, ``virtual_stages`` (stages per
-    device) and ``recomputation``, each stage's mode (:data:`RECOMPUTATION`) in stage order."""
+    device), ``recomputation``, each stage's mode (:data:`RECOMPUTATION`) in stage order, and ``precision``
+    (:data:`PRECISIONS`; ``None`` in a plan of an older format: the model's own dtype)."""
 
     pp: Optional[int] = None
     dp_replicate: int = 1
@@ -88,6 +94,7 @@ class Layout:
     schedule: Optional[str] = None
     virtual_stages: int = 1
     recomputation: tuple[str, ...] = ()
+    precision: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in DEGREES:
@@ -114,6 +121,8 @@ class Layout:
             raise LayoutError(f"recomputation {bad[0]!r} is not one of {RECOMPUTATION} (blocks:K for every K-th "
                               "block)", "recomputation")
         object.__setattr__(self, "recomputation", tuple(self.recomputation))
+        if self.precision not in (None, *PRECISIONS):
+            raise LayoutError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}", "precision")
 
     @classmethod
     def of(cls, pp: int, dp: int, tp: int, dp_mode: str = "replicate", order: str = ORDERS[0]) -> "Layout":
@@ -145,9 +154,10 @@ class Layout:
         return "hsdp" if self.dp_replicate > 1 else "shard"
 
     def degrees(self) -> "Layout":
-        """The degrees, mode, order and sequence parallelism alone (what a mesh spelling says)."""
+        """The degrees, mode, order, sequence parallelism and precision alone (what a layout says beyond a plan's
+        schedule, stages and recomputation)."""
         return Layout(self.pp, self.dp_replicate, self.dp_shard, self.tp, self.dp_mode, self.order,
-                      self.sequence_parallel)
+                      self.sequence_parallel, precision=self.precision)
 
     def label(self) -> str:
         """``pp=2 dp=4(fsdp) tp=1`` (``dp-outer`` for that order): the shape, as the mesh tables show it."""

@@ -137,7 +137,7 @@ def _saved(compiled, tmp_path, change) -> str:
 
 
 @pytest.mark.parametrize("change,message", [
-    (lambda d: d.update(format="fxpipe-plan/9"), "this fxpipe reads 'fxpipe-plan/3'"),
+    (lambda d: d.update(format="fxpipe-plan/9"), "this fxpipe reads 'fxpipe-plan/4'"),
     (lambda d: d.update(chunks="4"), r"chunks: '4' is not of type 'integer'"),
     (lambda d: d.update(chunks=10**18), "chunks: .* is greater than the maximum"),
     (lambda d: d.update(batch_size=-3), "batch_size: -3 is less than the minimum"),

@@ -99,7 +99,7 @@ def test_a_plan_stores_its_layout_whole_and_plans_of_format_2_migrate(costed, tm
     _, _, devices, c = costed
     plan = analytic.plan_costed_mesh(c, devices, mesh, schedule="1f1b", chunks=2)
     doc = plan.to_dict()
-    assert doc["format"] == "fxpipe-plan/3" and doc["layout"] == plan.layout.to_dict()
+    assert doc["format"] == "fxpipe-plan/4" and doc["layout"] == plan.layout.to_dict()
     assert not {"pp", "dp", "tp", "dp_mode"} & set(doc["mesh"])
     assert fxpipe.Plan.from_dict(json.loads(json.dumps(doc))).layout == plan.layout
     layout = plan.layout

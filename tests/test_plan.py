@@ -77,7 +77,7 @@ def test_loading_is_json_only(tmp_path):
 
 
 @pytest.mark.parametrize("doc,message", [
-    ({"format": "fxpipe-plan/0"}, "this fxpipe reads 'fxpipe-plan/3'"),
+    ({"format": "fxpipe-plan/0"}, "this fxpipe reads 'fxpipe-plan/4'"),
     ({"format": PLAN_FORMAT, "fingerprint": "x"}, "'model' is a required property"),
     ([], "must be a JSON object"),
 ])

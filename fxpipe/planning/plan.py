@@ -138,6 +138,8 @@ class Plan:
             out.append(f"front end: {self.frontend.get('name', '?')} ({self.frontend.get('reason', '')})")
         if self.compiled:
             out.append(compiled_line(self.compiled))
+        if self.layout.precision in PRECISION_LINES:
+            out.append(f"precision: {self.layout.precision} ({PRECISION_LINES[self.layout.precision]})")
         cuts = [boundary_name(a.modules[-1], b.modules[0])
                 for a, b in zip(self.stages, self.stages[1:]) if a.modules and b.modules]
         if cuts:
@@ -308,7 +310,7 @@ class Plan:
         return {"format": PLAN_FORMAT, **doc, "layout": self.layout.to_dict()}
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
+        return json.dumps(self.to_dict(), indent=1, default=_json_scalar)
 
     def save(self, path: str | Path) -> None:
         """Write the plan as JSON to ``path``."""
@@ -330,6 +332,14 @@ class Plan:
         return plan
 
 
+def _json_scalar(value: Any) -> Any:
+    """A numpy scalar a solver left in a plan's record (a time-limited search's ``optimal`` as ``numpy.bool_``) as
+    the Python value JSON writes; anything else is refused as ``json`` refuses it."""
+    if hasattr(value, "item") and getattr(value, "shape", None) == ():
+        return value.item()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
 def _agrees(plan: Plan, stored: Layout) -> None:
     """A stored layout's schedule, stages per device and recomputation (where it says them) are the plan's."""
     runs = plan.layout
@@ -344,6 +354,12 @@ def _agrees(plan: Plan, stored: Layout) -> None:
 def load_plan(path: str | Path) -> Plan:
     """Read a plan saved by :meth:`Plan.save`. Parses JSON only, with bounded memory; never executes code."""
     return Plan.from_dict(read_plan_document(path))
+
+
+#: the summary's line for a precision that is not a model's float32 as built (fxpipe.frontend.precision)
+PRECISION_LINES = {
+    "bf16-mixed": "float32 parameters, gradients and optimizer state; forward and backward in bfloat16",
+}
 
 
 def compiled_line(compiled: dict[str, Any]) -> str:

@@ -10,7 +10,9 @@ bounds: at most a million micro-batches, 65536 stages, no unknown keys. The sche
 ``mesh`` field; a pipeline over all its devices) reads as ``fxpipe-plan/2`` without a mesh; ``fxpipe-plan/2``
 (the degrees in ``mesh``) reads as ``fxpipe-plan/3``, whose ``layout`` is the one record of the degrees, the
 data-parallel mode, the order, sequence parallelism, the schedule and each stage's recomputation
-(:class:`solvers.layout.Layout`), ``mesh`` keeping where its dimensions run.
+(:class:`solvers.layout.Layout`), ``mesh`` keeping where its dimensions run; ``fxpipe-plan/3`` reads as
+``fxpipe-plan/4``, whose layout also says the precision (the model's own dtype's for an older plan: it ran
+the model as it was built, :func:`_precision_of_v3`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from fxpipe.errors import PlanFormatError
 
 __all__ = ["MAX_PLAN_BYTES", "MIGRATIONS", "PLAN_FORMAT", "check_plan_document", "plan_schema", "read_plan_document"]
 
-PLAN_FORMAT = "fxpipe-plan/3"
+PLAN_FORMAT = "fxpipe-plan/4"
 MAX_PLAN_BYTES = 64 * 2**20
 _DEGREES = ("pp", "dp", "tp", "dp_mode", "order", "sequence_parallel")
 
@@ -52,9 +54,22 @@ def _layout_of_v2(doc: dict[str, Any]) -> dict[str, Any]:
     return {**doc, "format": "fxpipe-plan/3", "mesh": mesh, "layout": layout}
 
 
+_DTYPE_PRECISIONS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
+
+
+def _precision_of_v3(doc: dict[str, Any]) -> dict[str, Any]:
+    """An ``fxpipe-plan/3`` document as ``/4``: the layout says the precision, the one its model trained in as
+    built (``profile["dtype"]`` where the plan recorded it: ``fxpipe.plan``'s; else unsaid, the model's own)."""
+    layout = dict(doc.get("layout") or {})
+    dtype = (doc.get("profile") or {}).get("dtype") if isinstance(doc.get("profile"), dict) else None
+    layout.setdefault("precision", _DTYPE_PRECISIONS.get(dtype) if isinstance(dtype, str) else None)
+    return {**doc, "format": "fxpipe-plan/4", "layout": layout}
+
+
 MIGRATIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "fxpipe-plan/1": lambda doc: {**doc, "format": "fxpipe-plan/2"},   # /2 added the optional "mesh"
     "fxpipe-plan/2": _layout_of_v2,                                     # /3: the degrees in "layout"
+    "fxpipe-plan/3": _precision_of_v3,                                  # /4: the precision in "layout"
 }
 """``format`` of an older plan -> a function returning the document in the next format."""
 

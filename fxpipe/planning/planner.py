@@ -93,6 +93,7 @@ class Planner:
     speeds: list[float] | None = None
     hosts: list[int] | None = None
     time_limit_s: float | None = None  # the solver's per solve (None: solvers.solve's default, 10 s)
+    precision: str | None = None       # the layout's (solvers.layout.PRECISIONS; fxpipe.frontend.precision)
     # blocks kept in one stage where a plan can (fxpipe.planning.grouped): found once per graph, and carried
     # by dataclasses.replace to the planners an auto search makes (None: found from gm)
     grouping: Grouping | None = None
@@ -222,6 +223,8 @@ class Planner:
             plan.devices = [str(d) for d in self.all_devices]
         plan.schedule, plan.virtual_stages = self.schedule, v
         plan.batch_dims, plan.frontend = dict(self.batch_dims), dict(self.frontend)
+        if self.precision is not None:
+            plan.layout = dataclasses.replace(plan.layout, precision=self.precision)
         stage_modules(self.gm, plan)
         stage_buffers(self.gm, costs, plan)
         block_figures(self.gm, costs, plan, self.blocks or {})

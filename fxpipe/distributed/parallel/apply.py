@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from fxpipe.distributed.clip import mark_copies
@@ -40,6 +41,7 @@ from fxpipe.distributed.parallel.fsdp import ShardedStages
 from fxpipe.distributed.parallel.replicas import DataParallelStep
 from fxpipe.distributed.parallel.tp import shard_stages, tp_mesh_of
 from fxpipe.distributed.tied import COUNTED_ELSEWHERE
+from fxpipe.frontend.precision import COMPUTE_DTYPE, is_mixed
 from fxpipe.runtime.backward.block_recompute import apply_recompute
 from fxpipe.runtime.backward.block_units import apply_units
 
@@ -89,7 +91,19 @@ def apply_data_parallel(stages: Any, mesh: Any, dims: ParallelDims, grid: list[l
         return ReplicatedStages(own, group)
     dp_sub = mesh[ParallelDims.dp_names(mesh)] if dims.tp > 1 else None
     return ShardedStages(own, grid, group, mesh.device_type, timeout_s, [stages.model, stages.pipe._graph[0]],
-                         dp_sub, pipelined=len(stages.specs) > 1, stage_ids=list(stages.own))
+                         dp_sub, pipelined=len(stages.specs) > 1, stage_ids=list(stages.own),
+                         mp_policy=mixed_precision_policy(stages.plan.layout.precision))
+
+
+def mixed_precision_policy(precision: str | None) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for a plan's precision: ``"bf16-mixed"`` gathers bfloat16 parameters and
+    reduces float32 gradients (torchtitan's ``param_dtype=bfloat16, reduce_dtype=float32``); ``None`` otherwise
+    (the parameters' own dtype). Without FSDP2 the plan's graph computes with the same bfloat16 copies
+    (:mod:`fxpipe.frontend.precision`)."""
+    if not is_mixed(precision):
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPE, reduce_dtype=torch.float32)
 
 
 def apply_recomputation(stages: Any, units: bool) -> None:

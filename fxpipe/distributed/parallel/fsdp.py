@@ -69,16 +69,20 @@ def dp_mesh(grid: list[list[int]], device_type: str, timeout_s: float) -> Any:
                                  mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
-def apply_fsdp(modules: Iterable[nn.Module], mesh: Any) -> list[Any]:
+def apply_fsdp(modules: Iterable[nn.Module], mesh: Any, mp_policy: Any = None) -> list[Any]:
     """``fully_shard`` each module's block units (:func:`fxpipe.runtime.backward.block_units.units_of`), then the module,
-    over ``mesh`` (1-D: FSDP, 2-D replicate x shard: HSDP); returns the ``FSDPModule`` s (the roots). Called after
-    tensor parallelism (whose DTensor parameters FSDP2 then shards along ``dp``) and the block units' rewrite."""
-    from torch.distributed.fsdp import fully_shard
+    over ``mesh`` (1-D: FSDP, 2-D replicate x shard: HSDP), with ``mp_policy`` (FSDP2's ``MixedPrecisionPolicy``:
+    ``"bf16-mixed"``'s gathers bfloat16 parameters and reduces float32 gradients); returns the ``FSDPModule`` s (the
+    roots). Called after tensor parallelism (whose DTensor parameters FSDP2 then shards along ``dp``) and the block
+    units' rewrite."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = {} if mp_policy is None else {"mp_policy": mp_policy}
+    assert mp_policy is None or isinstance(mp_policy, MixedPrecisionPolicy)
     out = []
     for module in modules:
         for unit in units_of(module):
-            fully_shard(unit, mesh=mesh, reshard_after_forward=False)
-        fully_shard(module, mesh=mesh, reshard_after_forward=False)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=False, **policy)
+        fully_shard(module, mesh=mesh, reshard_after_forward=False, **policy)
         module.set_manual_backward_finalization(True)   # this rank's schedule says when the step's backward ends
         out.append(module)
     return out
@@ -112,13 +116,13 @@ class ShardedStages:
 
     def __init__(self, modules: list[nn.Module], grid: list[list[int]], group: Any, device_type: str,
                  timeout_s: float, holders: Iterable[nn.Module] = (), mesh: Any = None, pipelined: bool = True,
-                 stage_ids: list[int] | None = None) -> None:
+                 stage_ids: list[int] | None = None, mp_policy: Any = None) -> None:
         broadcast_states(modules, grid[0][0], group)   # every replica starts from the same weights, as DDP's do
         # ``mesh``: the dp dims sliced from the mesh that tensor parallelism's ``tp`` is sliced from (FSDP2 needs one
         # root for both); else groups of their own with ``timeout_s``
         self.mesh = mesh if mesh is not None else dp_mesh(grid, device_type, timeout_s)
         before = [dict(m.named_parameters()) for m in modules]
-        self.modules = apply_fsdp(modules, self.mesh)
+        self.modules = apply_fsdp(modules, self.mesh, mp_policy)
         self.pipelined = pipelined   # a pipeline of several stages: blocks stay unsharded through the step
         self.stage_ids = list(range(len(self.modules))) if stage_ids is None else list(stage_ids)
         repoint(holders, {id(old[name]): new for old, m in zip(before, self.modules)
