@@ -12,6 +12,9 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -103,6 +106,7 @@ def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[st
     return out
 
 
+@functools.cache   # read only by the tests: one run per (family, schedules) in a test process (test_mesh_tp's too)
 def _reference(family: str, schedules: tuple[str, ...] = SCHEDULES) -> dict[str, tuple[list[float], dict]]:
     """One process, the whole batch: the losses and parameters after each block of steps (one per schedule)."""
     model = _builder(family)()
@@ -135,16 +139,31 @@ def check_norms(got: list[tuple[float, float]], want: list[float], where: Any) -
     assert [after for _, after in got] == pytest.approx([min(n, CLIP) for n in want], rel=1e-5), (where, got)
 
 
+# One session's plans, shared by the test processes (pytest-xdist's workers; the run's own id names the directory)
+SHARED_PLANS = Path(tempfile.gettempdir()) / f"fxpipe-test-plans-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}"
+
+
+@functools.cache
 def _plan(family: str, modes: tuple[str, ...] = ()) -> str:
     """The plan of ``family`` on two stages; ``modes``: each stage's recomputation, as a plan records it (a plan
-    for 1F1B where one is ``"selective"``, which a split backward cannot run)."""
+    for 1F1B where one is ``"selective"``, which a split backward cannot run). Compiled once a session (estimated
+    costs: the same plan every time): this file's, test_mesh_tp's and test_sequence_parallel's tests ask for the
+    same families' plans, each test process reads the JSON the first one wrote."""
+    shared = SHARED_PLANS / f"{family.replace(':', '_')}-{'-'.join(modes) or 'default'}.json"
+    if shared.exists():
+        return shared.read_text()
     b = padded_batch(family.removesuffix(OWN))
     labels = {"labels": b["labels"]} if family.endswith(OWN) else None
     plan = fxpipe.compile(_builder(family)(), ["cpu"] * 2, (b["input_ids"],), example_kwargs=labels,
                           chunks=2, profile=EST, schedule="1f1b" if "selective" in modes else "auto").plan
     for st, mode in zip(plan.stages, modes):
         st.checkpoint = mode
-    return json.dumps(plan.to_dict())
+    text = json.dumps(plan.to_dict())
+    SHARED_PLANS.mkdir(exist_ok=True)
+    partial = shared.with_name(f"{shared.name}.{os.getpid()}")
+    partial.write_text(text)
+    os.replace(partial, shared)   # whole or absent for the other processes
+    return text
 
 
 @pytest.mark.slow
