@@ -5,6 +5,7 @@ checkpoint, resume; the losses and every parameter equal one process training th
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import re
@@ -46,6 +47,7 @@ def _losses(out: str) -> list[float]:
     return [float(v) for v in re.findall(r"^step \d+: loss ([0-9.]+)$", out, re.M)]
 
 
+@functools.cache   # per family: the 4-rank run checks Qwen2's journey and its mesh journey against the same run
 def _reference(family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = build(family)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
