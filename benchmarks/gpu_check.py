@@ -13,6 +13,9 @@ its exception, a row past the global ``--budget-s`` prints ``SKIPPED (budget)``,
 - ``bf16``: ``pipe.step`` under ``torch.autocast(bfloat16)`` against the model under the same autocast
   (loss and gradients within a bf16 tolerance), and what bf16 gains: the pipeline's fp32/bf16 step time over
   the model's (target 1 +- 0.05).
+- ``bf16-mixed``: ``precision="bf16-mixed"`` (float32 parameters, bfloat16 compute): ``pipe.step``'s gradients
+  against the plain model under the same policy (float32, within a bf16 tolerance) and its step time against
+  that model's (target <= 1.05x, median of interleaved ratios).
 - ``overhead:gpt``: the executor's own cost, one stage, one micro-batch, no recomputation, ``pipe.step``
   against the model's step (target >= 0.98x).
 - ``speed:resnet101``: torchgpipe's ResNet-101 speed experiment as far as one GPU goes: naive-1 (the plain
@@ -430,6 +433,58 @@ def row_bf16(ctx: Context) -> Row:
     return row
 
 
+def policy_steps(ctx: Context, model: nn.Module, pipe: fxpipe.Pipeline, x: torch.Tensor,
+                 y: torch.Tensor) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """Under ``bf16-mixed``: the plain model's step under the same policy (every float32 parameter read through
+    its bfloat16 copy, :func:`fxpipe.frontend.precision.compute_copy`; the micro-batches accumulated as the
+    pipeline splits them) and ``pipe.step``."""
+    from fxpipe.frontend.precision import compute_copy
+    m = pipe.chunks
+
+    def plain() -> None:
+        model.zero_grad(set_to_none=True)
+        copies = {n: compute_copy(p) for n, p in model.named_parameters()}
+        for xi, yi in zip(x.tensor_split(m), y.tensor_split(m)):
+            out = torch.func.functional_call(model, copies, (xi,))
+            (lm_loss(out, yi) * (len(xi) / len(x))).backward()
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        pipe.step(x, y, lm_loss)
+    return plain, step
+
+
+def row_bf16_mixed(ctx: Context) -> Row:
+    """``precision="bf16-mixed"`` (float32 parameters, bfloat16 compute, :mod:`fxpipe.frontend.precision`): the
+    pipeline's step against the plain model under the same policy, its loss and gradients within bfloat16's
+    tolerance, float32 gradients, and its time (target: within 5 % of the plain model's, median of ratios)."""
+    row = Row("bf16-mixed")
+    model, x, y = gpt(ctx)
+    pipe = fxpipe.compile(model, ctx.devices(2), (x,), chunks=ctx.sizes["exec_chunks"], schedule="1f1b", stages=2,
+                          checkpoint="never", profile=ctx.profile,
+                          options=fxpipe.CompileOptions(precision="bf16-mixed"))
+    plain, step = policy_steps(ctx, model, pipe, x, y)
+    plain()
+    want = grads_of(model)
+    step()
+    got = grads_of(model)
+    floor = 1e-3 * max(g.abs().max().item() for g in want.values())
+    errors = {k: rel_err(got[k], want[k], floor) for k in want}
+    worst = max(errors, key=errors.__getitem__)
+    dtypes = sorted({str(g.dtype) for g in got.values()})
+    t = interleaved_medians(ctx, {"model": plain, "pipe": step}, ctx.sizes["timing_steps"])
+    ratio = statistics.median(p / m for p, m in zip(t["pipe"], t["model"]))
+    row.figures.update(grad_err=errors[worst], worst_grad=worst, grad_dtypes=dtypes, ratio=ratio,
+                       tolerance={"grad_err": 5e-2},
+                       pipe_step_s=statistics.median(t["pipe"]), model_step_s=statistics.median(t["model"]))
+    ok = errors[worst] <= 5e-2 and dtypes == ["torch.float32"]
+    row.status = "PASS" if ok else "FAIL"   # the time is a figure against its target, as the bf16 row's
+    row.detail = (f"grads {errors[worst]:.1e} (worst {worst}; {', '.join(dtypes)}); pipe.step "
+                  f"{statistics.median(t['pipe']) * 1e3:.1f} ms vs the model under the policy "
+                  f"{statistics.median(t['model']) * 1e3:.1f} ms: {ratio:.3f}x (target <= 1.05x)")
+    return row
+
+
 def row_overhead(ctx: Context) -> Row:
     """The executor's own cost: one stage, one micro-batch, no recomputation, ``pipe.step`` against the model's
     ``loss.backward()`` (target >= 0.98x), medians of per-round ratios."""
@@ -675,6 +730,7 @@ def plan_rows(ctx: Context) -> list[tuple[str, str, Callable[[], Row | list[Row]
             rows.append((f"exec:{stages}st:{schedule}", "exec",
                          lambda s=stages, k=schedule: row_executor(ctx, s, k)))
     rows.append(("bf16", "bf16", lambda: row_bf16(ctx)))
+    rows.append(("bf16-mixed", "bf16", lambda: row_bf16_mixed(ctx)))
     rows.append(("overhead:gpt", "exec", lambda: row_overhead(ctx)))
     rows.append((f"speed:{ctx.sizes['speed']['name']}", "speed", lambda: row_speed(ctx)))
     for which in ("resnet", "gpt2", "llama"):

@@ -67,7 +67,9 @@ def test_a_failing_row_prints_fail_and_the_rest_still_run(tmp_path, monkeypatch,
 def test_rows_past_the_budget_are_skipped_and_listed(tmp_path):
     rc = gpu_check.main(["--small", "--budget-s", "0", "--only", "bf16", "compiled", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
-    assert [(r["name"], r["status"]) for r in rows] == [("bf16", "SKIPPED (budget)"), ("compiled", "SKIPPED (budget)")]
+    assert [(r["name"], r["status"]) for r in rows] == [("bf16", "SKIPPED (budget)"),   # --only bf16: both bf16 rows
+                                                        ("bf16-mixed", "SKIPPED (budget)"),
+                                                        ("compiled", "SKIPPED (budget)")]
     assert rc == 0
 
 

@@ -68,9 +68,9 @@ def test_fixed_mesh_divides_the_blocks_parameters_by_tp_and_shards_the_optimizer
     one = analytic.plan_costed_mesh(c, devices, "pp=2,dp=4,tp=1,dp_mode=replicate", schedule="1f1b", chunks=2)
     fsdp = analytic.plan_costed_mesh(c, devices, "pp=2,dp=4,tp=1,dp_mode=shard", schedule="1f1b", chunks=2)
     assert one.layout.dp_mode == "replicate" and fsdp.layout.dp_mode == "shard"
-    # Adam in mixed precision: 2 + 2 bytes a parameter kept whole, 12 of optimizer state sharded by dp = 4
-    assert fsdp.problem["optimizer_state_factor"] == pytest.approx(1 + 6 / 4)
-    assert one.problem["optimizer_state_factor"] == pytest.approx(7)
+    # Adam on a bfloat16 model as it runs: 2 + 2 bytes a parameter kept whole, 4 of moments sharded by dp = 4
+    assert fsdp.problem["optimizer_state_factor"] == pytest.approx(1 + 2 / 4)
+    assert one.problem["optimizer_state_factor"] == pytest.approx(3)
     # tensor parallelism pays its collectives: a tp=4 stage's compute is more than a quarter of tp=1's
     base = analytic.plan_costed_mesh(c, devices, "pp=2,dp=4,tp=1,dp_mode=replicate", schedule="1f1b", chunks=4)
     four = analytic.plan_costed_mesh(c, devices, "pp=2,dp=1,tp=4", schedule="1f1b", chunks=16)
@@ -199,14 +199,14 @@ def test_cli_plans_a_mesh_for_a_preset_and_refuses_one_for_local_devices(tmp_pat
 
 
 def test_meshes_are_searched_by_default_where_one_pipeline_cannot_hold_the_model_or_the_devices_span_nodes():
-    """``fxpipe.plan``'s default (``mesh="if_needed"``): a Llama of two blocks whose MLP layers are 67M parameters
-    each, 1.0 GiB each with Adam in mixed precision, so 8 devices of 0.98 GiB hold no pipeline of them (a layer
+    """``fxpipe.plan``'s default (``mesh="if_needed"``): a Llama of two blocks whose MLP layers are 134M parameters
+    each, 1.0 GiB each with Adam on bfloat16 parameters (8 bytes a parameter), so 8 devices of 0.98 GiB hold no pipeline of them (a layer
     cannot be cut) but hold them split by tensor parallelism (which divides the blocks: the small embedding and
     head stay whole on each rank, as the runtime runs them); ``mesh=None`` keeps one pipeline and refuses, naming ``mesh='auto'``; a fixed
     ``stages`` keeps the pipeline's refusal too. Devices on two nodes are searched as a mesh whatever the memory;
     the summary says why. (A stack of plain ``nn.Linear`` layers has no block tensor parallelism shards: no mesh
     would hold it either.)"""
-    wide = on_meta("llama", num_hidden_layers=2, hidden_size=2048, intermediate_size=32768, num_attention_heads=16,
+    wide = on_meta("llama", num_hidden_layers=2, hidden_size=2048, intermediate_size=65536, num_attention_heads=16,
                    num_key_value_heads=4, vocab_size=256, max_position_embeddings=64)
     x = torch.zeros(4, 64, dtype=torch.long, device="meta")
     small = fxpipe.CompileOptions(memory_bytes=[int(0.98 * 2**30)] * 8)

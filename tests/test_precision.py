@@ -99,8 +99,9 @@ def test_bf16_mixed_plans_are_costed_at_bfloat16s_rate_and_recorded_in_the_plan(
     held = {name: sum(w.param_bytes for w in fxpipe.planning.memory_model.predict_worker_memory(p))
             for name, p in (("mixed", mixed), ("fp32", fp32), ("bf16", bf16))}
     params = sum(p.numel() for p in _meta_llama().parameters())
-    # Adam: float32 parameter, gradient, two moments (16 B) and the bfloat16 compute copy (2 B)
+    # Adam: float32 parameter, gradient, two moments (16 B) and the bfloat16 compute copy (2 B); bfloat16: 8 B
     assert held["fp32"] == pytest.approx(16 * params) and held["mixed"] == pytest.approx(18 * params)
+    assert held["bf16"] == pytest.approx(8 * params)
     path = tmp_path / "p.json"
     mixed.save(path)
     assert fxpipe.load_plan(path).layout.precision == "bf16-mixed"
@@ -114,6 +115,10 @@ def test_bf16_mixed_plans_are_costed_at_bfloat16s_rate_and_recorded_in_the_plan(
         fxpipe.plan(_meta_llama(), devices, (ids,), **shape, options=fxpipe.CompileOptions(precision="bf16"))
     with pytest.raises(ValueError, match="precision must be one of"):
         fxpipe.CompileOptions(precision="bfloat16")
+    with pytest.raises(ValueError, match=r"bf16-mixed' does not run with tensor parallelism yet"):
+        fxpipe.plan(_meta_llama(), fxpipe.Devices.preset("h100", 4), (ids,), mesh="pp=2,tp=2", options=MIXED)
+    auto = fxpipe.plan(_meta_llama(), fxpipe.Devices.preset("h100", 8), (ids,), mesh="auto", options=MIXED)
+    assert auto.layout.tp == 1 and auto.layout.precision == "bf16-mixed"   # the search leaves tp out
 
 
 def _ranks(rank: int, world: int, pipeline_json: str, single_json: str) -> dict:

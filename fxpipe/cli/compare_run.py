@@ -8,7 +8,8 @@ series and the largest differences; it returns 0 when every loss and parameter a
 with ``atol`` for values near zero), else 1. No process group: run it with ``python -m fxpipe.launch``, the same
 arguments as the launch, ``--compare DIR`` added.
 
-The tolerance follows the dtype the model trains in (:func:`tolerance`): a pipeline adds the same numbers in
+A ``"bf16-mixed"`` plan's run is compared with one process under the same policy (every float32 parameter read as
+its bfloat16 copy) at bfloat16's tolerance. The tolerance follows the dtype the model trains in (:func:`tolerance`): a pipeline adds the same numbers in
 another order, which float32 rounds at 1e-7 and bfloat16 at 4e-3 of the tensor's largest value, so a bfloat16
 plan (``fxpipe plan`` on a preset) compared at float32's tolerance would say DIFFER of a run that is right.
 """
@@ -26,13 +27,23 @@ from torch import nn
 __all__ = ["compare_run"]
 
 
-def _loss(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+def _loss(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+          precision: str | None = None) -> torch.Tensor:
     """The step's loss as the launch computed it: the model's own for a dict of keyword inputs, else
-    ``loss_fn(model(inputs), target)``."""
+    ``loss_fn(model(inputs), target)``; under ``"bf16-mixed"`` with every float32 parameter read as its bfloat16
+    copy (the policy the plan runs, :mod:`fxpipe.frontend.precision`; the gradients land in the float32 ones)."""
+    from fxpipe.frontend.precision import compute_copy, compute_input, is_mixed
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not is_mixed(precision):
+            return model(*args, **kwargs)
+        copies = {n: compute_copy(p) for n, p in model.named_parameters()}
+        return torch.func.functional_call(model, copies, tuple(compute_input(a) for a in args),
+                                          {k: compute_input(v) for k, v in kwargs.items()})
     if not isinstance(batch, dict):
         x, y = batch
-        return loss_fn(model(x), y)
-    out = model(**batch)
+        return loss_fn(run(x), y)
+    out = run(**batch)
     own = getattr(out, "loss", None)
     if own is None and isinstance(out, dict):
         own = out.get("loss")
@@ -55,10 +66,13 @@ def _saved_parameters(path: str) -> dict[str, torch.Tensor]:
 RTOL = {torch.bfloat16: 1.6e-2, torch.float16: 1e-3}
 
 
-def tolerance(model: nn.Module) -> tuple[float, float]:
+def tolerance(model: nn.Module, precision: str | None = None) -> tuple[float, float]:
     """``(rtol, atol)`` for the dtype of ``model``'s floating parameters (the lowest in precision where they
-    mix): float32's (1e-5, 1e-5), else ``rtol`` from :data:`RTOL`, ``atol`` 1e-5."""
+    mix), or bfloat16's where ``precision`` computes in it (``"bf16-mixed"``): float32's (1e-5, 1e-5), else
+    ``rtol`` from :data:`RTOL`, ``atol`` 1e-5."""
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if precision == "bf16-mixed":
+        dtypes.add(torch.bfloat16)
     return max((RTOL.get(d, 1e-5) for d in dtypes), default=1e-5), 1e-5
 
 
@@ -71,10 +85,10 @@ def _close(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool:
 
 def compare_run(checkpoint: str, model: nn.Module, batches: Iterable[Any], optimizer: Callable[..., Any],
                 loss_fn: Callable[[Any, Any], torch.Tensor], *, rtol: float | None = None,
-                atol: float | None = None, write: Callable[[str], None] = print) -> int:
-    """Train ``model`` on the first batches the checkpoint's run trained and compare (module doc); ``rtol`` and
-    ``atol`` default to :func:`tolerance`'s for the model's dtype."""
-    auto_rtol, auto_atol = tolerance(model)
+                atol: float | None = None, write: Callable[[str], None] = print, precision: str | None = None) -> int:
+    """Train ``model`` on the first batches the checkpoint's run trained and compare (module doc), under the plan's
+    ``precision``; ``rtol`` and ``atol`` default to :func:`tolerance`'s for the model's dtype and the precision."""
+    auto_rtol, auto_atol = tolerance(model, precision)
     rtol, atol = auto_rtol if rtol is None else rtol, auto_atol if atol is None else atol
     from fxpipe.distributed import snapshots
     found = snapshots.latest(checkpoint)
@@ -89,7 +103,7 @@ def compare_run(checkpoint: str, model: nn.Module, batches: Iterable[Any], optim
     opt = optimizer(params) if params else None
     losses = []
     for batch in islice(iter(batches), meta["step"]):
-        loss = _loss(model, batch, loss_fn)
+        loss = _loss(model, batch, loss_fn, precision)
         loss.backward()
         if opt is not None:
             opt.step()

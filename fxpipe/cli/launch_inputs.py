@@ -95,4 +95,4 @@ def compare(args: argparse.Namespace) -> int:
     loss_fn = loss_function(args) or LOSSES["cross_entropy"]
     optimizer = OPTIMIZERS[args.optimizer]
     return compare_run(args.compare, model, data_source(args)(plan, model), lambda ps: optimizer(ps, lr=args.lr),
-                       loss_fn)
+                       loss_fn, precision=plan.layout.precision)

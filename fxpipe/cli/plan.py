@@ -4,7 +4,8 @@ For a preset (``--devices h100x8``, optionally with ``--topology FILE``) the mod
 planned from shapes (:func:`fxpipe.plan`, nothing allocated, no GPU needed); for real devices it is
 compiled (:func:`fxpipe.compile`: traced, profiled, solved) and the compiled plan is printed. A language model
 is ``hf:TYPE`` (:mod:`fxpipe.cli.hf`), shaped by ``--config KEY=VALUE,...`` and given ``--batch`` sequences of
-``--seq-len`` tokens; for a preset it is planned in bfloat16 (``--dtype``). ``--schedule`` and ``--chunks``
+``--seq-len`` tokens; for a preset it is planned in bfloat16 (``--dtype``), or in mixed precision with
+``--precision bf16-mixed`` (float32 parameters, bfloat16 compute). ``--schedule`` and ``--chunks``
 default to ``auto``, as in :func:`fxpipe.compile`: every schedule and micro-batch count is tried.
 """
 
@@ -27,7 +28,7 @@ For a preset (--devices h100x8, optionally with --topology FILE) the model is bu
 planned from shapes (fxpipe.plan: nothing allocated, no GPU needed); for real devices it is compiled
 (fxpipe.compile: traced, profiled, solved) and the compiled plan is printed. A language model is hf:TYPE,
 shaped by --config KEY=VALUE,... and given --batch sequences of --seq-len tokens; for a preset it is planned
-in bfloat16 (--dtype). --schedule and --chunks default to auto, as in fxpipe.compile: every schedule and
+in bfloat16 (--dtype), or in mixed precision with --precision bf16-mixed. --schedule and --chunks default to auto, as in fxpipe.compile: every schedule and
 micro-batch count is tried.
 """
 
@@ -89,8 +90,11 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
                                          "config's own)")
     parser.add_argument("--seq-len", type=int, default=1024, help="hf:TYPE only: tokens per sequence (default: 1024)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                        help="the dtype the model trains in (default auto: bfloat16 for hf:TYPE planned for a "
-                             "preset, else the model's own)")
+                        help="the dtype the model is built in (default auto: float32 for --precision bf16-mixed, "
+                             "bfloat16 for hf:TYPE planned for a preset, else the model's own)")
+    parser.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16", "bf16-mixed"), default="auto",
+                        help="what the parameters are kept in and the step computes in (default auto: the dtype "
+                             "the model is built in; bf16-mixed: float32 parameters and bfloat16 compute)")
     parser.add_argument("--devices", default="cpu,cpu", help=DEVICES_HELP)
     parser.add_argument("--checkpoint", default="auto",
                         help="recomputation: auto (default: per stage, the least that fits the memory; never where "
@@ -152,8 +156,11 @@ def run(args: argparse.Namespace) -> int:
     shape = parse_shape(args.input_shape)
     analytic = isinstance(devices, fxpipe.Devices)
     language = args.model.startswith("hf:")
-    dtype = {"auto": torch.bfloat16 if language and analytic else None, "float32": torch.float32,
-             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    precision = None if args.precision == "auto" else args.precision
+    built = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "bf16-mixed": torch.float32}.get(
+        precision, torch.bfloat16 if language and analytic else None)
+    dtype = {"auto": built, "float32": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16}[args.dtype]
     model, inputs = load_model(args.model, args.batch, shape, args.image_size, "meta" if analytic else "cpu",
                                config=parse_config(args.config), seq_len=args.seq_len, dtype=dtype)
     leaves = leaf_types(model, args.leaf_modules)
@@ -169,12 +176,13 @@ def run(args: argparse.Namespace) -> int:
             plan = fxpipe.plan(model, devices, inputs, example_kwargs=kwargs, chunks=args.chunks,
                                schedule=args.schedule, checkpoint=args.checkpoint,
                                mesh=_mesh(getattr(args, "mesh", None)),
-                               options=fxpipe.CompileOptions(leaf_modules=leaves, time_limit_s=args.time_limit))
+                               options=fxpipe.CompileOptions(leaf_modules=leaves, time_limit_s=args.time_limit,
+                                                             precision=precision))
         else:
             profile = dataclasses.replace(fxpipe.ProfileOptions.of(args.profile), progress=not args.quiet)
             plan = fxpipe.compile(model, devices, inputs, example_kwargs=kwargs, chunks=args.chunks,
                                   schedule=args.schedule, checkpoint=args.checkpoint, profile=profile,
-                                  options=fxpipe.CompileOptions(leaf_modules=leaves)).plan
+                                  options=fxpipe.CompileOptions(leaf_modules=leaves, precision=precision)).plan
     except RuntimeError as exc:   # torch's own: most often inputs the model cannot take
         shapes = [tuple(t.shape) for t in inputs if isinstance(t, torch.Tensor)]
         fix = ("pass --seq-len and --batch (and --config)" if language

@@ -44,16 +44,18 @@ class DeviceSpec:
         return max(flops / rate, bytes_moved / self.memory_bandwidth_Bps) + self.launch_s
 
 
-def _preset(name: str, fp32: float, half: float, bandwidth: float, memory_gib: float) -> DeviceSpec:
+def _preset(name: str, fp32: float, half: float, bandwidth: float, memory_gib: float,
+            bf16: bool = True) -> DeviceSpec:
+    """``bf16=False``: no bfloat16 tensor cores (Volta): bfloat16 runs at float32's rate."""
     f, b = ACHIEVABLE["flops"], ACHIEVABLE["bandwidth"]
-    return DeviceSpec(name, {"float32": fp32 * f, "float16": half * f, "bfloat16": half * f, "float64": fp32 * f / 2},
-                      bandwidth * b, memory_gib * _GiB)
+    return DeviceSpec(name, {"float32": fp32 * f, "float16": half * f, "bfloat16": (half if bf16 else fp32) * f,
+                             "float64": fp32 * f / 2}, bandwidth * b, memory_gib * _GiB)
 
 
 # name -> (spec, link class between two devices of one box)
 PRESETS: dict[str, tuple[DeviceSpec, str]] = {
-    "v100": (_preset("V100-SXM2-16GB", 15.7e12, 125e12, 900e9, 16), "NV2"),
-    "v100-32gb": (_preset("V100-SXM2-32GB", 15.7e12, 125e12, 900e9, 32), "NV2"),
+    "v100": (_preset("V100-SXM2-16GB", 15.7e12, 125e12, 900e9, 16, bf16=False), "NV2"),   # float16 tensor cores only
+    "v100-32gb": (_preset("V100-SXM2-32GB", 15.7e12, 125e12, 900e9, 32, bf16=False), "NV2"),
     "a100": (_preset("A100-SXM4-80GB", 19.5e12, 312e12, 2.039e12, 80), "NV12"),
     "h100": (_preset("H100-SXM5-80GB", 67e12, 989e12, 3.35e12, 80), "NV18"),
     # Meta's Grand Teton H100 (torchtitan's published runs): HBM2e, 96 GB at 2.4 TB/s, run at 500 W; its peak lies

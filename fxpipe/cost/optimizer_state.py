@@ -1,11 +1,11 @@
 """What training keeps per parameter besides the parameter, and the dtype a model trains in.
 
 A model trains in the dtype of its floating parameters (:func:`training_dtype`: the one holding the most
-bytes). Its optimizer memory is counted as mixed-precision training keeps it (the ZeRO paper's accounting,
-which Megatron-LM's distributed optimizer also uses): the gradient in the parameter's dtype, a float32 master
-copy of every parameter narrower than float32, and the optimizer's moments in float32 (or in the parameter's
-dtype when that is wider). Adam then keeps 16 bytes per parameter whether the model is float32 (4 + 4 + 2 x 4)
-or bfloat16 (2 + 2 + 4 + 2 x 4); a model trained in float32 under ``torch.autocast`` keeps the same.
+bytes). Its optimizer memory is counted as the run keeps it: torch's optimizers keep their moments in the
+parameter's dtype, and the gradient is the parameter's. Adam keeps 16 bytes per float32 parameter (4 + 4 + 2 x 4)
+and 8 per bfloat16 one (2 + 2 + 2 x 2): a model built in bfloat16 trains without a float32 master copy, its updates
+rounded to bfloat16. ``precision="bf16-mixed"`` (:mod:`fxpipe.frontend.precision`) keeps float32 parameters and
+computes in bfloat16: 16 bytes, and the 2 of its bfloat16 compute copy (``AnalyticModel.state_factor``).
 
 :func:`optimizer_state_factor` is that memory per parameter byte, less the parameter itself: the
 ``optimizer_state_factor`` of :class:`solvers.Problem` (a stage holds ``(1 + factor) x`` its parameter bytes).
@@ -24,7 +24,7 @@ MOMENTS = {"none": None, "sgd": 0, "momentum": 1, "adam": 2}
 """The optimizer's moments per parameter; ``"none"`` keeps no gradient either (inference)."""
 
 OPTIMIZER_STATE = {"none": 0.0, "sgd": 1.0, "momentum": 2.0, "adam": 3.0}
-"""Bytes kept per parameter byte besides the parameter for a float32 model: gradients, then moments."""
+"""Bytes kept per parameter byte besides the parameter: gradients, then moments, in the parameter's dtype."""
 
 
 def training_dtype(model: nn.Module) -> torch.dtype:
@@ -43,6 +43,5 @@ def optimizer_state_factor(optimizer: str, dtype: torch.dtype) -> float:
     moments = MOMENTS[optimizer]
     if moments is None:
         return 0.0
-    size = torch.empty((), dtype=dtype).element_size()
-    master = 4 if size < 4 else 0                      # the float32 copy a narrower parameter is updated in
-    return (size + master + moments * max(size, 4)) / size
+    torch.empty((), dtype=dtype)   # a dtype torch knows (TypeError otherwise)
+    return float(1 + moments)
