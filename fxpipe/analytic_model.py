@@ -18,8 +18,7 @@ from fxpipe.cost.optimizer_state import optimizer_state_factor, training_dtype
 from fxpipe.cost.profile import NodeCost, profile_graph
 from fxpipe.distributed.parallel.tp_plans import tp_refusal
 from fxpipe.frontend.capture import Captured, capture
-from fxpipe.frontend.precision import (COMPUTE_DTYPE, is_mixed, resolve_precision, traced_as_computed,
-                                       with_precision)
+from fxpipe.frontend.precision import COMPUTE_DTYPE, is_mixed, resolve_precision
 from fxpipe.options import CompileOptions
 from fxpipe.planning.plan import Plan
 from fxpipe.planning.planner import Planner
@@ -64,7 +63,9 @@ class AnalyticModel:
         """Bytes kept per parameter byte besides the parameter (:func:`optimizer_state_factor`), with the bfloat16
         compute copy under ``"bf16-mixed"`` (:func:`fxpipe.frontend.precision.compute_copy` keeps one a parameter)."""
         factor = optimizer_state_factor(optimizer, self.dtype)
-        return factor + (0.5 if is_mixed(self.precision) and factor > 0 else 0.0)   # 2 B per 4 B parameter
+        if not is_mixed(self.precision) or factor == 0:
+            return factor
+        return factor + COMPUTE_DTYPE.itemsize / self.dtype.itemsize   # the copy per parameter byte
 
     def rate(self, spec: DeviceSpec) -> float:
         """``spec``'s achievable FLOP/s in :attr:`compute_dtype` (float32's where it has no figure for it)."""
@@ -81,12 +82,10 @@ def cost_model(model: nn.Module, example_inputs: tuple, spec: DeviceSpec, micro_
     options = options or CompileOptions()
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    precision = resolve_precision(options.precision, training_dtype(model), gpu_plan=False)   # asked, or own
-    frontend = "export" if is_mixed(precision) and options.frontend == "auto" else options.frontend   # flat graph
-    with traced_as_computed(model, precision):
-        captured = capture(model, options.leaf_modules, options.concrete_args, frontend,   # 1. trace
-                           example_inputs, example_kwargs, options.batch_dim, other_mode=False)   # nothing runs it
-    with_precision(captured, precision)
+    precision = resolve_precision(options.precision, training_dtype(model))   # asked, or own
+    captured = capture(model, options.leaf_modules, options.concrete_args, options.frontend,   # 1. trace
+                       example_inputs, example_kwargs, options.batch_dim, other_mode=False,   # nothing runs it
+                       precision=precision)
     inputs = example_inputs
     if captured.graph.meta.get("fxpipe_in_spec") is not None:   # torch.export's flat graph: its leaves
         inputs = FlatInputs(flat_inputs(example_inputs, example_kwargs or {}, captured.graph.meta["fxpipe_in_spec"])[0])

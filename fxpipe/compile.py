@@ -22,7 +22,7 @@ from fxpipe.cost.node_costs import node_costs
 from fxpipe.cost.optimizer_state import training_dtype
 from fxpipe.cost.profile import MEASURED_NOISE
 from fxpipe.frontend.capture import capture
-from fxpipe.frontend.precision import is_mixed, resolve_precision, traced_as_computed, with_precision
+from fxpipe.frontend.precision import resolve_precision
 from fxpipe.frontend.failures import judged_by_the_model
 from fxpipe.frontend.module_hooks import check_module_hooks
 from fxpipe.options import CompileOptions, ProfileOptions
@@ -244,12 +244,8 @@ def _capture(model: Any, plan: Plan | None, example_inputs: tuple | None, exampl
     if frontend == "export" and example_inputs is None:
         raise ValueError("the torch.export front end traces the model on example inputs: pass example_inputs "
                          "(and example_kwargs) with plan=, as for the compile that made the plan")
-    if frontend == "auto" and plan is None and is_mixed(precision):
-        frontend = "export"   # bf16-mixed reads every parameter in the graph: torch.export's flat graph
-    with traced_as_computed(model, precision):
-        captured = capture(model, options.leaf_modules, options.concrete_args, frontend, example_inputs,
-                           example_kwargs, options.batch_dim)
-    with_precision(captured, precision)
+    captured = capture(model, options.leaf_modules, options.concrete_args, frontend, example_inputs, example_kwargs,
+                       options.batch_dim, precision=precision)
     if example_inputs is not None and captured.graph.meta.get("fxpipe_in_spec") is not None:
         example_inputs = FlatInputs(flat_inputs(example_inputs, example_kwargs or {},
                                                 captured.graph.meta["fxpipe_in_spec"])[0])
@@ -272,7 +268,7 @@ def _precision(options: CompileOptions, plan: Plan | None, model: Any) -> str | 
         return planned
     if not isinstance(model, nn.Module):   # a GraphModule or ExportedProgram as given: its own dtypes
         return options.precision
-    return resolve_precision(options.precision, training_dtype(model), gpu_plan=False)
+    return resolve_precision(options.precision, training_dtype(model))
 
 
 def predict_shared_step(pipe: Pipeline) -> Pipeline:

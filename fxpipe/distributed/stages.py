@@ -37,7 +37,7 @@ from fxpipe.distributed.transport import P2P
 from fxpipe.distributed.weights import open_weights
 from fxpipe.errors import FxpipeError, PlanMismatchError
 from fxpipe.frontend.capture import capture_as_planned
-from fxpipe.frontend.precision import check_precision, traced_as_computed, with_precision
+from fxpipe.frontend.precision import check_precision
 from fxpipe.options import CompileOptions, stage_compile_kwargs
 from fxpipe.planning.plan import Plan, load_plan
 from fxpipe.runtime.execute.batchnorm import convert_deferred_batch_norm
@@ -135,14 +135,13 @@ def build_stages(plan: Plan | str | Path, model_fn: Callable[[], nn.Module],
     else:
         model = model_fn()
     check_precision(plan.layout.precision, model, f"rank {rank}: ")
-    with tracing, traced_as_computed(model, plan.layout.precision):
-        captured = capture_as_planned(model, plan.frontend, options.leaf_modules)
+    with tracing:   # bf16-mixed: traced and rewritten as the plan's graph was
+        captured = capture_as_planned(model, plan.frontend, options.leaf_modules, precision=plan.layout.precision)
     if captured.fingerprint != plan.fingerprint:
         raise PlanMismatchError(f"rank {rank}: " + (captured.dtype_mismatch(plan.profile.get("dtype")) or
             f"the plan was made for another model ({plan.model}, fingerprint "
             f"{plan.fingerprint[:12]}) but model_fn() traces to {captured.fingerprint[:12]}; plan this model "
             "(fxpipe.compile or fxpipe.plan, then plan.save) and load that plan on every rank"))
-    with_precision(captured, plan.layout.precision)   # bf16-mixed: the graph the plan was costed and cut on
     if options.deferred_batch_norm:
         convert_deferred_batch_norm(captured.graph)
     p = len(plan.stages)

@@ -29,10 +29,11 @@ from fxpipe.frontend.generation_cache import CACHE_OFF_REASON, generation_cache_
 from fxpipe.frontend.kept_whole import KEEP_WHOLE, module_groups
 from fxpipe.frontend.input_record import record_inputs, recorded_inputs
 from fxpipe.frontend.modes import keeping_modes
+from fxpipe.frontend.precision import is_mixed, traced_as_computed, with_precision
 from fxpipe.frontend.trace import has_submodule, trace
 from fxpipe.options import FRONTENDS
 
-__all__ = ["Captured", "capture", "capture_as_planned", "hidden_layer_stacks", "FRONTENDS"]
+__all__ = ["Captured", "capture", "capture_as_built", "capture_as_planned", "hidden_layer_stacks", "FRONTENDS"]
 
 
 @dataclass
@@ -137,7 +138,24 @@ def hidden_layer_stacks(gm: fx.GraphModule, leaf_modules: list[Any]) -> list[str
 
 def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = None, frontend: str = "auto",
             args: tuple | None = None, kwargs: dict[str, Any] | None = None, batch_dim: Any = 0, *,
-            other_mode: bool = True, mode_dependent: bool | None = None) -> Captured:
+            other_mode: bool = True, mode_dependent: bool | None = None, precision: str | None = None) -> Captured:
+    """:func:`capture_as_built` at ``precision`` (:mod:`fxpipe.frontend.precision`): under ``"bf16-mixed"`` the
+    model is traced as it computes and its graph rewritten to read every float32 parameter through its bfloat16
+    copy, the ``"auto"`` front end being torch.export (whose flat graph reads every parameter); any other
+    precision captures the model as it is built. The fingerprint is the trace's, before the rewrite."""
+    if is_mixed(precision) and frontend == "auto" and isinstance(model, nn.Module) \
+            and not isinstance(model, fx.GraphModule):
+        frontend = "export"
+    with traced_as_computed(model, precision):
+        captured = capture_as_built(model, leaf_modules, concrete_args, frontend, args, kwargs, batch_dim,
+                                    other_mode=other_mode, mode_dependent=mode_dependent)
+    return with_precision(captured, precision)
+
+
+def capture_as_built(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = None,
+                     frontend: str = "auto", args: tuple | None = None, kwargs: dict[str, Any] | None = None,
+                     batch_dim: Any = 0, *, other_mode: bool = True,
+                     mode_dependent: bool | None = None) -> Captured:
     """Trace ``model`` with the front end ``frontend`` chooses (module doc) and find whether its graph
     depends on ``model.training``, by tracing it once more in the other mode. Every submodule's own flag
     is restored either way (:func:`fxpipe.frontend.modes.keeping_modes`): a frozen BatchNorm stays in eval
@@ -219,7 +237,7 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
 
 
 def capture_as_planned(model: nn.Module, planned: dict[str, Any], leaf_modules: Iterable[Any] = (),
-                       concrete_args: Any = None) -> Captured:
+                       concrete_args: Any = None, precision: str | None = None) -> Captured:
     """Capture ``model`` as the plan's model was captured (``plan.frontend``: the front end and the example
     inputs' structure, shapes and dtypes), from no data: zeros of the recorded shapes on the model's device
     (``meta`` for a model built there). The one way a process that was handed a plan traces its model."""
@@ -232,5 +250,6 @@ def capture_as_planned(model: nn.Module, planned: dict[str, Any], leaf_modules: 
         args, kwargs = recorded_inputs(planned.get("inputs"), device)
         batch_dim = planned["inputs"].get("batch_dim")
         return capture(model, leaf_modules, concrete_args, "export", args, kwargs,
-                       0 if batch_dim is None else batch_dim, mode_dependent=known)
-    return capture(model, leaf_modules, concrete_args, "fx" if name == "fx" else "auto", mode_dependent=known)
+                       0 if batch_dim is None else batch_dim, mode_dependent=known, precision=precision)
+    return capture(model, leaf_modules, concrete_args, "fx" if name == "fx" else "auto", mode_dependent=known,
+                   precision=precision)

@@ -39,12 +39,13 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
-__all__ = ["COMPUTE_DTYPE", "compute_copy", "compute_input", "is_mixed", "mixed_precision", "precision_of",
+__all__ = ["COMPUTE_DTYPE", "PRECISION_OF_DTYPE", "compute_copy", "compute_input", "is_mixed", "mixed_precision", "precision_of",
            "check_precision", "resolve_precision", "traced_as_computed", "with_precision"]
 
 COMPUTE_DTYPE = torch.bfloat16
 _MASTER = torch.float32
-_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+#: a dtype's name (``str(dtype)`` without ``torch.``, as plans record it) -> the precision of a model built in it
+PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
 # id(parameter) -> (a weak reference to it, (its version, grad mode), its copy); by id, as a tensor's == is
 # elementwise, and dropped with the parameter
 _COPIES: dict[int, tuple[Any, tuple[int, bool], torch.Tensor]] = {}
@@ -54,7 +55,7 @@ _LOCK = threading.Lock()   # CPU workers are threads of one process
 def precision_of(dtype: torch.dtype) -> str:
     """The precision of a model that trains in ``dtype`` as it is built: ``"fp32"``, ``"bf16"``, ``"fp16"``,
     ``"fp64"``."""
-    return _DTYPES.get(dtype, "fp32")
+    return PRECISION_OF_DTYPE.get(str(dtype).removeprefix("torch."), "fp32")
 
 
 def is_mixed(precision: str | None) -> bool:
@@ -143,13 +144,13 @@ def _float_parameter(gm: fx.GraphModule, target: str) -> bool:
     return isinstance(value, torch.nn.Parameter) and value.dtype == _MASTER
 
 
-def resolve_precision(asked: str | None, model_dtype: torch.dtype, *, gpu_plan: bool) -> str:
+def resolve_precision(asked: str | None, model_dtype: torch.dtype) -> str:
     """The precision a plan runs: ``asked`` (``CompileOptions.precision``), checked against the dtype the model
-    is built in; ``None``: ``"bf16-mixed"`` for a float32 model planned for GPUs (``fxpipe.plan`` on a preset),
-    else the model's own. ``ValueError`` naming both dtypes and the fix, before anything is costed."""
+    is built in; ``None``: the model's own. ``ValueError`` naming both dtypes and the fix, before anything is
+    costed."""
     own = precision_of(model_dtype)
     if asked is None:
-        return "bf16-mixed" if gpu_plan and model_dtype == _MASTER else own
+        return own
     if is_mixed(asked) and model_dtype != _MASTER:
         raise ValueError(f"precision='{asked}' keeps float32 parameters and computes in bfloat16, but the model's "
                          f"parameters are {str(model_dtype).removeprefix('torch.')}: build it in float32 (what "

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import jsonschema
 
 from fxpipe.errors import PlanFormatError
+from fxpipe.frontend.precision import PRECISION_OF_DTYPE
 
 __all__ = ["MAX_PLAN_BYTES", "MIGRATIONS", "PLAN_FORMAT", "check_plan_document", "plan_schema", "read_plan_document"]
 
@@ -54,15 +55,12 @@ def _layout_of_v2(doc: dict[str, Any]) -> dict[str, Any]:
     return {**doc, "format": "fxpipe-plan/3", "mesh": mesh, "layout": layout}
 
 
-_DTYPE_PRECISIONS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
-
-
 def _precision_of_v3(doc: dict[str, Any]) -> dict[str, Any]:
     """An ``fxpipe-plan/3`` document as ``/4``: the layout says the precision, the one its model trained in as
     built (``profile["dtype"]`` where the plan recorded it: ``fxpipe.plan``'s; else unsaid, the model's own)."""
     layout = dict(doc.get("layout") or {})
     dtype = (doc.get("profile") or {}).get("dtype") if isinstance(doc.get("profile"), dict) else None
-    layout.setdefault("precision", _DTYPE_PRECISIONS.get(dtype) if isinstance(dtype, str) else None)
+    layout.setdefault("precision", PRECISION_OF_DTYPE.get(dtype) if isinstance(dtype, str) else None)
     return {**doc, "format": "fxpipe-plan/4", "layout": layout}
 
 
