@@ -26,11 +26,15 @@ bfloat16 compute, :mod:`fxpipe.frontend.precision`; ``None``: not said, the mode
   (``pp-dp-tp`` or ``dp-pp-tp``);
 * ``sp`` (``1``/``0``, ``on``/``off``, ``true``/``false``): whether tensor parallelism also shards the activations
   between its blocks by sequence (Megatron-LM's sequence parallelism; on where left out, as torchtitan runs
-  tensor parallelism).
+  tensor parallelism);
+* ``ep`` (expert parallelism): the experts of each mixture-of-experts layer sharded over ``ep`` ranks that exchange
+  their tokens (all-to-all). As in torchtitan and Megatron-Core, ``ep`` borrows data-parallel ranks rather than
+  multiplying the world: it divides ``dp`` (``dp`` left out is ``ep``, sharded), each of the ``ep`` ranks computes
+  its own share of the batch, and the expert parameters are replicated or sharded over the ``dp / ep`` ranks left.
 
 The rules (:func:`refusal`, one function: every entry point asks it and raises its own error type) are the
 world size (the degrees multiply to the processes or devices), the plan's workers (``pp`` is the plan's),
-the batch (it splits evenly over ``dp``), and, for the runtime (``fxpipe.distributed.PipelineRank``), the
+the batch (it splits evenly over ``dp``), the experts (``ep`` divides ``dp`` and every MoE layer's experts), and, for the runtime (``fxpipe.distributed.PipelineRank``), the
 order (the pipeline outermost) and no DDP over tensor parallelism; the mesh search enumerates only what the
 runtime runs. A new mesh dimension is a degree field here, its rule in :func:`refusal`, its key in
 :func:`parse_layout`, and one apply function in :mod:`fxpipe.distributed.parallel` (``docs/architecture.md``).
@@ -43,7 +47,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 __all__ = ["DP_MODES", "KEYS", "ORDERS", "PRECISIONS", "RECOMPUTATION", "Layout", "LayoutError", "Refusal", "check_layout",
-           "is_recomputation", "mesh_fields", "parse_layout", "refusal"]
+           "ep_message", "is_recomputation", "mesh_fields", "parse_layout", "refusal"]
 
 DP_MODES = ("replicate", "shard")
 ORDERS = ("pp-dp-tp", "dp-pp-tp")
@@ -63,9 +67,10 @@ def is_recomputation(mode: Any) -> bool:
     return head == "blocks" and k.isdigit() and int(k) >= 1
 
 
-KEYS = ("pp", "dp", "tp", "dp_mode", "order", "dp_shard", "dp_replicate", "sp")
-EXAMPLE = "e.g. pp=2,dp=4,dp_mode=shard, or dp_shard=4 (FSDP), dp_replicate=4 (DDP), dp_replicate=2,dp_shard=2 (HSDP)"
-DEGREES = ("pp", "dp_replicate", "dp_shard", "tp")
+KEYS = ("pp", "dp", "tp", "dp_mode", "order", "dp_shard", "dp_replicate", "sp", "ep")
+EXAMPLE = ("e.g. pp=2,dp=4,dp_mode=shard, or dp_shard=4 (FSDP), dp_replicate=4 (DDP), dp_replicate=2,dp_shard=2 (HSDP), "
+           "pp=2,ep=2 (experts over 2 data-parallel ranks)")
+DEGREES = ("pp", "dp_replicate", "dp_shard", "tp", "ep")
 
 
 class LayoutError(ValueError):
@@ -82,7 +87,8 @@ class Layout:
     ``pp`` ``None`` where it was left out, ``dp_mode`` ``None`` where the mode was, ``sequence_parallel`` ``None``
     where ``sp`` was (on). A plan's or the search's says everything: ``schedule``, ``virtual_stages`` (stages per
     device), ``recomputation``, each stage's mode (:data:`RECOMPUTATION`) in stage order, and ``precision``
-    (:data:`PRECISIONS`; ``None`` in a plan of an older format: the model's own dtype)."""
+    (:data:`PRECISIONS`; ``None`` in a plan of an older format: the model's own dtype). ``ep`` (expert
+    parallelism) is a degree that borrows data-parallel ranks: it does not count in :attr:`world`."""
 
     pp: Optional[int] = None
     dp_replicate: int = 1
@@ -95,6 +101,7 @@ class Layout:
     virtual_stages: int = 1
     recomputation: tuple[str, ...] = ()
     precision: Optional[str] = None
+    ep: int = 1
 
     def __post_init__(self) -> None:
         for name in DEGREES:
@@ -123,13 +130,17 @@ class Layout:
         object.__setattr__(self, "recomputation", tuple(self.recomputation))
         if self.precision not in (None, *PRECISIONS):
             raise LayoutError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}", "precision")
+        if self.dp % self.ep:
+            raise LayoutError(ep_message(self.ep, self.dp, self.pp, self.tp), "ep")
 
     @classmethod
-    def of(cls, pp: int, dp: int, tp: int, dp_mode: str = "replicate", order: str = ORDERS[0]) -> "Layout":
-        """The layout of a mesh shape of the search: ``dp`` ranks replicated (DDP) or sharded (FSDP2)."""
+    def of(cls, pp: int, dp: int, tp: int, dp_mode: str = "replicate", order: str = ORDERS[0],
+           ep: int = 1) -> "Layout":
+        """The layout of a mesh shape of the search: ``dp`` ranks replicated (DDP) or sharded (FSDP2), ``ep`` of
+        them holding each its share of the experts."""
         shard = dp_mode == "shard"
         return cls(pp=pp, dp_replicate=1 if shard else dp, dp_shard=dp if shard else 1, tp=tp, dp_mode=dp_mode,
-                   order=order)
+                   order=order, ep=ep)
 
     @property
     def dp(self) -> int:
@@ -157,12 +168,13 @@ class Layout:
         """The degrees, mode, order, sequence parallelism and precision alone (what a layout says beyond a plan's
         schedule, stages and recomputation)."""
         return Layout(self.pp, self.dp_replicate, self.dp_shard, self.tp, self.dp_mode, self.order,
-                      self.sequence_parallel, precision=self.precision)
+                      self.sequence_parallel, precision=self.precision, ep=self.ep)
 
     def label(self) -> str:
         """``pp=2 dp=4(fsdp) tp=1`` (``dp-outer`` for that order): the shape, as the mesh tables show it."""
         dp = f"dp={self.dp}" + ("(fsdp)" if self.dp_mode == "shard" and self.dp > 1 else "")
-        return f"pp={self.pp} {dp} tp={self.tp}" + (" dp-outer" if self.order == "dp-pp-tp" else "")
+        return (f"pp={self.pp} {dp} tp={self.tp}" + (f" ep={self.ep}" if self.ep > 1 else "")
+                + (" dp-outer" if self.order == "dp-pp-tp" else ""))
 
     def to_dict(self) -> dict[str, Any]:
         """The record as JSON (the plan's ``layout``); :meth:`from_dict` reads it back."""
@@ -193,6 +205,8 @@ class Layout:
             out["order"] = self.order
         if self.tp > 1 and self.sequence_parallel is not None:
             out["sp"] = int(self.sequence_parallel)
+        if self.ep > 1:
+            out["ep"] = self.ep
         return out
 
     def __str__(self) -> str:
@@ -200,6 +214,8 @@ class Layout:
         parts += ([f"dp_replicate={self.dp_replicate}", f"dp_shard={self.dp_shard}"] if self.hsdp else
                   [f"dp={self.dp}" + ("(fsdp)" if self.dp > 1 and self.dp_mode == "shard" else "")])
         parts.append(f"tp={self.tp}" + (" sp" if self.tp > 1 and self.sequence_parallel is not False else ""))
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
         if self.schedule:
             parts.append(self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""))
         if self.recomputation:
@@ -210,8 +226,8 @@ class Layout:
 
 @dataclass(frozen=True)
 class Refusal:
-    """Why a layout cannot run: ``rule`` (``"world"``, ``"workers"``, ``"batch"``, ``"order"``, ``"ddp_tp"``) and
-    the message, which names the fix."""
+    """Why a layout cannot run: ``rule`` (``"world"``, ``"workers"``, ``"batch"``, ``"order"``, ``"ddp_tp"``,
+    ``"experts"``) and the message, which names the fix."""
 
     rule: str
     message: str
@@ -221,10 +237,16 @@ class Refusal:
 
 
 def refusal(layout: Layout, *, world: Optional[int] = None, workers: Optional[int] = None,
-            batch: Optional[int] = None, runtime: bool = True) -> Optional[Refusal]:
+            batch: Optional[int] = None, runtime: bool = True,
+            experts: Optional[dict[str, int]] = None) -> Optional[Refusal]:
     """The first rule ``layout`` breaks, or ``None``: its degrees multiply to ``world`` processes; its ``pp`` (where
-    said) is the plan's ``workers``; ``batch`` samples split evenly over its ``dp``; and with ``runtime`` (what
-    fxpipe's ranks run) the pipeline is outermost and tensor-parallel stages are not replicated with DDP."""
+    said) is the plan's ``workers``; ``batch`` samples split evenly over its ``dp``; its ``ep`` divides each
+    mixture-of-experts layer's expert count (``experts``: the layer's path -> its experts); and with ``runtime``
+    (what fxpipe's ranks run) the pipeline is outermost and tensor-parallel stages are not replicated with DDP."""
+    if layout.ep > 1:
+        found = _experts_refusal(layout, experts, runtime)
+        if found is not None:
+            return found
     if runtime and layout.order != ORDERS[0] and layout.dp > 1:
         return Refusal("order", f"order={layout.order}: fxpipe runs the pipeline outermost ({ORDERS[0]}: each "
                                 f"pipeline's ranks apart, each tp group's ranks adjacent); pass order={ORDERS[0]}")
@@ -239,7 +261,7 @@ def refusal(layout: Layout, *, world: Optional[int] = None, workers: Optional[in
                                   f"{layout.pp} devices")
     if world is not None and layout.world != world:
         pp = layout.pp if layout.pp is not None else workers
-        shown = " x ".join(f"{n}={getattr(layout, n) if n != 'pp' else pp}" for n in DEGREES)
+        shown = " x ".join(f"{n}={getattr(layout, n) if n != 'pp' else pp}" for n in DEGREES if n != "ep")
         need = (pp or 1) * layout.dp * layout.tp
         return Refusal("world", f"the degrees {shown} multiply to {need} but there are {world} devices "
                                 f"(processes): choose degrees whose product is {world}, or start {need} (torchrun "
@@ -247,6 +269,30 @@ def refusal(layout: Layout, *, world: Optional[int] = None, workers: Optional[in
     if batch is not None and batch % layout.dp:
         return Refusal("batch", f"the batch of {batch} samples does not split evenly over dp={layout.dp} replicas; "
                                 f"pass a batch that is a multiple of {layout.dp}")
+    return None
+
+
+def ep_message(ep: int, dp: int, pp: Optional[int], tp: int) -> str:
+    """Why ``ep`` cannot borrow ranks of ``dp``, with the degrees that would hold it."""
+    return (f"ep={ep} borrows {ep} data-parallel ranks (each computes its own share of the batch and they exchange "
+            f"tokens), but dp={dp}: use a dp that ep divides (dp={ep} or a multiple of it, e.g. "
+            f"pp={pp or 1},dp={ep},ep={ep}: {(pp or 1) * ep * tp} devices), or an ep that divides dp={dp}")
+
+
+def _experts_refusal(layout: Layout, experts: Optional[dict[str, int]], runtime: bool) -> Optional[Refusal]:
+    """``ep`` with no mixture-of-experts layer to shard, an expert count it does not divide, or tensor parallelism."""
+    if experts is not None and not experts:
+        return Refusal("experts", f"ep={layout.ep} shards the experts of mixture-of-experts layers, and this model "
+                                  "has none that fxpipe can shard (fxpipe.frontend.experts): leave ep out")
+    bad = {path: n for path, n in (experts or {}).items() if n % layout.ep}
+    if bad:
+        path, n = next(iter(bad.items()))
+        fits = [d for d in range(1, n + 1) if n % d == 0 and layout.dp % d == 0 and d > 1]
+        return Refusal("experts", f"ep={layout.ep} does not divide the {n} experts of {path}: use an ep that "
+                                  f"divides both {n} and dp={layout.dp} ({', '.join(map(str, fits)) or 'none > 1'})")
+    if runtime and layout.tp > 1:
+        return Refusal("experts", f"ep={layout.ep} with tp={layout.tp}: fxpipe's ranks do not yet shard experts "
+                                  "beside tensor parallelism; use tp=1 with ep, or ep=1 with tp")
     return None
 
 
@@ -289,8 +335,11 @@ def parse_layout(spec: Any) -> Layout:
                          "(dp_shard and dp_replicate name their mode)")
     if order is not None and order not in ORDERS:
         raise ValueError(f"mesh {spec!r}: order must be one of {', '.join(ORDERS)}, got {order!r}")
+    ep = size.get("ep", 1)
     common = {"pp": size.get("pp"), "tp": size.get("tp", 1), "order": order or ORDERS[0],
-              "sequence_parallel": _switch(spec, fields.get("sp"))}
+              "sequence_parallel": _switch(spec, fields.get("sp")), "ep": ep}
+    if ep > 1 and not {"dp", "dp_shard", "dp_replicate"} & set(size):
+        size["dp"] = ep   # ep borrows data-parallel ranks: dp left out is the ep ranks, sharded or replicated
     if "dp_shard" in size or "dp_replicate" in size:
         return Layout(dp_replicate=size.get("dp_replicate", 1), dp_shard=size.get("dp_shard", 1),
                       dp_mode="shard" if "dp_shard" in size else "replicate", **common)
@@ -315,11 +364,11 @@ def _switch(spec: Any, value: Any) -> Optional[bool]:
 
 def _sizes(spec: Any, fields: dict[str, Any]) -> dict[str, int]:
     """The degrees among ``fields``, as positive ints."""
-    names = ("pp", "dp", "tp", "dp_shard", "dp_replicate")
+    names = ("pp", "dp", "tp", "dp_shard", "dp_replicate", "ep")
     try:
         size = {k: int(fields[k]) for k in names if k in fields}
     except (TypeError, ValueError):
-        raise ValueError(f"mesh {spec!r}: pp, dp, tp, dp_shard and dp_replicate must be integers ({EXAMPLE})") from None
+        raise ValueError(f"mesh {spec!r}: pp, dp, tp, dp_shard, dp_replicate and ep must be integers ({EXAMPLE})") from None
     small = sorted(k for k, v in size.items() if v < 1)
     if small:
         raise ValueError(f"mesh {spec!r}: {', '.join(small)} must be at least 1 ({EXAMPLE})")

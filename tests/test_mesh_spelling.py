@@ -72,7 +72,7 @@ def test_hsdp_is_parsed_run_by_launch_and_refused_by_the_planner_naming_the_fix(
 
 @pytest.mark.parametrize("spec, match", [
     ("dp_shard=2,cp=2", r"unknown key\(s\) \['cp'\]; the keys are pp, dp, tp, dp_mode, order, dp_shard, "
-                        r"dp_replicate, sp \(e\.g\. pp=2,dp=4,dp_mode=shard, or dp_shard=4 \(FSDP\)"),
+                        r"dp_replicate, sp, ep \(e\.g\. pp=2,dp=4,dp_mode=shard, or dp_shard=4 \(FSDP\)"),
     ({"pp": 2, "cp": 1}, r"unknown key\(s\) \['cp'\]; the keys are"),
     ("dp=2,dp_shard=2", "give dp .with dp_mode. or dp_shard/dp_replicate, not both"),
     ("dp_shard=2,dp_mode=shard", "dp_mode is shard .FSDP2. or replicate .DDP., and goes with dp only"),
@@ -110,11 +110,13 @@ def test_the_layout_record_round_trips_and_refuses_what_it_cannot_be():
                      ({"dp_replicate": 2, "dp_shard": 2, "dp_mode": "replicate"}, "is HSDP"),
                      ({"dp_replicate": 2}, "names its mode"), ({"tp": 0}, "positive int"),
                      ({"recomputation": ("stages",)}, "recomputation 'stages' is not one of"),
-                     ({"order": "tp-pp-dp"}, "order must be one of")]:
+                     ({"order": "tp-pp-dp"}, "order must be one of"),
+                     ({"dp_shard": 2, "ep": 4}, r"ep=4 borrows 4 data-parallel ranks .* but dp=2: use a dp that ep "
+                                                r"divides .dp=4 or a multiple of it")]:
         with pytest.raises(LayoutError, match=why):
             Layout(pp=1, **bad)
     with pytest.raises(LayoutError, match="unknown"):
-        Layout.from_dict({"pp": 1, "ep": 2})
+        Layout.from_dict({"pp": 1, "cp": 2})
 
 
 def test_the_layout_rules_are_one_function():
@@ -127,8 +129,17 @@ def test_the_layout_rules_are_one_function():
              (Layout.of(2, 2, 2, "replicate"), {}, "ddp_tp", "shard them with FSDP2"),
              (good, {"workers": 4, "world": 16}, "workers", "use pp=4, dp=2"),
              (good, {"world": 6}, "world", "multiply to 8 but there are 6"),
-             (good, {"batch": 3}, "batch", "multiple of 2")]
+             (good, {"batch": 3}, "batch", "multiple of 2"),
+             (Layout.of(2, 4, 1, "shard", ep=4), {"experts": {"model.layers.1.mlp.experts": 6}}, "experts",
+              "ep=4 does not divide the 6 experts of model.layers.1.mlp.experts: use an ep that divides both 6 and "
+              "dp=4 (2)"),
+             (Layout.of(2, 2, 1, "shard", ep=2), {"experts": {}}, "experts", "has none that fxpipe can shard"),
+             (Layout.of(1, 2, 2, "shard", ep=2), {}, "experts", "use tp=1 with ep")]
     for layout, given, rule, text in cases:
         found = refusal(layout, **given)
         assert found is not None and found.rule == rule and text in found.message, (rule, found)
     assert refusal(Layout.of(2, 2, 2, "replicate"), runtime=False) is None
+    # ep borrows data-parallel ranks: dp left out is ep's, and the world counts it once
+    moe = parse_layout("pp=2,ep=2")
+    assert (moe.dp, moe.ep, moe.world) == (2, 2, 4) and parse_layout(moe.spec()) == moe
+    assert refusal(moe, world=4, experts={"model.layers.0.mlp.experts": 8}) is None
