@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 import transformers
 
-__all__ = ["FAMILIES", "build", "padded_batch"]
+__all__ = ["FAMILIES", "MOE", "build", "padded_batch"]
 
 VOCAB, WIDTH, SEQ = 96, 32, 12
 
@@ -58,7 +58,25 @@ FAMILIES: dict[str, Callable[[], Any]] = {
     "llama": lambda: _llama(False), "llama-tied": lambda: _llama(True), "gpt2": _gpt2, "qwen2": _qwen2,
     "bert-mlm": _bert, "t5": _t5,
 }
-OTHERS: dict[str, Callable[[], Any]] = {"qwen3": _qwen3}   # built by name, not part of the journey's families
+def _moe(config: Any, **sizes: Any) -> Callable[[], Any]:
+    """A tiny mixture of experts of ``config``'s family: 8 experts of width 16, 2 chosen per token."""
+    sizes = {"num_hidden_layers": 2, "hidden_size": WIDTH, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "vocab_size": VOCAB, "max_position_embeddings": 64, "num_experts_per_tok": 2, **sizes}
+    return lambda: transformers.AutoModelForCausalLM.from_config(config(**sizes))
+
+
+MOE: dict[str, Callable[[], Any]] = {   # stacked experts beside a router: what expert parallelism shards
+    "qwen3_moe": _moe(transformers.Qwen3MoeConfig, intermediate_size=64, moe_intermediate_size=16, num_experts=8,
+                      head_dim=8),
+    "mixtral": _moe(transformers.MixtralConfig, intermediate_size=16, num_local_experts=8),
+    # a dense first layer, a shared expert, group-limited routing, multi-head latent attention
+    "deepseek_v3": _moe(transformers.DeepseekV3Config, intermediate_size=64, moe_intermediate_size=16,
+                        num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+                        kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
+    # biased, transposed experts; sliding-window layers
+    "gpt_oss": _moe(transformers.GptOssConfig, intermediate_size=16, num_local_experts=8, head_dim=8),
+}
+OTHERS: dict[str, Callable[[], Any]] = {"qwen3": _qwen3, **MOE}   # built by name, not the journey's families
 
 
 def padded_batch(family: str, batch: int = 8, seed: int = 1) -> dict[str, torch.Tensor]:

@@ -10,16 +10,19 @@ this fixed order:
    ``ParallelDims.sequence_parallel`` the activations between them by sequence
    (:mod:`fxpipe.distributed.parallel.sequence`); compiled stages are refused here (tensor parallelism on
    compiled stages is not verified);
-2. :func:`apply_recomputation`: per-block recomputation where the plan or ``checkpoint=`` asks for it
+2. :func:`~fxpipe.distributed.parallel.expert_parallel.apply_expert_parallel`: each mixture-of-experts layer's
+   experts sharded over ``ep`` of the data-parallel ranks, their tokens exchanged by all-to-all, their gradients
+   reduced over the ranks holding the same experts (data parallelism leaves them alone);
+3. :func:`apply_recomputation`: per-block recomputation where the plan or ``checkpoint=`` asks for it
    (:mod:`fxpipe.runtime.backward.block_recompute`), under FSDP2 each block made a unit of its own that
    recomputes inside it (:mod:`fxpipe.runtime.backward.block_units`); whole-stage recomputation is the
    executor's, per micro-batch. Compilation (``CompileOptions.compile_stages``) is not applied here but when
    the stages are built (:func:`fxpipe.distributed.stages.build_stages`, once they are on this rank's devices):
    tensor parallelism refuses compiled stages, and FSDP2 makes block units of eager stages only;
-3. :func:`apply_data_parallel`: the (tensor-parallel) stages replicated with DDP, sharded with FSDP2, or both
+4. :func:`apply_data_parallel`: the (tensor-parallel) stages replicated with DDP, sharded with FSDP2, or both
    (HSDP) over the data-parallel dims (:mod:`fxpipe.distributed.parallel.ddp`, :mod:`.fsdp`), or nothing to
    reduce where the mesh has no data parallelism;
-4. :func:`count_once`: the marks a global gradient norm reads, so each piece of a parameter is counted once
+5. :func:`count_once`: the marks a global gradient norm reads, so each piece of a parameter is counted once
    over the mesh (:mod:`fxpipe.distributed.clip`).
 
 Without a mesh only recomputation applies. Each function puts the parameters it replaces (``DTensor`` s) wherever
@@ -37,6 +40,7 @@ from torch import nn
 from fxpipe.distributed.clip import mark_copies
 from fxpipe.distributed.parallel.ddp import ReplicatedStages, SoloStages
 from fxpipe.distributed.parallel.dims import ParallelDims
+from fxpipe.distributed.parallel.expert_parallel import ExpertGrads, ExpertParallel, apply_expert_parallel
 from fxpipe.distributed.parallel.fsdp import ShardedStages
 from fxpipe.distributed.parallel.replicas import DataParallelStep
 from fxpipe.distributed.parallel.tp import shard_stages, tp_mesh_of
@@ -136,6 +140,7 @@ class Parallelized:
     grid: list[list[int]] = field(default_factory=list)
     group: Any = None
     data: Any = None
+    experts: ExpertParallel = field(default_factory=ExpertParallel)
 
 
 def parallelize(stages: Any, dims: ParallelDims | None, mesh: Any, tp_plan: dict[str, Any] | None,
@@ -150,7 +155,11 @@ def parallelize(stages: Any, dims: ParallelDims | None, mesh: Any, tp_plan: dict
     grid = ParallelDims.dp_ranks(mesh)
     group = DataParallelStep.group_of(grid, timeout_s)
     tp = apply_tensor_parallel(stages, mesh, dims, tp_plan, timeout_s)
+    experts = apply_expert_parallel(stages, dims, grid, timeout_s)
     apply_recomputation(stages, units=dims.dp_mode == "shard" and dims.dp > 1 and stages.pipe.compiled is None)
     data = apply_data_parallel(stages, mesh, dims, grid, group, timeout_s)
+    if experts.params:
+        data = ExpertGrads(data, experts, dims.dp)
     count_once(stages, elsewhere, dims.dp * dims.tp, tp)
-    return Parallelized(tp, grid, group, data)
+    mark_copies(experts.params, dims.dp * dims.tp // experts.ep)   # each expert shard: on dp / ep ranks
+    return Parallelized(tp, grid, group, data, experts)

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from fxpipe.distributed.parallel.expert_calls import is_expert_shard
+
 __all__ = ["ReplicatedStages", "SoloStages"]
 
 
@@ -25,7 +27,10 @@ class ReplicatedStages:
         together = nn.ModuleList(modules)
         # a rank whose stages hold no trained parameter (a first stage of masks and positions) has nothing to
         # reduce, and DDP refuses such a module: its replicas are left as they are
-        trained = any(p.requires_grad for p in together.parameters())
+        trained = any(p.requires_grad and not is_expert_shard(p) for p in together.parameters())
+        # expert shards differ from rank to rank: expert parallelism reduces them (expert_parallel.ExpertGrads)
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            together, [n for n, p in together.named_parameters() if is_expert_shard(p)])
         self.ddp = DistributedDataParallel(together, process_group=group) if trained else None
         self.modules = together
 
@@ -40,7 +45,7 @@ class ReplicatedStages:
         ``prepare_for_backward``, its hooks fire on a backward that adds zero to every parameter's gradient."""
         if self.ddp is None:
             return
-        params = [p for p in self.ddp.parameters() if p.requires_grad]
+        params = [p for p in self.ddp.parameters() if p.requires_grad and not is_expert_shard(p)]
         for p in params:
             if p.grad is None:   # a parameter no micro-batch reached still takes part in the all-reduce
                 p.grad = torch.zeros_like(p)

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fxpipe.distributed.parallel.expert_calls import is_expert_shard
 from fxpipe.runtime.backward.block_units import units_of
 
 __all__ = ["ShardedStages", "apply_fsdp", "broadcast_states", "dp_mesh", "repoint"]
@@ -80,9 +81,12 @@ def apply_fsdp(modules: Iterable[nn.Module], mesh: Any, mp_policy: Any = None) -
     assert mp_policy is None or isinstance(mp_policy, MixedPrecisionPolicy)
     out = []
     for module in modules:
+        # expert shards differ from rank to rank: expert parallelism reduces them (expert_parallel.ExpertGrads)
+        ignored = {"ignored_params": shards} if (shards := {p for p in module.parameters() if is_expert_shard(p)}) \
+            else {}
         for unit in units_of(module):
-            fully_shard(unit, mesh=mesh, reshard_after_forward=False, **policy)
-        fully_shard(module, mesh=mesh, reshard_after_forward=False, **policy)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=False, **policy, **ignored)
+        fully_shard(module, mesh=mesh, reshard_after_forward=False, **policy, **ignored)
         module.set_manual_backward_finalization(True)   # this rank's schedule says when the step's backward ends
         out.append(module)
     return out
@@ -95,7 +99,7 @@ def broadcast_states(modules: Iterable[nn.Module], src: int, group: Any) -> None
     with torch.no_grad():
         for module in modules:
             for t in [*module.parameters(), *module.buffers()]:
-                if t.device.type != "meta":
+                if t.device.type != "meta" and not is_expert_shard(t):   # expert parallelism's own
                     dist.broadcast(t.to_local() if isinstance(t, DTensor) else t.data, src=src, group=group)
 
 
