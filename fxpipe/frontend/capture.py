@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.errors import TraceError
+from fxpipe.frontend.experts import refuse_router_loss
 from fxpipe.frontend.export import PREDICTED, export_graph, flat_program
 from fxpipe.frontend.fingerprint import graph_fingerprint
 from fxpipe.frontend.generation_cache import CACHE_OFF_REASON, generation_cache_off
@@ -188,6 +189,7 @@ def capture_as_built(model: Any, leaf_modules: Iterable[Any] = (), concrete_args
         gm.meta.setdefault("fxpipe_traced_training", model.training)
         return Captured(gm, graph_fingerprint(gm, "given"), False, eval_graph=gm, frontend=
                         {"name": "given", "reason": "a torch.fx.GraphModule, partitioned as given"})
+    refuse_router_loss(model, kwargs)
     leaves = list(leaf_modules)
     unknown = [n for n in leaves if isinstance(n, str) and n and not has_submodule(model, n)]
     if unknown:

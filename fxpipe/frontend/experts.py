@@ -14,6 +14,11 @@ Experts kept as a ``ModuleList`` of one class beside a router are found too, as 
 ``False``: their block's own forward loops over them, so which tokens reach which expert is that forward's code,
 not a call fxpipe can dispatch; :func:`shardable` refuses them, naming the layer and the convention that would
 shard.
+
+:func:`refuse_router_loss` refuses a model that adds its routers' load-balancing loss to its own
+(``output_router_logits=True``, transformers' ``load_balancing_loss_func``): that loss is ``E`` times the sum over
+experts of two means over the whole batch's tokens (the share of tokens routed to the expert, its mean router
+probability), a product no sum over micro-batches reproduces, so a pipeline would train on another loss.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["ExpertLayer", "ExpertsError", "find_experts", "shardable"]
+__all__ = ["ExpertLayer", "ExpertsError", "find_experts", "refuse_router_loss", "shardable"]
 
 
 class ExpertsError(ValueError):
@@ -125,3 +130,18 @@ def shardable(model: nn.Module) -> dict[str, int]:
             "them stacked (one module whose parameters have the experts first, called as experts(hidden_states, "
             "top_k_index, top_k_weights), transformers' @use_experts_implementation convention), or leave ep out")
     return {layer.path: layer.num_experts for layer in layers}
+
+
+def refuse_router_loss(model: nn.Module, kwargs: dict | None = None) -> None:
+    """:class:`ExpertsError` for a mixture of experts asked to return its routers' load-balancing loss (module
+    docstring), naming why and the fix; nothing otherwise."""
+    config = getattr(model, "config", None)
+    asked = (kwargs or {}).get("output_router_logits", getattr(config, "output_router_logits", False))
+    if asked is not True or not find_experts(model):
+        return
+    raise ExpertsError(
+        "the model adds its routers' load-balancing loss (output_router_logits=True), a product of two means over "
+        "the whole batch's tokens (each expert's share of the tokens times its mean router probability) that no "
+        "sum over micro-batches reproduces: a pipeline would train on another loss. Train with "
+        "config.output_router_logits=False (the language-model loss, exact), or add the routers' loss outside the "
+        "pipeline")
