@@ -6,7 +6,9 @@ one stage of ``dp_shard=4, ep=2`` (each expert shard on two ranks, its gradients
 spanning the replicas (``ep=4``). The families cover top-k routing with and without a shared expert, a dense first
 layer, group-limited routing (DeepSeek-V3), biased transposed experts and sliding-window layers (gpt-oss). Every
 rank's loss is the whole batch's and every gradient, an expert shard's too, is the one process's (its slice).
-A model without experts under ``ep`` is refused on every rank alike, naming why.
+A model without experts under ``ep`` is refused on every rank alike, naming why. A checkpoint of expert shards
+(``torch.distributed.checkpoint``) holds the whole expert tensors: written under ``ep=2`` it resumes without
+expert parallelism, whose checkpoint resumes under ``ep=2`` again, each step's loss the one process's.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from hf_models import build, padded_batch
 pytest.importorskip("transformers")
 
 EST = fxpipe.ProfileOptions(mode="estimate")
-BATCH = 8
+BATCH, LR = 8, 1e-2
+RESUMED = "qwen3_moe"   # checkpointed under ep=2, resumed without ep, and under ep=2 again
 #: (family, stages, schedule, mesh)
 CASES = [("qwen3_moe", 2, "1f1b", "ep=2"),
          ("deepseek_v3", 2, "zb-h1", "pp=2,dp=2,dp_mode=replicate,ep=2"),
@@ -38,7 +41,28 @@ def _plan(family: str, stages: int, schedule: str) -> str:
     return json.dumps(plan.to_dict())
 
 
-def _ranks(rank: int, world: int, cases: list[tuple[str, str, str]], dense_plan: str) -> dict:
+def _resumed(family: str, plan_json: str, first: object, folder: str) -> list[float | None]:
+    """After ``first`` (a PipelineRank under ep=2) has stepped once: an Adam step, a checkpoint; a rank without
+    ep resumes it and steps, checkpoints; a rank under ep=2 (DDP) resumes that and steps. Their losses."""
+    from fxpipe.distributed import PipelineRank, checkpoint
+    batch = padded_batch(family, BATCH)
+    stage, losses = first, []
+    for k, mesh in enumerate((None, "dp_shard=2", "dp=2,dp_mode=replicate,ep=2")):
+        if mesh is not None:
+            stage = PipelineRank(fxpipe.Plan.from_dict(json.loads(plan_json)), lambda: build(family), mesh=mesh)
+            opt = torch.optim.Adam(stage.parameters(), lr=LR)
+            checkpoint.load(stage, opt, f"{folder}/{k - 1}")
+            loss = stage.step(batch["input_ids"], labels=batch["labels"])
+            losses.append(None if loss is None else float(loss))
+        else:
+            opt = torch.optim.Adam(stage.parameters(), lr=LR)
+        opt.step()
+        opt.zero_grad()
+        checkpoint.save(stage, opt, f"{folder}/{k}")
+    return losses
+
+
+def _ranks(rank: int, world: int, cases: list[tuple[str, str, str]], dense_plan: str, folder: str) -> dict:
     from fxpipe.distributed import PipelineRank
     out: dict = {}
     for family, plan_json, mesh in cases:
@@ -48,6 +72,8 @@ def _ranks(rank: int, world: int, cases: list[tuple[str, str, str]], dense_plan:
         grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
                  for n, p in stage.named_parameters() if p.grad is not None}
         out[family] = {"loss": None if loss is None else float(loss), "grads": grads}
+        if family == RESUMED:
+            out["resumed"] = _resumed(family, plan_json, stage, folder)
     try:
         PipelineRank(fxpipe.Plan.from_dict(json.loads(dense_plan)), lambda: build("llama"), mesh="dp_shard=4,ep=2")
         out["dense"] = "ran"
@@ -68,12 +94,12 @@ def _expected_slice(got: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_experts_sharded_over_data_parallel_ranks_train_exactly_on_every_layout():
+def test_experts_sharded_over_data_parallel_ranks_train_exactly_on_every_layout(tmp_path):
     cases = [(family, _plan(family, stages, schedule), mesh) for family, stages, schedule, mesh in CASES]
     dense = padded_batch("llama", BATCH)
     dense_plan = json.dumps(fxpipe.compile(build("llama"), ["cpu"], (dense["input_ids"],), stages=1, profile=EST,
                                            example_kwargs={"labels": dense["labels"]}).plan.to_dict())
-    got = run_ranks(4, _ranks, cases, dense_plan, deadline_s=400.0)
+    got = run_ranks(4, _ranks, cases, dense_plan, str(tmp_path), deadline_s=400.0)
     assert all("ok" in r for r in got), [r.get("trace") for r in got if "ok" not in r][:1]
     for family, stages, _, mesh in CASES:
         batch = padded_batch(family, BATCH)
@@ -97,3 +123,22 @@ def test_experts_sharded_over_data_parallel_ranks_train_exactly_on_every_layout(
         assert held == {n for n, p in whole.items() if p.grad is not None}, family   # every gradient on some rank
     for r in got:
         assert "has none that fxpipe can shard" in r["ok"]["dense"] and "leave ep out" in r["ok"]["dense"], r
+    _check_resumed([r["ok"]["resumed"] for r in got])
+
+
+def _check_resumed(resumed: list[list[float | None]]) -> None:
+    """The losses of steps 2 and 3 after checkpoints across ep=2 -> no ep -> ep=2: the one process's."""
+    batch = padded_batch(RESUMED, BATCH)
+    model = build(RESUMED)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    want = []
+    for _ in range(3):
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(float(loss))
+    last = [r for r in resumed if r[0] is not None]
+    assert len(last) == 2, resumed   # the last stage's two replicas
+    for got in last:
+        assert got == pytest.approx(want[1:], rel=1e-5), (got, want)

@@ -17,6 +17,11 @@ loading rank reads the part it holds now: a plain tensor (another plan, no shard
 mesh, from a checkpoint written sharded or plain. The names come from ``stage.named_parameters()``, which
 names a parameter by its module slot, so a ``DTensor`` that replaced it keeps the model's name.
 
+Expert shards (:mod:`fxpipe.distributed.parallel.expert_parallel`) are plain tensors of this rank's experts; they
+and their moments are written and read as the ``DTensor`` s they are pieces of (``Shard(0)`` over the ep group,
+:func:`~fxpipe.distributed.parallel.expert_parallel.global_view`, sharing their storage), so the checkpoint holds
+each layer's whole expert tensors and another ``ep``, or none, reads them back.
+
 One exception: ``torch.distributed.checkpoint`` (torch 2.15) cannot write a ``DTensor`` placed
 ``_StridedShard`` (GPT-2's fused q/k/v weight under tensor parallelism,
 :class:`~fxpipe.distributed.parallel.tp_plans.Conv1DFusedColwise`): it describes each rank's strided columns as
@@ -36,6 +41,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from fxpipe.distributed.parallel.expert_parallel import global_shape, global_view
+
 __all__ = ["save", "load"]
 
 
@@ -49,9 +56,10 @@ def _tensors(stage: Any) -> dict[str, torch.Tensor]:
 
 def _like(param: torch.Tensor, meta: TensorStorageMetadata) -> torch.Tensor:
     """Room for a stored optimizer entry of ``param``: shaped like the parameter (a moment) it is laid out as the
-    parameter is now (a ``DTensor`` 's shard where sharded); anything else (a step count) plain."""
-    if tuple(meta.size) == tuple(param.shape):   # a DTensor's shape is its global one
-        return torch.empty_like(param.detach(), dtype=meta.properties.dtype)
+    parameter is now (a ``DTensor`` 's shard where sharded, an expert shard's global view); anything else (a step
+    count) plain."""
+    if tuple(meta.size) == global_shape(param):   # a DTensor's shape is its global one
+        return global_view(torch.empty_like(param.detach(), dtype=meta.properties.dtype), param)
     return torch.empty(meta.size, dtype=meta.properties.dtype)
 
 
@@ -80,18 +88,20 @@ def _optimizer_names(stage: Any, optimizer: torch.optim.Optimizer) -> list[str]:
 def save(stage: Any, optimizer: torch.optim.Optimizer | None, path: str) -> None:
     """Write this rank's parameters, buffers and optimizer state to the checkpoint directory ``path`` (collective:
     every rank calls it)."""
-    state: dict[str, Any] = {f"model.{name}": _storable(t.detach()) for name, t in _tensors(stage).items()}
+    state: dict[str, Any] = {f"model.{name}": _storable(global_view(t.detach(), t))
+                             for name, t in _tensors(stage).items()}
     if optimizer is not None:
         names = _optimizer_names(stage, optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
         for index, entries in optimizer.state_dict()["state"].items():
             for key, value in entries.items():
-                state[f"optim.{names[index]}.{key}"] = _storable(value)
+                state[f"optim.{names[index]}.{key}"] = _storable(global_view(value, params[index]))
     dcp.save(state, checkpoint_id=path)
 
 
 def load(stage: Any, optimizer: torch.optim.Optimizer | None, path: str) -> None:
     """Read this rank's parameters, buffers and optimizer state from ``path`` (collective), in place."""
-    state: dict[str, Any] = {f"model.{name}": t.detach() for name, t in _tensors(stage).items()}
+    state: dict[str, Any] = {f"model.{name}": global_view(t.detach(), t) for name, t in _tensors(stage).items()}
     names = _optimizer_names(stage, optimizer) if optimizer is not None else []
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     params = [p for group in optimizer.param_groups for p in group["params"]] if optimizer is not None else []
@@ -120,5 +130,8 @@ def load(stage: Any, optimizer: torch.optim.Optimizer | None, path: str) -> None
         restored = optimizer.state_dict()
         restored["state"] = {}
         for key, (index, entry) in wanted.items():
-            restored["state"].setdefault(index, {})[entry] = state[key]
+            value = state[key]
+            if isinstance(value, DTensor) and not isinstance(params[index], DTensor):   # an expert shard's moment
+                value = value.to_local()
+            restored["state"].setdefault(index, {})[entry] = value
         optimizer.load_state_dict(restored)

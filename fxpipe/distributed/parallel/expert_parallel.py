@@ -44,7 +44,24 @@ from fxpipe.distributed.parallel.fsdp import repoint
 from fxpipe.frontend.experts import ExpertsError, shardable
 from solvers.layout import refusal
 
-__all__ = ["EXPERT_SHARD", "ExpertGrads", "ExpertShard", "apply_expert_parallel", "global_view"]
+__all__ = ["EXPERT_SHARD", "ExpertGrads", "ExpertShard", "ShardOf", "apply_expert_parallel", "global_shape",
+           "global_view"]
+
+
+@dataclass(frozen=True)
+class ShardOf:
+    """What an expert shard is a piece of: experts ``rank * (total / ep)`` on of ``total``, over the ep group's
+    ``mesh`` (a 1-D ``DeviceMesh``)."""
+
+    rank: int
+    ep: int
+    total: int
+    mesh: Any
+
+
+def _group_mesh(group: Any, device_type: str) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh
+    return DeviceMesh.from_group(group, "cpu" if device_type == "meta" else device_type, mesh_dim_names=("ep",))
 
 
 def _exchange(values: torch.Tensor, send: list[int], receive: list[int], group: Any) -> torch.Tensor:
@@ -66,10 +83,11 @@ class ExpertShard(nn.Module):
         lo = rank * self.local
         local = copy.copy(experts)   # the module's forward and settings, over this rank's experts only
         local._parameters = {}
+        mesh = _group_mesh(group, next(experts.parameters()).device.type)
         for name in names:
             full = getattr(experts, name)
             param = nn.Parameter(full.detach()[lo: lo + self.local].clone(), requires_grad=full.requires_grad)
-            setattr(param, EXPERT_SHARD, (rank, ep, total))
+            setattr(param, EXPERT_SHARD, ShardOf(rank, ep, total, mesh))
             self.register_parameter(name, param)
             local._parameters[name] = param
         if hasattr(local, "num_experts"):
@@ -213,7 +231,20 @@ class ExpertGrads:
             p.grad.div_(self.dp)
 
 
-def global_view(param: torch.Tensor, grid_mesh: Any = None) -> torch.Tensor:
-    """An expert shard (``EXPERT_SHARD``) as the ``DTensor`` it is a piece of, sharing its storage; anything else
-    as it is."""
-    return param
+def global_view(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``t`` (an expert shard ``param``, or a tensor shaped like it: an optimizer moment) as the ``DTensor`` it is
+    a piece of (``Shard(0)`` over the ep group), sharing its storage, so that a checkpoint holds the model's whole
+    expert tensor; anything else as it is."""
+    shard = getattr(param, EXPERT_SHARD, None)
+    if shard is None or not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(param.shape):
+        return t
+    from torch.distributed.tensor import DTensor, Shard
+    shape = (shard.total, *t.shape[1:])
+    return DTensor.from_local(t, shard.mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def global_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The whole tensor's shape of an expert shard; any other tensor's own."""
+    shard = getattr(param, EXPERT_SHARD, None)
+    return tuple(param.shape) if shard is None else (shard.total, *param.shape[1:])
