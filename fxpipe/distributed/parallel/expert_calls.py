@@ -20,6 +20,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from fxpipe.frontend.precision import compute_copy
+
 __all__ = ["EXPERT_SHARD", "ExpertCallError", "is_expert_shard", "restore_expert_calls"]
 
 #: a Parameter attribute: ``(ep rank, ep, experts)`` of an expert shard, which data parallelism leaves to expert
@@ -75,9 +77,12 @@ def _call_inputs(path: str, outside: list[fx.Node]) -> tuple[fx.Node, fx.Node, f
         "their tokens to other ranks; leave ep out (ep=1)")
 
 
-def restore_expert_calls(gm: fx.GraphModule, paths: list[str], module_at: Callable[[str], nn.Module]) -> list[str]:
-    """In ``gm`` (one stage), call the experts at each of ``paths`` that it runs as ``module_at(path)`` (put at
-    that path in ``gm``). Returns the paths rewritten; ``gm`` is recompiled if any."""
+def restore_expert_calls(gm: fx.GraphModule, paths: list[str],
+                         module_at: Callable[[str, bool], nn.Module]) -> list[str]:
+    """In ``gm`` (one stage), call the experts at each of ``paths`` that it runs as ``module_at(path, mixed)``
+    (put at that path in ``gm``; ``mixed``: the region read the parameters through their bfloat16 compute copies,
+    :mod:`fxpipe.frontend.precision`, as the module must). Returns the paths rewritten; ``gm`` is recompiled if
+    any."""
     done = []
     for path in paths:
         region = _region(gm, path)
@@ -93,7 +98,8 @@ def restore_expert_calls(gm: fx.GraphModule, paths: list[str], module_at: Callab
             raise ExpertCallError(f"the operations of the experts {path} give {len(outputs)} values to the rest of "
                                   "the stage, where the call experts(...) returns one: leave ep out (ep=1)")
         tokens, index, weights = _call_inputs(path, outside)
-        gm.add_submodule(path, module_at(path))
+        mixed = any(n.target is compute_copy for n in region)
+        gm.add_submodule(path, module_at(path, mixed))
         with gm.graph.inserting_before(outputs[0]):
             call = gm.graph.call_module(path, (tokens, index, weights))
         call.meta = dict(outputs[0].meta)

@@ -42,6 +42,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from fxpipe.distributed.parallel.expert_calls import EXPERT_SHARD, restore_expert_calls
 from fxpipe.distributed.parallel.fsdp import repoint
 from fxpipe.frontend.experts import ExpertsError, shardable
+from fxpipe.frontend.precision import compute_copy
 from solvers.layout import refusal
 
 __all__ = ["EXPERT_SHARD", "ExpertGrads", "ExpertShard", "ShardOf", "apply_expert_parallel", "global_shape",
@@ -75,7 +76,7 @@ class ExpertShard(nn.Module):
     whole ep group dispatched to them and combined back (module docstring). Its parameters have the experts
     module's names, shaped ``(E / ep, ...)``."""
 
-    def __init__(self, experts: nn.Module, rank: int, ep: int, group: Any) -> None:
+    def __init__(self, experts: nn.Module, rank: int, ep: int, group: Any, mixed: bool = False) -> None:
         super().__init__()
         names = [n for n, _ in experts.named_parameters(recurse=False)]
         total = next(experts.parameters()).shape[0]
@@ -93,7 +94,7 @@ class ExpertShard(nn.Module):
         if hasattr(local, "num_experts"):
             local.num_experts = self.local
         object.__setattr__(self, "_experts", local)   # not a submodule: its parameters are this module's
-        self._group = group
+        self._group, self._mixed = group, mixed
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -111,11 +112,19 @@ class ExpertShard(nn.Module):
         local_ids = torch.empty(sum(receive), dtype=chosen.dtype, device=chosen.device)
         dist.all_to_all_single(local_ids, (chosen[order] - owner[order] * self.local).contiguous(), receive, send,
                                group=self._group)
-        out = self._experts(hidden, local_ids.unsqueeze(-1), weights.unsqueeze(-1))
+        out = self._local_experts(hidden, local_ids.unsqueeze(-1), weights.unsqueeze(-1))
         back = _exchange(out, receive, send, self._group)
         unsorted = torch.empty_like(order)
         unsorted[order] = torch.arange(order.numel(), device=order.device)
         return back[unsorted].view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+    def _local_experts(self, *args: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on what it received; under bf16-mixed through the parameters' bfloat16 copies."""
+        if not self._mixed:
+            return self._experts(*args)
+        copies = {name: compute_copy(p) for name, p in self.named_parameters()}
+        return torch.func.functional_call(self._experts, copies, args)
 
 
 @dataclass
@@ -173,8 +182,8 @@ def _shard_stage(stages: Any, k: int, experts: dict[str, int], done: ExpertParal
     and the traced graph held the parameters they replace."""
     made: dict[str, ExpertShard] = {}
 
-    def shard(path: str) -> ExpertShard:
-        made[path] = ExpertShard(stages.model.get_submodule(path), done.rank, done.ep, group)
+    def shard(path: str, mixed: bool) -> ExpertShard:
+        made[path] = ExpertShard(stages.model.get_submodule(path), done.rank, done.ep, group, mixed)
         return made[path]
 
     restore_expert_calls(stages.specs[k].module, list(experts), shard)
