@@ -161,6 +161,8 @@ def _train(args: argparse.Namespace, rank: int) -> None:
     devices = sorted({ranked.pipe.devices[k].type for k in ranked.own})
     where = "" if dims is None else " of mesh " + ", ".join(
         f"{n} {c}" for n, c in zip(stage.mesh.mesh_dim_names, stage.mesh.get_coordinate()))
+    if dims is not None and dims.layout.ep > 1:   # ep borrows the dp ranks: this rank's experts among them
+        where += f", ep {stage.experts.rank} of {dims.layout.ep}"
     # one write per line: the ranks share torchrun's stdout, and print's separate newline could interleave
     sys.stdout.write(f"rank {rank} (node {node}, local {local}{where}): stages {ranked.own} on {','.join(devices)}, "
                      f"{sum(_local(p).numel() for p in stage.parameters())} parameters\n")

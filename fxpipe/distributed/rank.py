@@ -124,7 +124,7 @@ class PipelineRank:
                                    group=pp_group, device=device, timeout_s=timeout_s,
                                    broadcast_loss=broadcast_loss, weights=weights, options=options)
         parallel = parallelize(self.ranked, self.dims, self.mesh, tp_plan, float(timeout_s))
-        self.tp = parallel.tp
+        self.tp, self.experts = parallel.tp, parallel.experts   # experts: this rank's share of ep (ep=1: none)
         self.replicas: DataParallelStep | None = None if parallel.data is None else DataParallelStep(
             self.ranked, parallel.grid, parallel.group, parallel.data, parallel.tp, float(timeout_s))
 
