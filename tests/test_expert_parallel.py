@@ -2,8 +2,8 @@
 
 One group of four processes runs every case (a process group's start-up is most of a multi-process test's time):
 ``pp x ep`` (pp=2, dp=2, ep=2) under 1F1B and under ZB-H1's split backward, with FSDP2 and with DDP over the rest;
-one stage of ``dp_shard=4, ep=2`` (each expert shard on two ranks, its gradients summed over them); HSDP with ep
-spanning the replicas (``ep=4``). The families cover top-k routing with and without a shared expert, a dense first
+one stage of ``dp_shard=4, ep=2`` (each expert shard on two ranks, its gradients summed over them) with each block
+recomputed inside its FSDP2 unit; HSDP with ep spanning the replicas (``ep=4``), the stage recomputed whole. The families cover top-k routing with and without a shared expert, a dense first
 layer, group-limited routing (DeepSeek-V3), biased transposed experts and sliding-window layers (gpt-oss). Every
 rank's loss is the whole batch's and every gradient, an expert shard's too, is the one process's (its slice).
 A model without experts under ``ep`` is refused on every rank alike, naming why. A checkpoint of expert shards
@@ -27,17 +27,17 @@ pytest.importorskip("transformers")
 EST = fxpipe.ProfileOptions(mode="estimate")
 BATCH, LR = 8, 1e-2
 RESUMED = "qwen3_moe"   # checkpointed under ep=2, resumed without ep, and under ep=2 again
-#: (family, stages, schedule, mesh)
-CASES = [("qwen3_moe", 2, "1f1b", "ep=2"),
-         ("deepseek_v3", 2, "zb-h1", "pp=2,dp=2,dp_mode=replicate,ep=2"),
-         ("mixtral", 1, "1f1b", "dp_shard=4,ep=2"),
-         ("gpt_oss", 1, "1f1b", "dp_replicate=2,dp_shard=2,ep=4")]
+#: (family, stages, schedule and recomputation, mesh)
+CASES = [("qwen3_moe", 2, ("1f1b", "auto"), "ep=2"),
+         ("deepseek_v3", 2, ("zb-h1", "auto"), "pp=2,dp=2,dp_mode=replicate,ep=2"),
+         ("mixtral", 1, ("1f1b", "blocks"), "dp_shard=4,ep=2"),   # each block recomputed, a unit of FSDP2
+         ("gpt_oss", 1, ("1f1b", "always"), "dp_replicate=2,dp_shard=2,ep=4")]   # HSDP, ep over the replicas
 
 
-def _plan(family: str, stages: int, schedule: str) -> str:
+def _plan(family: str, stages: int, how: tuple[str, str]) -> str:
     batch = padded_batch(family, BATCH)
-    plan = fxpipe.compile(build(family), ["cpu"] * stages, (batch["input_ids"],), stages=stages, schedule=schedule,
-                          example_kwargs={"labels": batch["labels"]}, chunks=2, profile=EST).plan
+    plan = fxpipe.compile(build(family), ["cpu"] * stages, (batch["input_ids"],), stages=stages, schedule=how[0],
+                          checkpoint=how[1], example_kwargs={"labels": batch["labels"]}, chunks=2, profile=EST).plan
     return json.dumps(plan.to_dict())
 
 
@@ -95,7 +95,7 @@ def _expected_slice(got: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_experts_sharded_over_data_parallel_ranks_train_exactly_on_every_layout(tmp_path):
-    cases = [(family, _plan(family, stages, schedule), mesh) for family, stages, schedule, mesh in CASES]
+    cases = [(family, _plan(family, stages, how), mesh) for family, stages, how, mesh in CASES]
     dense = padded_batch("llama", BATCH)
     dense_plan = json.dumps(fxpipe.compile(build("llama"), ["cpu"], (dense["input_ids"],), stages=1, profile=EST,
                                            example_kwargs={"labels": dense["labels"]}).plan.to_dict())
