@@ -42,7 +42,7 @@ from fxpipe.options import CompileOptions, stage_compile_kwargs
 from fxpipe.planning.plan import Plan, load_plan
 from fxpipe.runtime.execute.batchnorm import convert_deferred_batch_norm
 from fxpipe.runtime.execute.codegen import StageSpec, move_stage, split_graph
-from fxpipe.runtime.execute.compiled import (compile_stages as compile_stage_modules, planned_compilation,
+from fxpipe.runtime.execute.compiled import (planned_compilation,
                                              refuse_split_backward)
 from fxpipe.runtime.boundaries.compression import BoundaryCompression
 from fxpipe.runtime.execute.pipeline import Pipeline
@@ -172,8 +172,8 @@ def build_stages(plan: Plan | str | Path, model_fn: Callable[[], nn.Module],
                 c.weight = nn.Parameter(rep.detach().clone(), requires_grad=rep.requires_grad)
     for k in own:
         move_stage(specs[k], devices[k])
-    if compiled is not None:
-        compile_stage_modules([specs[k].module for k in own], compiled)
+    # compiled=: recorded here, applied by parallelize (fxpipe.distributed.parallel.apply.apply_compile), after
+    # recomputation and before data parallelism, as torchtitan's parallelize_llama applies torch.compile
     pipe = Pipeline(captured.graph, specs, devices, plan, checkpoint=checkpoint,
                     mode_dependent=captured.mode_dependent, compiled=compiled)
     pipe.compression = BoundaryCompression.of_stages(compression, specs, pipe._output.args[0])

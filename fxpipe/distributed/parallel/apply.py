@@ -16,13 +16,15 @@ this fixed order:
 3. :func:`apply_recomputation`: per-block recomputation where the plan or ``checkpoint=`` asks for it
    (:mod:`fxpipe.runtime.backward.block_recompute`), under FSDP2 each block made a unit of its own that
    recomputes inside it (:mod:`fxpipe.runtime.backward.block_units`); whole-stage recomputation is the
-   executor's, per micro-batch. Compilation (``CompileOptions.compile_stages``) is not applied here but when
-   the stages are built (:func:`fxpipe.distributed.stages.build_stages`, once they are on this rank's devices):
-   tensor parallelism refuses compiled stages, and FSDP2 makes block units of eager stages only;
-4. :func:`apply_data_parallel`: the (tensor-parallel) stages replicated with DDP, sharded with FSDP2, or both
+   executor's, per micro-batch;
+4. :func:`apply_compile`: ``torch.compile`` of each stage module where the plan's stages were compiled or
+   ``CompileOptions.compile_stages`` asks (:mod:`fxpipe.runtime.execute.compiled`), on this rank's devices, after
+   recomputation and before data parallelism (torchtitan's order); tensor parallelism refuses compiled stages, and
+   FSDP2 makes block units of eager stages only;
+5. :func:`apply_data_parallel`: the (tensor-parallel) stages replicated with DDP, sharded with FSDP2, or both
    (HSDP) over the data-parallel dims (:mod:`fxpipe.distributed.parallel.ddp`, :mod:`.fsdp`), or nothing to
    reduce where the mesh has no data parallelism;
-5. :func:`count_once`: the marks a global gradient norm reads, so each piece of a parameter is counted once
+6. :func:`count_once`: the marks a global gradient norm reads, so each piece of a parameter is counted once
    over the mesh (:mod:`fxpipe.distributed.clip`).
 
 Without a mesh only recomputation applies. Each function puts the parameters it replaces (``DTensor`` s) wherever
@@ -47,9 +49,10 @@ from fxpipe.distributed.parallel.tp import shard_stages, tp_mesh_of
 from fxpipe.distributed.tied import COUNTED_ELSEWHERE
 from fxpipe.frontend.precision import COMPUTE_DTYPE, is_mixed
 from fxpipe.runtime.backward.block_recompute import apply_recompute
+from fxpipe.runtime.execute.compiled import compile_stages
 from fxpipe.runtime.backward.block_units import apply_units
 
-__all__ = ["Parallelized", "TensorParallel", "apply_data_parallel", "apply_recomputation", "apply_tensor_parallel",
+__all__ = ["Parallelized", "TensorParallel", "apply_compile", "apply_data_parallel", "apply_recomputation", "apply_tensor_parallel",
            "count_once", "parallelize"]
 
 
@@ -110,6 +113,13 @@ def mixed_precision_policy(precision: str | None) -> Any:
     return MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPE, reduce_dtype=torch.float32)
 
 
+def apply_compile(stages: Any) -> None:
+    """``torch.compile`` of ``stages``' own modules with the keyword arguments the stages were built for
+    (``stages.pipe.compiled``); nothing for eager stages."""
+    if stages.pipe.compiled is not None:
+        compile_stages([stages.specs[k].module for k in stages.own], stages.pipe.compiled)
+
+
 def apply_recomputation(stages: Any, units: bool) -> None:
     """Per-block recomputation of ``stages``' own modules where the plan or ``checkpoint=`` asks for it; with
     ``units`` (FSDP2, eager stages) every block made a module of its own that recomputes as asked."""
@@ -150,6 +160,7 @@ def parallelize(stages: Any, dims: ParallelDims | None, mesh: Any, tp_plan: dict
     ``dims`` ``None``: one pipeline, recomputation alone."""
     if dims is None:
         apply_recomputation(stages, units=False)
+        apply_compile(stages)
         return Parallelized(TensorParallel())
     elsewhere = {n for n, p in stages.named_parameters() if getattr(p, COUNTED_ELSEWHERE, False)}
     grid = ParallelDims.dp_ranks(mesh)
@@ -157,6 +168,7 @@ def parallelize(stages: Any, dims: ParallelDims | None, mesh: Any, tp_plan: dict
     tp = apply_tensor_parallel(stages, mesh, dims, tp_plan, timeout_s)
     experts = apply_expert_parallel(stages, dims, grid, timeout_s)
     apply_recomputation(stages, units=dims.dp_mode == "shard" and dims.dp > 1 and stages.pipe.compiled is None)
+    apply_compile(stages)
     data = apply_data_parallel(stages, mesh, dims, grid, group, timeout_s)
     if experts.params:
         data = ExpertGrads(data, experts, dims.dp)
