@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from fxpipe.distributed.parallel.module_calls import call_instead
 from fxpipe.frontend.precision import compute_copy
 
 __all__ = ["EXPERT_SHARD", "ExpertCallError", "is_expert_shard", "restore_expert_calls"]
@@ -99,16 +100,10 @@ def restore_expert_calls(gm: fx.GraphModule, paths: list[str],
                                   "the stage, where the call experts(...) returns one: leave ep out (ep=1)")
         tokens, index, weights = _call_inputs(path, outside)
         mixed = any(n.target is compute_copy for n in region)
-        gm.add_submodule(path, module_at(path, mixed))
-        with gm.graph.inserting_before(outputs[0]):
-            call = gm.graph.call_module(path, (tokens, index, weights))
-        call.meta = dict(outputs[0].meta)
-        outputs[0].replace_all_uses_with(call)
-        for node in reversed(region):
-            gm.graph.erase_node(node)
-        for p in params:
-            if not p.users:
-                gm.graph.erase_node(p)
+        # the call stands where the region's output was: its users then read the call
+        last = outputs[0]
+        ordered = [n for n in region if n is not last] + [last]
+        call_instead(gm, path, module_at(path, mixed), (tokens, index, weights), ordered, params)
         done.append(path)
     if done:
         gm.graph.lint()

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-__all__ = ["restore_module_calls", "called_modules", "is_conv1d"]
+__all__ = ["call_instead", "restore_module_calls", "called_modules", "is_conv1d"]
 
 _aten = torch.ops.aten
 
@@ -70,20 +70,31 @@ def restore_module_calls(gm: fx.GraphModule, model: nn.Module, paths: Iterable[s
         path, module = found
         if path not in wanted:
             continue
-        gm.add_submodule(path, module)   # the model's own layer, over the container that held its parameters
-        with gm.graph.inserting_before(node):
-            call = gm.graph.call_module(path, (x,))
-        call.meta = dict(node.meta)
-        node.replace_all_uses_with(call)
+        # the model's own layer, over the container that held its parameters
         params = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
-        gm.graph.erase_node(node)
-        for p in params:
-            if not p.users:
-                gm.graph.erase_node(p)
+        call_instead(gm, path, module, (x,), [node], params)
         done.append(path)
     if done:
         gm.recompile()
     return done
+
+
+def call_instead(gm: fx.GraphModule, path: str, module: nn.Module, args: tuple, replaced: list[fx.Node],
+                 params: Iterable[fx.Node]) -> fx.Node:
+    """``module`` put at ``path`` in ``gm`` and called on ``args`` in place of the nodes ``replaced`` (in graph order;
+    the last gives the value the call gives), which are erased, with the ``params`` (``get_attr``) no node reads
+    any longer. Returns the call; the caller recompiles ``gm``."""
+    gm.add_submodule(path, module)
+    with gm.graph.inserting_before(replaced[-1]):
+        call = gm.graph.call_module(path, args)
+    call.meta = dict(replaced[-1].meta)
+    replaced[-1].replace_all_uses_with(call)
+    for node in reversed(replaced):
+        gm.graph.erase_node(node)
+    for p in params:
+        if not p.users:
+            gm.graph.erase_node(p)
+    return call
 
 
 def called_modules(gm: fx.GraphModule) -> set[str]:
