@@ -2,13 +2,14 @@
 
 One group of four processes runs every case (a process group's start-up is most of a multi-process test's time):
 ``pp x ep`` (pp=2, dp=2, ep=2) under 1F1B and under ZB-H1's split backward, with FSDP2 and with DDP over the rest;
-one stage of ``dp_shard=4, ep=2`` (each expert shard on two ranks, its gradients summed over them) with each block
+one stage of ``dp_shard=4, ep=2`` (each expert shard FSDP2-sharded over the two ranks holding it) with each block
 recomputed inside its FSDP2 unit; HSDP with ep spanning the replicas (``ep=4``), the stage recomputed whole. The families cover top-k routing with and without a shared expert, a dense first
 layer, group-limited routing (DeepSeek-V3), biased transposed experts and sliding-window layers (gpt-oss). Every
 rank's loss is the whole batch's and every gradient, an expert shard's too, is the one process's (its slice).
 A model without experts under ``ep`` is refused on every rank alike, naming why. A checkpoint of expert shards
 (``torch.distributed.checkpoint``) holds the whole expert tensors: written under ``ep=2`` it resumes without
-expert parallelism, whose checkpoint resumes under ``ep=2`` again, each step's loss the one process's.
+expert parallelism, whose checkpoint resumes under ``ep=2`` again; written with the experts FSDP2-sharded over
+their peers (``dp_shard=4, ep=2``) it resumes under ``ep=4``; each step's loss the one process's.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ pytest.importorskip("transformers")
 
 EST = fxpipe.ProfileOptions(mode="estimate")
 BATCH, LR = 8, 1e-2
-RESUMED = "qwen3_moe"   # checkpointed under ep=2, resumed without ep, and under ep=2 again
+#: checkpointed under the case's mesh, then resumed under each of these in turn
+RESUMED = {"qwen3_moe": ("dp_shard=2", "dp=2,dp_mode=replicate,ep=2"),   # ep=2 -> no ep -> ep=2 (DDP)
+           "mixtral": ("dp_shard=4,ep=4",)}   # experts FSDP2-sharded over their peers -> ep=4 (one piece each)
 #: (family, stages, schedule and recomputation, mesh)
 CASES = [("qwen3_moe", 2, ("1f1b", "auto"), "ep=2"),
          ("deepseek_v3", 2, ("zb-h1", "auto"), "pp=2,dp=2,dp_mode=replicate,ep=2"),
@@ -42,12 +45,12 @@ def _plan(family: str, stages: int, how: tuple[str, str]) -> str:
 
 
 def _resumed(family: str, plan_json: str, first: object, folder: str) -> list[float | None]:
-    """After ``first`` (a PipelineRank under ep=2) has stepped once: an Adam step, a checkpoint; a rank without
-    ep resumes it and steps, checkpoints; a rank under ep=2 (DDP) resumes that and steps. Their losses."""
+    """After ``first`` (a PipelineRank of the case's mesh) has stepped once: an Adam step, a checkpoint; a rank on
+    each mesh of :data:`RESUMED` in turn resumes the last checkpoint, steps and checkpoints. Their losses."""
     from fxpipe.distributed import PipelineRank, checkpoint
     batch = padded_batch(family, BATCH)
     stage, losses = first, []
-    for k, mesh in enumerate((None, "dp_shard=2", "dp=2,dp_mode=replicate,ep=2")):
+    for k, mesh in enumerate((None, *RESUMED[family])):
         if mesh is not None:
             stage = PipelineRank(fxpipe.Plan.from_dict(json.loads(plan_json)), lambda: build(family), mesh=mesh)
             opt = torch.optim.Adam(stage.parameters(), lr=LR)
@@ -71,9 +74,10 @@ def _ranks(rank: int, world: int, cases: list[tuple[str, str, str]], dense_plan:
         loss = stage.step(batch["input_ids"], labels=batch["labels"])
         grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
                  for n, p in stage.named_parameters() if p.grad is not None}
-        out[family] = {"loss": None if loss is None else float(loss), "grads": grads}
-        if family == RESUMED:
-            out["resumed"] = _resumed(family, plan_json, stage, folder)
+        pieces = [p.to_local().shape[0] for p in stage.experts.params if hasattr(p, "to_local")]
+        out[family] = {"loss": None if loss is None else float(loss), "grads": grads, "fsdp_pieces": pieces}
+        if family in RESUMED:
+            out[f"resumed {family}"] = _resumed(family, plan_json, stage, f"{folder}/{family}")
     try:
         PipelineRank(fxpipe.Plan.from_dict(json.loads(dense_plan)), lambda: build("llama"), mesh="dp_shard=4,ep=2")
         out["dense"] = "ran"
@@ -119,26 +123,36 @@ def test_experts_sharded_over_data_parallel_ranks_train_exactly_on_every_layout(
                 sharded += expected.shape != whole[name].shape
                 assert torch.allclose(grad, expected, rtol=1e-4, atol=1e-6), (family, mesh, name)
         assert sharded, (family, mesh)   # the experts were sharded, not replicated
+        # over several ranks holding the same experts, a sharded mesh shards them further with FSDP2 (each rank a
+        # piece of its experts), a replicated one or a single holder keeps them whole
+        pieces = [r["ok"][family]["fsdp_pieces"] for r in got]
+        experts = build(family).config.num_local_experts if family == "mixtral" else None
+        if "dp_shard=4,ep=2" in mesh:
+            assert all(p and all(n == experts // 2 // 2 for n in p) for p in pieces), (family, pieces)
+        else:
+            assert not any(pieces), (family, mesh, pieces)
         held = {n for r in got for n in r["ok"][family]["grads"]}
         assert held == {n for n, p in whole.items() if p.grad is not None}, family   # every gradient on some rank
     for r in got:
         assert "has none that fxpipe can shard" in r["ok"]["dense"] and "leave ep out" in r["ok"]["dense"], r
-    _check_resumed([r["ok"]["resumed"] for r in got])
+    for family, stages, _, _ in CASES:
+        if family in RESUMED:
+            _check_resumed(family, [r["ok"][f"resumed {family}"] for r in got], 4 // stages)
 
 
-def _check_resumed(resumed: list[list[float | None]]) -> None:
-    """The losses of steps 2 and 3 after checkpoints across ep=2 -> no ep -> ep=2: the one process's."""
-    batch = padded_batch(RESUMED, BATCH)
-    model = build(RESUMED)
+def _check_resumed(family: str, resumed: list[list[float | None]], replicas: int) -> None:
+    """The losses of the steps after each checkpoint of :data:`RESUMED`'s meshes: the one process's."""
+    batch = padded_batch(family, BATCH)
+    model = build(family)
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     want = []
-    for _ in range(3):
+    for _ in range(1 + len(RESUMED[family])):
         loss = model(**batch).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
         want.append(float(loss))
     last = [r for r in resumed if r[0] is not None]
-    assert len(last) == 2, resumed   # the last stage's two replicas
+    assert len(last) == replicas, resumed   # the last stage's replicas
     for got in last:
-        assert got == pytest.approx(want[1:], rel=1e-5), (got, want)
+        assert got == pytest.approx(want[1:], rel=1e-5), (family, got, want)

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from fxpipe.distributed.parallel.expert_parallel import global_shape, global_view
+from fxpipe.distributed.parallel.expert_parallel import global_shape, global_view, own_view
 
 __all__ = ["save", "load"]
 
@@ -131,7 +131,6 @@ def load(stage: Any, optimizer: torch.optim.Optimizer | None, path: str) -> None
         restored["state"] = {}
         for key, (index, entry) in wanted.items():
             value = state[key]
-            if isinstance(value, DTensor) and not isinstance(params[index], DTensor):   # an expert shard's moment
-                value = value.to_local()
+            value = own_view(value, params[index])   # an expert shard's moment, back in the shard's layout
             restored["state"].setdefault(index, {})[entry] = value
         optimizer.load_state_dict(restored)

@@ -23,7 +23,8 @@ this fixed order:
    FSDP2 makes block units of eager stages only;
 5. :func:`apply_data_parallel`: the (tensor-parallel) stages replicated with DDP, sharded with FSDP2, or both
    (HSDP) over the data-parallel dims (:mod:`fxpipe.distributed.parallel.ddp`, :mod:`.fsdp`), or nothing to
-   reduce where the mesh has no data parallelism;
+   reduce where the mesh has no data parallelism; on a sharded mesh the expert shards first, each by FSDP2 over
+   the data-parallel ranks holding the same experts (:mod:`.expert_fsdp`, torchtitan's ``dp_shard_mod_ep``);
 6. :func:`count_once`: the marks a global gradient norm reads, so each piece of a parameter is counted once
    over the mesh (:mod:`fxpipe.distributed.clip`).
 
@@ -42,6 +43,7 @@ from torch import nn
 from fxpipe.distributed.clip import mark_copies
 from fxpipe.distributed.parallel.ddp import ReplicatedStages, SoloStages
 from fxpipe.distributed.parallel.dims import ParallelDims
+from fxpipe.distributed.parallel.expert_fsdp import apply_expert_fsdp
 from fxpipe.distributed.parallel.expert_parallel import ExpertGrads, ExpertParallel, apply_expert_parallel
 from fxpipe.distributed.parallel.fsdp import ShardedStages
 from fxpipe.distributed.parallel.replicas import DataParallelStep
@@ -169,8 +171,10 @@ def parallelize(stages: Any, dims: ParallelDims | None, mesh: Any, tp_plan: dict
     experts = apply_expert_parallel(stages, dims, grid, timeout_s)
     apply_recomputation(stages, units=dims.dp_mode == "shard" and dims.dp > 1 and stages.pipe.compiled is None)
     apply_compile(stages)
+    sharded = dims.dp_mode == "shard" and apply_expert_fsdp(stages, experts, grid, dims.dp,
+                                                           mixed_precision_policy(stages.plan.layout.precision))
     data = apply_data_parallel(stages, mesh, dims, grid, group, timeout_s)
-    if experts.params:
+    if experts.params and not sharded:
         data = ExpertGrads(data, experts, dims.dp)
     count_once(stages, elsewhere, dims.dp * dims.tp, tp)
     mark_copies(experts.params, dims.dp * dims.tp // experts.ep)   # each expert shard: on dp / ep ranks

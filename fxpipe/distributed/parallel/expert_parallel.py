@@ -20,7 +20,8 @@ every token that reached it from any rank of the group.
 
 The expert parameters stay plain tensors of this rank's experts (the optimizer steps them as any other): data
 parallelism leaves them out (DDP ignores them, FSDP2 too) and :class:`ExpertGrads` reduces them, summed over the
-``dp / ep`` ranks holding the same experts and divided as data parallelism divides the rest. For checkpoints each
+``dp / ep`` ranks holding the same experts and divided as data parallelism divides the rest; on a sharded mesh
+with several such ranks FSDP2 shards them over those ranks instead (:mod:`.expert_fsdp`). For checkpoints each
 is described as the ``DTensor`` it is a piece of (:func:`global_view`: ``Shard(0)`` over the ep group, replicated
 over the rest), so ``torch.distributed.checkpoint`` stores the model's whole expert tensors under their names and
 any other mesh reads them back. Every collective of a stage runs on a process group of its own, so that stages
@@ -46,13 +47,13 @@ from fxpipe.frontend.precision import compute_copy
 from solvers.layout import refusal
 
 __all__ = ["EXPERT_SHARD", "ExpertGrads", "ExpertShard", "ShardOf", "apply_expert_parallel", "global_shape",
-           "global_view"]
+           "global_view", "own_view"]
 
 
 @dataclass(frozen=True)
 class ShardOf:
     """What an expert shard is a piece of: experts ``rank * (total / ep)`` on of ``total``, over the ep group's
-    ``mesh`` (a 1-D ``DeviceMesh``)."""
+    ``mesh`` (a 1-D ``DeviceMesh``; 2-D ``(ep, peers)`` where FSDP2 shards it further, :mod:`.expert_fsdp`)."""
 
     rank: int
     ep: int
@@ -120,11 +121,10 @@ class ExpertShard(nn.Module):
 
 
     def _local_experts(self, *args: torch.Tensor) -> torch.Tensor:
-        """This rank's experts on what it received; under bf16-mixed through the parameters' bfloat16 copies."""
-        if not self._mixed:
-            return self._experts(*args)
-        copies = {name: compute_copy(p) for name, p in self.named_parameters()}
-        return torch.func.functional_call(self._experts, copies, args)
+        """This rank's experts on what it received, with the parameters this module holds now (FSDP2's unsharded
+        ones inside its forward, :mod:`.expert_fsdp`); under bf16-mixed through their bfloat16 copies."""
+        params = {name: compute_copy(p) if self._mixed else p for name, p in self.named_parameters()}
+        return torch.func.functional_call(self._experts, params, args)
 
 
 @dataclass
@@ -137,6 +137,8 @@ class ExpertParallel:
     ep: int = 1
     peers: Any = None
     params: list[nn.Parameter] = field(default_factory=list)
+    modules: list[nn.Module] = field(default_factory=list)   # the ExpertShard s
+    group: Any = None   # an ep group of this rank (each stage has its own; the same ranks)
 
 
 def _groups(grid: list[list[int]], ep: int, stages: list[int], timeout_s: float) -> tuple[int, dict[int, Any], Any]:
@@ -192,6 +194,8 @@ def _shard_stage(stages: Any, k: int, experts: dict[str, int], done: ExpertParal
         repoint([stages.model, stages.pipe._graph[0]], {id(getattr(old, n)): p for n, p in module.named_parameters()})
         done.layers.append(path)
         done.params.extend(module.parameters())
+        done.modules.append(module)
+        done.group = group
 
 
 def _agree(failed: str) -> None:
@@ -242,15 +246,29 @@ class ExpertGrads:
 
 def global_view(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """``t`` (an expert shard ``param``, or a tensor shaped like it: an optimizer moment) as the ``DTensor`` it is
-    a piece of (``Shard(0)`` over the ep group), sharing its storage, so that a checkpoint holds the model's whole
-    expert tensor; anything else as it is."""
+    a piece of (``Shard(0)`` over the ep group; sharded by FSDP2 over its peers, :mod:`.expert_fsdp`, then
+    ``Shard(0)`` over them too), sharing its storage, so that a checkpoint holds the model's whole expert tensor;
+    anything else as it is."""
     shard = getattr(param, EXPERT_SHARD, None)
     if shard is None or not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(param.shape):
         return t
     from torch.distributed.tensor import DTensor, Shard
+    local = t.to_local() if isinstance(t, DTensor) else t
     shape = (shard.total, *t.shape[1:])
-    return DTensor.from_local(t, shard.mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
-                              stride=torch.empty(shape, device="meta").stride())
+    return DTensor.from_local(local, shard.mesh, [Shard(0)] * shard.mesh.ndim, run_check=False,
+                              shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+
+
+def own_view(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A tensor read back in :func:`global_view`'s layout as ``param`` lays it out: an expert shard's plain local
+    piece, or FSDP2's ``DTensor`` over the peers; anything else as it is."""
+    from torch.distributed.tensor import DTensor
+    if getattr(param, EXPERT_SHARD, None) is None or not isinstance(value, DTensor):
+        return value
+    if not isinstance(param, DTensor):
+        return value.to_local()
+    return DTensor.from_local(value.to_local(), param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
 
 
 def global_shape(param: torch.Tensor) -> tuple[int, ...]:

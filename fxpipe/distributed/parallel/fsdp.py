@@ -81,9 +81,10 @@ def apply_fsdp(modules: Iterable[nn.Module], mesh: Any, mp_policy: Any = None) -
     assert mp_policy is None or isinstance(mp_policy, MixedPrecisionPolicy)
     out = []
     for module in modules:
-        # expert shards differ from rank to rank: expert parallelism reduces them (expert_parallel.ExpertGrads)
-        ignored = {"ignored_params": shards} if (shards := {p for p in module.parameters() if is_expert_shard(p)}) \
-            else {}
+        # expert shards differ from rank to rank: expert parallelism reduces them (expert_parallel.ExpertGrads),
+        # or FSDP2 over their peers, in units of their own made before (expert_fsdp: DTensors by now)
+        ignored = {"ignored_params": shards} if (shards := {p for p in module.parameters() if is_expert_shard(p)
+                                                            and not hasattr(p, "to_local")}) else {}
         for unit in units_of(module):
             fully_shard(unit, mesh=mesh, reshard_after_forward=False, **policy, **ignored)
         fully_shard(module, mesh=mesh, reshard_after_forward=False, **policy, **ignored)
