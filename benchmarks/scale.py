@@ -144,9 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--published", action="store_true",
                         help="plan the published runs of benchmarks/published_runs.py as configured, and print "
                              "predicted against published tokens/s per GPU")
+    parser.add_argument("--moe", action="store_true",
+                        help="plan the mixture-of-experts shapes of benchmarks/scale_moe.py (Qwen3-30B-A3B on 8 and "
+                             "64 GPUs, DeepSeek-V3-like on 256) with mesh='auto' beside a published hand layout")
     args = parser.parse_args(argv)
     if args.published:
         return published(args.optimizer)
+    if args.moe:
+        from scale_moe import moe_table   # benchmarks/ is the script's own folder
+        return moe_table(table, args.preset)
     if not args.model.startswith("hf:"):
         parser.error("MODEL must be hf:TYPE (a Hugging Face causal LM built from its config)")
     config = parse_config(",".join(filter(None, [COMMON if args.shape else "", SHAPES.get(args.shape or "", ""),

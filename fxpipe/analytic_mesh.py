@@ -14,11 +14,12 @@ from torch import nn
 from fxpipe.cost.devices import Devices
 from fxpipe.options import CompileOptions
 from fxpipe.errors import InfeasiblePlanError
-from fxpipe.planning.mesh_chain import chain_pieces, levels_of, pipeline_ranks
+from fxpipe.planning.mesh_chain import chain_pieces, levels_of, pipeline_ranks, with_experts
 from fxpipe.planning.mesh_plan import MeshAsked, ask_mesh, mesh_costs, mesh_record, mesh_rows, plan_for_choice
 from fxpipe.frontend.precision import is_mixed
 from fxpipe.planning.plan import Plan
 import solvers
+from solvers.experts import held_bytes
 from solvers.layout import Layout, refusal
 from solvers.mesh import MeshProblem, state_bytes
 from solvers.mesh_search import MeshChoice, choice_layout, least_step_s, search_mesh, simulate_choice
@@ -55,7 +56,7 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
     tps = sorted({t for t in range(2, island + 1) if island % t == 0} | {m.tp for m in fixed[:1] if m.tp > 1})
     refused = {t: why for t in tps if (why := costed.tp_refusal(t) or _precision_refusal(costed))}
     for m in fixed[:1]:
-        if (why := refusal(m, batch=costed.batch)) is not None:
+        if (why := refusal(m, batch=costed.batch, experts={r.path: r.num_experts for r in costed.experts})):
             raise ValueError(f"mesh {m.label()}: {why.message}")
         if m.tp in refused:
             world = len(devices)
@@ -67,6 +68,7 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
     samples = costed.batch / costed.profiled
     launch = costed.spec.launch_s
     pieces, cuts, broadcast, piece_nodes = chain_pieces(costed.captured.graph, costed.costs, samples, launch)
+    pieces = with_experts(pieces, piece_nodes, costed.experts, samples)   # what ep shards and moves
     factor = costed.state_factor(optimizer)
     grad = min(1.0, factor)
     memory = (options.memory_bytes[0] if options is not None and options.memory_bytes is not None
@@ -170,7 +172,8 @@ def _node_level(costed: AnalyticModel, devices: Devices, problem: MeshProblem, c
                           schedule=choice.candidate.schedule if m.pp > 1 else ONE_STAGE,
                           virtual_stages=v, optimizer=optimizer, checkpoint=checkpoint, options=options)
     # the search's state per parameter byte (FSDP2 without a pipeline reshards its blocks: solvers.mesh.state_bytes)
-    whole = sum(piece.param_bytes / (m.tp if piece.tp_sharded else 1) for piece in problem.pieces)
+    whole = sum(held_bytes(piece.param_bytes, piece.experts, m.ep) / (m.tp if piece.tp_sharded else 1)
+                for piece in problem.pieces)
     held = sum(state_bytes(problem, m, choice.candidate.micro_batches,
                            get_schedule(choice.candidate.schedule).split_backward and m.pp > 1,
                            (choice.stage_modes or ["never"])[0]))
@@ -178,7 +181,7 @@ def _node_level(costed: AnalyticModel, devices: Devices, problem: MeshProblem, c
                                   optimizer_state_factor=held / whole - 1.0 if whole > 0 else grad + optimizer_state,
                                   memory_bytes=[problem.memory_bytes] * len(planner.devices))
     scaled = mesh_costs(costed.costs, costed.batch / costed.profiled, choice, problem, piece_nodes,
-                        costed.spec.launch_s)
+                        costed.spec.launch_s, costed.experts)
     result = plan_for_choice(planner, scaled, choice, piece_nodes)
     pipeline = result.predicted["iteration_s"]
     result.predicted.update(pipeline_iteration_s=pipeline, iteration_s=pipeline + choice.iteration_s - choice.pipeline_s,

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from fxpipe.checks import batch_layout, most_micro_batches, unwrap_compiled, worker_devices
+from fxpipe.cost.expert_costs import ExpertRegion, cost_experts
 from fxpipe.cost.devices import ACHIEVABLE, PRESETS, Devices, DeviceSpec
 from fxpipe.cost.optimizer_state import optimizer_state_factor, training_dtype
 from fxpipe.cost.profile import NodeCost, profile_graph
@@ -53,6 +54,13 @@ class AnalyticModel:
     signature: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     #: what the plan runs (:mod:`fxpipe.frontend.precision`): the graph was rewritten for it before costing
     precision: str = "fp32"
+    #: the mixture-of-experts layers' regions, charged as their active experts (:mod:`fxpipe.cost.expert_costs`)
+    experts: tuple[ExpertRegion, ...] = ()
+
+    @property
+    def expert_counts(self) -> dict[str, int] | None:
+        """Each experts region's path -> its experts (``refusal``'s ``experts``); ``None`` for a model without."""
+        return {r.path: r.num_experts for r in self.experts} or None
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -100,9 +108,11 @@ def cost_model(model: nn.Module, example_inputs: tuple, spec: DeviceSpec, micro_
                          "micro-batches: pass the batch the pipeline will train on")
     first = tuple(scatter(list(inputs), profiled, dims)[0])
     costs = profile_graph(captured.graph, first, torch.device("cpu"), mode="analytic", spec=spec)   # 2. cost
+    compute = COMPUTE_DTYPE if is_mixed(precision) else training_dtype(model)
+    costs, experts = cost_experts(model, captured.graph, costs, spec, compute)   # the active experts only
     return AnalyticModel(captured, costs, batch, most, profiled, layout, training_dtype(model), model.training,
                          type(model).__name__, spec, functools.lru_cache(functools.partial(tp_refusal, model)),
-                         input_signature(captured.graph, tuple(inputs)), precision)
+                         input_signature(captured.graph, tuple(inputs)), precision, experts)
 
 
 def with_model_flops(result: Plan, costed: AnalyticModel) -> Plan:

@@ -52,17 +52,17 @@ workspace buffers and allocator fragmentation.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
 from solvers.errors import InvalidProblemError
 from solvers.layout import DP_MODES, ORDERS, Layout, refusal
-from solvers.schedules import (BACKWARDS, SCHEDULES, get_schedule, inflight, stage_worker, stages_per_worker,
-                               worker_orders)
+from solvers.experts import Experts, expert_degrees, expert_extra_s, held_bytes, sharded_optimizer_bytes
+from solvers.mesh_held import stage_held, stage_inflight
+from solvers.schedules import SCHEDULES, stage_worker, stages_per_worker
 
 __all__ = ["DP_MODES", "MODES", "ORDERS", "Level", "MeshProblem", "Piece", "StageFigures", "allreduce_s",
-           "dp_sync_s", "gather_s", "gathered_first", "reduced_after_s", "regather_s", "state_bytes", "mesh_shapes", "stage_figures", "stage_held"]
+           "dp_sync_s", "expert_counts", "gather_s", "gathered_first", "reduced_after_s", "regather_s", "state_bytes", "mesh_shapes", "stage_figures", "stage_held"]
 
 
 
@@ -85,6 +85,7 @@ class Piece:
     selective_kept_bytes: float = 0.0  # per sample: the outputs selective recomputation keeps (matmuls, attention)
     work_bytes: float = 0.0            # per sample: a backward's transient, an operation's output and its gradient
     loss_bytes: float = 0.0            # per sample: the loss's transient on the piece making the model's output
+    experts: Experts | None = None     # its mixture-of-experts layers (solvers.experts), sharded by ``ep``
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,10 @@ class MeshProblem:
         dp_stride, pp_stride = (t, t * d) if mesh.order == "pp-dp-tp" else (t * p, t)
         return {"tp": self.link(t, 1), "dp": self.link(d, dp_stride), "pp": self.link(p, pp_stride)}
 
+    def ep_link(self, mesh: Layout) -> Level | None:
+        """The link ``mesh``'s ``ep`` groups span: consecutive data-parallel ranks, as the runtime groups them."""
+        return self.link(mesh.ep, mesh.tp if mesh.order == "pp-dp-tp" else mesh.tp * mesh.pp)
+
 
 def mesh_shapes(problem: MeshProblem) -> list[Layout]:
     """Every pp × dp × tp = world with tp inside the innermost level and pp at most the pieces; each dp mode and
@@ -172,12 +177,18 @@ def mesh_shapes(problem: MeshProblem) -> list[Layout]:
             d = world // (t * p)
             if p > len(problem.pieces) or problem.batch % d:
                 continue
-            for mode in (problem.dp_modes if d > 1 else problem.dp_modes[:1]):
-                for order in (problem.orders if d > 1 and p > 1 else problem.orders[:1]):
-                    shape = Layout.of(p, d, t, mode, order)
-                    if not (problem.runnable_only and refusal(shape)):
-                        out.append(shape)
+            for mode, order, e in ((m, o, e) for m in (problem.dp_modes if d > 1 else problem.dp_modes[:1])
+                                   for o in (problem.orders if d > 1 and p > 1 else problem.orders[:1])
+                                   for e in expert_degrees(expert_counts(problem), d, t)):
+                shape = Layout.of(p, d, t, mode, order, ep=e)
+                if not (problem.runnable_only and refusal(shape)):
+                    out.append(shape)
     return out
+
+
+def expert_counts(problem: MeshProblem) -> set[int]:
+    """The expert counts of the problem's mixture-of-experts layers (empty: a dense model, no ``ep`` searched)."""
+    return {n for piece in problem.pieces if piece.experts is not None for n in piece.experts.counts}
 
 
 def allreduce_s(nbytes: float, n: int, link: Level | None) -> float:
@@ -239,7 +250,8 @@ def stage_figures(problem: MeshProblem, mesh: Layout, samples: int, mode: str = 
         position += piece.block
         d = t if piece.tp_sharded else 1   # a piece tensor parallelism leaves whole runs whole on every tp rank
         tp_s = piece.tp_collectives * allreduce_s(piece.tp_bytes * samples, t, links["tp"])
-        f = piece.fwd_s * samples / (d * speed) + piece.fixed_s + tp_s
+        more_f, more_b = expert_extra_s(piece.experts, samples, mesh.ep, *_ep_link(problem.ep_link(mesh)), speed)
+        f = piece.fwd_s * samples / (d * speed) + piece.fixed_s + tp_s + more_f
         whole = piece.replicated_act_bytes if not sp and piece.tp_sharded else 0.0
         act = ((piece.act_bytes - whole) / d + whole) * samples
         again, keeps = _recomputed(mode, piece, position, f, act, cut_bytes[x - 1] if x > 0 else 0.0,
@@ -247,11 +259,11 @@ def stage_figures(problem: MeshProblem, mesh: Layout, samples: int, mode: str = 
         if again and piece.block and mode != "always":
             rebuilt.append(act - (keeps - (cut_bytes[x - 1] if x > 0 else 0.0)))
         fwd.append(f)
-        bwd.append(piece.bwd_s * samples / (d * speed) + 2 * piece.fixed_s + tp_s + again)
+        bwd.append(piece.bwd_s * samples / (d * speed) + 2 * piece.fixed_s + tp_s + again + more_b)
         # the weight pass's share of the backward proper, its launches too (half the kernels are weight gradients:
         # the node-level costing's split, solvers.simulate.weight_shares)
         weight.append(problem.weight_share * (piece.bwd_s * samples / (d * speed) + 2 * piece.fixed_s))
-        params.append(piece.param_bytes / d)
+        params.append(held_bytes(piece.param_bytes, piece.experts, mesh.ep) / d)
         acts.append(act)
         kept.append(keeps)
     link = links["pp"]
@@ -278,13 +290,21 @@ def state_bytes(problem: MeshProblem, mesh: Layout, micro_batches: int, split: b
     whole = 1.0 + grad + opt / (dp if shard else 1)
     resharded = shard and mesh.pp == 1 and not split
     block = (1.0 + opt) / dp + grad * (1.0 / dp if micro_batches == 1 else 1.0)
-    params = [piece.param_bytes / (mesh.tp if piece.tp_sharded else 1) for piece in problem.pieces]
-    out = [b * (block if resharded and piece.block else whole) for b, piece in zip(params, problem.pieces)]
+    params = [held_bytes(piece.param_bytes, piece.experts, mesh.ep) / (mesh.tp if piece.tp_sharded else 1)
+              for piece in problem.pieces]
+    out = [b * (block if resharded and piece.block else whole)
+           + (opt * sharded_optimizer_bytes(piece.experts, mesh.ep, dp) if shard else 0.0)
+           for b, piece in zip(params, problem.pieces)]
     blocks = [x for x, piece in enumerate(problem.pieces) if piece.block]
     if resharded and blocks:
         sizes = [params[x] for x in blocks]
         out[blocks[0]] += (sum(sizes) if mode == "always" else 2 * max(sizes)) * (1.0 + grad)
     return out
+
+
+def _ep_link(link: Level | None) -> tuple[float, float]:
+    """(bandwidth, latency) of the link the ``ep`` ranks span: the data-parallel one (infinite: one rank)."""
+    return (float("inf"), 0.0) if link is None else (link.bandwidth_Bps, link.latency_s)
 
 
 def _recomputed(mode: str, piece: Piece, position: int, f: float, act: float, entering: float,
@@ -349,48 +369,6 @@ def budget(problem: MeshProblem, schedule: str, pp: int) -> tuple[int, float]:
     """(stages, memory per stage) of ``schedule`` on ``pp`` devices."""
     v = stages_per_worker(schedule, problem.virtual_stages) if pp > 1 else 1
     return v * pp, problem.memory_bytes / v
-
-
-def stage_inflight(schedule: str, stage: int, stages: int, micro_batches: int) -> int:
-    """Micro-batches ``stage`` holds at its peak (interleaved counted as the planner does: 1F1B over all
-    stages)."""
-    return inflight(get_schedule(schedule).memory_model, stage, stages, micro_batches)
-
-
-def stage_held(schedule: str, stage: int, stages: int, micro_batches: int) -> tuple[tuple[int, int], ...]:
-    """(micro-batches between their forward and backward, micro-batches between their backward and weight pass)
-    that ``stage`` may hold at its peak: one pair, ``(stage_inflight, 0)``, without a split backward; under one,
-    every pair the stage's own operations pass through, less those another holds as many or more of both (the
-    node-level model keeps a micro-batch's activations and the gradients at the weight frontier from its input
-    pass to its weight pass: :mod:`solvers.activation_memory`)."""
-    record = get_schedule(schedule)
-    if not record.split_backward or stages % record.stages_per_worker():
-        return ((stage_inflight(schedule, stage, stages, micro_batches), 0),)
-    return _split_held(schedule, stages, micro_batches)[stage]
-
-
-@functools.lru_cache(maxsize=1024)
-def _split_held(schedule: str, stages: int, micro_batches: int) -> list[tuple[tuple[int, int], ...]]:
-    """:func:`stage_held` of every stage under a split backward, from one walk of the workers' orders."""
-    workers = get_schedule(schedule).workers(stages)
-    seen: list[set[tuple[int, int]]] = [set() for _ in range(stages)]
-    for order in worker_orders(schedule, stages, micro_batches, workers):
-        forward, pending = {}, {}
-        for kind, s, _ in order:
-            forward[s] = forward.get(s, 0) + (1 if kind == "F" else -1 if kind in BACKWARDS else 0)
-            pending[s] = pending.get(s, 0) + (1 if kind == "I" else -1 if kind == "W" else 0)
-            seen[s].add((forward[s], pending[s]))
-    return [_undominated(held) for held in seen]
-
-
-def _undominated(pairs: set[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    """The pairs no other pair matches or exceeds in both, sorted (one sweep from the most forwards down)."""
-    out, most = [], -1
-    for f, w in sorted(pairs, key=lambda p: (-p[0], -p[1])):
-        if w > most:
-            out.append((f, w))
-            most = w
-    return tuple(sorted(out))
 
 
 def owner(schedule: str, stage: int, pp: int) -> int:

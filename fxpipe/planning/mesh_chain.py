@@ -24,7 +24,8 @@ The devices become levels of links (:func:`levels_of`): the islands of the faste
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Sequence
 
 import torch.fx as fx
 
@@ -33,9 +34,10 @@ from fxpipe.planning.block_figures import kept_by_selective
 from fxpipe.planning.blocks import repeated_blocks
 from fxpipe.planning.lowering import solver_order
 from fxpipe.planning.topology import link_class_bandwidth
+from solvers.experts import Experts
 from solvers.mesh import Level, Piece
 
-__all__ = ["chain_pieces", "levels_of", "pipeline_ranks"]
+__all__ = ["chain_pieces", "levels_of", "pipeline_ranks", "with_experts"]
 
 _RANK = ["NV", "PIX", "PXB", "PHB", "NODE", "SYS", "HOST", "NET"]   # fastest first (NV# by its count)
 
@@ -97,6 +99,25 @@ def chain_pieces(gm: fx.GraphModule, costs: dict[str, Any], samples: int, launch
             loss_bytes=2 * sum(costs[n.name].output_bytes for n in members if any(u.op == "output" for u in n.users))
             / samples))
     return pieces, cuts, broadcast / samples, [[n.name for n in members] for _, members in groups]
+
+
+def with_experts(pieces: list[Piece], piece_nodes: Sequence[Sequence[str]], regions: Sequence[Any],
+                 samples: float) -> list[Piece]:
+    """``pieces`` with their experts regions (:class:`fxpipe.cost.expert_costs.ExpertRegion`, costed on micro-batches
+    of ``samples`` samples) as :class:`solvers.experts.Experts` per sample, on the piece holding each region's
+    charged (last) node."""
+    where = {n: i for i, names in enumerate(piece_nodes) for n in names}
+    found: dict[int, list[Any]] = {}
+    for r in regions:
+        if r.nodes and r.nodes[-1] in where:
+            found.setdefault(where[r.nodes[-1]], []).append(r)
+    out = list(pieces)
+    for i, rs in found.items():
+        out[i] = dataclasses.replace(out[i], experts=Experts(
+            tuple(r.num_experts for r in rs), float(sum(r.param_bytes for r in rs)),
+            sum(r.fwd_s for r in rs) / samples, sum(2 * r.fwd_s for r in rs) / samples,
+            sum(r.tokens * r.top_k * r.hidden * r.itemsize for r in rs) / samples))
+    return out
 
 
 def _selective_share(gm: fx.GraphModule, members: list[fx.Node], costs: dict[str, Any]) -> float:

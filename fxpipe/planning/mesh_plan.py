@@ -21,11 +21,12 @@ from fxpipe.cost.profile import NodeCost
 from fxpipe.planning.lowering import problem_device_ids
 from fxpipe.planning.plan import Plan
 from fxpipe.planning.planner import Planner
+from solvers.experts import A2A_PER_LAYER, EXPERT_IMBALANCE, a2a_bytes, a2a_s
 from solvers.layout import DP_MODES, Layout, check_layout, mesh_fields, parse_layout, refusal
 from solvers.mesh import MeshProblem, allreduce_s
 from solvers.mesh_search import MeshChoice, MeshSearch
 
-__all__ = ["MeshAsked", "ask_mesh", "mesh_costs", "mesh_fields", "mesh_record", "mesh_rows", "parse_mesh",
+__all__ = ["MeshAsked", "ask_mesh", "expert_node_costs", "mesh_costs", "mesh_fields", "mesh_record", "mesh_rows", "parse_mesh",
            "plan_for_choice"]
 
 
@@ -82,15 +83,17 @@ def parse_mesh(spec: Any, world: int) -> list[Layout]:
         raise ValueError(f"mesh {spec!r}: {exc}") from None
     if layout.dp_mode is None:   # both modes, or the one the runtime runs (FSDP2 over tensor-parallel stages)
         modes = list(DP_MODES)[:1 if dp == 1 else 2]
-        modes = [m for m in modes if not refusal(Layout.of(pp, dp, tp, m, layout.order))] or modes
+        modes = [m for m in modes if not refusal(Layout.of(pp, dp, tp, m, layout.order, layout.ep))] or modes
     else:
         modes = ["shard" if layout.dp_mode == "shard" and layout.dp_replicate == 1 else "replicate"]
-    return [Layout.of(pp, dp, tp, m, layout.order) for m in modes]
+    return [Layout.of(pp, dp, tp, m, layout.order, layout.ep) for m in modes]
 
 
 def mesh_costs(costs: dict[str, NodeCost], profiled_samples: float, choice: MeshChoice, problem: MeshProblem,
-               piece_nodes: Sequence[Sequence[str]], launch_s: float) -> dict[str, NodeCost]:
-    """Each node's cost on one device of ``choice``'s mesh at its micro-batch (module docstring)."""
+               piece_nodes: Sequence[Sequence[str]], launch_s: float,
+               experts: Sequence[Any] = ()) -> dict[str, NodeCost]:
+    """Each node's cost on one device of ``choice``'s mesh at its micro-batch (module docstring); with ``ep``, the
+    experts regions' (:func:`expert_node_costs`)."""
     mesh, samples = choice.mesh, choice.samples
     f = samples / profiled_samples
     sp = problem.sequence_parallel
@@ -118,6 +121,31 @@ def mesh_costs(costs: dict[str, NodeCost], profiled_samples: float, choice: Mesh
         last = out[calls[-1]]
         out[calls[-1]] = dataclasses.replace(last, fwd_s=last.fwd_s + comm, bwd_s=last.bwd_s + comm,
                                              act_bytes=last.act_bytes + whole)
+    return expert_node_costs(out, f, choice.mesh, problem, experts)
+
+
+def expert_node_costs(out: dict[str, NodeCost], f: float, mesh: Layout, problem: MeshProblem,
+                      experts: Sequence[Any]) -> dict[str, NodeCost]:
+    """``out`` (a mesh's node costs at micro-batches ``f`` times the costed) with each experts region
+    (:class:`fxpipe.cost.expert_costs.ExpertRegion`) under ``mesh.ep`` > 1 as :mod:`solvers.experts` charges it:
+    its parameters / ``ep``, and on its last node the imbalance's share of the active experts and its all-to-alls
+    (two each way) over the link the ``ep`` ranks span."""
+    if mesh.ep < 2:
+        return out
+    link = problem.ep_link(mesh)
+    bandwidth, latency = (float("inf"), 0.0) if link is None else (link.bandwidth_Bps, link.latency_s)
+    for r in experts:
+        for name in r.param_nodes:
+            if name in out:
+                out[name] = dataclasses.replace(out[name], param_bytes=int(out[name].param_bytes / mesh.ep))
+        if r.nodes[-1] not in out:
+            continue
+        sent = a2a_bytes(r.tokens * f, r.top_k, r.hidden, r.itemsize, mesh.ep)
+        moved = A2A_PER_LAYER // 2 * a2a_s(sent, mesh.ep, bandwidth, latency)
+        wait = (EXPERT_IMBALANCE - 1.0) * r.fwd_s * f
+        last = out[r.nodes[-1]]
+        out[r.nodes[-1]] = dataclasses.replace(last, fwd_s=last.fwd_s + wait + moved,
+                                               bwd_s=last.bwd_s + 2 * wait + moved)
     return out
 
 
@@ -158,7 +186,7 @@ def mesh_rows(search: MeshSearch, problem: MeshProblem, chosen: MeshChoice | Non
     shapes = shapes if any(c is chosen for c in shapes) else [chosen, *shapes]
     for c in shapes:
         rows.append({"pp": c.mesh.pp, "dp": c.mesh.dp, "tp": c.mesh.tp, "dp_mode": c.mesh.dp_mode,
-                     "order": c.mesh.order, "schedule": c.candidate.schedule, "chunks": c.candidate.micro_batches,
+                     "order": c.mesh.order, "ep": c.mesh.ep, "schedule": c.candidate.schedule, "chunks": c.candidate.micro_batches,
                      "recompute": any(mode != "never" for mode in c.stage_modes),
                      "recomputation": c.recomputation,
                      "iteration_s": c.iteration_s, "screened_s": c.screened_s,
@@ -172,5 +200,5 @@ def mesh_rows(search: MeshSearch, problem: MeshProblem, chosen: MeshChoice | Non
                             recomputation=",".join(sorted({s.checkpoint or plan.checkpoint for s in plan.stages})))
     for mesh, why in search.infeasible.items():
         rows.append({"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "dp_mode": mesh.dp_mode, "order": mesh.order,
-                     "feasible": False, "chosen": False, "why": why})
+                     "ep": mesh.ep, "feasible": False, "chosen": False, "why": why})
     return rows

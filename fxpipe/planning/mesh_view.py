@@ -12,7 +12,7 @@ __all__ = ["mesh_head", "mesh_table"]
 def _label(row: dict[str, Any]) -> str:
     """``pp=2 dp=4(fsdp) tp=1`` of a row of the mesh search's table."""
     return Layout.of(row["pp"], row["dp"], row["tp"], row.get("dp_mode", "replicate"),
-                     row.get("order", ORDERS[0])).label()
+                     row.get("order", ORDERS[0]), row.get("ep", 1)).label()
 
 
 def mesh_head(plan: Any) -> list[str]:
