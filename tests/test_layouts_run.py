@@ -10,7 +10,9 @@ process training the whole batch (1e-5 relative). The second step is measured (`
 rank's worker on the calling thread under ``torch.profiler``); what the rank holds before it (its parameters,
 gradients and optimizer state, the local shards where they are sharded) plus its peak above that is the rank's
 peak, within :data:`MEMORY_TOLERANCE` of the plan's prediction for the rank's worker (``predict_worker_memory``:
-parameters with gradients and optimizer state, plus the activation peak). One ``run_ranks`` call runs every case.
+parameters with gradients and optimizer state, plus the activation peak). Expert parallelism's layouts
+(:data:`EP_CASES`: a tiny Qwen3-MoE on pp x DDP x ep and on dp_shard=4 x ep=2, its experts FSDP2-sharded) run the
+same way, each expert shard checked against the experts it holds. One ``run_ranks`` call runs every case.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import fxpipe
 from distributed_run import run_ranks
 from fxpipe.cost.devices import Devices
+from test_expert_parallel import _expected_slice
 from test_mesh_fsdp import _full, _loss, _optimizer
 
 transformers = pytest.importorskip("transformers")
@@ -40,9 +43,19 @@ CASES = (
     ("pp=1,dp=4,dp_mode=replicate", "1f1b", "never"),
     ("pp=1,dp=4,dp_mode=shard", "1f1b", "selective"),
 )
+# expert parallelism (issue 60) on a tiny Qwen3-MoE: mesh, schedule, checkpoint, family; the experts whole on each
+# of ep ranks (pp x DDP x ep), and FSDP2-sharded over the two ranks holding the same experts (dp_shard=4 x ep=2)
+EP_CASES = (
+    ("pp=2,dp=2,dp_mode=replicate,ep=2", "1f1b", "never", "qwen3_moe"),
+    ("pp=1,dp=4,dp_mode=shard,ep=2", "1f1b", "never", "qwen3_moe"),
+)
 # measured over predicted peak of every rank; seen 0.86-1.17 (the activation estimate of a tiny model's small
 # operations, FSDP2's all-gather buffers)
 MEMORY_TOLERANCE = 0.25
+# the same for expert parallelism's layouts: seen 0.75-0.87, the plan over-predicting the experts region's
+# activations (the traced region's pairs of tokens and experts, where the run holds the dispatched rows); the
+# parameters, gradients and Adam state are predicted to the byte (1/ep of the experts; 1/dp under FSDP2)
+EP_MEMORY_TOLERANCE = 0.3
 BATCH, CHUNKS = 8, 2
 
 
@@ -57,10 +70,14 @@ def _recomputation(mode: str) -> str:
     return "always" if mode in ("always", "except_last") else mode
 
 
+def _family(case: tuple) -> str:
+    return case[3] if len(case) > 3 else "llama"
+
+
 def _plans() -> list[fxpipe.Plan]:
-    ids = padded_batch("llama", BATCH)["input_ids"]
-    return [fxpipe.plan(build("llama"), Devices.preset("h100", 4), (ids,), mesh=mesh, schedule=schedule,
-                        checkpoint=checkpoint, chunks=CHUNKS) for mesh, schedule, checkpoint in CASES]
+    return [fxpipe.plan(build(_family(case)), Devices.preset("h100", 4),
+                        (padded_batch(_family(case), BATCH)["input_ids"],), mesh=case[0], schedule=case[1],
+                        checkpoint=case[2], chunks=CHUNKS) for case in CASES + EP_CASES]
 
 
 def _held_bytes(stage, opt) -> int:
@@ -72,14 +89,14 @@ def _held_bytes(stage, opt) -> int:
     return sum(local(t).numel() * local(t).element_size() for t in tensors)
 
 
-def _run_all(rank: int, world: int, plans: list[str]) -> list[dict]:
+def _run_all(rank: int, world: int, plans: list[str], families: list[str]) -> list[dict]:
     from fxpipe.distributed import PipelineRank
     from solvers.schedules import stage_worker
-    batch = padded_batch("llama", BATCH)
     out = []
-    for plan_json in plans:
+    for plan_json, family in zip(plans, families):
+        batch = padded_batch(family, BATCH)
         plan = fxpipe.Plan.from_dict(json.loads(plan_json))
-        stage = PipelineRank(plan, functools.partial(build, "llama"), _loss, timeout_s=120)
+        stage = PipelineRank(plan, functools.partial(build, family), _loss, timeout_s=120)
         opt = _optimizer(stage.parameters())
         losses = []
         for measured in (False, True):
@@ -96,10 +113,11 @@ def _run_all(rank: int, world: int, plans: list[str]) -> list[dict]:
     return out
 
 
-def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = build("llama")
+@functools.cache
+def _reference(family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = build(family)
     opt = _optimizer(model.parameters())
-    batch = padded_batch("llama", BATCH)
+    batch = padded_batch(family, BATCH)
     losses = []
     for _ in range(2):
         loss = _loss(model(batch["input_ids"]), batch["labels"])
@@ -139,22 +157,25 @@ def test_every_kind_of_layout_runs_as_planned_exact_with_the_planned_memory():
     from fxpipe.planning.memory_model import predict_worker_memory
     from solvers.layout import parse_layout
     plans = _plans()
-    for plan, (mesh, schedule, checkpoint) in zip(plans, CASES):   # each plan's layout is the one asked for
+    for plan, (mesh, schedule, checkpoint, *_) in zip(plans, CASES + EP_CASES):   # the layout asked for
         asked, layout = parse_layout(mesh), plan.layout
         assert (layout.pp, layout.dp, layout.tp, layout.dp_mode == "shard" or layout.dp == 1) == \
             (asked.pp, asked.dp, asked.tp, asked.dp_mode != "replicate"), (mesh, layout)
         assert layout.sequence_parallel is (None if asked.tp == 1 else asked.sequence_parallel is not False), mesh
         assert layout.recomputation == (checkpoint,) * len(plan.stages), (mesh, layout)
         assert layout.schedule == schedule and layout.virtual_stages == len(plan.stages) // asked.pp, (mesh, layout)
-    want_losses, want = _reference()
-    results = run_ranks(4, _run_all, [json.dumps(p.to_dict()) for p in plans], deadline_s=900)
+        assert layout.ep == asked.ep, (mesh, layout)
+    families = [_family(case) for case in CASES + EP_CASES]
+    results = run_ranks(4, _run_all, [json.dumps(p.to_dict()) for p in plans], families, deadline_s=900)
     assert all("ok" in r for r in results), [r.get("trace") for r in results if "ok" not in r][:1]
-    for k, (plan, case) in enumerate(zip(plans, CASES)):
+    ratios = []
+    for k, (plan, case) in enumerate(zip(plans, CASES + EP_CASES)):
+        want_losses, want = _reference(_family(case))
         ranks = [r["ok"][k] for r in results]
         assert [r["losses"] for r in ranks if r["losses"][0] is not None][0] == pytest.approx(want_losses, rel=1e-5), case
         for r in ranks:
-            for name, value in r["params"].items():
-                assert torch.allclose(value, want[name], rtol=1e-5, atol=1e-7), (case, name)
+            for name, value in r["params"].items():   # an expert shard: the experts it holds
+                assert torch.allclose(value, _expected_slice(value, want[name]), rtol=1e-5, atol=1e-7), (case, name)
         # the ranks ran the degrees of the plan's layout (the pipeline alone where it has no dp or tp)
         dims = ParallelDims.of(plan.layout, plan.workers)
         assert all(r["dims"] == (None if dims.dp == dims.tp == 1 else dims) for r in ranks), (case, ranks[0]["dims"])
@@ -162,5 +183,6 @@ def test_every_kind_of_layout_runs_as_planned_exact_with_the_planned_memory():
         for rank, r in enumerate(ranks):
             w = predicted[r["worker"]]
             ratio = (r["held"] + r["peak"]) / (w.param_bytes + w.activation_bytes)
-            assert abs(ratio - 1) <= MEMORY_TOLERANCE, (case, rank, r["held"], r["peak"], w)
+            ratios.append((case, rank, round(ratio, 3)))
+            assert abs(ratio - 1) <= (EP_MEMORY_TOLERANCE if case in EP_CASES else MEMORY_TOLERANCE), ratios[-1]
             assert r["method"].startswith("torch.profiler over this rank's worker")
