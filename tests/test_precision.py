@@ -115,10 +115,10 @@ def test_bf16_mixed_plans_are_costed_at_bfloat16s_rate_and_recorded_in_the_plan(
         fxpipe.plan(_meta_llama(), devices, (ids,), **shape, options=fxpipe.CompileOptions(precision="bf16"))
     with pytest.raises(ValueError, match="precision must be one of"):
         fxpipe.CompileOptions(precision="bfloat16")
-    with pytest.raises(ValueError, match=r"bf16-mixed' does not run with tensor parallelism yet"):
-        fxpipe.plan(_meta_llama(), fxpipe.Devices.preset("h100", 4), (ids,), mesh="pp=2,tp=2", options=MIXED)
+    tp = fxpipe.plan(_meta_llama(), fxpipe.Devices.preset("h100", 4), (ids,), mesh="pp=2,tp=2", options=MIXED)
+    assert (tp.layout.tp, tp.layout.precision) == (2, "bf16-mixed")   # the ranks run it (tests/test_mesh_tp.py)
     auto = fxpipe.plan(_meta_llama(), fxpipe.Devices.preset("h100", 8), (ids,), mesh="auto", options=MIXED)
-    assert auto.layout.tp == 1 and auto.layout.precision == "bf16-mixed"   # the search leaves tp out
+    assert auto.layout.precision == "bf16-mixed" and auto.solver["mesh_search"]   # tp among the shapes searched
 
 
 def _ranks(rank: int, world: int, pipeline_json: str, single_json: str) -> dict:
