@@ -89,10 +89,13 @@ def test_bf16_mixed_plans_are_costed_at_bfloat16s_rate_and_recorded_in_the_plan(
     ids = torch.zeros(4, 1024, dtype=torch.long, device="meta")
     devices = fxpipe.Devices.preset("h100", 2)
     shape = dict(schedule="1f1b", chunks=2, stages=2)
-    mixed = fxpipe.plan(_meta_llama(), devices, (ids,), **shape, options=MIXED)
-    fp32 = fxpipe.plan(_meta_llama(), devices, (ids,), **shape)   # the model's own, by default
-    bf16 = fxpipe.plan(_meta_llama(torch.bfloat16), devices, (ids,), **shape)
+    mixed = fxpipe.plan(_meta_llama(), devices, (ids,), **shape)   # the default for a float32 model on an H100
+    fp32 = fxpipe.plan(_meta_llama(), devices, (ids,), **shape, options=fxpipe.CompileOptions(precision="fp32"))
+    bf16 = fxpipe.plan(_meta_llama(torch.bfloat16), devices, (ids,), **shape)   # the model's own
     assert (mixed.layout.precision, fp32.layout.precision, bf16.layout.precision) == ("bf16-mixed", "fp32", "bf16")
+    # a V100 computes bfloat16 at float32's rate: the model's own precision stays the default there
+    volta = fxpipe.plan(_meta_llama(), fxpipe.Devices.preset("v100", 2), (ids,), **shape)
+    assert volta.layout.precision == "fp32"
     assert mixed.profile["dtype"] == "float32"   # the parameters' dtype: a float32 model launches it
     assert sum(s.fwd_s for s in mixed.stages) < 0.5 * sum(s.fwd_s for s in fp32.stages)   # tensor-core rate
     assert "precision:" not in fp32.summary() and "precision: bf16-mixed" in mixed.summary()

@@ -10,7 +10,8 @@ forward and backward compute in bfloat16.
 :func:`mixed_precision` is that policy as one rewrite of the captured graph, made once after capture and
 before anything is costed, so the costs, the plan and every stage that runs are of the same graph:
 
-* every float32 parameter the graph reads goes through :func:`compute_copy`, its bfloat16 copy. The copy is
+* every float32 parameter the graph reads goes through :func:`compute_copy`, its bfloat16 copy (one node before
+  each reader, so a tied weight read in two stages is cast in each, not sent along the pipeline). The copy is
   cast once while the parameter is unchanged (its version counter, which an optimizer's step or
   ``load_state_dict`` moves), so every micro-batch of a step and its recomputation share one copy, as
   FSDP2's unsharded bfloat16 parameter is one; the gradient flows back through the cast into the float32
@@ -115,15 +116,18 @@ def mixed_precision(gm: fx.GraphModule) -> fx.GraphModule:
         if node.op == "placeholder" and node.users:
             _insert_after(graph, node, compute_input)
         elif node.op == "get_attr" and node.users and _float_parameter(gm, node.target):
-            _insert_after(graph, node, compute_copy)
+            for user in sorted(node.users, key=_position(graph)):   # one copy a reader: a tied weight's readers
+                _insert_after(graph, node, compute_copy, user)    # each cast it in their own stage
     graph.lint()
     gm.recompile()
     gm.meta["fxpipe_precision"] = "bf16-mixed"
     return gm
 
 
-def _insert_after(graph: fx.Graph, node: fx.Node, cast: Any) -> None:
-    users = list(node.users)
+def _insert_after(graph: fx.Graph, node: fx.Node, cast: Any, only: fx.Node | None = None) -> None:
+    """``cast(node)`` put before ``node``'s first reader (or before ``only``, for that reader alone), which then
+    read it."""
+    users = [only] if only is not None else list(node.users)
     first = min(users, key=_position(graph))
     with graph.inserting_before(first):
         new = graph.call_function(cast, (node,))
@@ -135,7 +139,7 @@ def _insert_after(graph: fx.Graph, node: fx.Node, cast: Any) -> None:
         new.meta["val"] = value.to(COMPUTE_DTYPE)
     elif value is not None:
         new.meta["val"] = value
-    node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+    node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new and (only is None or user is only))
 
 
 def _position(graph: fx.Graph) -> Any:
@@ -153,13 +157,14 @@ def _float_parameter(gm: fx.GraphModule, target: str) -> bool:
     return isinstance(value, torch.nn.Parameter) and value.dtype == _MASTER
 
 
-def resolve_precision(asked: str | None, model_dtype: torch.dtype) -> str:
+def resolve_precision(asked: str | None, model_dtype: torch.dtype, mixed_by_default: bool = False) -> str:
     """The precision a plan runs: ``asked`` (``CompileOptions.precision``), checked against the dtype the model
-    is built in; ``None``: the model's own. ``ValueError`` naming both dtypes and the fix, before anything is
-    costed."""
+    is built in; ``None``: ``"bf16-mixed"`` for a float32 model where ``mixed_by_default`` (:func:`fxpipe.plan`
+    for devices whose bfloat16 rate is faster than float32's), else the model's own. ``ValueError`` naming both
+    dtypes and the fix, before anything is costed."""
     own = precision_of(model_dtype)
     if asked is None:
-        return own
+        return "bf16-mixed" if mixed_by_default and model_dtype == _MASTER else own
     if is_mixed(asked) and model_dtype != _MASTER:
         raise ValueError(f"precision='{asked}' keeps float32 parameters and computes in bfloat16, but the model's "
                          f"parameters are {str(model_dtype).removeprefix('torch.')}: build it in float32 (what "
