@@ -159,3 +159,47 @@ def test_ranks_run_a_bf16_mixed_plan_with_the_users_float32_model_pipelined_and_
             assert r["ok"][name]["dtypes"] == ["torch.float32"], name   # float32 master parameters
             for param, grad in r["ok"][name]["grads"].items():
                 assert grad.dtype == torch.float32 and _relative(grad, reference[param].grad) < 3e-2, (name, param)
+
+
+def test_float_inputs_are_cast_in_the_trace_and_batch_norm_keeps_float32_parameters():
+    """A convolution on float32 images under bf16-mixed: the inputs cast as they enter (the trace records the
+    casts, the plan's inputs stay float32), the batch norm's weight and bias read as float32 beside its float32
+    running statistics; the step matches one process under the same policy."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 4))
+    twin = copy.deepcopy(model)
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,))
+    loss_fn = torch.nn.functional.cross_entropy
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=1, stages=2, schedule="1f1b", profile=EST, options=MIXED)
+    assert pipe.plan.profile["inputs"][0]["dtype"] == "float32"
+    loss = pipe.step(x, y, loss_fn=loss_fn)
+    norm = {"1.weight", "1.bias"}
+    params = {n: p if n in norm else p.to(torch.bfloat16) for n, p in twin.named_parameters()}
+    want = loss_fn(torch.func.functional_call(twin, params, (x.to(torch.bfloat16),)), y)
+    want.backward()
+    assert abs(float(loss) - float(want)) < 2e-2 * abs(float(want))
+    assert model[1].running_mean.dtype == torch.float32
+    torch.testing.assert_close(model[1].running_mean, twin[1].running_mean, rtol=2e-2, atol=1e-3)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert p.grad.dtype == torch.float32 and _relative(p.grad, q.grad) < 3e-2, name
+
+
+def test_a_tied_weight_read_in_two_stages_is_cast_in_each():
+    """Llama with tied embeddings under bf16-mixed: the embedding and the head each read the float32 weight
+    through a copy in their own stage (a tied weight, not a bfloat16 tensor sent along the pipeline), and its
+    gradient, summed over both, is one process's under the policy."""
+    model = build("llama-tied")
+    twin = copy.deepcopy(model)
+    batch = padded_batch("llama-tied", 4)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (batch["input_ids"],), example_kwargs={"labels": batch["labels"]},
+                          chunks=2, stages=2, schedule="1f1b", profile=EST, options=MIXED)
+    tied = pipe.plan.predicted["tied_weights"]
+    assert [t["stages"] for t in tied] == [[0, 1]], tied
+    loss = pipe.step(batch["input_ids"], labels=batch["labels"])
+    want = _policy_reference(twin, batch)
+    want.backward()
+    assert abs(float(loss) - float(want)) < 2e-2 * abs(float(want))
+    weight = model.get_input_embeddings().weight
+    assert weight.grad.dtype == torch.float32
+    assert _relative(weight.grad, twin.get_input_embeddings().weight.grad) < 3e-2
