@@ -16,7 +16,6 @@ from fxpipe.options import CompileOptions
 from fxpipe.errors import InfeasiblePlanError
 from fxpipe.planning.mesh_chain import chain_pieces, levels_of, pipeline_ranks, with_experts
 from fxpipe.planning.mesh_plan import MeshAsked, ask_mesh, mesh_costs, mesh_record, mesh_rows, plan_for_choice
-from fxpipe.frontend.precision import is_mixed
 from fxpipe.planning.plan import Plan
 import solvers
 from solvers.experts import held_bytes
@@ -54,7 +53,7 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
     island = levels[0].size
     # the tps the search tries (inside the island) and a fixed mesh's own, which may lie past it
     tps = sorted({t for t in range(2, island + 1) if island % t == 0} | {m.tp for m in fixed[:1] if m.tp > 1})
-    refused = {t: why for t in tps if (why := costed.tp_refusal(t) or _precision_refusal(costed))}
+    refused = {t: why for t in tps if (why := costed.tp_refusal(t))}
     for m in fixed[:1]:
         if (why := refusal(m, batch=costed.batch, experts={r.path: r.num_experts for r in costed.experts})):
             raise ValueError(f"mesh {m.label()}: {why.message}")
@@ -133,15 +132,6 @@ def plan_costed_mesh(costed: AnalyticModel, devices: Devices, mesh: str | dict[s
     result.solver.update(mesh_search=mesh_rows(search, problem, choice, result), mesh_search_s=search.time_s,
                          mesh_candidates=search.tried, mesh_refused=failures, mesh_costed=costed_rows)
     return with_model_flops(result, costed)
-
-
-def _precision_refusal(costed: AnalyticModel) -> str | None:
-    """Why the runtime cannot run tensor parallelism at the model's precision, or ``None``: ``"bf16-mixed"``'s
-    bfloat16 copies are read where tensor parallelism shards the layers it calls as modules."""
-    if is_mixed(costed.precision):
-        return ("precision='bf16-mixed' does not run with tensor parallelism yet (its bfloat16 parameter copies "
-                "stand where the tensor-parallel plan shards the layers): plan pp x dp, or plan the model as built")
-    return None
 
 
 def _under_another_schedule(problem: MeshProblem, mesh: Layout, tried: set[str]) -> MeshChoice | None:

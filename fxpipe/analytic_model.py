@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from fxpipe.errors import TraceError
 from fxpipe.checks import batch_layout, most_micro_batches, unwrap_compiled, worker_devices
 from fxpipe.cost.expert_costs import ExpertRegion, cost_experts
 from fxpipe.cost.devices import ACHIEVABLE, PRESETS, Devices, DeviceSpec
@@ -90,10 +91,7 @@ def cost_model(model: nn.Module, example_inputs: tuple, spec: DeviceSpec, micro_
     options = options or CompileOptions()
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    precision = resolve_precision(options.precision, training_dtype(model))   # asked, or own
-    captured = capture(model, options.leaf_modules, options.concrete_args, options.frontend,   # 1. trace
-                       example_inputs, example_kwargs, options.batch_dim, other_mode=False,   # nothing runs it
-                       precision=precision)
+    precision, captured = _captured(model, options, spec, example_inputs, example_kwargs)   # 1. trace
     inputs = example_inputs
     if captured.graph.meta.get("fxpipe_in_spec") is not None:   # torch.export's flat graph: its leaves
         inputs = FlatInputs(flat_inputs(example_inputs, example_kwargs or {}, captured.graph.meta["fxpipe_in_spec"])[0])
@@ -113,6 +111,32 @@ def cost_model(model: nn.Module, example_inputs: tuple, spec: DeviceSpec, micro_
     return AnalyticModel(captured, costs, batch, most, profiled, layout, training_dtype(model), model.training,
                          type(model).__name__, spec, functools.lru_cache(functools.partial(tp_refusal, model)),
                          input_signature(captured.graph, tuple(inputs)), precision, experts)
+
+
+def mixed_is_faster(spec: DeviceSpec) -> bool:
+    """Whether ``spec`` computes bfloat16 faster than float32 (tensor cores since Ampere; not a V100, not a CPU):
+    :func:`fxpipe.plan` then plans a float32 model in ``"bf16-mixed"`` unless asked otherwise."""
+    return spec.flops.get("bfloat16", 0.0) > spec.flops["float32"]
+
+
+def _captured(model: nn.Module, options: CompileOptions, spec: DeviceSpec, example_inputs: tuple,
+              example_kwargs: dict[str, Any] | None) -> tuple[str, Any]:
+    """The precision planned (asked, else ``"bf16-mixed"`` for a float32 model on devices faster at it, else the
+    model's own) and the model captured at it, as nothing runs it. A default ``"bf16-mixed"`` the capture cannot
+    take (a graph only torch.fx traces, leaf modules holding parameters) gives way to the model's own dtype."""
+    dtype = training_dtype(model)
+    precision = resolve_precision(options.precision, dtype, mixed_is_faster(spec))
+    default = options.precision is None and is_mixed(precision)
+    try:
+        return precision, capture(model, options.leaf_modules, options.concrete_args, options.frontend,
+                                  example_inputs, example_kwargs, options.batch_dim, other_mode=False,
+                                  precision=precision)
+    except (ValueError, TraceError):
+        if not default:
+            raise
+    precision = resolve_precision(None, dtype)
+    return precision, capture(model, options.leaf_modules, options.concrete_args, options.frontend, example_inputs,
+                              example_kwargs, options.batch_dim, other_mode=False, precision=precision)
 
 
 def with_model_flops(result: Plan, costed: AnalyticModel) -> Plan:

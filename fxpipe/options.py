@@ -192,8 +192,9 @@ class CompileOptions:
             ``"bf16-mixed"`` (float32 parameters, gradients and optimizer state; forward and backward in
             bfloat16, as FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``; a float32
             model), or the model as it is built, ``"fp32"`` / ``"bf16"`` / ``"fp16"`` (the model's dtype, checked).
-            ``None`` (default): the model's own dtype (``"bf16-mixed"`` is asked for; it does not run with tensor
-            parallelism yet, and the mesh search leaves tp out under it). The plan records it
+            ``None`` (default): for :func:`fxpipe.plan` on devices that compute bfloat16 faster than float32 (an
+            H100 or A100 preset, not a V100), ``"bf16-mixed"`` for a float32 model; otherwise (``fxpipe.compile``'s
+            measured plans too) the model's own dtype. The plan records it
             (``plan.layout.precision``, the summary's ``precision:`` line) and the ranks run it.
         time_limit_s: the cut solver's limit per solve; ``None`` (default): ``fxpipe.compile``'s 10 s,
             ``fxpipe.plan``'s 2 s (its auto search solves once or twice per schedule and micro-batch count; a

@@ -68,6 +68,7 @@ def test_plan_for_gpus_on_two_nodes_puts_the_network_between_them(tmp_path, caps
     path = tmp_path / "two.plan.json"
     for devices in (("--devices", "h100@0:0-1,1:0-1"), ("--preset", "h100", "--count", "0:0-1,1:0-1")):
         code, out, err = fxpipe_cli(capsys, "plan", "resnet18", *devices, *SMALL, "--time-limit", "2", "--mesh", "none",
+                                    "--schedule", "zb-h1",   # one stage a device
                                     "-o", str(path))   # one pipeline over both nodes (by default: a mesh searched)
         assert code == 0, err
         problem = fxpipe.load_plan(path).to_dict()["problem"]

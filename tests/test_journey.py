@@ -28,6 +28,10 @@ TESTS = ROOT / "tests"
 LR = 0.1
 
 
+# float32 as built, for the journeys exact against one process (an H100 plan of a float32 model is bf16-mixed
+# by default)
+FP32 = fxpipe.CompileOptions(precision="fp32")
+
 def _env() -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{TESTS}", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     for key in ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "FXPIPE_NODE"):
@@ -83,7 +87,7 @@ def _plan(family: str, world: int, schedule: str, path: Path) -> None:
             model = build(family)
         plan = fxpipe.plan(model, fxpipe.Devices.preset("h100", world), (first["input_ids"].to("meta"),),
                            example_kwargs={"labels": first["labels"].to("meta")}, chunks=4, schedule=schedule,
-                           stages=world)
+                           stages=world, options=FP32)
         assert plan.profile["mode"] == "analytic" and plan.stages[0].device.startswith("cuda"), plan.profile
     else:
         plan = fxpipe.compile(copy.deepcopy(build(family)), ["cpu"] * world, (first["input_ids"],),
@@ -174,7 +178,7 @@ def _preset_cases(world: int, tmp_path: Path) -> list[dict[str, Any]]:
     ce = lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())   # noqa: E731
     h100 = fxpipe.Devices.preset("h100", world)
     if world == 2:
-        plan = fxpipe.plan(tied, h100, (x,), schedule="1f1b", chunks=2)
+        plan = fxpipe.plan(tied, h100, (x,), schedule="1f1b", chunks=2, options=FP32)
         assert plan.frontend["name"] == "fx", plan.frontend
         case("fx-preset", plan, "launch_target:make_model", "launch_target:batches", 4,
              _one_process(make_model(), pairs()[:4], ce))
@@ -185,6 +189,7 @@ def _preset_cases(world: int, tmp_path: Path) -> list[dict[str, Any]]:
         case("fx-measured", measured, "launch_target:make_model", "launch_target:batches", 4,
              _one_process(make_model(), pairs()[:4], ce))
         assert cli(["plan", "hf:qwen2", "--config", QWEN2, "--seq-len", "12", "--batch", "8", "--devices", "h100x2",
+                    "--dtype", "bfloat16",   # pure bfloat16 (the default is bf16-mixed of the float32 model)
                     "--schedule", "1f1b", "--chunks", "2", "-q", "-o", str(tmp_path / "bf16-cli.json")]) == 0
         case("bf16-cli", None, "hf:qwen2", "journey_target:data_qwen2", STEPS,   # launched as planned: hf:, --config
              _one_process(_from_config("qwen2", QWEN2, torch.bfloat16), batches("qwen2")), rel=1e-3,
@@ -198,12 +203,13 @@ def _preset_cases(world: int, tmp_path: Path) -> list[dict[str, Any]]:
                            example_kwargs={"labels": first["labels"]}, plan=fxpipe.load_plan(tmp_path / "bf16-cli.json"))
     else:   # the shell's preset plan of a mesh (pp x tp), launched with the same hf: and --config
         assert cli(["plan", "hf:llama", "--config", LLAMA, "--seq-len", "12", "--batch", "8", "--devices", "h100x4",
-                    "--mesh", "pp=2,tp=2", "--schedule", "1f1b", "--chunks", "2", "-q",
+                    "--mesh", "pp=2,tp=2", "--schedule", "1f1b", "--chunks", "2", "-q", "--dtype", "bfloat16",
                     "-o", str(tmp_path / "bf16-mesh-cli.json")]) == 0
         case("bf16-mesh-cli", None, "hf:llama", "journey_target:data_llama", 3,
              _one_process(_from_config("llama", LLAMA, torch.bfloat16), batches("llama")[:3]), rel=1e-3,
              more=["--config", LLAMA])
-        case("fx-fsdp-preset", fxpipe.plan(tied, h100, (x,), mesh="pp=2,dp=2,dp_mode=shard", schedule="1f1b"),
+        case("fx-fsdp-preset", fxpipe.plan(tied, h100, (x,), mesh="pp=2,dp=2,dp_mode=shard", schedule="1f1b",
+                                           options=FP32),
              "launch_target:make_model", "launch_target:batches", 4, _one_process(make_model(), pairs()[:4], ce))
     return cases
 
@@ -225,7 +231,7 @@ def _mesh_journeys(world: int, tmp_path: Path) -> list[dict[str, Any]]:
             model = build(family)
         plan = fxpipe.plan(model, fxpipe.Devices.preset("h100", world), (first["input_ids"].to("meta"),),
                            example_kwargs={"labels": first["labels"].to("meta")}, chunks=4, schedule="1f1b",
-                           mesh=mesh)
+                           mesh=mesh, options=FP32)
         name = f"{family}-mesh"
         plan.save(tmp_path / f"{name}.json")
         cases.append({"family": family, "schedule": "1f1b", "plan": str(tmp_path / f"{name}.json"), "lr": LR,

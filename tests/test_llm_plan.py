@@ -126,13 +126,13 @@ def test_a_plan_made_from_shapes_runs_under_compile():
     ids = torch.randint(0, 256, (4, 16))
     spec = PRESETS["a100"][0]
     devices = fxpipe.Devices([spec, spec], [["X", "HOST"], ["HOST", "X"]], ids=["cpu", "cpu"])
-    plan = fxpipe.plan(model, devices, (ids,), schedule="1f1b", chunks=2, stages=2)
-    assert plan.layout.precision == "fp32"   # the model's own
+    plan = fxpipe.plan(model, devices, (ids,), schedule="1f1b", chunks=2, stages=2,
+                       options=fxpipe.CompileOptions(precision="fp32"))
+    assert plan.layout.precision == "fp32"   # the model's own, asked for
     pipe = fxpipe.compile(model, ["cpu", "cpu"], (ids,), plan=plan)
     assert len(pipe.plan.stages) == 2
     torch.testing.assert_close(pipe(ids).logits, model(ids).logits)
-    mixed = fxpipe.plan(model, devices, (ids,), schedule="1f1b", chunks=2, stages=2,
-                        options=fxpipe.CompileOptions(precision="bf16-mixed"))
+    mixed = fxpipe.plan(model, devices, (ids,), schedule="1f1b", chunks=2, stages=2)   # an A100's default
     pipe = fxpipe.compile(model, ["cpu", "cpu"], (ids,), plan=mixed)   # the plan says its precision
     assert pipe.plan.layout.precision == "bf16-mixed"
     params = {n: p.to(torch.bfloat16) for n, p in model.named_parameters()}   # one process under the policy
@@ -153,13 +153,19 @@ def test_the_cli_plans_a_language_model_from_its_config(tmp_path, capsys):
                                 "num_key_value_heads=2,vocab_size=512,tie_word_embeddings=true",
                                 "--seq-len", "32", "--batch", "4", "--devices", "h100x2", "-o", str(path))
     assert code == 0, err
-    assert "fxpipe plan for LlamaForCausalLM" in out and "params (bf16)" in out and "schedule search" in out
+    assert "fxpipe plan for LlamaForCausalLM" in out and "params (fp32)" in out and "schedule search" in out
+    assert "precision: bf16-mixed" in out   # the default for a preset computing bfloat16 faster: from_config's float32
     plan = fxpipe.load_plan(path)
-    assert plan.profile["dtype"] == "bfloat16" and plan.layout.precision == "bf16" and plan.batch_size == 4
+    assert plan.profile["dtype"] == "float32" and plan.layout.precision == "bf16-mixed" and plan.batch_size == 4
     config = transformers.AutoConfig.for_model("llama", **{**TINY["llama"], "num_hidden_layers": 3,
                                                            "vocab_size": 512, "tie_word_embeddings": True})
     params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
-    assert sum(s.param_bytes for s in plan.stages) == 2 * params   # bfloat16, the tied embedding once
+    assert sum(s.param_bytes for s in plan.stages) == 4 * params   # float32, the tied embedding once
+    code, out, err = fxpipe_cli(capsys, "plan", "hf:llama", "--config", "num_hidden_layers=2,hidden_size=64,"
+                                "intermediate_size=128,num_attention_heads=4,num_key_value_heads=2,vocab_size=512",
+                                "--seq-len", "32", "--batch", "4", "--devices", "v100x2", "-q", "-o", str(path))
+    assert code == 0 and "precision:" not in out, err   # a V100 computes bfloat16 at float32's rate
+    assert fxpipe.load_plan(path).layout.precision == "fp32"
     code, out, err = fxpipe_cli(capsys, "plan", "hf:gpt2", "--config", "n_layer=2,n_embd=64,n_head=4,vocab_size=300",
                                 "--seq-len", "16", "--batch", "2", "--devices", "a100x2", "--precision", "bf16-mixed",
                                 "--schedule", "gpipe", "--chunks", "2", "-q", "-o", str(path))

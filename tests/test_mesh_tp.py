@@ -5,7 +5,9 @@ blocks sharded by sequence (sequence parallelism: reduce-scatter and all-gather 
 sequence shards, 1/tp of the hidden state over the pipeline's wire); three AdamW steps of Llama (untied and
 tied embeddings) and GPT-2 give the losses and every parameter (the DTensor shards gathered) of one process
 training the whole batch (1e-5 relative), for GPipe, 1F1B and ZB-H1, the last batch split into uneven
-micro-batches; Qwen3 recomputing per block (selective, full). One ``run_ranks`` call trains every model and schedule, to start the processes (and import torch and
+micro-batches; Qwen3 recomputing per block (selective, full). Then a ``"bf16-mixed"`` plan of Llama (float32
+parameters, bfloat16 compute, the sharded layers through their DTensor shards' bfloat16 copies) trains as one
+process under the same policy, within bfloat16's tolerance. One ``run_ranks`` call trains every model and schedule, to start the processes (and import torch and
 transformers) once. A rank whose step fails ends every rank's step with an error naming it."""
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ import torch
 import fxpipe
 from distributed_run import run_ranks
 from equivalence import max_relative_error
-from test_mesh_fsdp import (OWN, SIZES, _batches, _builder, _clip, _full, _loss, _optimizer, _plan, _reference,
+from test_mesh_fsdp import (EST, OWN, SIZES, _batches, _builder, _clip, _full, _loss, _optimizer, _plan, _reference,
                             _step, check_norms)
 
 transformers = pytest.importorskip("transformers")
-from hf_models import SEQ, build  # noqa: E402
+from hf_models import SEQ, build, padded_batch  # noqa: E402
 
 FAMILIES = ("llama", "llama-tied", "gpt2")
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
@@ -73,12 +75,62 @@ def _failing_step(world: int, family: str, plan_json: str, fail_rank: int,
     return None, waits
 
 
+def _mixed_plan() -> str:
+    """Llama's plan on two stages under ``"bf16-mixed"`` (float32 parameters, bfloat16 compute)."""
+    b = padded_batch("llama")
+    return json.dumps(fxpipe.compile(build("llama"), ["cpu"] * 2, (b["input_ids"],), chunks=2, schedule="1f1b",
+                                     profile=EST, options=fxpipe.CompileOptions(precision="bf16-mixed")).plan.to_dict())
+
+
+def _mixed_steps(world: int, plan_json: str) -> dict:
+    """Two AdamW steps of a ``"bf16-mixed"`` plan of Llama on the tp mesh: the losses, the first step's gradients
+    (gathered), the parameters' and gradients' dtypes, and the classes of the layers tensor parallelism calls."""
+    from fxpipe.distributed import PipelineRank
+    stage = PipelineRank(fxpipe.Plan.from_dict(json.loads(plan_json)), _builder("llama"), _loss,
+                         mesh=_mesh(world, False), timeout_s=120)
+    opt, losses, grads = _optimizer(stage.parameters()), [], {}
+    for b in _batches("llama")[:2]:
+        loss = stage.step(b["input_ids"], b["labels"], schedule="1f1b")
+        losses.append(None if loss is None else loss.item())
+        grads = grads or {n: _full(p.grad) for n, p in stage.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "grads": grads, "dtypes": sorted({str(p.dtype) for p in stage.parameters()}),
+            "layers": sorted({type(m).__qualname__ for m in stage.pipe.modules()
+                              if type(m).__qualname__.startswith("computing_in_bfloat16")})}
+
+
+def _check_mixed(results: list[dict]) -> None:
+    """The ``"bf16-mixed"`` run of every rank against one process training the same float32 model under the same
+    policy (every parameter read as its bfloat16 copy; tests/test_precision.py's tolerances)."""
+    model = _builder("llama")()
+    opt, want, reference = _optimizer(model.parameters()), [], {}
+    for b in _batches("llama")[:2]:
+        params = {n: p.to(torch.bfloat16) for n, p in model.named_parameters()}
+        loss = _loss(torch.func.functional_call(model, params, (b["input_ids"],)), b["labels"])
+        loss.backward()
+        reference = reference or {n: p.grad.clone() for n, p in model.named_parameters()}
+        want.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    for r, got in enumerate(results):
+        got = got["mixed"]
+        assert got["dtypes"] == ["torch.float32"] and got["layers"] == ["computing_in_bfloat16(Linear)"], got
+        for a, b in zip(got["losses"], want):
+            assert a is None or abs(a - b) < 2e-2 * abs(b), (r, got["losses"], want)
+        for name, grad in got["grads"].items():
+            assert grad.dtype == torch.float32, name
+            error = (grad - reference[name]).norm() / reference[name].norm().clamp_min(1e-12)
+            assert error < 3e-2, (r, name, error.item())   # bfloat16's tolerance: micro-batches against the whole
+        print("bf16-mixed rank", r, "losses", got["losses"], "want", want)
+
+
 def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[str, ...] | dict[str, tuple[str, ...]],
-               fail_rank: int = -1, timeout_s: float = 20.0) -> dict:
+               fail_rank: int = -1, timeout_s: float = 20.0, mixed: str | None = None) -> dict:
     """Per model: one PipelineRank and AdamW, three steps with each schedule in turn; the losses, the gathered
-    parameters after each schedule's steps, the seconds of each step, and which parameters are tp shards. Then,
-    with ``fail_rank``, one step of the first model whose loss raises there (its process groups are left broken,
-    so it comes last)."""
+    parameters after each schedule's steps, the seconds of each step, and which parameters are tp shards. Then
+    ``mixed`` (a ``"bf16-mixed"`` plan): :func:`_mixed_steps`. Then, with ``fail_rank``, one step of the first
+    model whose loss raises there (its process groups are left broken, so it comes last)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel
@@ -121,6 +173,8 @@ def _train_all(rank: int, world: int, plans: dict[str, str], schedules: tuple[st
                                        "params": {n: _full(p) for n, p in stage.named_parameters()},
                                        "sent": stage.pipe.last_step["bytes_moved"]["sent"],
                                        "sequence_parallel": stage.tp.plan.sequence_parallel}
+    if mixed is not None:
+        out["mixed"] = _mixed_steps(world, mixed)
     if fail_rank >= 0:   # a model trained on a target (the failure is its loss_fn's)
         family, plan_json = next((f, p) for f, p in plans.items() if not f.endswith(OWN))
         out["failed"], out["waits"] = _failing_step(world, family, plan_json, fail_rank, timeout_s)
@@ -151,10 +205,11 @@ def _assert_sequence_sharded(family: str, case: list[dict], last_stage: dict[int
 @pytest.mark.slow
 def test_pp2_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_batch():
     plans = {family: _plan(family, RECOMPUTED.get(family, ())) for family in TP_CASES}
-    results = run_ranks(4, _train_all, plans, TP_CASES, 3, 10.0, deadline_s=900)
+    results = run_ranks(4, _train_all, plans, TP_CASES, 3, 10.0, _mixed_plan(), deadline_s=900)
     errors = [r["trace"] for r in results if "ok" not in r]
     assert not errors, errors[0]
     got = [r["ok"] for r in results]
+    _check_mixed(got)
     for family, schedules in TP_CASES.items():
         reference = _reference(family, schedules)
         for g in got:   # tp shards, tp-replicated tensors and the tied copies each counted once
@@ -213,9 +268,10 @@ def test_pp2_fsdp2_over_tp2_trains_llama_and_gpt2_as_one_process_on_the_whole_ba
     completes, yet every rank's step ends with an error within the waits' ``timeout_s`` of 10 s (PipelineRank
     made the root mesh again over groups of ``timeout_s``)."""
     plans = {family: _plan(family, RECOMPUTED.get(family, ())) for family in MESH_CASES}
-    results = run_ranks(8, _train_all, plans, MESH_CASES, 7, 10.0, deadline_s=900)
+    results = run_ranks(8, _train_all, plans, MESH_CASES, 7, 10.0, _mixed_plan(), deadline_s=900)
     errors = [r["trace"] for r in results if "ok" not in r]
     assert not errors, errors[0]
+    _check_mixed([r["ok"] for r in results])
     for r in results:   # DDP ("dp") over tensor-parallel stages, and a tp_plan without a tp dim: refused
         assert "DDP over tensor-parallel stages" in r["ok"]["refused"][0]
         assert "shard them with FSDP2" in r["ok"]["refused"][0] and len(r["ok"]["refused"]) == 2

@@ -89,10 +89,13 @@ def test_bf16_mixed_plans_are_costed_at_bfloat16s_rate_and_recorded_in_the_plan(
     ids = torch.zeros(4, 1024, dtype=torch.long, device="meta")
     devices = fxpipe.Devices.preset("h100", 2)
     shape = dict(schedule="1f1b", chunks=2, stages=2)
-    mixed = fxpipe.plan(_meta_llama(), devices, (ids,), **shape, options=MIXED)
-    fp32 = fxpipe.plan(_meta_llama(), devices, (ids,), **shape)   # the model's own, by default
-    bf16 = fxpipe.plan(_meta_llama(torch.bfloat16), devices, (ids,), **shape)
+    mixed = fxpipe.plan(_meta_llama(), devices, (ids,), **shape)   # the default for a float32 model on an H100
+    fp32 = fxpipe.plan(_meta_llama(), devices, (ids,), **shape, options=fxpipe.CompileOptions(precision="fp32"))
+    bf16 = fxpipe.plan(_meta_llama(torch.bfloat16), devices, (ids,), **shape)   # the model's own
     assert (mixed.layout.precision, fp32.layout.precision, bf16.layout.precision) == ("bf16-mixed", "fp32", "bf16")
+    # a V100 computes bfloat16 at float32's rate: the model's own precision stays the default there
+    volta = fxpipe.plan(_meta_llama(), fxpipe.Devices.preset("v100", 2), (ids,), **shape)
+    assert volta.layout.precision == "fp32"
     assert mixed.profile["dtype"] == "float32"   # the parameters' dtype: a float32 model launches it
     assert sum(s.fwd_s for s in mixed.stages) < 0.5 * sum(s.fwd_s for s in fp32.stages)   # tensor-core rate
     assert "precision:" not in fp32.summary() and "precision: bf16-mixed" in mixed.summary()
@@ -115,10 +118,10 @@ def test_bf16_mixed_plans_are_costed_at_bfloat16s_rate_and_recorded_in_the_plan(
         fxpipe.plan(_meta_llama(), devices, (ids,), **shape, options=fxpipe.CompileOptions(precision="bf16"))
     with pytest.raises(ValueError, match="precision must be one of"):
         fxpipe.CompileOptions(precision="bfloat16")
-    with pytest.raises(ValueError, match=r"bf16-mixed' does not run with tensor parallelism yet"):
-        fxpipe.plan(_meta_llama(), fxpipe.Devices.preset("h100", 4), (ids,), mesh="pp=2,tp=2", options=MIXED)
+    tp = fxpipe.plan(_meta_llama(), fxpipe.Devices.preset("h100", 4), (ids,), mesh="pp=2,tp=2", options=MIXED)
+    assert (tp.layout.tp, tp.layout.precision) == (2, "bf16-mixed")   # the ranks run it (tests/test_mesh_tp.py)
     auto = fxpipe.plan(_meta_llama(), fxpipe.Devices.preset("h100", 8), (ids,), mesh="auto", options=MIXED)
-    assert auto.layout.tp == 1 and auto.layout.precision == "bf16-mixed"   # the search leaves tp out
+    assert auto.layout.precision == "bf16-mixed" and auto.solver["mesh_search"]   # tp among the shapes searched
 
 
 def _ranks(rank: int, world: int, pipeline_json: str, single_json: str) -> dict:
@@ -156,3 +159,47 @@ def test_ranks_run_a_bf16_mixed_plan_with_the_users_float32_model_pipelined_and_
             assert r["ok"][name]["dtypes"] == ["torch.float32"], name   # float32 master parameters
             for param, grad in r["ok"][name]["grads"].items():
                 assert grad.dtype == torch.float32 and _relative(grad, reference[param].grad) < 3e-2, (name, param)
+
+
+def test_float_inputs_are_cast_in_the_trace_and_batch_norm_keeps_float32_parameters():
+    """A convolution on float32 images under bf16-mixed: the inputs cast as they enter (the trace records the
+    casts, the plan's inputs stay float32), the batch norm's weight and bias read as float32 beside its float32
+    running statistics; the step matches one process under the same policy."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 4))
+    twin = copy.deepcopy(model)
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,))
+    loss_fn = torch.nn.functional.cross_entropy
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=1, stages=2, schedule="1f1b", profile=EST, options=MIXED)
+    assert pipe.plan.profile["inputs"][0]["dtype"] == "float32"
+    loss = pipe.step(x, y, loss_fn=loss_fn)
+    norm = {"1.weight", "1.bias"}
+    params = {n: p if n in norm else p.to(torch.bfloat16) for n, p in twin.named_parameters()}
+    want = loss_fn(torch.func.functional_call(twin, params, (x.to(torch.bfloat16),)), y)
+    want.backward()
+    assert abs(float(loss) - float(want)) < 2e-2 * abs(float(want))
+    assert model[1].running_mean.dtype == torch.float32
+    torch.testing.assert_close(model[1].running_mean, twin[1].running_mean, rtol=2e-2, atol=1e-3)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert p.grad.dtype == torch.float32 and _relative(p.grad, q.grad) < 3e-2, name
+
+
+def test_a_tied_weight_read_in_two_stages_is_cast_in_each():
+    """Llama with tied embeddings under bf16-mixed: the embedding and the head each read the float32 weight
+    through a copy in their own stage (a tied weight, not a bfloat16 tensor sent along the pipeline), and its
+    gradient, summed over both, is one process's under the policy."""
+    model = build("llama-tied")
+    twin = copy.deepcopy(model)
+    batch = padded_batch("llama-tied", 4)
+    pipe = fxpipe.compile(model, ["cpu"] * 2, (batch["input_ids"],), example_kwargs={"labels": batch["labels"]},
+                          chunks=2, stages=2, schedule="1f1b", profile=EST, options=MIXED)
+    tied = pipe.plan.predicted["tied_weights"]
+    assert [t["stages"] for t in tied] == [[0, 1]], tied
+    loss = pipe.step(batch["input_ids"], labels=batch["labels"])
+    want = _policy_reference(twin, batch)
+    want.backward()
+    assert abs(float(loss) - float(want)) < 2e-2 * abs(float(want))
+    weight = model.get_input_embeddings().weight
+    assert weight.grad.dtype == torch.float32
+    assert _relative(weight.grad, twin.get_input_embeddings().weight.grad) < 3e-2

@@ -4,8 +4,9 @@ For a preset (``--devices h100x8``, optionally with ``--topology FILE``) the mod
 planned from shapes (:func:`fxpipe.plan`, nothing allocated, no GPU needed); for real devices it is
 compiled (:func:`fxpipe.compile`: traced, profiled, solved) and the compiled plan is printed. A language model
 is ``hf:TYPE`` (:mod:`fxpipe.cli.hf`), shaped by ``--config KEY=VALUE,...`` and given ``--batch`` sequences of
-``--seq-len`` tokens; for a preset it is planned in bfloat16 (``--dtype``), or in mixed precision with
-``--precision bf16-mixed`` (float32 parameters, bfloat16 compute). ``--schedule`` and ``--chunks``
+``--seq-len`` tokens, built in float32 as ``from_config`` builds it. For a preset whose devices compute bfloat16
+faster than float32 (not V100) a float32 model is planned in ``bf16-mixed`` (float32 parameters, bfloat16
+compute; ``--precision`` asks for another). ``--schedule`` and ``--chunks``
 default to ``auto``, as in :func:`fxpipe.compile`: every schedule and micro-batch count is tried.
 """
 
@@ -27,8 +28,10 @@ DESCRIPTION = """Plan a model from the shell and print (and save) the plan.
 For a preset (--devices h100x8, optionally with --topology FILE) the model is built on the meta device and
 planned from shapes (fxpipe.plan: nothing allocated, no GPU needed); for real devices it is compiled
 (fxpipe.compile: traced, profiled, solved) and the compiled plan is printed. A language model is hf:TYPE,
-shaped by --config KEY=VALUE,... and given --batch sequences of --seq-len tokens; for a preset it is planned
-in bfloat16 (--dtype), or in mixed precision with --precision bf16-mixed. --schedule and --chunks default to auto, as in fxpipe.compile: every schedule and
+shaped by --config KEY=VALUE,... and given --batch sequences of --seq-len tokens, built in float32 as
+from_config builds it. For a preset whose devices compute bfloat16 faster than float32 (not V100) a float32 model
+is planned in mixed precision (bf16-mixed: float32 parameters and optimizer state, bfloat16 compute); --precision
+fp32 (or --dtype bfloat16, pure bfloat16) asks for another. --schedule and --chunks default to auto, as in fxpipe.compile: every schedule and
 micro-batch count is tried.
 """
 
@@ -90,11 +93,12 @@ def add_parser(sub: argparse._SubParsersAction, parents: list[argparse.ArgumentP
                                          "config's own)")
     parser.add_argument("--seq-len", type=int, default=1024, help="hf:TYPE only: tokens per sequence (default: 1024)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                        help="the dtype the model is built in (default auto: float32 for --precision bf16-mixed, "
-                             "bfloat16 for hf:TYPE planned for a preset, else the model's own)")
+                        help="the dtype the model is built in (default auto: the one --precision keeps its "
+                             "parameters in; float32 for hf:TYPE, as from_config builds it; else the model's own)")
     parser.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16", "bf16-mixed"), default="auto",
-                        help="what the parameters are kept in and the step computes in (default auto: the dtype "
-                             "the model is built in; bf16-mixed: float32 parameters and bfloat16 compute)")
+                        help="what the parameters are kept in and the step computes in (default auto: bf16-mixed, "
+                             "float32 parameters and bfloat16 compute, for a float32 model on a preset whose "
+                             "devices compute bfloat16 faster (not V100); else the dtype the model is built in)")
     parser.add_argument("--devices", default="cpu,cpu", help=DEVICES_HELP)
     parser.add_argument("--checkpoint", default="auto",
                         help="recomputation: auto (default: per stage, the least that fits the memory; never where "
@@ -157,8 +161,10 @@ def run(args: argparse.Namespace) -> int:
     analytic = isinstance(devices, fxpipe.Devices)
     language = args.model.startswith("hf:")
     precision = None if args.precision == "auto" else args.precision
+    # hf:TYPE is built in float32 (what from_config builds) unless a precision asks for another dtype: on a preset
+    # computing bfloat16 faster, fxpipe.plan then plans it in bf16-mixed
     built = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "bf16-mixed": torch.float32}.get(
-        precision, torch.bfloat16 if language and analytic else None)
+        precision, torch.float32 if language else None)
     dtype = {"auto": built, "float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}[args.dtype]
     model, inputs = load_model(args.model, args.batch, shape, args.image_size, "meta" if analytic else "cpu",

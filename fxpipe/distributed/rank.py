@@ -42,7 +42,6 @@ from fxpipe.distributed.parallel.replicas import DataParallelStep
 from fxpipe.distributed.placement import rank_device_type
 from fxpipe.distributed.stages import build_stages, train_step
 from fxpipe.errors import FxpipeError, PlanMismatchError
-from fxpipe.frontend.precision import is_mixed
 from fxpipe.options import CompileOptions
 from fxpipe.planning.memory_model import planned_mode
 from fxpipe.planning.plan import Plan, load_plan
@@ -111,10 +110,6 @@ class PipelineRank:
         plan = load_plan(plan) if isinstance(plan, (str, Path)) else plan
         group = mesh if isinstance(mesh, dist.ProcessGroup) else None   # one pipeline over that group's ranks
         self.mesh, self.dims = _mesh("dp=1" if group is not None else mesh, plan, float(timeout_s))
-        if self.dims is not None and self.dims.tp > 1 and is_mixed(plan.layout.precision):
-            raise PlanMismatchError("the plan is precision='bf16-mixed', which fxpipe does not run with tensor "
-                                    "parallelism yet: run it on a mesh without tp (mesh='dp_shard=N'), or plan the "
-                                    "model as built for a tp mesh")
         if tp_plan is not None and (self.dims is None or self.dims.tp == 1):
             raise ValueError("tp_plan was given but the mesh has no 'tp' dimension: add one "
                              "(mesh='tp=2', or ParallelDims(pp=..., tp=...)) or drop tp_plan")

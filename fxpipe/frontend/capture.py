@@ -144,12 +144,14 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
     model is traced as it computes and its graph rewritten to read every float32 parameter through its bfloat16
     copy, the ``"auto"`` front end being torch.export (whose flat graph reads every parameter); any other
     precision captures the model as it is built. The fingerprint is the trace's, before the rewrite."""
-    if is_mixed(precision) and frontend == "auto" and isinstance(model, nn.Module) \
-            and not isinstance(model, fx.GraphModule):
-        frontend = "export"
+    forced = is_mixed(precision) and frontend == "auto" and isinstance(model, nn.Module) \
+        and not isinstance(model, fx.GraphModule)
     with traced_as_computed(model, precision):
-        captured = capture_as_built(model, leaf_modules, concrete_args, frontend, args, kwargs, batch_dim,
-                                    other_mode=other_mode, mode_dependent=mode_dependent)
+        captured = capture_as_built(model, leaf_modules, concrete_args, "export" if forced else frontend, args, kwargs,
+                                    batch_dim, other_mode=other_mode, mode_dependent=mode_dependent)
+    if forced:   # the reason is the precision's, not an asked front end
+        captured.frontend["reason"] = captured.frontend["reason"].replace(
+            "frontend='export' was asked for", "precision='bf16-mixed': torch.export's graph reads every parameter", 1)
     return with_precision(captured, precision)
 
 

@@ -10,14 +10,18 @@ forward and backward compute in bfloat16.
 :func:`mixed_precision` is that policy as one rewrite of the captured graph, made once after capture and
 before anything is costed, so the costs, the plan and every stage that runs are of the same graph:
 
-* every float32 parameter the graph reads goes through :func:`compute_copy`, its bfloat16 copy. The copy is
+* every float32 parameter the graph reads goes through :func:`compute_copy`, its bfloat16 copy (one node before
+  each reader, so a tied weight read in two stages is cast in each, not sent along the pipeline). The copy is
   cast once while the parameter is unchanged (its version counter, which an optimizer's step or
   ``load_state_dict`` moves), so every micro-batch of a step and its recomputation share one copy, as
   FSDP2's unsharded bfloat16 parameter is one; the gradient flows back through the cast into the float32
   parameter's ``.grad``, where the micro-batches accumulate in float32;
-* every float32 input of the model goes through :func:`compute_input` (FSDP2's ``cast_forward_inputs``).
+* every float32 input of the model goes through :func:`compute_input` (FSDP2's ``cast_forward_inputs``): cast by a
+  forward pre-hook while the model is traced (:func:`traced_as_computed`; torch.export records the casts), or by a
+  node after its placeholder where the trace did not record them (torch.fx).
 
-Buffers keep their dtype, as FSDP2 leaves them (a rotary embedding's float32 frequencies stay float32), and the
+Buffers keep their dtype, as FSDP2 leaves them (a rotary embedding's float32 frequencies stay float32), so do a
+batch norm's weight and bias (read as float32 by its kernel beside its float32 running statistics), and the
 model's own casts run as written (a Hugging Face attention's float32 softmax). The pipeline of a rewritten graph
 is exact against one process running the same rewritten graph, that is the same float32 model under the same
 policy (``tests/test_precision.py``). On FSDP2 meshes the ranks also give ``fully_shard`` the policy
@@ -40,7 +44,7 @@ import torch
 import torch.fx as fx
 
 __all__ = ["COMPUTE_DTYPE", "PRECISION_OF_DTYPE", "compute_copy", "compute_input", "is_mixed", "mixed_precision", "precision_of",
-           "check_precision", "resolve_precision", "traced_as_computed", "with_precision"]
+           "check_precision", "read_attribute", "resolve_precision", "traced_as_computed", "with_precision"]
 
 COMPUTE_DTYPE = torch.bfloat16
 _MASTER = torch.float32
@@ -89,8 +93,19 @@ def compute_input(value: Any) -> Any:
     return value
 
 
-def mixed_precision(gm: fx.GraphModule) -> fx.GraphModule:
-    """Rewrite ``gm`` in place to run under ``"bf16-mixed"`` (module docstring) and return it. Each cast node
+def read_attribute(node: object) -> fx.Node | None:
+    """The ``get_attr`` node (a parameter or buffer) that graph value ``node`` is, or is the compute copy of
+    (:func:`mixed_precision` puts :func:`compute_copy` between a parameter and its readers); ``None`` otherwise.
+    The passes that look for a layer's parameters in a graph (tensor parallelism's) read through the copy."""
+    if isinstance(node, fx.Node) and node.op == "call_function" and node.target is compute_copy and node.args:
+        node = node.args[0]
+    return node if isinstance(node, fx.Node) and node.op == "get_attr" else None
+
+
+def mixed_precision(gm: fx.GraphModule, cast_inputs: bool = True) -> fx.GraphModule:
+    """Rewrite ``gm`` in place to run under ``"bf16-mixed"`` (module docstring) and return it; ``cast_inputs=False``
+    where the trace recorded the inputs' casts itself (torch.export traces :func:`traced_as_computed`'s hook, whose
+    casts check their input is float32). Each cast node
     takes its first user's module path (``nn_module_stack``), so a block kept whole keeps its casts; the node
     names are the same on every machine that rewrites the same graph, so a plan's stages name them."""
     graph = gm.graph
@@ -103,18 +118,22 @@ def mixed_precision(gm: fx.GraphModule) -> fx.GraphModule:
                          "CompileOptions(frontend='export') or 'auto' (the default: torch.export, whose graph "
                          "reads every parameter), without leaf_modules holding parameters")
     for node in list(graph.nodes):
-        if node.op == "placeholder" and node.users:
+        if node.op == "placeholder" and node.users and cast_inputs:
             _insert_after(graph, node, compute_input)
         elif node.op == "get_attr" and node.users and _float_parameter(gm, node.target):
-            _insert_after(graph, node, compute_copy)
+            for user in sorted(node.users, key=_position(graph)):   # one copy a reader: a tied weight's readers
+                if not _batch_norm(user):                         # each cast it in their own stage
+                    _insert_after(graph, node, compute_copy, user)
     graph.lint()
     gm.recompile()
     gm.meta["fxpipe_precision"] = "bf16-mixed"
     return gm
 
 
-def _insert_after(graph: fx.Graph, node: fx.Node, cast: Any) -> None:
-    users = list(node.users)
+def _insert_after(graph: fx.Graph, node: fx.Node, cast: Any, only: fx.Node | None = None) -> None:
+    """``cast(node)`` put before ``node``'s first reader (or before ``only``, for that reader alone), which then
+    read it."""
+    users = [only] if only is not None else list(node.users)
     first = min(users, key=_position(graph))
     with graph.inserting_before(first):
         new = graph.call_function(cast, (node,))
@@ -126,7 +145,15 @@ def _insert_after(graph: fx.Graph, node: fx.Node, cast: Any) -> None:
         new.meta["val"] = value.to(COMPUTE_DTYPE)
     elif value is not None:
         new.meta["val"] = value
-    node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+    node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new and (only is None or user is only))
+
+
+def _batch_norm(node: fx.Node) -> bool:
+    """A batch norm operation: its weight and bias stay float32, as its running statistics (buffers) do; the
+    kernels take a bfloat16 input with float32 parameters and statistics (CPU, cuDNN), and the statistics stay
+    float32 sums of many samples."""
+    name = str(getattr(node.target, "__name__", node.target))
+    return node.op == "call_function" and "batch_norm" in name
 
 
 def _position(graph: fx.Graph) -> Any:
@@ -144,13 +171,14 @@ def _float_parameter(gm: fx.GraphModule, target: str) -> bool:
     return isinstance(value, torch.nn.Parameter) and value.dtype == _MASTER
 
 
-def resolve_precision(asked: str | None, model_dtype: torch.dtype) -> str:
+def resolve_precision(asked: str | None, model_dtype: torch.dtype, mixed_by_default: bool = False) -> str:
     """The precision a plan runs: ``asked`` (``CompileOptions.precision``), checked against the dtype the model
-    is built in; ``None``: the model's own. ``ValueError`` naming both dtypes and the fix, before anything is
-    costed."""
+    is built in; ``None``: ``"bf16-mixed"`` for a float32 model where ``mixed_by_default`` (:func:`fxpipe.plan`
+    for devices whose bfloat16 rate is faster than float32's), else the model's own. ``ValueError`` naming both
+    dtypes and the fix, before anything is costed."""
     own = precision_of(model_dtype)
     if asked is None:
-        return own
+        return "bf16-mixed" if mixed_by_default and model_dtype == _MASTER else own
     if is_mixed(asked) and model_dtype != _MASTER:
         raise ValueError(f"precision='{asked}' keeps float32 parameters and computes in bfloat16, but the model's "
                          f"parameters are {str(model_dtype).removeprefix('torch.')}: build it in float32 (what "
@@ -173,9 +201,10 @@ def with_precision(captured: Any, precision: str | None) -> Any:
                          "the nn.Module, or a graph of a bfloat16 model with its own precision")
     if is_mixed(precision) and captured.graph.meta.get("fxpipe_precision") is None:
         eval_graph = captured.eval_graph
-        mixed_precision(captured.graph)
+        cast_inputs = captured.frontend.get("name") != "export"   # export traced the inputs' casts
+        mixed_precision(captured.graph, cast_inputs)
         if eval_graph is not None and eval_graph is not captured.graph:
-            mixed_precision(eval_graph)
+            mixed_precision(eval_graph, cast_inputs)
     return captured
 
 
@@ -189,15 +218,25 @@ def traced_as_computed(model: Any, precision: str | None) -> Iterator[None]:
     if not is_mixed(precision) or not isinstance(model, torch.nn.Module):
         yield
         return
-    kept = [(p, p.data) for p in model.parameters() if p.dtype == _MASTER]
+    norms = {id(p) for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+             for p in m.parameters(recurse=False)}   # kept float32, as the rewrite keeps them (_batch_norm)
+    kept = [(p, p.data) for p in model.parameters() if p.dtype == _MASTER and id(p) not in norms]
+    # the float32 inputs cast as they enter the model (FSDP2's cast_forward_inputs): the trace records the casts,
+    # its placeholders keep the inputs' own dtypes (the plan's input signature)
+    hook = model.register_forward_pre_hook(_cast_inputs, with_kwargs=True)
     try:
         with torch.no_grad():
             for p, data in kept:
                 p.data = data.to(COMPUTE_DTYPE)
         yield
     finally:
+        hook.remove()
         for p, data in kept:
             p.data = data
+
+
+def _cast_inputs(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return tuple(compute_input(a) for a in args), {k: compute_input(v) for k, v in kwargs.items()}
 
 
 def check_precision(precision: str | None, model: Any, where: str = "") -> None:

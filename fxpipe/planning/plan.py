@@ -262,7 +262,8 @@ class Plan:
                          f"{w.activation_bytes / 2**30:.2f}", f"{w.peak_bytes / 2**30:.2f}",
                          f"{device / 2**30:.1f}" if device else "-"])
         copies = sum(t["bytes"] * (len(t["stages"]) - 1) for t in self.predicted.get("tied_weights", []))
-        tp = (self.mesh or {}).get("tp", 1)   # a mesh's stages hold 1/tp of their parameters on each device
+        # a mesh's stages hold 1/tp of their parameters on each device
+        tp = self.layout.tp if self.layout is not None else (self.mesh or {}).get("tp", 1)
         total_params = (sum(s.param_bytes for s in self.stages) - copies) * tp   # the model's: a tied weight once
         head = ["stage" if workers == p else "stages", "device", f"params ({short})", "param+grad+opt GiB",
                 "in flight", "activation GiB", "peak GiB", "device GiB"]

@@ -54,7 +54,9 @@ def throughput_line(plan: Any) -> str | None:
     world = devices_of(plan)
     line = f"tokens: {tokens:,} a step, {tokens / step:,.0f}/s, {tokens / step / world:,.0f}/s per device"
     flops, peak = p.get("model_flops"), plan.profile.get("peak_flops")
+    layout = getattr(plan, "layout", None)
+    dtype = "bfloat16" if layout is not None and layout.precision == "bf16-mixed" else plan.profile.get("dtype", "")
     if flops and peak:
         line += (f"; MFU {flops / (step * world * peak):.1%} (model FLOPs {flops:.3g} a step, 3x the forward's, "
-                 f"against {peak / 1e12:,.0f} TFLOP/s dense {plan.profile.get('dtype', '')} per device)")
+                 f"against {peak / 1e12:,.0f} TFLOP/s dense {dtype} per device)")
     return line

@@ -37,6 +37,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor._ops import _view_ops as views
 
 from fxpipe.distributed.parallel.tp_plans import TPPlanError
+from fxpipe.frontend.precision import read_attribute
 
 __all__ = ["local_sizes", "localisation", "localise_shapes", "partial_parameters"]
 
@@ -234,8 +235,8 @@ def localisation(gm: fx.GraphModule, colwise: set[str], rowwise: set[str], tp: i
                  fused: dict[str, int] | None = None) -> tuple[dict[fx.Node, tuple], set[str]]:
     """:func:`local_sizes` and :func:`partial_parameters` from one walk of ``gm``."""
     sharded, edits = _walk(gm, colwise, rowwise, tp, fused)
-    return edits, {a.target for node, dim in sharded.items() if dim is not None and node.op == "call_function"
-                   for a in node.all_input_nodes if a.op == "get_attr"}
+    return edits, {read.target for node, dim in sharded.items() if dim is not None and node.op == "call_function"
+                   for a in node.all_input_nodes if (read := read_attribute(a)) is not None}
 
 
 def _walk(gm: fx.GraphModule, colwise: set[str], rowwise: set[str], tp: int,

@@ -9,6 +9,12 @@ by a ``call_module`` of the model's own layer (the same parameter objects, so gr
 ``named_parameters`` are unchanged): ``nn.Linear.forward`` is that ``aten.linear`` and ``Conv1D.forward`` on the
 2-D input is that ``addmm`` followed by a view to the same shape, so the stage computes what it computed before.
 A graph torch.fx traced already calls the modules (``call_module``): nothing to do there.
+
+Under ``"bf16-mixed"`` the operation reads the parameters through their bfloat16 compute copies
+(``aten.linear(x, compute_copy(weight), compute_copy(bias))``, :mod:`fxpipe.frontend.precision`): the layer is
+found through the copies, the copies go with the operation, and the layer called computes with them
+(:func:`fxpipe.distributed.parallel.mixed_layers.computing_in_bfloat16`), so the stage still computes what it
+computed before.
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from typing import Iterable
 import torch
 import torch.fx as fx
 from torch import nn
+
+from fxpipe.distributed.parallel.mixed_layers import computing_in_bfloat16
+from fxpipe.frontend.precision import compute_copy, read_attribute
 
 __all__ = ["call_instead", "restore_module_calls", "called_modules", "is_conv1d"]
 
@@ -30,7 +39,13 @@ def is_conv1d(module: nn.Module) -> bool:
 
 
 def _attr(node: fx.Node) -> str | None:
-    return node.target if isinstance(node, fx.Node) and node.op == "get_attr" else None
+    """The attribute path ``node`` reads (a ``get_attr``, or its bfloat16 compute copy), or ``None``."""
+    found = read_attribute(node)
+    return None if found is None else found.target
+
+
+def _is_copy(node: object) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is compute_copy
 
 
 def _owner(model: nn.Module, weight: str | None, bias: str | None) -> tuple[str, nn.Module] | None:
@@ -70,9 +85,11 @@ def restore_module_calls(gm: fx.GraphModule, model: nn.Module, paths: Iterable[s
         path, module = found
         if path not in wanted:
             continue
-        # the model's own layer, over the container that held its parameters
-        params = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
-        call_instead(gm, path, module, (x,), [node], params)
+        # the model's own layer, over the container that held its parameters (the compute copies first: each read
+        # its parameter, and goes where no other node reads it)
+        copies = [a for a in node.args if _is_copy(a)]
+        params = copies + [read_attribute(a) for a in node.args if read_attribute(a) is not None]
+        call_instead(gm, path, computing_in_bfloat16(module, is_conv1d(module)) if copies else module, (x,), [node], params)
         done.append(path)
     if done:
         gm.recompile()

@@ -57,6 +57,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from fxpipe.distributed.parallel.local_shapes import _VIEWS, _name
+from fxpipe.frontend.precision import read_attribute
 from fxpipe.distributed.parallel.sequence_region import (CHECKS, SEQ_DIM, SequenceSharding, Classifier,
                                                          partial_nodes, sequence_sharded)
 
@@ -167,12 +168,13 @@ def _made(node: fx.Node) -> bool:
 
 def read_parameters(gm: fx.GraphModule, names: set[str]) -> set[str]:
     """The targets of the parameters (and buffers) that the sharded nodes ``names`` of ``gm`` read: ``get_attr``
-    inputs, or the parameters of a module they call. Each tp rank holds the gradient of its tokens only."""
+    inputs (or their bfloat16 compute copies under ``"bf16-mixed"``), or the parameters of a module they call. Each
+    tp rank holds the gradient of its tokens only."""
     out = set()
     for node in gm.graph.nodes:
         if node.name not in names:
             continue
-        out |= {x.target for x in node.all_input_nodes if x.op == "get_attr"}
+        out |= {read.target for x in node.all_input_nodes if (read := read_attribute(x)) is not None}
         if node.op == "call_module":
             out |= {f"{node.target}.{n}" for n, _ in gm.get_submodule(node.target).named_parameters()}
     return out

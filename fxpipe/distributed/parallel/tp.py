@@ -65,7 +65,9 @@ under GPipe, 1F1B and ZB-H1 and Qwen3 (per-head q/k norms) under 1F1B, and all f
 ``tests/test_tp.py``: GPT-2 at tp=2 (2 processes), its loss, gradients and a checkpoint loaded into a plain model
 as one process; ``tests/test_checkpoint_sharded.py``: HSDP over tp (pp=1 × dp_replicate=2 × dp_shard=1 × tp=2),
 checkpoints between FSDP2, tp and plain ranks, and ``weights=`` on a ``("pp", "tp")`` mesh, Llama as one process
-within 1e-5. Qwen2 and BERT were checked at tp=2 in a
+within 1e-5; a ``"bf16-mixed"`` plan of Llama at pp=2 × tp=2 and pp=2 × dp_shard=2 × tp=2 as one process under
+the same policy within bfloat16's tolerance (its restored layers compute with their shards' bfloat16 copies,
+:mod:`fxpipe.distributed.parallel.mixed_layers`). Qwen2 and BERT were checked at tp=2 in a
 scratch run (forward and gradients as one process), not in a test. The tp group's waits end after ``timeout_s``
 (under FSDP2 too: the root mesh's groups are made with it, :mod:`fxpipe.distributed.parallel.bounded`). Not offered: DDP replicas of
 tensor-parallel stages, torch.fx-traced graphs whose nodes carry no recorded shapes.
