@@ -32,5 +32,18 @@ def test_parallelize_applies_each_parallelism_in_one_fixed_order(monkeypatch):
     apply.parallelize(stages, ParallelDims(pp=2, dp_replicate=2, dp_mode="replicate"), object(), None, 1.0)
     assert calls == ["tp", "recompute units=False", "data", "count 2"]   # DDP: blocks recompute in place
     calls.clear()
+    # expert parallelism after tensor parallelism; on a sharded mesh its shards FSDP2-sharded just before the rest
+    from solvers.layout import Layout
+    shard = object()
+    monkeypatch.setattr(apply, "apply_expert_parallel", lambda *a: calls.append("ep") or apply.ExpertParallel(
+        ep=2, modules=[shard], params=[]))
+    monkeypatch.setattr(apply, "apply_expert_fsdp", lambda stages, experts, *a: calls.append("expert fsdp") or True)
+    monkeypatch.setattr(apply, "mark_copies", lambda params, copies: None)
+    planned = SimpleNamespace(named_parameters=lambda: iter(()), pipe=SimpleNamespace(compiled=None),
+                              plan=SimpleNamespace(layout=SimpleNamespace(precision="fp32")))
+    done = apply.parallelize(planned, ParallelDims(Layout(pp=1, dp_shard=4, ep=2)), object(), None, 1.0)
+    assert calls == ["tp", "ep", "recompute units=True", "expert fsdp", "data", "count 4"]
+    assert done.data == "reducer"   # FSDP2 reduces the shards: no ExpertGrads around the reducer
+    calls.clear()
     alone = apply.parallelize(stages, None, None, None, 1.0)
     assert calls == ["recompute units=False"] and alone.data is None

@@ -171,8 +171,8 @@ def parallelize(stages: Any, dims: ParallelDims | None, mesh: Any, tp_plan: dict
     experts = apply_expert_parallel(stages, dims, grid, timeout_s)
     apply_recomputation(stages, units=dims.dp_mode == "shard" and dims.dp > 1 and stages.pipe.compiled is None)
     apply_compile(stages)
-    sharded = dims.dp_mode == "shard" and apply_expert_fsdp(stages, experts, grid, dims.dp,
-                                                           mixed_precision_policy(stages.plan.layout.precision))
+    sharded = bool(experts.modules) and dims.dp_mode == "shard" and apply_expert_fsdp(
+        stages, experts, grid, dims.dp, mixed_precision_policy(stages.plan.layout.precision))
     data = apply_data_parallel(stages, mesh, dims, grid, group, timeout_s)
     if experts.params and not sharded:
         data = ExpertGrads(data, experts, dims.dp)
