@@ -59,11 +59,6 @@ class AnalyticModel:
     experts: tuple[ExpertRegion, ...] = ()
 
     @property
-    def expert_counts(self) -> dict[str, int] | None:
-        """Each experts region's path -> its experts (``refusal``'s ``experts``); ``None`` for a model without."""
-        return {r.path: r.num_experts for r in self.experts} or None
-
-    @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype the step computes in: bfloat16 under ``"bf16-mixed"``, else the parameters'."""
         return COMPUTE_DTYPE if is_mixed(self.precision) else self.dtype
@@ -126,17 +121,17 @@ def _captured(model: nn.Module, options: CompileOptions, spec: DeviceSpec, examp
     take (a graph only torch.fx traces, leaf modules holding parameters) gives way to the model's own dtype."""
     dtype = training_dtype(model)
     precision = resolve_precision(options.precision, dtype, mixed_is_faster(spec))
-    default = options.precision is None and is_mixed(precision)
-    try:
+
+    def at(precision: str) -> tuple[str, Any]:
         return precision, capture(model, options.leaf_modules, options.concrete_args, options.frontend,
                                   example_inputs, example_kwargs, options.batch_dim, other_mode=False,
                                   precision=precision)
-    except (ValueError, TraceError):
-        if not default:
-            raise
-    precision = resolve_precision(None, dtype)
-    return precision, capture(model, options.leaf_modules, options.concrete_args, options.frontend, example_inputs,
-                              example_kwargs, options.batch_dim, other_mode=False, precision=precision)
+    if options.precision is not None or not is_mixed(precision):
+        return at(precision)
+    try:
+        return at(precision)
+    except (ValueError, TraceError):   # the default only: the model's own dtype instead
+        return at(resolve_precision(None, dtype))
 
 
 def with_model_flops(result: Plan, costed: AnalyticModel) -> Plan:

@@ -161,6 +161,11 @@ class MeshProblem:
         """The link ``mesh``'s ``ep`` groups span: consecutive data-parallel ranks, as the runtime groups them."""
         return self.link(mesh.ep, mesh.tp if mesh.order == "pp-dp-tp" else mesh.tp * mesh.pp)
 
+    def ep_speed(self, mesh: Layout) -> tuple[float, float]:
+        """(bandwidth, latency) of :meth:`ep_link` (infinite and none: one rank, nothing sent)."""
+        link = self.ep_link(mesh)
+        return (float("inf"), 0.0) if link is None else (link.bandwidth_Bps, link.latency_s)
+
 
 def mesh_shapes(problem: MeshProblem) -> list[Layout]:
     """Every pp × dp × tp = world with tp inside the innermost level and pp at most the pieces; each dp mode and
@@ -250,7 +255,7 @@ def stage_figures(problem: MeshProblem, mesh: Layout, samples: int, mode: str = 
         position += piece.block
         d = t if piece.tp_sharded else 1   # a piece tensor parallelism leaves whole runs whole on every tp rank
         tp_s = piece.tp_collectives * allreduce_s(piece.tp_bytes * samples, t, links["tp"])
-        more_f, more_b = expert_extra_s(piece.experts, samples, mesh.ep, *_ep_link(problem.ep_link(mesh)), speed)
+        more_f, more_b = expert_extra_s(piece.experts, samples, mesh.ep, *problem.ep_speed(mesh), speed)
         f = piece.fwd_s * samples / (d * speed) + piece.fixed_s + tp_s + more_f
         whole = piece.replicated_act_bytes if not sp and piece.tp_sharded else 0.0
         act = ((piece.act_bytes - whole) / d + whole) * samples
@@ -300,11 +305,6 @@ def state_bytes(problem: MeshProblem, mesh: Layout, micro_batches: int, split: b
         sizes = [params[x] for x in blocks]
         out[blocks[0]] += (sum(sizes) if mode == "always" else 2 * max(sizes)) * (1.0 + grad)
     return out
-
-
-def _ep_link(link: Level | None) -> tuple[float, float]:
-    """(bandwidth, latency) of the link the ``ep`` ranks span: the data-parallel one (infinite: one rank)."""
-    return (float("inf"), 0.0) if link is None else (link.bandwidth_Bps, link.latency_s)
 
 
 def _recomputed(mode: str, piece: Piece, position: int, f: float, act: float, entering: float,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import fx, nn
@@ -22,8 +23,9 @@ from torch import fx, nn
 from fxpipe.cost.devices import DeviceSpec
 from fxpipe.cost.profile import NodeCost
 from fxpipe.frontend.experts import find_experts
+from solvers.experts import Experts
 
-__all__ = ["ExpertRegion", "cost_experts"]
+__all__ = ["ExpertRegion", "as_experts", "cost_experts"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,14 @@ class ExpertRegion:
     flops: int       # the active experts' forward
     fwd_s: float     # its seconds (the backward's: twice)
     param_bytes: int
+
+
+def as_experts(regions: Sequence[ExpertRegion], samples: float = 1.0) -> Experts:
+    """The figures of ``regions`` (costed on micro-batches of ``samples`` samples) per sample, summed, as
+    :mod:`solvers.experts` charges them: the mesh search's per piece, the node-level costing's per region."""
+    return Experts(tuple(r.num_experts for r in regions), float(sum(r.param_bytes for r in regions)),
+                   sum(r.fwd_s for r in regions) / samples, sum(2 * r.fwd_s for r in regions) / samples,
+                   sum(r.tokens * r.top_k * r.hidden * r.itemsize for r in regions) / samples)
 
 
 def _module_path(node: fx.Node) -> str:

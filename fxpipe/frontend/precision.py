@@ -44,7 +44,7 @@ import torch
 import torch.fx as fx
 
 __all__ = ["COMPUTE_DTYPE", "PRECISION_OF_DTYPE", "compute_copy", "compute_input", "is_mixed", "mixed_precision", "precision_of",
-           "check_precision", "read_attribute", "resolve_precision", "traced_as_computed", "with_precision"]
+           "check_precision", "is_compute_copy", "read_attribute", "resolve_precision", "traced_as_computed", "with_precision"]
 
 COMPUTE_DTYPE = torch.bfloat16
 _MASTER = torch.float32
@@ -93,11 +93,16 @@ def compute_input(value: Any) -> Any:
     return value
 
 
+def is_compute_copy(node: object) -> bool:
+    """Whether graph value ``node`` is a parameter's :func:`compute_copy` (:func:`mixed_precision`'s cast)."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is compute_copy
+
+
 def read_attribute(node: object) -> fx.Node | None:
     """The ``get_attr`` node (a parameter or buffer) that graph value ``node`` is, or is the compute copy of
     (:func:`mixed_precision` puts :func:`compute_copy` between a parameter and its readers); ``None`` otherwise.
     The passes that look for a layer's parameters in a graph (tensor parallelism's) read through the copy."""
-    if isinstance(node, fx.Node) and node.op == "call_function" and node.target is compute_copy and node.args:
+    if is_compute_copy(node) and node.args:
         node = node.args[0]
     return node if isinstance(node, fx.Node) and node.op == "get_attr" else None
 

@@ -30,11 +30,11 @@ from typing import Any, Sequence
 import torch.fx as fx
 
 from fxpipe.cost.devices import Devices
+from fxpipe.cost.expert_costs import as_experts
 from fxpipe.planning.block_figures import kept_by_selective
 from fxpipe.planning.blocks import repeated_blocks
 from fxpipe.planning.lowering import solver_order
 from fxpipe.planning.topology import link_class_bandwidth
-from solvers.experts import Experts
 from solvers.mesh import Level, Piece
 
 __all__ = ["chain_pieces", "levels_of", "pipeline_ranks", "with_experts"]
@@ -113,10 +113,7 @@ def with_experts(pieces: list[Piece], piece_nodes: Sequence[Sequence[str]], regi
             found.setdefault(where[r.nodes[-1]], []).append(r)
     out = list(pieces)
     for i, rs in found.items():
-        out[i] = dataclasses.replace(out[i], experts=Experts(
-            tuple(r.num_experts for r in rs), float(sum(r.param_bytes for r in rs)),
-            sum(r.fwd_s for r in rs) / samples, sum(2 * r.fwd_s for r in rs) / samples,
-            sum(r.tokens * r.top_k * r.hidden * r.itemsize for r in rs) / samples))
+        out[i] = dataclasses.replace(out[i], experts=as_experts(rs, samples))
     return out
 
 

@@ -17,11 +17,12 @@ import dataclasses
 from types import SimpleNamespace
 from typing import Any, Sequence
 
+from fxpipe.cost.expert_costs import as_experts
 from fxpipe.cost.profile import NodeCost
 from fxpipe.planning.lowering import problem_device_ids
 from fxpipe.planning.plan import Plan
 from fxpipe.planning.planner import Planner
-from solvers.experts import A2A_PER_LAYER, EXPERT_IMBALANCE, a2a_bytes, a2a_s
+from solvers.experts import expert_extra_s
 from solvers.layout import DP_MODES, Layout, check_layout, mesh_fields, parse_layout, refusal
 from solvers.mesh import MeshProblem, allreduce_s
 from solvers.mesh_search import MeshChoice, MeshSearch
@@ -132,20 +133,15 @@ def expert_node_costs(out: dict[str, NodeCost], f: float, mesh: Layout, problem:
     (two each way) over the link the ``ep`` ranks span."""
     if mesh.ep < 2:
         return out
-    link = problem.ep_link(mesh)
-    bandwidth, latency = (float("inf"), 0.0) if link is None else (link.bandwidth_Bps, link.latency_s)
     for r in experts:
         for name in r.param_nodes:
             if name in out:
                 out[name] = dataclasses.replace(out[name], param_bytes=int(out[name].param_bytes / mesh.ep))
         if r.nodes[-1] not in out:
             continue
-        sent = a2a_bytes(r.tokens * f, r.top_k, r.hidden, r.itemsize, mesh.ep)
-        moved = A2A_PER_LAYER // 2 * a2a_s(sent, mesh.ep, bandwidth, latency)
-        wait = (EXPERT_IMBALANCE - 1.0) * r.fwd_s * f
+        more_f, more_b = expert_extra_s(as_experts([r]), f, mesh.ep, *problem.ep_speed(mesh))
         last = out[r.nodes[-1]]
-        out[r.nodes[-1]] = dataclasses.replace(last, fwd_s=last.fwd_s + wait + moved,
-                                               bwd_s=last.bwd_s + 2 * wait + moved)
+        out[r.nodes[-1]] = dataclasses.replace(last, fwd_s=last.fwd_s + more_f, bwd_s=last.bwd_s + more_b)
     return out
 
 

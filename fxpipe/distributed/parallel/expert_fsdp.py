@@ -22,12 +22,13 @@ dim-0 chunks of the rank's experts.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
-from fxpipe.distributed.parallel.expert_parallel import EXPERT_SHARD, ExpertParallel, ShardOf
+from fxpipe.distributed.parallel.expert_parallel import EXPERT_SHARD, ExpertParallel
 from fxpipe.distributed.parallel.fsdp import repoint
 
 __all__ = ["apply_expert_fsdp"]
@@ -42,7 +43,7 @@ def apply_expert_fsdp(stages: Any, experts: ExpertParallel, grid: list[list[int]
         return False
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
-    device = next(iter(experts.modules)).parameters().__next__().device.type
+    device = next(experts.modules[0].parameters()).device.type
     device = "cpu" if device == "meta" else device
     peers_mesh = DeviceMesh.from_group(experts.peers, device, mesh_dim_names=("dp_experts",))
     both = _ep_by_peers(grid, experts, device)
@@ -54,8 +55,7 @@ def apply_expert_fsdp(stages: Any, experts: ExpertParallel, grid: list[list[int]
         module.set_gradient_divide_factor(float(dp))
         module.set_force_sum_reduction_for_comms(True)   # sum, then divide: gloo has no PREMUL_SUM
         for name, param in module.named_parameters():
-            old: ShardOf = getattr(before[name], EXPERT_SHARD)
-            setattr(param, EXPERT_SHARD, ShardOf(old.rank, old.ep, old.total, both))
+            setattr(param, EXPERT_SHARD, dataclasses.replace(getattr(before[name], EXPERT_SHARD), mesh=both))
             replaced[id(before[name])] = param
     repoint([stages.model, stages.pipe._graph[0]], replaced)
     experts.params = [p for m in experts.modules for p in m.parameters()]

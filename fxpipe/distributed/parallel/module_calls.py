@@ -26,7 +26,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.distributed.parallel.mixed_layers import computing_in_bfloat16
-from fxpipe.frontend.precision import compute_copy, read_attribute
+from fxpipe.frontend.precision import is_compute_copy, read_attribute
 
 __all__ = ["call_instead", "restore_module_calls", "called_modules", "is_conv1d"]
 
@@ -42,10 +42,6 @@ def _attr(node: fx.Node) -> str | None:
     """The attribute path ``node`` reads (a ``get_attr``, or its bfloat16 compute copy), or ``None``."""
     found = read_attribute(node)
     return None if found is None else found.target
-
-
-def _is_copy(node: object) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is compute_copy
 
 
 def _owner(model: nn.Module, weight: str | None, bias: str | None) -> tuple[str, nn.Module] | None:
@@ -87,8 +83,8 @@ def restore_module_calls(gm: fx.GraphModule, model: nn.Module, paths: Iterable[s
             continue
         # the model's own layer, over the container that held its parameters (the compute copies first: each read
         # its parameter, and goes where no other node reads it)
-        copies = [a for a in node.args if _is_copy(a)]
-        params = copies + [read_attribute(a) for a in node.args if read_attribute(a) is not None]
+        copies = [a for a in node.args if is_compute_copy(a)]
+        params = copies + [read for a in node.args if (read := read_attribute(a)) is not None]
         call_instead(gm, path, computing_in_bfloat16(module, is_conv1d(module)) if copies else module, (x,), [node], params)
         done.append(path)
     if done:
