@@ -4,7 +4,8 @@
 of the JSON list (``{"plan", "family", "schedule", "lr", "checkpoint", "out"}``), what a user runs as two commands —
 ``fxpipe.launch`` for 3 steps with a checkpoint, then ``fxpipe.launch --resume`` for the rest — by calling
 :func:`fxpipe.launch.main` with those very arguments, once each, in this process; a case with ``"argv"`` (and
-``"name"``, ``"plan"``, ``"out"``) runs that one command instead. The process group is joined
+``"name"``, ``"plan"``, ``"out"``) runs that one command instead, and one that also has ``"fails": true`` is
+expected to end with an error (its output kept, the next case run). The process group is joined
 once, here, and kept (``main`` uses the one it finds and is kept from destroying it): a group joined again on
 torchrun's store would read the keys its previous incarnation left there (the old ranks' addresses). Each rank's output of a case goes to ``out/rankR.txt``; a case
 that fails stops this rank with exit status 1 (the others end on their waits' timeout). One torchrun for every
@@ -59,8 +60,9 @@ def _run(cases: list[dict], rank: int) -> int:
         os.makedirs(case["out"], exist_ok=True)
         with open(os.path.join(case["out"], f"rank{rank}.txt"), "w") as f:
             f.write(out.getvalue() + err.getvalue())
-        if code != 0:
-            print(f"rank {rank}: {case.get('family', case.get('name'))} ({case['plan']}) failed:\n{err.getvalue()}",
+        if (code != 0) != bool(case.get("fails")):
+            what = "failed" if code else "did not fail"
+            print(f"rank {rank}: {case.get('family', case.get('name'))} ({case['plan']}) {what}:\n{err.getvalue()}",
                   file=sys.stderr)
             return 1
     return 0

@@ -6,6 +6,7 @@ process with one ``error:`` line and a non-zero exit; ``--help`` shows a real ex
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 import socket
@@ -34,9 +35,9 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _torchrun(args: list[str], torchrun: list[str] | None = None, wait: bool = True):
+def _torchrun(args: list[str], torchrun: list[str] | None = None, wait: bool = True, module: str = "fxpipe.launch"):
     cmd = [sys.executable, "-m", "torch.distributed.run", *(torchrun or ["--standalone", "--nproc-per-node", "2"]),
-           "-m", "fxpipe.launch", *args]
+           "-m", module, *args]
     proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return proc.communicate(timeout=240) + (proc.returncode,) if wait else proc
 
@@ -145,35 +146,45 @@ def test_two_node_run_puts_each_stage_on_the_node_the_plan_says(tmp_path):
     assert _close(_losses(out0), _reference(3)) and not _losses(out1), (out0, out1)
 
 
-@pytest.mark.slow   # ~55 s: two torchrun runs
+@pytest.mark.slow   # ~35 s: two torchrun runs of two processes
 def test_bad_arguments_end_every_process_with_one_error_line(tmp_path):
+    """A model that does not import ends each process of a real ``-m fxpipe.launch`` torchrun with one error
+    line and a non-zero exit; then three more bad launches (a plan of three stages on two processes, an unknown
+    compression, a tp the default tensor-parallel plan refuses), each ``fxpipe.launch.main`` with the command's
+    own arguments, in one torchrun (``tests/journey_matrix.py``: the processes start once)."""
     plan, _ = _swapped_plan(tmp_path)
     out, err, rc = _torchrun(["--plan", plan, "--model", "nosuch.models:make", "--data", "launch_target:batches"])
     assert rc != 0
     assert re.search(r"^error: rank [01]: --model nosuch.models:make: cannot import 'nosuch.models'", err, re.M), err
     three = copy.deepcopy(compile_with_cuts(make_model(), (batches()[0][0],), ["blocks_2_0", "blocks_4_0"]).plan)
     three.save(tmp_path / "three.json")
-    out, err, rc = _torchrun(["--plan", str(tmp_path / "three.json"), "--model", "launch_target:make_model",
-                              "--data", "launch_target:batches"])
-    assert rc != 0
-    assert re.search(r"^error: rank [01]: PlanMismatchError: the plan runs 3 stages on 3 workers but the process "
-                     r"group has 2 processes: start one process per worker \(torchrun --nproc-per-node 3", err, re.M), err
-    out, err, rc = _torchrun(["--plan", plan, "--model", "launch_target:make_model", "--data", "launch_target:batches",
-                              "--compression", "zstd"])
-    assert rc != 0
-    assert re.search(r"^error: rank [01]: ValueError: unknown compression 'zstd': use one of 'fp16'", err, re.M), err
     # a tp the default tensor-parallel plan refuses (3 heads over 2): the launch's own fix (--mesh), not tp_plan=
     config = ("num_hidden_layers=2,hidden_size=48,intermediate_size=64,num_attention_heads=3,num_key_value_heads=3,"
               "vocab_size=64,max_position_embeddings=32")
     from fxpipe.__main__ import main as cli
     assert cli(["plan", "hf:llama", "--config", config, "--seq-len", "8", "--batch", "4", "--devices", "h100x1",
                 "-q", "-o", str(tmp_path / "one.json")]) == 0
-    out, err, rc = _torchrun(["--plan", str(tmp_path / "one.json"), "--model", "hf:llama", "--config", config,
-                              "--data", "mock", "--mesh", "tp=2"])
-    assert rc != 0
-    assert re.search(r"^error: rank [01]: model.layers.0.self_attn has 3 attention heads, which tp=2 does not "
-                     r"divide; fxpipe.launch runs the default tensor-parallel plan: give --mesh a tp that it divides "
-                     r"\(PipelineRank\(tp_plan=...\) takes a plan of your own\)$", err, re.M), err
+    target = ["--model", "launch_target:make_model", "--data", "launch_target:batches"]
+    bad = {"three": ["--plan", str(tmp_path / "three.json"), *target],
+           "zstd": ["--plan", plan, *target, "--compression", "zstd"],
+           "heads": ["--plan", str(tmp_path / "one.json"), "--model", "hf:llama", "--config", config, "--data", "mock",
+                     "--mesh", "tp=2"]}
+    cases = [{"name": name, "plan": argv[1], "argv": argv, "out": str(tmp_path / name), "fails": True}
+             for name, argv in bad.items()]
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    out, err, rc = _torchrun([str(tmp_path / "cases.json")], module="journey_matrix")
+    assert rc == 0, err[-3000:]
+    errors = {name: [(tmp_path / name / f"rank{r}.txt").read_text() for r in (0, 1)] for name in bad}
+    for r in (0, 1):   # each process's own line, naming it
+        assert re.search(rf"^error: rank {r}: PlanMismatchError: the plan runs 3 stages on 3 workers but the process "
+                         r"group has 2 processes: start one process per worker \(torchrun --nproc-per-node 3",
+                         errors["three"][r], re.M), errors["three"][r]
+        assert re.search(rf"^error: rank {r}: ValueError: unknown compression 'zstd': use one of 'fp16'",
+                         errors["zstd"][r], re.M), errors["zstd"][r]
+        assert re.search(rf"^error: rank {r}: model.layers.0.self_attn has 3 attention heads, which tp=2 does not "
+                         r"divide; fxpipe.launch runs the default tensor-parallel plan: give --mesh a tp that it "
+                         r"divides \(PipelineRank\(tp_plan=...\) takes a plan of your own\)$",
+                         errors["heads"][r], re.M), errors["heads"][r]
 
 
 def test_help_shows_a_real_example():
