@@ -204,7 +204,7 @@ def check_plan(plan: Plan, captured: Captured, model: nn.Module, devices: list[t
         raise PlanMismatchError(f"the plan was made for devices {plan.devices}, got {[str(d) for d in devices]}")
     if chunks is not None and chunks != plan.chunks:
         raise PlanMismatchError(f"the plan was made for chunks={plan.chunks}, got chunks={chunks}")
-    if plan.traced_training != model.training and captured.mode_dependent:
+    if plan.traced_training != model.training and captured.depends_on_mode():
         raise PlanMismatchError("the plan was made in the other train/eval mode of this mode-dependent model")
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from fxpipe.errors import FxpipeError
 from fxpipe.compression_spec import BoundaryCodec, check_compression
 from fxpipe.checks import (auto_schedules, batch_layout, check_arguments, check_batch, check_call, check_plan, check_plan_layout,
                            memory_limits, most_micro_batches, parse_devices, stage_compilation, warn_batch_norm,
@@ -137,7 +138,7 @@ def compile(
         # (and modes: a stage rewritten to recompute per block is not the stage of another mode)
         cuts = (tuple(sorted(chosen.stage_of().items())) + tuple(st.device for st in chosen.stages)
                 + tuple(st.checkpoint for st in chosen.stages))
-        pipe = build_pipeline(captured.graph, chosen, checkpoint, captured.mode_dependent, host, compiled=compiled,
+        pipe = build_pipeline(captured.graph, chosen, checkpoint, captured.dependence, host, compiled=compiled,
                               specs=built.get(cuts))
         if compiled is not None:
             built[cuts] = pipe.specs
@@ -217,13 +218,10 @@ def _cost(model: nn.Module, captured: Any, example_inputs: Any, given: tuple, la
     most = most_micro_batches(model, batch)
     profiled = min(most, 4 * len(devs)) if chunks is None else chunks
     workers = worker_devices(devs, "gpipe" if schedule == "auto" else schedule, v, stages, chunks)
-    check_graph = captured.eval_graph if options.check_micro_batching else None
-    if options.check_micro_batching and check_graph is None:
-        log.info("micro-batching is not checked: %s depends on train/eval mode and does not trace in eval mode",
-                 type(model).__name__)
+    check_graph = None
     with judged_by_the_model(model, *given):   # a failure blamed on the trace may be the inputs'
-        if check_graph is not None:
-            check_micro_batching(check_graph, example_inputs, layout, profiled)
+        if options.check_micro_batching:
+            check_graph = _check_batching(model, captured, example_inputs, given, layout, profiled)
         first = tuple(tree_map(lambda x: x.to(workers[0]) if isinstance(x, torch.Tensor) else x, part)
                       for part in scatter(list(example_inputs), profiled, dims)[0])
         captured.graph.to(workers[0])
@@ -231,6 +229,28 @@ def _cost(model: nn.Module, captured: Any, example_inputs: Any, given: tuple, la
             check_graph.to(workers[0])
         costs, cached = node_costs(captured.graph, captured.fingerprint, first, workers[0], profiling, compiled)
     return _Costed(costs, cached, workers, profiled, most, check_graph)
+
+
+def _check_batching(model: nn.Module, captured: Any, example_inputs: Any, given: tuple, layout: Any,
+                    chunks: int) -> Any:
+    """The micro-batching check (:func:`check_micro_batching`) and the graph it ran on, or None: the graph itself
+    while whether it depends on the train/eval mode is not known (torch.export's second trace, deferred), else,
+    or where the graph itself fails it (a train-mode BatchNorm's batch statistics), the eval-mode graph
+    (``captured.eval_graph``: the other mode traced now on the example inputs)."""
+    if captured.mode_dependent is None:
+        try:
+            check_micro_batching(captured.graph, example_inputs, layout, chunks)
+            return captured.graph
+        except FxpipeError:
+            if not captured.depends_on_mode(given):
+                raise
+    graph = captured.eval_graph
+    if graph is None:
+        log.info("micro-batching is not checked: %s depends on train/eval mode and does not trace in eval mode",
+                 type(model).__name__)
+        return None
+    check_micro_batching(graph, example_inputs, layout, chunks)
+    return graph
 
 
 def _capture(model: Any, plan: Plan | None, example_inputs: tuple | None, example_kwargs: dict[str, Any] | None,

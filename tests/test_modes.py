@@ -148,7 +148,7 @@ def test_a_dropout_of_rate_zero_does_not_make_the_graph_depend_on_the_mode(front
     pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, stages=2,
                           profile=fxpipe.ProfileOptions(mode="estimate"),
                           options=fxpipe.CompileOptions(frontend=frontend))
-    assert not pipe._mode_dependent
+    assert not pipe._mode.dependent   # (export's: found out on a meta copy of the model, asked here)
     assert not any(fxpipe.runtime.backward.rng.is_random(stage) for stage in pipe.stages)
     model.eval()
     pipe.eval()
@@ -174,27 +174,42 @@ def test_auto_micro_batches_keep_two_samples_for_a_train_mode_batch_norm():
 
 
 @pytest.mark.parametrize("frontend", ["export", "fx"])
-def test_a_plan_records_whether_its_graph_depends_on_the_mode_and_a_rank_capturing_it_traces_once(frontend,
-                                                                                                   monkeypatch):
-    """compile traces the other mode to find out; the plan keeps the answer, so a process handed the plan
-    (``capture_as_planned``: every rank) traces only the mode it runs and still refuses the other mode of a
-    mode-dependent graph. A plan that does not say (``fxpipe.plan``'s, an older fxpipe's) is traced twice."""
+def test_the_other_mode_is_traced_only_when_asked_and_a_plan_that_knows_never_traces_it(frontend, monkeypatch):
+    """torch.fx's compile traces the other mode at once (cheap); torch.export's compile traces one mode and the
+    other only when something asks (here a switch to the other mode, on a ``meta`` copy of the model: its
+    parameters stay where they are), then refuses the other mode of a mode-dependent graph. A plan that says
+    (torch.fx's) spares a process handed it (``capture_as_planned``: every rank) the other mode's trace; one that
+    does not (torch.export's, ``fxpipe.plan``'s) has it traced when needed, as compile."""
     from fxpipe.frontend import capture as capture_module
     from fxpipe.frontend.capture import capture_as_planned
     torch.manual_seed(0)
     x = torch.randn(8, 8)
+    real = capture_module._traced
     for model, dependent in ((_Dropped().train(), frontend == "export"), (nn.Sequential(Reads(), nn.Linear(8, 4)), True),
                              (nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)), False)):
-        plan = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, stages=2, profile=EST,
-                              options=fxpipe.CompileOptions(frontend=frontend)).plan
-        assert plan.frontend["mode_dependent"] is dependent, (type(model).__name__, plan.frontend)
-        plan = fxpipe.Plan.from_dict(plan.to_dict())   # as a rank reads it
-        traces = []
-        real = capture_module._traced
-        monkeypatch.setattr(capture_module, "_traced", lambda *a, **k: traces.append(a[1]) or real(*a, **k))
-        captured = capture_as_planned(model, plan.frontend)
+        traces = []   # the other mode's traces (the first mode's is _choose's)
+        monkeypatch.setattr(capture_module, "_traced", lambda *a, **k: traces.append(a[0]) or real(*a, **k))
+        pipe = fxpipe.compile(model, ["cpu"] * 2, (x,), chunks=2, stages=2, profile=EST,
+                              options=fxpipe.CompileOptions(frontend=frontend, check_micro_batching=False))
+        assert len(traces) == (frontend == "fx"), (type(model).__name__, len(traces))
+        assert ("mode_dependent" in pipe.plan.frontend) == (frontend == "fx"), pipe.plan.frontend
+        pipe.eval()
+        if dependent:
+            with pytest.raises(fxpipe.FxpipeError, match="compiled in train mode"):
+                pipe(x)
+        else:
+            with torch.no_grad():
+                pipe(x)
+        assert len(traces) == 1 and pipe._mode.dependent is dependent, type(model).__name__
+        assert all(t.device.type == "cpu" for t in model.parameters())
+        if frontend == "export":   # the other mode's trace was of a copy on meta, the model left as it was
+            assert next(traces[0].parameters()).device.type == "meta" and traces[0] is not model
+        plan = fxpipe.Plan.from_dict(pipe.plan.to_dict())   # as a rank reads it
+        traces.clear()
+        captured = capture_as_planned(model, {**plan.frontend, "mode_dependent": dependent})
         assert captured.fingerprint == plan.fingerprint and captured.mode_dependent is dependent
         assert traces == [], traces   # the other mode was not traced
         unsaid = {k: v for k, v in plan.frontend.items() if k != "mode_dependent"}
-        assert capture_as_planned(model, unsaid).mode_dependent is dependent and len(traces) == 1
+        captured = capture_as_planned(model, unsaid)
+        assert len(traces) == (frontend == "fx") and captured.depends_on_mode() is dependent and len(traces) == 1
         monkeypatch.undo()

@@ -175,7 +175,7 @@ def build_stages(plan: Plan | str | Path, model_fn: Callable[[], nn.Module],
     # compiled=: recorded here, applied by parallelize (fxpipe.distributed.parallel.apply.apply_compile), after
     # recomputation and before data parallelism, as torchtitan's parallelize_llama applies torch.compile
     pipe = Pipeline(captured.graph, specs, devices, plan, checkpoint=checkpoint,
-                    mode_dependent=captured.mode_dependent, compiled=compiled)
+                    mode_dependent=captured.dependence, compiled=compiled)
     pipe.compression = BoundaryCompression.of_stages(compression, specs, pipe._output.args[0])
     pipe.transport = P2P(rank, stage_rank, group, timeout_s)
     pipe.tied = tied

@@ -13,14 +13,17 @@ is partitioned as given. The choice and its reason go into the plan (``plan.fron
 
 from __future__ import annotations
 
+import copy
 import functools
+import itertools
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from fxpipe.errors import TraceError
 from fxpipe.frontend.experts import refuse_router_loss
@@ -30,7 +33,7 @@ from fxpipe.frontend.generation_cache import CACHE_OFF_REASON, generation_cache_
 from fxpipe.frontend.kept_whole import KEEP_WHOLE, module_groups
 from fxpipe.frontend.input_record import record_inputs, recorded_inputs
 from fxpipe.frontend.modes import keeping_modes
-from fxpipe.frontend.precision import is_mixed, traced_as_computed, with_precision
+from fxpipe.frontend.precision import is_mixed, mixed_precision, traced_as_computed, with_precision
 from fxpipe.frontend.trace import has_submodule, trace
 from fxpipe.options import FRONTENDS
 
@@ -43,13 +46,39 @@ class Captured:
 
     graph: fx.GraphModule
     fingerprint: str          # names the graph: a plan made for another one is refused
-    mode_dependent: bool      # tracing in the other train/eval mode gives another graph
+    # tracing in the other train/eval mode gives another graph; None: not known yet (:meth:`depends_on_mode`)
+    mode_dependent: bool | None
     # {"name": "fx"|"export"|"given", "reason": ..., "inputs": the example inputs' record (input_record.py)}
     frontend: dict[str, Any] = field(default_factory=dict)
     # The model in eval mode, for checks that need it (fxpipe.runtime.checks.batch_check): ``graph`` itself unless
     # that was traced in train mode and depends on the mode (a BatchNorm traced through computes batch
     # statistics whatever gm.eval() says), then the eval-mode trace; None where eval mode does not trace.
     eval_graph: fx.GraphModule | None = None
+    # traces the other mode (on the example inputs given, else a copy of the model on ``meta``, whatever devices
+    # its parameters are on by then): (whether its graph differs, that graph or None where it does not trace);
+    # None once known
+    other_mode: Callable[..., tuple[bool, fx.GraphModule | None]] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def dependence(self) -> bool | Callable[[], bool]:
+        """:attr:`mode_dependent` where known, else :meth:`depends_on_mode` to ask it when needed (a pipeline's
+        :class:`~fxpipe.runtime.checks.traced_mode.TracedMode`)."""
+        return self.depends_on_mode if self.mode_dependent is None else self.mode_dependent
+
+    def depends_on_mode(self, inputs: tuple[tuple, dict[str, Any]] | None = None) -> bool:
+        """Whether the graph depends on the train/eval mode, traced in the other mode the first time it is asked
+        (:func:`capture_as_built` defers torch.export's second trace until a pipeline runs in the other mode, the
+        micro-batching check fails on the graph itself, or a plan of the other mode is loaded). With ``inputs``
+        (the example ``(args, kwargs)``) the model itself is traced, and the other mode's graph of a train-mode
+        trace is kept as :attr:`eval_graph`; without, a ``meta`` copy of it, and no eval graph is kept."""
+        if self.mode_dependent is None:
+            traced_training = bool(self.graph.meta.get("fxpipe_traced_training", True))
+            self.mode_dependent, other = self.other_mode(inputs) if self.other_mode is not None else (False, None)
+            kept = other if inputs is not None else None
+            self.eval_graph = kept if self.mode_dependent and traced_training else self.graph
+            self.frontend["mode_dependent"] = self.mode_dependent
+            self.other_mode = None
+        return self.mode_dependent
 
     def dtype_mismatch(self, planned_dtype: str | None) -> str | None:
         """Why this graph cannot be a plan's made for ``planned_dtype`` (``plan.profile["dtype"]``: the dtype
@@ -67,6 +96,63 @@ class Captured:
 
 def _first_line(exc: BaseException) -> str:
     return next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+
+
+def _tag(gm: fx.GraphModule, name: str) -> str:
+    """The fingerprint's tag of a graph of front end ``name`` (the groups kept whole, where there are)."""
+    groups = gm.meta.get(KEEP_WHOLE)
+    return name if groups is None else f"{name}+keep:{sorted(groups)}"
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """``model`` copied with every parameter and buffer on ``meta`` (no data copied); the model itself where it
+    does not copy."""
+    memo: dict[int, Any] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        empty = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception:   # a module holding what does not copy (a lock, a weak reference): the model itself
+        return model
+
+
+def _on_meta(tree: Any) -> Any:
+    return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, tree)
+
+
+def _other_mode(model: nn.Module, name: str, leaves: list[Any], concrete_args: Any, meta_inputs: tuple,
+                batch_dim: Any, training: bool, precision: str | None, alike: str,
+                inputs: tuple[tuple, dict[str, Any]] | None = None) -> tuple[bool, fx.GraphModule | None]:
+    """Whether ``model`` traced by front end ``name`` in the mode it was not traced in (``training``), as
+    :func:`capture` traced it (the precision's input casts, the generation cache off), gives another graph than
+    the one whose mode-blind fingerprint is ``alike``, and that graph (rewritten for ``precision``), or
+    ``(True, None)`` where it does not trace: on ``inputs`` (the example inputs) where given, else a copy of it on
+    ``meta`` (whatever devices its parameters are on by then) on the example inputs' ``meta`` copies."""
+    try:
+        other = _trace_other_mode(model, name, leaves, concrete_args, meta_inputs, batch_dim, training, precision,
+                                  inputs)
+    except TraceError:
+        return True, None   # the other mode does not trace: this mode's graph only
+    differs = graph_fingerprint(other, _tag(other, name), modes_alike=True) != alike
+    if is_mixed(precision):
+        mixed_precision(other, name != "export")   # as with_precision rewrites the graph captured
+    return differs, other
+
+
+def _trace_other_mode(model: nn.Module, name: str, leaves: list[Any], concrete_args: Any, meta_inputs: tuple,
+                      batch_dim: Any, training: bool, precision: str | None,
+                      inputs: tuple[tuple, dict[str, Any]] | None) -> fx.GraphModule:
+    target, (args, kwargs) = (model, inputs) if inputs is not None else (_meta_copy(model), meta_inputs)
+    args, kwargs = tuple(args or ()), dict(kwargs or {})
+    if inputs is None and any(t.device.type != "meta" for t in target.parameters()):
+        raise TraceError("the model did not copy to meta")   # inputs on meta, parameters not: no trace
+    with traced_as_computed(target, precision), generation_cache_off(target, kwargs), keeping_modes(target):
+        target.train(not training)
+        other = _traced(target, name, leaves, concrete_args, args, kwargs, batch_dim)
+    if leaves and name == "export":
+        other.meta[KEEP_WHOLE] = module_groups(other, leaves)[0]
+    return other
 
 
 def _traced(model: nn.Module, name: str, leaf_modules: list[Any], concrete_args: Any, args: tuple,
@@ -139,7 +225,8 @@ def hidden_layer_stacks(gm: fx.GraphModule, leaf_modules: list[Any]) -> list[str
 
 def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = None, frontend: str = "auto",
             args: tuple | None = None, kwargs: dict[str, Any] | None = None, batch_dim: Any = 0, *,
-            other_mode: bool = True, mode_dependent: bool | None = None, precision: str | None = None) -> Captured:
+            other_mode: bool = True, mode_dependent: bool | None = None, precision: str | None = None,
+            lazy: bool = True) -> Captured:
     """:func:`capture_as_built` at ``precision`` (:mod:`fxpipe.frontend.precision`): under ``"bf16-mixed"`` the
     model is traced as it computes and its graph rewritten to read every float32 parameter through its bfloat16
     copy, the ``"auto"`` front end being torch.export (whose flat graph reads every parameter); any other
@@ -148,7 +235,10 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
         and not isinstance(model, fx.GraphModule)
     with traced_as_computed(model, precision):
         captured = capture_as_built(model, leaf_modules, concrete_args, "export" if forced else frontend, args, kwargs,
-                                    batch_dim, other_mode=other_mode, mode_dependent=mode_dependent)
+                                    batch_dim, other_mode=other_mode, mode_dependent=mode_dependent,
+                                    precision=precision)
+    if captured.mode_dependent is None and (captured.frontend.get("name") == "fx" or not lazy):
+        captured.depends_on_mode((args or (), dict(kwargs or {})))   # an fx trace is cheap: found out now
     if forced:   # the reason is the precision's, not an asked front end
         captured.frontend["reason"] = captured.frontend["reason"].replace(
             "frontend='export' was asked for", "precision='bf16-mixed': torch.export's graph reads every parameter", 1)
@@ -158,27 +248,28 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
 def capture_as_built(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = None,
                      frontend: str = "auto", args: tuple | None = None, kwargs: dict[str, Any] | None = None,
                      batch_dim: Any = 0, *, other_mode: bool = True,
-                     mode_dependent: bool | None = None) -> Captured:
-    """Trace ``model`` with the front end ``frontend`` chooses (module doc) and find whether its graph
-    depends on ``model.training``, by tracing it once more in the other mode. Every submodule's own flag
-    is restored either way (:func:`fxpipe.frontend.modes.keeping_modes`): a frozen BatchNorm stays in eval
-    mode.
+                     mode_dependent: bool | None = None, precision: str | None = None) -> Captured:
+    """Trace ``model`` with the front end ``frontend`` chooses (module doc), and make ready to find whether its
+    graph depends on ``model.training`` by tracing it once more in the other mode (:meth:`Captured.depends_on_mode`:
+    :func:`capture` does it at once for torch.fx, whose trace is cheap; torch.export's second trace, seconds for a
+    Hugging Face model, waits until something needs the answer, which most pipelines never do). Every submodule's
+    own flag is restored either way (:func:`fxpipe.frontend.modes.keeping_modes`): a frozen BatchNorm stays in
+    eval mode.
 
     Only the mode the user compiles in must trace: code that runs only in the other mode (a training-only
     branch fx cannot follow) makes the graph mode-dependent, so the pipeline refuses to run in that mode
     (with "compile again in the mode you want") rather than failing this compile.
 
-    ``other_mode=False`` skips that second trace, for a caller that never runs the graph (:func:`fxpipe.plan`:
-    exporting a 32-layer Hugging Face model takes seconds): ``mode_dependent`` is then False and
-    ``eval_graph`` None, and a pipeline built from the plan captures the model again. Such a caller also takes
-    a deep stack of alike layers predicted from a few of them (:mod:`fxpipe.frontend.repeats`), which the
-    front end's reason then says.
+    ``other_mode=False`` gives up the second trace, for a caller that never runs the graph (:func:`fxpipe.plan`):
+    ``mode_dependent`` is then False and ``eval_graph`` None, and a pipeline built from the plan captures the
+    model again. Such a caller also takes a deep stack of alike layers predicted from a few of them
+    (:mod:`fxpipe.frontend.repeats`), which the front end's reason then says.
 
-    The answer is recorded in the front end's record (``frontend["mode_dependent"]``, kept in the plan), and a
-    caller that knows it (``mode_dependent``: :func:`capture_as_planned`, from the plan of the same graph) skips
-    the second trace: a rank of a Hugging Face model spent half its start-up exporting the mode it does not run
-    (``eval_graph`` is then ``graph`` where the graph does not depend on the mode, else ``None`` unless the model
-    is in eval mode)."""
+    The answer, once found, is recorded in the front end's record (``frontend["mode_dependent"]``, kept in a plan
+    saved after), and a caller that knows it (``mode_dependent``: :func:`capture_as_planned`, from the plan of
+    the same graph) never traces the other mode (``eval_graph`` is then ``graph`` where the graph does not
+    depend on the mode, else ``None`` unless the model is in eval mode). ``precision``: the one :func:`capture`
+    traces at, for the other mode's trace."""
     kwargs = dict(kwargs or {})
     if isinstance(model, torch.export.ExportedProgram):
         gm = flat_program(model)
@@ -221,23 +312,17 @@ def capture_as_built(model: Any, leaf_modules: Iterable[Any] = (), concrete_args
             planned["inputs"] = record_inputs(args, kwargs, batch_dim)
         if not other_mode:
             return Captured(gm, fingerprint, False, planned, None)
-        other_gm = None   # the other mode's graph, where it is traced: not where the plan said already
-        if mode_dependent is None:
-            with keeping_modes(model):
-                model.train(not model.training)
-                try:
-                    other_gm = _traced(model, name, leaves, concrete_args, args or (), kwargs, batch_dim)
-                    other_tag = name
-                    if tag != name:
-                        other_gm.meta[KEEP_WHOLE] = module_groups(other_gm, leaves)[0]
-                        other_tag = f"{name}+keep:{sorted(other_gm.meta[KEEP_WHOLE])}"
-                    mode_dependent = (graph_fingerprint(other_gm, other_tag, modes_alike=True)
-                                      != graph_fingerprint(gm, tag, modes_alike=True))
-                except TraceError:
-                    other_gm, mode_dependent = None, True   # the other mode does not trace: this mode's graph only
-    planned["mode_dependent"] = mode_dependent
-    eval_graph = other_gm if mode_dependent and model.training else gm
-    return Captured(gm, fingerprint, mode_dependent, planned, eval_graph)
+        training = model.training
+        trace_other = functools.partial(_other_mode, model, name, leaves, concrete_args, _on_meta((args or (), kwargs)),
+                                        batch_dim, training, precision, graph_fingerprint(gm, tag, modes_alike=True))
+    captured = Captured(gm, fingerprint, mode_dependent, planned, gm, trace_other)
+    if mode_dependent is None:   # torch.export's second trace deferred (Captured.depends_on_mode); fx's: capture
+        captured.eval_graph = None if training else gm
+    else:
+        planned["mode_dependent"] = mode_dependent
+        captured.eval_graph = None if mode_dependent and training else gm
+        captured.other_mode = None
+    return captured
 
 
 def capture_as_planned(model: nn.Module, planned: dict[str, Any], leaf_modules: Iterable[Any] = (),

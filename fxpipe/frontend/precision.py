@@ -208,7 +208,7 @@ def with_precision(captured: Any, precision: str | None) -> Any:
         eval_graph = captured.eval_graph
         cast_inputs = captured.frontend.get("name") != "export"   # export traced the inputs' casts
         mixed_precision(captured.graph, cast_inputs)
-        if eval_graph is not None and eval_graph is not captured.graph:
+        if eval_graph is not None and eval_graph is not captured.graph and "fxpipe_precision" not in eval_graph.meta:
             mixed_precision(eval_graph, cast_inputs)
     return captured
 

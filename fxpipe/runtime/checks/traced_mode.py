@@ -9,6 +9,7 @@ per switch of the user's own model (``model.eval()``), which the graph cannot se
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 from torch import nn
 
@@ -20,13 +21,25 @@ __all__ = ["TracedMode"]
 class TracedMode:
     """The mode a graph was traced in, and whether that graph depends on it."""
 
-    def __init__(self, training: bool, dependent: bool) -> None:
+    def __init__(self, training: bool, dependent: bool | Callable[[], bool]) -> None:
         self.training = training
-        self.dependent = dependent
+        # or how to find it out (fxpipe.frontend.capture.Captured.depends_on_mode), asked the first time a mode
+        # differs from the traced one
+        self._dependent = dependent
         self._warned: bool | None = None   # the model's mode last warned about
+
+    @property
+    def dependent(self) -> bool:
+        """Whether the graph depends on the mode (found out now, where it was not yet)."""
+        if callable(self._dependent):
+            self._dependent = bool(self._dependent())
+        return self._dependent
 
     def check(self, running_training: bool, model: nn.Module | None) -> None:
         """Refuse a pipeline switched to the other mode; warn once when the user's ``model`` was."""
+        if running_training == self.training and (model is None or model.training == self.training):
+            self._warned = None
+            return
         if not self.dependent:
             return
         mode = "train" if self.training else "eval"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -18,7 +18,8 @@ from fxpipe.runtime.execute.pipeline import Pipeline
 __all__ = ["build_pipeline"]
 
 
-def build_pipeline(gm: fx.GraphModule, plan: Plan, checkpoint: str, mode_dependent: bool,
+def build_pipeline(gm: fx.GraphModule, plan: Plan, checkpoint: str,
+                   mode_dependent: bool | Callable[[], bool],
                    host: Host = UNSHARED, guard: ModelGuard | None = None, compiled: dict[str, Any] | None = None,
                    specs: list[StageSpec] | None = None) -> Pipeline:
     """One stage module per planned stage, moved to its device, run by a :class:`Pipeline` on ``host``; with

@@ -60,7 +60,7 @@ class Pipeline(nn.Module):
     """A model split into stages on devices; call it like the model."""
 
     def __init__(self, graph_module: fx.GraphModule, stages: list[StageSpec], devices: list[torch.device],
-                 plan: Plan, checkpoint: str = "except_last", mode_dependent: bool = False,
+                 plan: Plan, checkpoint: str = "except_last", mode_dependent: bool | Callable[[], bool] = False,
                  host: Host = UNSHARED, guard: ModelGuard | None = None,
                  compiled: dict[str, Any] | None = None) -> None:
         super().__init__()
@@ -80,7 +80,6 @@ class Pipeline(nn.Module):
         self.last_step: dict[str, Any] | None = None
         self.checkpoint = checkpoint
         self._traced_training = bool(graph_module.meta.get("fxpipe_traced_training", False))
-        self._mode_dependent = mode_dependent
         self._mode = TracedMode(self._traced_training, mode_dependent)
         self.host = host   # CPU workers take turns through it (fxpipe.cost.cpu.CpuHost); GPUs never wait
         self.transport: Transport | None = None   # how stages exchange values in pipe.step (default: in-process)
