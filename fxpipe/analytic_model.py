@@ -137,8 +137,8 @@ def _captured(model: nn.Module, options: CompileOptions, spec: DeviceSpec, examp
         cause = next((line for line in str(failure).splitlines() if line.strip()), type(failure).__name__)
         note = (f"{own}, not the default bf16-mixed, whose capture failed ({cause}); pass "
                 f"CompileOptions(precision=...) (fxpipe plan --precision) to choose")
+        chosen, captured = at(own)   # a model that fails at its own precision too says so, without the warning
         warnings.warn(f"fxpipe.plan: planned at precision {note}", stacklevel=2)
-        chosen, captured = at(own)
         captured.frontend = {**captured.frontend, "precision_fallback": note}   # Plan.summary says it
         return chosen, captured
 
