@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -118,7 +119,8 @@ def _captured(model: nn.Module, options: CompileOptions, spec: DeviceSpec, examp
               example_kwargs: dict[str, Any] | None) -> tuple[str, Any]:
     """The precision planned (asked, else ``"bf16-mixed"`` for a float32 model on devices faster at it, else the
     model's own) and the model captured at it, as nothing runs it. A default ``"bf16-mixed"`` the capture cannot
-    take (a graph only torch.fx traces, leaf modules holding parameters) gives way to the model's own dtype."""
+    take (a graph only torch.fx traces, leaf modules holding parameters) gives way to the model's own dtype, with a
+    warning naming the cause and the fix, which the plan's ``frontend`` records (its summary's ``precision:`` line)."""
     dtype = training_dtype(model)
     precision = resolve_precision(options.precision, dtype, mixed_is_faster(spec))
 
@@ -130,8 +132,15 @@ def _captured(model: nn.Module, options: CompileOptions, spec: DeviceSpec, examp
         return at(precision)
     try:
         return at(precision)
-    except (ValueError, TraceError):   # the default only: the model's own dtype instead
-        return at(resolve_precision(None, dtype))
+    except (ValueError, TraceError) as failure:   # the default only: the model's own dtype instead, said so
+        own = resolve_precision(None, dtype)
+        cause = next((line for line in str(failure).splitlines() if line.strip()), type(failure).__name__)
+        note = (f"{own}, not the default bf16-mixed, whose capture failed ({cause}); pass "
+                f"CompileOptions(precision=...) (fxpipe plan --precision) to choose")
+        chosen, captured = at(own)   # a model that fails at its own precision too says so, without the warning
+        warnings.warn(f"fxpipe.plan: planned at precision {note}", stacklevel=2)
+        captured.frontend = {**captured.frontend, "precision_fallback": note}   # Plan.summary says it
+        return chosen, captured
 
 
 def with_model_flops(result: Plan, costed: AnalyticModel) -> Plan:

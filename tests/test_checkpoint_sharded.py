@@ -4,11 +4,12 @@ reshards; :mod:`fxpipe.distributed.checkpoint` keeps ``DTensor`` s ``DTensor`` s
 
 The first test: a small MLP model written by pp=2 x dp_shard=2 :class:`~fxpipe.distributed.PipelineRank` s
 (FSDP2, ZB-H1) loads into plain pp=4 and pp=2 ranks, and a plain pp=4 checkpoint back into FSDP2 ranks (34 s on
-the shared 2-core machine). The second, one ``run_ranks`` call of 4 processes (67 s): a Hugging Face Llama written
+the shared 2-core machine). The second, one ``run_ranks`` call of 4 processes (97-134 s): a Hugging Face Llama written
 under FSDP2 (pp=2 x dp_shard=2) loads into PipelineRank's own tensor parallelism (pp=2 x tp=2, the default
 plan: attention and MLP column/row-wise), whose checkpoint loads into plain pp=4 ranks and, with ``weights=``,
 into pp=2 x tp=2 ranks built without memory; HSDP over tp (pp=1 x dp_replicate=2 x dp_shard=1 x tp=2) trains as
-one process too.
+one process too; a ``"bf16-mixed"`` pp=2 x dp_shard=2 run (FSDP2's MixedPrecisionPolicy) writes float32 parameters
+and AdamW moments, which plain float32 pp=4 ranks resume with the losses of one process trained the same way.
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ def test_a_checkpoint_of_fsdp_sharded_stages_loads_under_other_meshes_and_trains
 # Hugging Face Llama under PipelineRank's own tensor parallelism (issue 38 part 5's "or tp=2"): one run_ranks
 # call of 4 processes runs every leg in turn, each leg continuing from the checkpoint the one before it wrote.
 STEPS = 6
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _llama_batches() -> list[dict[str, torch.Tensor]]:
@@ -178,11 +180,12 @@ def _llama_reference(start: dict[str, torch.Tensor] | None = None, first: int = 
                   lambda m, b: llama_loss(m(b["input_ids"]), b["labels"]), first)
 
 
-def _llama_legs(rank: int, world: int, plans: dict[int, str], root: str) -> dict:
+def _llama_legs(rank: int, world: int, plans: dict[int, str], root: str, mixed_plan: str) -> dict:
     """A: pp=2 x dp_shard=2 (FSDP2) trains steps 0-1 from the model's own weights and saves; B: pp=2 x tp=2 loads
     that (parameters and AdamW's moments resharded onto tp's DTensors), trains steps 2-3, saves; C: plain pp=4
     loads B's checkpoint and trains steps 4-5; D: pp=2 x tp=2 built on meta with ``weights=`` B's checkpoint, a
-    fresh optimizer, steps 4-5; E: pp=1 x dp_replicate=2 x tp=2 (HSDP over tp), steps 0-1."""
+    fresh optimizer, steps 4-5; E: pp=1 x dp_replicate=2 x tp=2 (HSDP over tp), steps 0-1; F: bf16-mixed
+    ``mixed_plan`` on pp=2 x dp_shard=2, steps 0-1, saves; G: plain float32 pp=4 loads F's checkpoint, steps 2-3."""
     import functools
     import json
     import os
@@ -196,6 +199,7 @@ def _llama_legs(rank: int, world: int, plans: dict[int, str], root: str) -> dict
     os.environ.update(LOCAL_RANK=str(rank), GROUP_RANK="0", LOCAL_WORLD_SIZE=str(world))
     model_fn = functools.partial(build, "llama")
     plan = {pp: fxpipe.Plan.from_dict(json.loads(p)) for pp, p in plans.items()}
+    mixed = fxpipe.Plan.from_dict(json.loads(mixed_plan))
     out: dict[str, dict] = {}
 
     def leg(name: str, stage, first: int, load: str | None = None, save: str | None = None) -> None:
@@ -227,10 +231,38 @@ def _llama_legs(rank: int, world: int, plans: dict[int, str], root: str) -> dict
                               weights=os.path.join(root, "tp")), 4)
     hsdp = ParallelDims(pp=1, dp_replicate=2, tp=2).build_mesh("cpu")   # ("pp", "dp_replicate", "dp_shard", "tp")
     leg("E", PipelineRank(plan[1], model_fn, llama_loss, mesh=hsdp, timeout_s=120), 0)
+    # F: bf16-mixed on pp=2 x dp_shard=2 (FSDP2's MixedPrecisionPolicy) saves; G: plain pp=4 in float32 resumes it
+    leg("F", PipelineRank(mixed, model_fn, _float_loss, mesh=ParallelDims(pp=2, dp_shard=2).build_mesh("cpu"),
+                          timeout_s=120), 0, save="mixed")
+    leg("G", PipelineRank(plan[4], model_fn, _float_loss, timeout_s=120), 2, load="mixed")
     return out
 
 
-@pytest.mark.slow   # 67 s on the shared 2-core machine: one run_ranks group of 4 processes, five legs
+def _float_loss(out, labels: torch.Tensor) -> torch.Tensor:
+    """Llama's loss on its logits in float32 (bf16-mixed's are bfloat16), as Hugging Face's own loss computes it."""
+    from test_mesh_fsdp import _loss as llama_loss
+    return llama_loss({"logits": (out.logits if hasattr(out, "logits") else out["logits"]).float()}, labels)
+
+
+def _mixed_reference() -> list[float]:
+    """One process, the whole Llama, AdamW: steps 0-1 under bf16-mixed's policy (every float32 parameter read as
+    its bfloat16 copy), steps 2-3 in float32; each step's float32 loss."""
+    from hf_models import build
+    from test_mesh_fsdp import _optimizer
+    model = build("llama")
+    opt = _optimizer(model.parameters())
+    losses = []
+    for step, b in enumerate(_llama_batches()[:4]):
+        params = {n: p.to(torch.bfloat16) if step < 2 else p for n, p in model.named_parameters()}
+        loss = _float_loss(torch.func.functional_call(model, params, (b["input_ids"],)), b["labels"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.slow   # 97-134 s on the shared 2-core machine: one run_ranks group of 4 processes, seven legs
 def test_a_checkpoint_moves_between_fsdp2_tensor_parallel_and_plain_llama_ranks(tmp_path):
     pytest.importorskip("transformers")
     from equivalence import max_relative_error
@@ -239,7 +271,10 @@ def test_a_checkpoint_moves_between_fsdp2_tensor_parallel_and_plain_llama_ranks(
     ids = padded_batch("llama")["input_ids"]
     plans = {n: json.dumps(fxpipe.compile(build("llama"), ["cpu"] * n, (ids,), chunks=2, stages=n, profile=EST)
                            .plan.to_dict()) for n in (1, 2, 4)}
-    results = run_ranks(4, _llama_legs, plans, str(tmp_path), deadline_s=DEADLINE)
+    mixed = fxpipe.compile(build("llama"), ["cpu"] * 2, (ids,), chunks=2, stages=2, profile=EST,
+                           options=fxpipe.CompileOptions(precision="bf16-mixed")).plan
+    assert mixed.layout.precision == "bf16-mixed"
+    results = run_ranks(4, _llama_legs, plans, str(tmp_path), json.dumps(mixed.to_dict()), deadline_s=DEADLINE)
     errors = [r["trace"] for r in results if "ok" not in r]
     assert not errors, errors[0]
     got = [r["ok"] for r in results]
@@ -271,3 +306,19 @@ def test_a_checkpoint_moves_between_fsdp2_tensor_parallel_and_plain_llama_ranks(
     # E: HSDP over tensor parallelism, pp=1 x dp_replicate=2 x dp_shard=1 x tp=2: each rank holds the whole model
     check("E", want_losses[0:2], want_params[0], [(0,), (1,), (2,), (3,)])
     assert all(g["E"]["sharded"] == sorted(g["E"]["params"]) and len(g["E"]["losses"]) == 2 for g in got)
+    # F, G: bf16-mixed's checkpoint holds float32 parameters and AdamW moments, and resumes in float32 on pp=4
+    import torch.distributed.checkpoint as dcp
+    stored = dcp.FileSystemReader(str(tmp_path / "mixed")).read_metadata().state_dict_metadata
+    kept = [f"model.{n}" for n in want_params[0]] + [f"optim.{n}.{k}" for n in want_params[0] for k in MOMENTS]
+    assert {str(stored[k].properties.dtype) for k in kept} == {"torch.float32"}
+    assert all(g["F"]["sharded"] == sorted(g["F"]["params"]) and g["F"]["moments"] == 2 * len(g["F"]["sharded"])
+               for g in got)
+    # the float32 losses of one process under the policy, then resumed in float32: F's seen equal on step 0, 2.6e-5
+    # relative on step 1 (bfloat16's gradients of micro-batches against the whole batch's); G's 4e-6 and 5e-6, where
+    # resuming with fresh AdamW moments is 2.9e-4 off on step 3 (moments or parameters saved in bfloat16: the dtypes)
+    mixed_losses = _mixed_reference()
+    for leg, span, rel in (("F", slice(0, 2), 1e-4), ("G", slice(2, 4), 5e-5)):
+        assert any(g[leg]["losses"] for g in got), leg
+        for g in got:
+            if g[leg]["losses"]:
+                assert g[leg]["losses"] == pytest.approx(mixed_losses[span], rel=rel), (leg, g[leg]["losses"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 
 import pytest
 import torch
@@ -203,3 +204,29 @@ def test_a_tied_weight_read_in_two_stages_is_cast_in_each():
     weight = model.get_input_embeddings().weight
     assert weight.grad.dtype == torch.float32
     assert _relative(weight.grad, twin.get_input_embeddings().weight.grad) < 3e-2
+
+
+def test_a_default_bf16_mixed_whose_capture_fails_warns_and_the_plan_says_so(tmp_path):
+    """torch.fx with leaf modules holding float32 parameters cannot be read through compute copies: the H100's
+    default bf16-mixed gives way to the model's float32 with a warning naming the cause and the fix, and the plan's
+    summary says it (saved and loaded too); asked for, bf16-mixed refuses the same model."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(8, 8)
+    fx_leaves = dict(frontend="fx", leaf_modules=[torch.nn.Linear])
+    with pytest.warns(UserWarning, match=r"planned at precision fp32, not the default bf16-mixed, whose capture "
+                                         r"failed \(precision='bf16-mixed' reads .* module\(s\) whole .*\); pass "
+                                         r"CompileOptions\(precision=\.\.\.\) \(fxpipe plan --precision\)"):
+        plan = fxpipe.plan(model, fxpipe.Devices.preset("h100", 2), (x,), options=fxpipe.CompileOptions(**fx_leaves))
+    assert plan.layout.precision == "fp32"
+    path = tmp_path / "p.json"
+    plan.save(path)
+    line = [s for s in fxpipe.load_plan(path).summary().splitlines() if s.startswith("precision:")]
+    assert line and "not the default bf16-mixed" in line[0] and "module(s) whole" in line[0], line
+    with pytest.raises(ValueError, match=r"module\(s\) whole that hold float32 parameters"):
+        fxpipe.plan(model, fxpipe.Devices.preset("h100", 2), (x,), options=fxpipe.CompileOptions(precision="bf16-mixed",
+                                                                                                 **fx_leaves))
+    with warnings.catch_warnings():   # asked for, float32 plans without a word
+        warnings.simplefilter("error")
+        assert fxpipe.plan(model, fxpipe.Devices.preset("h100", 2), (x,), options=fxpipe.CompileOptions(
+            precision="fp32", **fx_leaves)).layout.precision == "fp32"

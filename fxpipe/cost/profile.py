@@ -47,6 +47,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fxpipe.cost.clock import Clock, clock_for
 from fxpipe.cost.fused_attention import ATTENTION, fused_attention
 from fxpipe.cost.graph_timing import TIMINGS, default_timing, time_graph
+from fxpipe.frontend.precision import is_compute_copy
 
 if TYPE_CHECKING:
     from fxpipe.cost.devices import DeviceSpec
@@ -166,6 +167,10 @@ class _Recorder(fx.Interpreter):
         self.current = n.name
         if n.op == "placeholder":   # the caller's micro-batch (a view of its batch): not an activation
             out = super().run_node(n)
+            self._seen |= {storage_key(t) for t in _tensors(out)}
+            return out
+        if is_compute_copy(n):   # bf16-mixed's copy of a parameter: held once a step (the optimizer state's
+            out = super().run_node(n)   # factor counts it), not a micro-batch's activation where a reader saves it
             self._seen |= {storage_key(t) for t in _tensors(out)}
             return out
         if not self.count_flops or n.op not in ("call_module", "call_function", "call_method"):

@@ -43,8 +43,9 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
-__all__ = ["COMPUTE_DTYPE", "PRECISION_OF_DTYPE", "compute_copy", "compute_input", "is_mixed", "mixed_precision", "precision_of",
-           "check_precision", "is_compute_copy", "read_attribute", "resolve_precision", "traced_as_computed", "with_precision"]
+__all__ = ["COMPUTE_DTYPE", "PRECISION_OF_DTYPE", "compute_copies", "compute_copy", "compute_input", "is_mixed",
+           "mixed_precision", "precision_of", "check_precision", "is_compute_copy", "read_attribute",
+           "resolve_precision", "traced_as_computed", "with_precision"]
 
 COMPUTE_DTYPE = torch.bfloat16
 _MASTER = torch.float32
@@ -84,6 +85,14 @@ def compute_copy(param: torch.Tensor) -> torch.Tensor:
             weakref.finalize(param, _COPIES.pop, id(param), None)
         _COPIES[id(param)] = (weakref.ref(param), key, copy)
     return copy
+
+
+def compute_copies(params: Any) -> list[torch.Tensor]:
+    """The bfloat16 copies :func:`compute_copy` holds of ``params`` (the latest of each, kept between steps until
+    the parameter's next read): what a rank keeps beside its float32 parameters under ``"bf16-mixed"``."""
+    with _LOCK:
+        held = [(p, _COPIES.get(id(p))) for p in params]
+    return [entry[2] for p, entry in held if entry is not None and entry[0]() is p]
 
 
 def compute_input(value: Any) -> Any:

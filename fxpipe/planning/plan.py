@@ -140,6 +140,8 @@ class Plan:
             out.append(compiled_line(self.compiled))
         if self.layout.precision in PRECISION_LINES:
             out.append(f"precision: {self.layout.precision} ({PRECISION_LINES[self.layout.precision]})")
+        elif self.frontend.get("precision_fallback"):   # fxpipe.analytic_model: the default could not be captured
+            out.append(f"precision: {self.frontend['precision_fallback']}")
         cuts = [boundary_name(a.modules[-1], b.modules[0])
                 for a, b in zip(self.stages, self.stages[1:]) if a.modules and b.modules]
         if cuts:
