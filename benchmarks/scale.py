@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                              "predicted against published tokens/s per GPU")
     parser.add_argument("--moe", action="store_true",
                         help="plan the mixture-of-experts shapes of benchmarks/scale_moe.py (Qwen3-30B-A3B on 8 and "
-                             "64 GPUs, DeepSeek-V3-like on 256) with mesh='auto' beside a published hand layout")
+                             "64 GPUs, Qwen3-235B-A22B on 256, DeepSeek-V3 on 256 and 512) with mesh='auto' beside "
+                             "a hand layout of a published kind")
     args = parser.parse_args(argv)
     if args.published:
         return published(args.optimizer)

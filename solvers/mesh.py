@@ -251,11 +251,12 @@ def stage_figures(problem: MeshProblem, mesh: Layout, samples: int, mode: str = 
                  for c, piece in zip(problem.cut_bytes, problem.pieces)]
     fwd, bwd, weight, params, acts, kept, rebuilt = [], [], [], [], [], [], [0.0]
     position = -1   # the block's position in the model
+    ep_speed = problem.ep_speed(mesh)
     for x, piece in enumerate(problem.pieces):
         position += piece.block
         d = t if piece.tp_sharded else 1   # a piece tensor parallelism leaves whole runs whole on every tp rank
         tp_s = piece.tp_collectives * allreduce_s(piece.tp_bytes * samples, t, links["tp"])
-        more_f, more_b = expert_extra_s(piece.experts, samples, mesh.ep, *problem.ep_speed(mesh), speed)
+        more_f, more_b = expert_extra_s(piece.experts, samples, mesh.ep, *ep_speed, speed)
         f = piece.fwd_s * samples / (d * speed) + piece.fixed_s + tp_s + more_f
         whole = piece.replicated_act_bytes if not sp and piece.tp_sharded else 0.0
         act = ((piece.act_bytes - whole) / d + whole) * samples

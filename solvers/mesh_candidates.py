@@ -20,7 +20,7 @@ from solvers.layout import Layout
 from solvers.mesh import MeshProblem, StageFigures, budget, mesh_shapes, stage_figures
 from solvers.schedules import ONE_STAGE, REGISTRY, check_schedule, get_schedule
 
-__all__ = ["Candidate", "Mode", "as_chosen", "candidates", "figures", "held_bytes", "micro_batch_counts", "modes",
+__all__ = ["Candidate", "Mode", "as_chosen", "candidates", "figures", "held_bytes", "held_terms", "micro_batch_counts", "modes",
            "no_candidate", "recompute_options", "stage_memory"]
 
 
@@ -135,13 +135,22 @@ def held_bytes(mode: Mode, held: tuple[tuple[int, int], ...], state, act, kept, 
     transient on top, as the node-level memory model charges it (:meth:`solvers.activation_memory.StageBytes.estimate`):
     an operation's output and its gradient (``work``) and, on the stage computing it, the loss's buffers
     (``loss``) or the rebuilt activations, whichever is larger. Works on numbers and on arrays of segments alike."""
-    forward, pending, extra = (act, 2 * act, 0.0) if mode == "never" else (inputs, 2 * act, act) \
-        if mode == "always" else (kept, 2 * kept, rebuilt)
+    forward, pending, extra = held_terms(mode, act, kept, inputs, rebuilt)
     most = None
     for f, w in held:
         now = f * forward + w * pending if w else f * forward
         most = now if most is None else np.maximum(most, now)
     return state + most + work + np.maximum(loss, extra)
+
+
+def held_terms(mode: Mode, act, kept, inputs, rebuilt):
+    """(bytes a micro-batch keeps from forward to backward, bytes one pending a split backward's weight pass keeps,
+    the rebuilt micro-batch's bytes) of a stage in ``mode``: :func:`held_bytes`'s terms."""
+    if mode == "never":
+        return act, 2 * act, 0.0
+    if mode == "always":
+        return inputs, 2 * act, act
+    return kept, 2 * kept, rebuilt
 
 
 def stage_memory(mode: Mode, fig: StageFigures, held: tuple[tuple[int, int], ...], a: int, i: int) -> float:

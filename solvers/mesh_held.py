@@ -16,6 +16,7 @@ def stage_inflight(schedule: str, stage: int, stages: int, micro_batches: int) -
     return inflight(get_schedule(schedule).memory_model, stage, stages, micro_batches)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def stage_held(schedule: str, stage: int, stages: int, micro_batches: int) -> tuple[tuple[int, int], ...]:
     """(micro-batches between their forward and backward, micro-batches between their backward and weight pass)
     that ``stage`` may hold at its peak: one pair, ``(stage_inflight, 0)``, without a split backward; under one,

@@ -40,17 +40,15 @@ import math
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from solvers.errors import InfeasibleError
 from solvers.layout import Layout
-from solvers.mesh import MeshProblem, StageFigures, budget, dp_sync_s, gathered_first, mesh_shapes, owner, \
-    reduced_after_s, regather_s, state_bytes, \
+from solvers.mesh import MeshProblem, StageFigures, budget, dp_sync_s, mesh_shapes, owner, state_bytes, \
     stage_held
-from solvers.mesh_candidates import (Candidate, Mode, as_chosen, candidates, figures, held_bytes, no_candidate,
+from solvers.mesh_candidates import (Candidate, Mode, as_chosen, candidates, figures, no_candidate,
                                      recompute_options, stage_memory)
-from solvers.schedules import KINDS, ONE_STAGE, get_schedule, stages_per_worker
-from solvers.simulate import simulate
+from solvers.schedules import get_schedule, stages_per_worker
+from solvers.mesh_cuts import broadcast_s as _broadcast_s, min_max_cuts
+from solvers.mesh_simulate import least_simulated_s, simulate_choice
 
 SIMULATE_MOST = 6
 """Shapes simulated at most (the fastest by the closed form first): a simulation of 64 micro-batches over 16
@@ -60,7 +58,7 @@ SIMULATE_MARGIN = 0.05
 closed form and the simulation differ by the transfers' overlap and uneven stages, a few per cent on the
 Llama shapes of ``benchmarks/scale.py``."""
 
-__all__ = ["Candidate", "MeshChoice", "MeshSearch", "choice_layout", "candidates", "evaluate_cuts", "least_step_s", "min_max_cuts",
+__all__ = ["Candidate", "MeshChoice", "MeshSearch", "choice_layout", "candidates", "evaluate_cuts", "least_simulated_s", "least_step_s", "min_max_cuts",
            "recompute_options", "search_mesh", "simulate_choice"]
 
 
@@ -168,104 +166,14 @@ def evaluate_cuts(problem: MeshProblem, cand: Candidate, cuts: list[int],
                       stage_modes=[figs[x][0] for x in chosen])
 
 
-def min_max_cuts(figs: list[tuple[Mode, StageFigures]], k: int, room: float,
-                 held: list[tuple[tuple[int, int], ...]]) -> list[int] | None:
-    """Cuts of the pieces into ``k`` contiguous stages minimising the largest stage time, every stage ``j`` within
-    ``room`` bytes holding ``held[j]`` micro-batches (:func:`solvers.mesh.stage_held`) in the fastest of the modes
-    ``figs`` that fits; ``None`` when no cuts fit. Exact (dynamic program)."""
-    L = len(figs[0][1].fwd_s)
-    if k > L:
-        return None
-    zero = np.zeros(1)
-    a_idx, i_idx = np.arange(L + 1)[:, None], np.arange(L + 1)[None, :]
-    valid = a_idx < i_idx
-    seg_t, seg_s, seg_a, seg_k, inb, rebuilt = [], [], [], [], [], []
-    for _, fig in figs:
-        T = np.concatenate([zero, np.cumsum(np.add(fig.fwd_s, fig.bwd_s))])
-        S = np.concatenate([zero, np.cumsum(fig.state_bytes)])
-        A = np.concatenate([zero, np.cumsum(fig.act_bytes)])
-        K = np.concatenate([zero, np.cumsum(fig.kept_bytes)])
-        cut = np.concatenate([zero, np.asarray(fig.cut_s, dtype=float), zero])  # at position a: a cut before a
-        sent = np.array([_broadcast_s(fig, a, k) for a in range(L + 1)])[:, None]
-        seg_t.append(np.where(valid, T[None, :] - T[:, None] + 2 * (cut[:, None] + cut[None, :]) + sent, np.inf))
-        seg_s.append(S[None, :] - S[:, None])
-        seg_a.append(A[None, :] - A[:, None])
-        seg_k.append(K[None, :] - K[:, None])
-        inb.append(np.concatenate([zero, np.asarray(fig.cut_bytes, dtype=float), zero])[:, None])
-        rebuilt.append(fig.rebuilt_bytes)
-    best = np.full(L + 1, np.inf)
-    best[0] = 0.0
-    choice = []
-    limit = room * (1 + 1e-12)
-    costs: dict[tuple[tuple[int, int], ...], np.ndarray] = {}   # by what a stage holds: stages share them
-    for j in range(k):
-        cost = costs.get(held[j])
-        if cost is None:
-            cost = np.full((L + 1, L + 1), np.inf)
-            for x, (mode, _) in enumerate(figs):
-                mem = held_bytes(mode, held[j], seg_s[x], seg_a[x], seg_k[x], inb[x], rebuilt[x], figs[x][1].work_bytes,
-                                 np.where(i_idx == L, figs[x][1].loss_bytes, 0.0))
-                cost = np.minimum(cost, np.where(mem <= limit, seg_t[x], np.inf))   # seg_t: inf where not valid
-            costs[held[j]] = cost
-        total = np.maximum(best[:, None], cost)
-        arg = np.argmin(total, axis=0)
-        best = total[arg, np.arange(L + 1)]
-        choice.append(arg)
-    if not math.isfinite(best[L]):
-        return None
-    cuts, i = [L], L
-    for j in reversed(range(k)):
-        i = int(choice[j][i])
-        cuts.append(i)
-    return cuts[::-1]
-
-
-def _broadcast_s(fig: StageFigures, a: int, k: int) -> float:
-    """A stage's share of the first piece's sends to every later stage (``MeshProblem.broadcast_bytes``): the
-    first stage sends to the ``k - 1`` others, each other receives once; forward and gradient."""
-    return 2 * fig.broadcast_s * ((k - 1) if a == 0 else 1) if k > 1 else 0.0
-
-
 def solve_candidate(problem: MeshProblem, cand: Candidate,
-                    figs: list[tuple[Mode, StageFigures]]) -> MeshChoice | None:
-    """The screening model's best cuts of ``cand`` and their step; ``None`` when nothing fits."""
+                    figs: list[tuple[Mode, StageFigures]], memo: dict | None = None) -> MeshChoice | None:
+    """The screening model's best cuts of ``cand`` and their step; ``None`` when nothing fits (``memo``: as
+    :func:`min_max_cuts`)."""
     k, room = budget(problem, cand.schedule, cand.mesh.pp)
     held = [stage_held(cand.schedule, j, k, cand.micro_batches) for j in range(k)]
-    cuts = min_max_cuts(figs, k, room, held)
+    cuts = min_max_cuts(figs, k, room, held, memo)
     return None if cuts is None else evaluate_cuts(problem, cand, cuts, figs)
-
-
-def simulate_choice(problem: MeshProblem, choice: MeshChoice) -> MeshChoice:
-    """``choice`` with its step simulated (module docstring)."""
-    cand, cuts = choice.candidate, choice.cuts
-    figs = figures(problem, cand, choice.samples)
-    fig = as_chosen(figs, cuts, [[m for m, _ in figs].index(mode) for mode in choice.stage_modes])
-    p, k = cand.mesh.pp, len(cuts) - 1
-    fwd = [sum(fig.fwd_s[a:i]) for a, i in zip(cuts, cuts[1:])]
-    bwd = [sum(fig.bwd_s[a:i]) for a, i in zip(cuts, cuts[1:])]
-    share = [min(1.0, sum(fig.weight_s[a:i]) / b) if b > 0 else 0.0 for a, i, b in zip(cuts, cuts[1:], bwd)]
-    sends = {(j, j + 1): fig.cut_s[cuts[j + 1] - 1] + (fig.broadcast_s if j == 0 else 0.0) for j in range(k - 1)}
-    sends.update({(0, j): fig.broadcast_s for j in range(2, k) if fig.broadcast_s})
-    params = [sum(fig.param_bytes[a:i]) for a, i in zip(cuts, cuts[1:])]
-    schedule = cand.schedule if p > 1 else ONE_STAGE
-    split = get_schedule(schedule).split_backward
-    after = [reduced_after_s(problem, cand.mesh, fig.param_bytes, a, i, bwd[j], split)
-             for j, (a, i) in enumerate(zip(cuts, cuts[1:]))]
-    first = sum(b for j, b in enumerate(params) if owner(cand.schedule, j, p) == 0)
-    before = dp_sync_s(problem, cand.mesh, first, gathered_first(problem, fig.param_bytes, cuts[0], cuts[1]))[0]
-    if p == 1:   # FSDP alone: the blocks resharded after each pass, gathered again for every micro-batch's passes
-        blocks = sum(b for b, piece in zip(fig.param_bytes, problem.pieces) if piece.block)
-        before += cand.micro_batches * (regather_s(problem, cand.mesh, blocks, fwd[0])
-                                        + regather_s(problem, cand.mesh, blocks, bwd[0]))
-    sim = simulate(fwd, bwd, cand.micro_batches, schedule, sends=sends, allreduce_s=after, workers=p,
-                   weight_share=share if split else 0.5)
-    work = [sum(fwd[j] + bwd[j] for j in range(k) if owner(schedule, j, p) == w) * cand.micro_batches
-            for w in range(p)]
-    pipe = sim.iteration_s
-    compute_end = max((e.end for e in sim.timeline if e.kind in KINDS), default=0.0)
-    bubble = 1.0 - sum(work) / (p * compute_end) if compute_end > 0 else 0.0
-    return dataclasses.replace(choice, iteration_s=pipe + before, sync_s=(before, max(after) if after else 0.0),
-                               pipeline_s=compute_end, bubble=bubble, simulated=True)
 
 
 def search_mesh(problem: MeshProblem) -> MeshSearch:
@@ -284,6 +192,7 @@ def search_mesh(problem: MeshProblem) -> MeshSearch:
     tried = 0
     for mesh, cands in by_mesh.items():
         options = recompute_options()
+        memo: dict = {}   # min_max_cuts' segments and costs, for this shape's candidates
         # every device of the pipeline holds its stages' parameters, gradients and optimizer state: on average
         # their sum / pp, and the fullest at least that
         if sum(state_bytes(problem, mesh, 1)) / mesh.pp > problem.memory_bytes:
@@ -307,7 +216,7 @@ def search_mesh(problem: MeshProblem) -> MeshSearch:
             if best is not None and bound >= best.screened_s:
                 break
             tried += 1
-            found = solve_candidate(problem, c, figs)
+            found = solve_candidate(problem, c, figs, memo)
             if found is not None and (best is None or _rank(found) < _rank(best)):
                 best = found
         if best is not None:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
+import fxpipe.cli.hf
 from fxpipe.__main__ import main
 from fxpipe.cost.devices import PRESETS
 from fxpipe.cost.optimizer_state import optimizer_state_factor, training_dtype
@@ -173,6 +174,22 @@ def test_the_cli_plans_a_language_model_from_its_config(tmp_path, capsys):
     assert "GPT2LMHeadModel" in out and "params (fp32)" in out and "precision: bf16-mixed" in out
     plan = fxpipe.load_plan(path)   # a float32 model (from_config's) launches it
     assert plan.layout.precision == "bf16-mixed" and plan.profile["dtype"] == "float32"
+
+
+def test_config_takes_a_key_the_model_reads_with_a_default(tmp_path, capsys):
+    """``head_dim``: Qwen3-MoE's default config has no such attribute (the attention reads
+    ``getattr(config, "head_dim", hidden_size // heads)``), yet Qwen3-30B-A3B's is 128 beside hidden 2048 / 32 heads."""
+    config = ("num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,num_key_value_heads=2,"
+              "num_experts=4,num_experts_per_tok=2,moe_intermediate_size=32,vocab_size=256,head_dim=32")
+    path = tmp_path / "moe.plan.json"
+    code, out, err = fxpipe_cli(capsys, "plan", "hf:qwen3_moe", "--config", config, "--seq-len", "16", "--batch", "4",
+                                "--devices", "h100x1", "-q", "-o", str(path))
+    assert code == 0, err
+    made = transformers.AutoConfig.for_model("qwen3_moe", **fxpipe.cli.hf.parse_config(config))
+    params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(made).parameters())
+    assert made.head_dim == 32 and sum(s.param_bytes for s in fxpipe.load_plan(path).stages) == 4 * params
+    code, out, err = fxpipe_cli(capsys, "plan", "hf:qwen3_moe", "--config", "head_dims=32", "--devices", "h100x1")
+    assert code == 2 and "did you mean head_dim" in err, err
 
 
 @pytest.mark.parametrize("args, words", [

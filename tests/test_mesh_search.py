@@ -13,7 +13,7 @@ from solvers.brute import brute_force_mesh
 from solvers.activation_memory import StageBytes, worker_peak_bytes
 from solvers.layout import Layout
 from solvers.mesh import Level, MeshProblem, Piece, mesh_shapes, stage_figures, stage_held
-from solvers.mesh_search import search_mesh
+from solvers.mesh_search import least_simulated_s, search_mesh, simulate_choice
 from solvers.schedules import get_schedule, worker_orders
 
 
@@ -54,6 +54,22 @@ def test_search_matches_brute_force_on_every_shape(seed: int) -> None:
     assert found.best.iteration_s == min(c.iteration_s for c in found.shapes)
     assert set(found.infeasible).isdisjoint(mine)
     assert set(found.infeasible) | set(mine) == set(mesh_shapes(problem))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_simulation_s_bound_is_at_most_the_simulated_step(seed: int) -> None:
+    """least_simulated_s, which leaves shapes unsimulated that cannot beat a step in hand, is a lower bound on every
+    shape's simulated step: every schedule, uneven stages, transfers and data parallel's sync."""
+    rng = random.Random(seed)
+    levels = [Level(2, 100e9, 2e-6, "NV4"), Level(2, 10e9, 5e-6, "NET")]
+    problem = chain(rng, rng.choice([6, 9]), levels, memory=rng.choice([90, 300]) * 2**20, batch=8,
+                    act=rng.choice([1, 8]), blocks=seed % 3 == 0)
+    try:
+        shapes = search_mesh(problem).shapes
+    except InfeasibleError:
+        return
+    for c in shapes:
+        assert least_simulated_s(problem, c) <= simulate_choice(problem, c).iteration_s * (1 + 1e-12), c.mesh
 
 
 def test_recomputation_and_memory_bounds() -> None:

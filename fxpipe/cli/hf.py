@@ -5,12 +5,16 @@
 with random weights (none on ``meta``); its example input is ``--batch`` sequences of ``--seq-len`` token ids.
 ``--config`` keys must be the config's own (``n_layer`` and its alias ``num_hidden_layers`` both work for
 GPT-2): ``for_model`` would keep a misspelt key as a new attribute the model never reads, so a key the config
-does not have is refused, naming the nearest ones.
+does not have is refused, naming the nearest ones. A key the model's own code reads with a default where the
+config leaves it unset (``getattr(config, "head_dim", hidden_size // heads)``: Qwen3-MoE's, Llama's) is a setting
+too, though the default config has no such attribute.
 """
 
 from __future__ import annotations
 
 import difflib
+import inspect
+import re
 from typing import Any
 
 import torch
@@ -69,8 +73,9 @@ def build_hf(kind: str, overrides: dict[str, Any], dtype: torch.dtype | None = N
         raise ValueError(f"hf:{kind}: {kind!r} has no causal language model in transformers (AutoModelForCausalLM)"
                          f"{_close(kind, list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))}; hf:TYPE builds those only")
     default = AutoConfig.for_model(kind)
-    known = sorted(set(default.to_dict()) | set(getattr(default, "attribute_map", {})))
-    unknown = [k for k in overrides if not hasattr(default, k)]
+    read = _read_with_default(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])
+    known = sorted(set(default.to_dict()) | set(getattr(default, "attribute_map", {})) | read)
+    unknown = [k for k in overrides if not hasattr(default, k) and k not in read]
     if unknown:
         key = unknown[0]
         raise ValueError(f"--config {key}: the {type(default).__name__} of hf:{kind} has no setting {key!r}"
@@ -80,6 +85,17 @@ def build_hf(kind: str, overrides: dict[str, Any], dtype: torch.dtype | None = N
         return AutoModelForCausalLM.from_config(config, **({"dtype": dtype} if dtype is not None else {}))
     except (ValueError, TypeError, AssertionError) as exc:
         raise ValueError(f"hf:{kind} cannot be built with --config {overrides}: {str(exc).splitlines()[0]}") from exc
+
+
+def _read_with_default(class_name: str) -> set[str]:
+    """The config keys the modeling module of ``class_name`` reads as ``getattr(config, "KEY", ...)``: settings the
+    model takes though its default config has no such attribute (``head_dim``)."""
+    import transformers
+    try:
+        source = inspect.getsource(inspect.getmodule(getattr(transformers, class_name)))
+    except (AttributeError, OSError, TypeError):
+        return set()
+    return set(re.findall(r"getattr\(\s*(?:self\.)?config\s*,\s*[\"'](\w+)[\"']", source))
 
 
 def token_inputs(model: nn.Module, batch: int, seq_len: int, device: str | torch.device) -> tuple[torch.Tensor]:
