@@ -126,7 +126,8 @@ def _other_mode(model: nn.Module, name: str, leaves: list[Any], concrete_args: A
                 inputs: tuple[tuple, dict[str, Any]] | None = None) -> tuple[bool, fx.GraphModule | None]:
     """Whether ``model`` traced by front end ``name`` in the mode it was not traced in (``training``), as
     :func:`capture` traced it (the precision's input casts, the generation cache off), gives another graph than
-    the one whose mode-blind fingerprint is ``alike``, and that graph (rewritten for ``precision``), or
+    the one whose mode-blind fingerprint is ``alike``, and that graph (rewritten for ``precision`` where it is
+    traced on ``inputs``, to be kept), or
     ``(True, None)`` where it does not trace: on ``inputs`` (the example inputs) where given, else a copy of it on
     ``meta`` (whatever devices its parameters are on by then) on the example inputs' ``meta`` copies."""
     try:
@@ -135,8 +136,8 @@ def _other_mode(model: nn.Module, name: str, leaves: list[Any], concrete_args: A
     except TraceError:
         return True, None   # the other mode does not trace: this mode's graph only
     differs = graph_fingerprint(other, _tag(other, name), modes_alike=True) != alike
-    if is_mixed(precision):
-        mixed_precision(other, name != "export")   # as with_precision rewrites the graph captured
+    if is_mixed(precision) and inputs is not None:   # kept as the eval graph: rewritten as with_precision does
+        mixed_precision(other, name != "export")
     return differs, other
 
 
@@ -225,8 +226,7 @@ def hidden_layer_stacks(gm: fx.GraphModule, leaf_modules: list[Any]) -> list[str
 
 def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = None, frontend: str = "auto",
             args: tuple | None = None, kwargs: dict[str, Any] | None = None, batch_dim: Any = 0, *,
-            other_mode: bool = True, mode_dependent: bool | None = None, precision: str | None = None,
-            lazy: bool = True) -> Captured:
+            other_mode: bool = True, mode_dependent: bool | None = None, precision: str | None = None) -> Captured:
     """:func:`capture_as_built` at ``precision`` (:mod:`fxpipe.frontend.precision`): under ``"bf16-mixed"`` the
     model is traced as it computes and its graph rewritten to read every float32 parameter through its bfloat16
     copy, the ``"auto"`` front end being torch.export (whose flat graph reads every parameter); any other
@@ -237,7 +237,7 @@ def capture(model: Any, leaf_modules: Iterable[Any] = (), concrete_args: Any = N
         captured = capture_as_built(model, leaf_modules, concrete_args, "export" if forced else frontend, args, kwargs,
                                     batch_dim, other_mode=other_mode, mode_dependent=mode_dependent,
                                     precision=precision)
-    if captured.mode_dependent is None and (captured.frontend.get("name") == "fx" or not lazy):
+    if captured.mode_dependent is None and captured.frontend.get("name") == "fx":
         captured.depends_on_mode((args or (), dict(kwargs or {})))   # an fx trace is cheap: found out now
     if forced:   # the reason is the precision's, not an asked front end
         captured.frontend["reason"] = captured.frontend["reason"].replace(
@@ -295,7 +295,6 @@ def capture_as_built(model: Any, leaf_modules: Iterable[Any] = (), concrete_args
             reason += "; " + gm.meta[PREDICTED]
         if cache_off:
             reason += "; " + CACHE_OFF_REASON
-        tag = name
         if name == "export" and leaves:
             # torch.export's graph holds every operation: a leaf is kept whole by keeping its operations in one
             # stage (the planner's groups), as fx keeps it whole by not tracing into it
@@ -305,7 +304,7 @@ def capture_as_built(model: Any, leaf_modules: Iterable[Any] = (), concrete_args
             if missed:
                 warnings.warn(f"leaf_modules {missed!r} match no module the forward calls: nothing to keep whole",
                               UserWarning, stacklevel=3)
-            tag = f"{name}+keep:{sorted(groups)}"    # the same graph planned under other constraints
+        tag = _tag(gm, name)   # with the groups kept whole: the same graph planned under other constraints
         fingerprint = graph_fingerprint(gm, tag)
         planned: dict[str, Any] = {"name": name, "reason": reason}
         if args is not None:   # what a rank needs to capture the model again the same way (capture_as_planned)
