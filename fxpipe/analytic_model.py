@@ -20,7 +20,7 @@ from fxpipe.cost.devices import ACHIEVABLE, PRESETS, Devices, DeviceSpec
 from fxpipe.cost.optimizer_state import optimizer_state_factor, training_dtype
 from fxpipe.cost.profile import NodeCost, profile_graph
 from fxpipe.distributed.parallel.tp_plans import tp_refusal
-from fxpipe.frontend.capture import Captured, capture
+from fxpipe.frontend.capture import Captured, capture, first_line
 from fxpipe.frontend.precision import COMPUTE_DTYPE, is_mixed, resolve_precision
 from fxpipe.options import CompileOptions
 from fxpipe.planning.plan import Plan
@@ -134,8 +134,7 @@ def _captured(model: nn.Module, options: CompileOptions, spec: DeviceSpec, examp
         return at(precision)
     except (ValueError, TraceError) as failure:   # the default only: the model's own dtype instead, said so
         own = resolve_precision(None, dtype)
-        cause = next((line for line in str(failure).splitlines() if line.strip()), type(failure).__name__)
-        note = (f"{own}, not the default bf16-mixed, whose capture failed ({cause}); pass "
+        note = (f"{own}, not the default bf16-mixed, whose capture failed ({first_line(failure)}); pass "
                 f"CompileOptions(precision=...) (fxpipe plan --precision) to choose")
         chosen, captured = at(own)   # a model that fails at its own precision too says so, without the warning
         warnings.warn(f"fxpipe.plan: planned at precision {note}", stacklevel=2)

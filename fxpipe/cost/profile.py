@@ -165,12 +165,10 @@ class _Recorder(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         self.current = n.name
-        if n.op == "placeholder":   # the caller's micro-batch (a view of its batch): not an activation
+        # the caller's micro-batch (a view of its batch), and bf16-mixed's copy of a parameter (held once a step:
+        # the optimizer state's factor counts it): not a micro-batch's activation where a reader saves them
+        if n.op == "placeholder" or is_compute_copy(n):
             out = super().run_node(n)
-            self._seen |= {storage_key(t) for t in _tensors(out)}
-            return out
-        if is_compute_copy(n):   # bf16-mixed's copy of a parameter: held once a step (the optimizer state's
-            out = super().run_node(n)   # factor counts it), not a micro-batch's activation where a reader saves it
             self._seen |= {storage_key(t) for t in _tensors(out)}
             return out
         if not self.count_flops or n.op not in ("call_module", "call_function", "call_method"):

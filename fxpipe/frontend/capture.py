@@ -37,7 +37,8 @@ from fxpipe.frontend.precision import is_mixed, mixed_precision, traced_as_compu
 from fxpipe.frontend.trace import has_submodule, trace
 from fxpipe.options import FRONTENDS
 
-__all__ = ["Captured", "capture", "capture_as_built", "capture_as_planned", "hidden_layer_stacks", "FRONTENDS"]
+__all__ = ["Captured", "capture", "capture_as_built", "capture_as_planned", "first_line", "hidden_layer_stacks",
+           "FRONTENDS"]
 
 
 @dataclass
@@ -94,7 +95,8 @@ class Captured:
                 f"(fxpipe plan --dtype {floats[0]}, or a {floats[0]} model for fxpipe.plan)")
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """An exception's first non-blank line (its type's name where it has none): the cause, in one line."""
     return next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
 
 
@@ -193,7 +195,7 @@ def _choose(model: nn.Module, frontend: str, leaf_modules: list[Any], concrete_a
             also = str(export_failure).replace("\n", "\n    ")
             raise TraceError(f"{fx_failure}\n  torch.export (frontend='export') fails as well: {also}",
                              module=fx_failure.module, operation=fx_failure.operation) from fx_failure
-        return gm, "export", f"torch.fx cannot trace it: {_first_line(fx_failure)}"
+        return gm, "export", f"torch.fx cannot trace it: {first_line(fx_failure)}"
     stacks = hidden_layer_stacks(gm, leaf_modules)
     if stacks:   # the planner could cut between those layers only in export's graph
         try:
